@@ -1,0 +1,144 @@
+"""TraceML: why is my PyTorch training slow?
+
+Public API (everything else is internal)::
+
+    import traceml
+
+    traceml.init()                      # once per rank, after torch.distributed is set up
+    for batch in loader:
+        with traceml.trace_step(model):  # one optimizer step
+            ...
+    traceml.summary()                   # rank 0: the verdict as a flat dict (after finalize)
+
+Run the script with ``traceml run train.py --nproc-per-node=N``; see ``docs/quickstart.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+__version__ = "0.1.0"
+__all__ = ["init", "trace_step", "phase", "shutdown", "__version__"]
+
+
+def init(aggregator: str | None = None, run_name: str | None = None) -> bool:
+    """Start telemetry for this rank. Safe to call more than once; never raises.
+
+    Reads the rank's identity from the variables torchrun exports (``RANK``, ``LOCAL_RANK``,
+    ``GROUP_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RESTART_COUNT``) and the
+    aggregator endpoint and run name from ``TRACEML_AGGREGATOR``/``TRACEML_RUN_NAME`` (exported
+    by ``traceml run``), unless given here.
+
+    Args:
+        aggregator: ``host:port`` of a ``traceml-aggregator``; overrides the environment.
+        run_name: the run's name; overrides the environment.
+
+    Returns:
+        True when telemetry is on; False (after one warning line) when no aggregator is
+        configured, ``TRACEML_DISABLE=1``, or the SDK could not start.
+    """
+    from traceml.sdk import session
+
+    try:
+        return session.start(aggregator, run_name) is not None
+    except Exception as exc:
+        session.fail_open("traceml.init()", exc)
+        return False
+
+
+class _StepContext:
+    """The context manager returned by :func:`trace_step` (reused: no allocation per step)."""
+
+    __slots__ = ("_session",)
+
+    def __init__(self, session) -> None:
+        self._session = session
+
+    def __enter__(self):
+        try:
+            self._session.tracer.begin()
+        except Exception as exc:
+            _fail(exc)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                self._session.tracer.end()
+            else:
+                self._session.tracer.abandon()
+        except Exception as error:
+            _fail(error)
+        return False
+
+
+def _fail(exc: BaseException) -> None:
+    from traceml.sdk import session
+
+    session.fail_open("trace_step", exc)
+
+
+_contexts: dict = {}
+_NULL = contextlib.nullcontext()
+
+
+def trace_step(model=None):
+    """Mark one optimizer step: ``with traceml.trace_step(model): ...``.
+
+    Measures the step time and, automatically, input wait, forward (the outermost call of
+    ``model``), backward, optimizer step and DataLoader ``__next__`` time on the CPU clock (ms in
+    the reports, µs on the wire). Without an active session it is a no-op context.
+
+    Args:
+        model: the ``torch.nn.Module`` the step runs (a DDP/FSDP wrapper is fine), or None
+            to time the step without a forward phase.
+    """
+    from traceml.sdk import session as session_mod
+
+    session = session_mod.current()
+    if session is None:
+        return _NULL
+    ctx = _contexts.get(id(session))
+    if ctx is None:
+        ctx = _contexts[id(session)] = _StepContext(session)
+    if model is not None and id(model) not in session.models_seen:
+        try:
+            from traceml.sdk import instrumentation
+
+            instrumentation.watch_model(model)
+            session.note_model(model)
+            session.models_seen.add(id(model))
+        except Exception as exc:
+            _fail(exc)
+    return ctx
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Time a block as phase ``name`` of the open step, for code the hooks cannot see.
+
+    Args:
+        name: one of ``"forward"``, ``"backward"``, ``"optimizer"``, ``"h2d"``.
+
+    Raises:
+        ValueError: ``name`` is not a known phase.
+    """
+    from traceml.sdk import instrumentation
+
+    if name not in instrumentation.PHASES:
+        raise ValueError(f"unknown phase {name!r}; expected one of {instrumentation.PHASES}")
+    start = time.perf_counter_ns()
+    try:
+        yield
+    finally:
+        instrumentation.add_phase(name, time.perf_counter_ns() - start)
+
+
+def shutdown() -> None:
+    """Flush telemetry and send this rank's finish marker now (also done at exit)."""
+    from traceml.sdk import session
+
+    s = session.current()
+    if s is not None:
+        s.close()

@@ -1,0 +1,114 @@
+"""The launcher's side of the aggregator: start it (node 0), wait for it, call it.
+
+Readiness is the standard gRPC health check (``grpc.health.v1.Health/Check`` == SERVING),
+never a bare TCP connect.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from traceml import wire
+from traceml.launcher.config import LaunchConfig
+from traceml.launcher.rundir import RunDir
+
+
+class AggregatorUnavailable(RuntimeError):
+    """The aggregator did not answer its health check within the allowed time."""
+
+
+def start(config: LaunchConfig, run_dir: RunDir) -> subprocess.Popen:
+    """Start ``traceml-aggregator`` for this run in its own process group (node 0 only).
+
+    Its stdout and stderr go to ``aggregator/process.stderr.log``.
+    """
+    argv = [
+        sys.executable,
+        "-m",
+        "traceml_aggregator",
+        "--run-dir",
+        str(run_dir.root),
+        "--run-name",
+        str(config.run_name),
+        "--port",
+        str(config.aggregator_port),
+        "--bind-host",
+        str(config.aggregator_bind_host),
+        "--world-size",
+        str(config.world_size),
+        "--finalize-timeout-sec",
+        str(config.finalize_timeout_sec),
+    ]
+    if config.html_report:
+        argv.append("--html-report")
+    log = open(run_dir.aggregator_stderr, "ab")
+    try:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
+    finally:
+        log.close()
+
+
+def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+    """Poll the health service at ``target`` until SERVING.
+
+    Raises:
+        AggregatorUnavailable: not SERVING within ``timeout_s``, or ``process`` exited.
+    """
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process is not None and process.poll() is not None:
+                raise AggregatorUnavailable(
+                    f"aggregator exited with code {process.returncode} before serving"
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() >= deadline:
+                raise AggregatorUnavailable(
+                    f"no TraceML aggregator serving at {target} after {timeout_s:g} s"
+                )
+            time.sleep(0.05)
+
+
+def report_node_exit(target: str, report, timeout_s: float = 10.0) -> None:
+    """Send this node's NodeExit. Raises grpc.RpcError on failure."""
+    with grpc.insecure_channel(target) as channel:
+        wire.AggregatorStub(channel).ReportNodeExit(report, timeout=timeout_s)
+
+
+def finalize(target: str, run_name: str, budget_s: float):
+    """Ask for the final summary; returns the FinalizeReply. Raises grpc.RpcError."""
+    with grpc.insecure_channel(target) as channel:
+        return wire.AggregatorStub(channel).Finalize(
+            wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s),
+            timeout=budget_s + 30.0,
+        )
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """SIGTERM the aggregator, SIGKILL it after ``timeout_s``; its exit code."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode

@@ -1,0 +1,122 @@
+"""The ``traceml`` command (typer): ``traceml run SCRIPT [ARGS]`` and friends.
+
+``traceml run`` flags may stand before or after the script; every other argument after the
+script goes to the script, in order. Put ``--`` before script arguments that look like
+``traceml run`` flags: everything after ``--`` reaches the script untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from traceml import settings
+
+app = typer.Typer(
+    name="traceml",
+    help="Find out why PyTorch training is slow.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _error(message: str) -> None:
+    print(f"traceml: error: {message}", file=sys.stderr, flush=True)
+
+
+@app.callback()
+def _root() -> None:
+    """Find out why PyTorch training is slow."""
+
+
+@app.command(
+    "run",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def run_command(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="training script, run once per rank by torchrun"),
+    nproc_per_node: int = typer.Option(1, help="ranks (workers) on this node"),
+    nnodes: int = typer.Option(1, help="number of nodes"),
+    node_rank: int = typer.Option(0, help="this node's rank, 0..nnodes-1"),
+    master_addr: str = typer.Option("127.0.0.1", help="address of node 0 (rendezvous)"),
+    master_port: Optional[int] = typer.Option(
+        None, help="rendezvous port on node 0 [default: 29500; a free port on one node]"
+    ),
+    run_name: Optional[str] = typer.Option(
+        None, help="run name; required with --nnodes > 1, the same on every node"
+    ),
+    session_id: Optional[str] = typer.Option(None, help="alias of --run-name"),
+    aggregator_host: Optional[str] = typer.Option(
+        None, help="address ranks use to reach the aggregator [default: --master-addr]"
+    ),
+    aggregator_port: int = typer.Option(29765, help="aggregator port on node 0"),
+    aggregator_bind_host: Optional[str] = typer.Option(
+        None, help="address node 0's aggregator listens on [default: 127.0.0.1; 0.0.0.0 with --nnodes > 1]"
+    ),
+    mode: str = typer.Option("summary", help="summary | cli | dashboard"),
+    logs_dir: Path = typer.Option(Path("logs"), help="parent of the run directory"),
+    html_report: bool = typer.Option(False, help="also write final_summary.html (node 0)"),
+    finalize_timeout_sec: Optional[float] = typer.Option(
+        None,
+        help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or 300]",
+    ),
+    max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
+) -> None:
+    """Run SCRIPT under torchrun with TraceML telemetry; exits with torchrun's exit code."""
+    from traceml.launcher.config import LaunchConfig, LaunchError
+    from traceml.launcher.run import Launch, preflight
+
+    if run_name and session_id and run_name != session_id:
+        _error(f"--run-name {run_name!r} and --session-id {session_id!r} differ; give one")
+        raise typer.Exit(2)
+    if finalize_timeout_sec is None:
+        finalize_timeout_sec = settings.env_float(settings.FINALIZE_TIMEOUT_SEC)
+    config = LaunchConfig(
+        script=script,
+        script_args=list(ctx.args),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        run_name=run_name or session_id,
+        aggregator_host=aggregator_host,
+        aggregator_port=aggregator_port,
+        aggregator_bind_host=aggregator_bind_host,
+        mode=mode,
+        logs_dir=logs_dir,
+        html_report=html_report,
+        finalize_timeout_sec=finalize_timeout_sec,
+        max_restarts=max_restarts,
+    )
+    try:
+        config.resolve()
+        preflight(config)
+    except LaunchError as exc:
+        _error(str(exc))
+        raise typer.Exit(2)
+    raise typer.Exit(Launch(config).run())
+
+
+def main() -> None:
+    """Console entry point: usage errors become one ``traceml: error:`` line, exit code 2."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        code = 130
+    except Exception as exc:
+        # typer's usage errors (click's, vendored or not) carry format_message and exit_code.
+        format_message = getattr(exc, "format_message", None)
+        if format_message is None:
+            raise
+        message = format_message().replace("\n", " ").strip()
+        if message:
+            _error(message)
+        code = getattr(exc, "exit_code", 2)
+    sys.exit(code or 0)

@@ -1,0 +1,147 @@
+"""Launch parameters of ``traceml run`` and their validation (before anything starts)."""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+#: A run name is one safe path segment: letters, digits, '.', '_' and '-', not '.' or '..'.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+MODES = ("summary", "cli", "dashboard")
+
+
+class LaunchError(ValueError):
+    """Bad input to ``traceml run``: reported as one line, exit code 2, nothing started."""
+
+
+def validate_run_name(name: str) -> str:
+    """An error message for an unsafe run name, or "" when ``name`` is fine."""
+    if not _RUN_NAME.match(name) or name in (".", ".."):
+        return (
+            f"run name {name!r} must be one path segment of letters, digits, '.', '_' or '-' "
+            "(at most 128 characters, not '.' or '..')"
+        )
+    return ""
+
+
+def generated_run_name() -> str:
+    """A fresh run name for single-node runs: ``run-YYYYmmdd-HHMMSS-xxxx``."""
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+@dataclass
+class LaunchConfig:
+    """Everything ``traceml run`` was asked to do (the flags, after defaults).
+
+    ``aggregator_host`` and ``aggregator_bind_host`` are None until :meth:`resolve` fills
+    their defaults (``master_addr``; 127.0.0.1 on one node, 0.0.0.0 on several).
+    """
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    #: None: 29500 on several nodes; on one node torchrun picks a free port.
+    master_port: int | None = None
+    run_name: str | None = None
+    aggregator_host: str | None = None
+    aggregator_port: int = 29765
+    aggregator_bind_host: str | None = None
+    mode: str = "summary"
+    logs_dir: Path = Path("logs")
+    html_report: bool = False
+    finalize_timeout_sec: float = 300.0
+    max_restarts: int = 0
+    torchrun_args: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: nnodes × nproc_per_node."""
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def owns_aggregator(self) -> bool:
+        """Node 0 starts and finalizes the aggregator."""
+        return self.node_rank == 0
+
+    @property
+    def run_dir(self) -> Path:
+        """``<logs-dir>/<run-name>``."""
+        return self.logs_dir / str(self.run_name)
+
+    @property
+    def aggregator_target(self) -> str:
+        """``host:port`` the ranks and launchers connect to."""
+        host = self.aggregator_host or self.master_addr
+        return f"[{host}]:{self.aggregator_port}" if ":" in host else f"{host}:{self.aggregator_port}"
+
+    @property
+    def launcher_target(self) -> str:
+        """``host:port`` this node's launcher calls: node 0 reaches its own aggregator locally
+        (it may not be reachable from itself through the public address), others the target."""
+        if not self.owns_aggregator:
+            return self.aggregator_target
+        bind = self.aggregator_bind_host or "127.0.0.1"
+        host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+        return f"[{host}]:{self.aggregator_port}" if ":" in host else f"{host}:{self.aggregator_port}"
+
+    def resolve(self) -> "LaunchConfig":
+        """Validate and fill the defaults that depend on other flags.
+
+        Raises:
+            LaunchError: one of the flags is invalid (the message names it).
+        """
+        script = Path(self.script)
+        if not script.is_file():
+            raise LaunchError(f"training script {self.script!r} not found")
+        for name, value in (("--nproc-per-node", self.nproc_per_node), ("--nnodes", self.nnodes)):
+            if value < 1:
+                raise LaunchError(f"{name} must be >= 1 (got {value})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(
+                f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}"
+            )
+        for name, port in (
+            ("--master-port", self.master_port),
+            ("--aggregator-port", self.aggregator_port),
+        ):
+            if port is not None and not 0 < port < 65536:
+                raise LaunchError(f"{name} {port} is not a TCP port (1-65535)")
+        if self.mode not in MODES:
+            raise LaunchError(f"--mode must be one of {', '.join(MODES)} (got {self.mode!r})")
+        if not (math.isfinite(self.finalize_timeout_sec) and self.finalize_timeout_sec > 0):
+            raise LaunchError(
+                f"--finalize-timeout-sec must be a finite number > 0 (got {self.finalize_timeout_sec})"
+            )
+        if self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+        if self.run_name is None:
+            if self.nnodes > 1:
+                raise LaunchError(
+                    "--run-name is required with --nnodes > 1 (the same name on every node)"
+                )
+            self.run_name = generated_run_name()
+        error = validate_run_name(self.run_name)
+        if error:
+            raise LaunchError(error)
+        if self.aggregator_bind_host is None:
+            self.aggregator_bind_host = "0.0.0.0" if self.nnodes > 1 else "127.0.0.1"
+        if self.aggregator_host is None:
+            self.aggregator_host = self.master_addr
+        if self.master_port is None and self.nnodes > 1:
+            self.master_port = 29500
+        return self
+
+    def to_manifest(self) -> dict:
+        """The launch parameters as JSON-ready values."""
+        data = asdict(self)
+        data["logs_dir"] = str(self.logs_dir)
+        data["world_size"] = self.world_size
+        return data

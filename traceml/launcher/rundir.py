@@ -1,0 +1,83 @@
+"""The run directory ``<logs-dir>/<run-name>/`` and the manifests written into it.
+
+Layout (each file has exactly one writer, so nodes sharing one directory never clobber each
+other)::
+
+    manifest.json                     node 0: the run (launch, status, times, artifacts,
+                                      aggregator health)
+    nodes/node_<r>/manifest.json      node r: its launch, status, torchrun and rank exit codes
+    nodes/node_<r>/training.stdout.log, training.stderr.log   node r's torchrun output
+    aggregator/process.stderr.log     node 0: the aggregator's own log
+    telemetry.sqlite                  node 0's aggregator: the telemetry store
+    final_summary.json/.txt/.html     node 0's aggregator: the reports
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+class RunDir:
+    """Paths of one run directory, seen from one node.
+
+    Args:
+        root: ``<logs-dir>/<run-name>``.
+        node_rank: the node this launcher runs on.
+    """
+
+    def __init__(self, root: Path, node_rank: int) -> None:
+        self.root = Path(root)
+        self.node_rank = node_rank
+        self.node_dir = self.root / "nodes" / f"node_{node_rank}"
+        self.training_stdout = self.node_dir / "training.stdout.log"
+        self.training_stderr = self.node_dir / "training.stderr.log"
+        self.node_manifest = self.node_dir / "manifest.json"
+        self.rank_ends = self.node_dir / "rank_ends.json"
+        self.run_manifest = self.root / "manifest.json"
+        self.aggregator_dir = self.root / "aggregator"
+        self.aggregator_stderr = self.aggregator_dir / "process.stderr.log"
+        self.database = self.root / "telemetry.sqlite"
+
+    def create(self, *, owner: bool) -> None:
+        """Create the directories this node writes into."""
+        self.node_dir.mkdir(parents=True, exist_ok=True)
+        if owner:
+            self.aggregator_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` as indented JSON through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Manifest:
+    """A manifest that is rewritten whole after every change (so it is always valid JSON).
+
+    Args:
+        path: where it lives.
+        initial: its first content.
+    """
+
+    def __init__(self, path: Path, initial: dict) -> None:
+        self.path = path
+        self.data = dict(initial)
+        self.data.setdefault("lifecycle", {})
+
+    def event(self, name: str, **fields) -> None:
+        """Record lifecycle event ``name`` at the current wall time (Unix s), plus fields."""
+        self.data["lifecycle"][name] = round(time.time(), 3)
+        self.update(**fields)
+
+    def update(self, **fields) -> None:
+        """Merge ``fields`` into the top level and rewrite the file (a failure only warns)."""
+        self.data.update(fields)
+        try:
+            write_json(self.path, self.data)
+        except OSError as exc:
+            print(f"traceml: cannot write {self.path}: {exc}", file=sys.stderr, flush=True)

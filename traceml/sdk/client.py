@@ -1,0 +1,369 @@
+"""The telemetry client: bounded buffer -> batches -> Push RPCs -> acknowledgements.
+
+One :class:`TelemetryClient` serves one sender (a rank's SDK, or a node's sampler). The
+training thread only calls :meth:`TelemetryClient.submit`, which appends to a bounded deque
+(no lock, no I/O, no allocation beyond the deque slot). A daemon thread wakes every
+``TRACEML_FLUSH_INTERVAL_SEC`` (or when ``TRACEML_BATCH_MAX_RECORDS`` records wait), turns
+buffered items into one :class:`~traceml.wire.Batch` with the next sequence number, and sends it
+with a unary ``Push``. The aggregator acknowledges the highest sequence number it has durably
+stored; unacknowledged batches are resent, in order, after a reconnect with exponential backoff.
+The aggregator ignores a sequence number it already stored, so a resend is never stored twice.
+
+What the client had to give up is counted, never silently lost: records refused because the
+buffer was full, and records of batches dropped because too many were waiting for an ack. The
+counts travel in the rank's :class:`~traceml.wire.RankFinish`.
+
+Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
+flight; measured with grpcio 1.85, streaming during fork() killed children and broke the parent's
+stream, and ``GRPC_ENABLE_FORK_SUPPORT=1`` hung the parent. So every RPC runs under one lock,
+and an ``os.register_at_fork`` hook takes that lock before fork() (waiting at most one RPC
+deadline for a call in flight) and releases it after, in the parent. A forked child marks every
+client dead and never touches gRPC: its copy of the sender thread does not exist, and
+:meth:`submit` becomes a no-op there.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from traceml import settings
+
+# Importing grpc is deferred to the sender thread's first RPC: it costs ~100 ms that the
+# training process should not pay at init().
+
+
+class PendingRecord(Protocol):
+    """A buffered item whose protobuf form may only be known later (CUDA events pending)."""
+
+    def ready(self) -> bool:
+        """True once :meth:`to_proto` can be called."""
+
+    def to_proto(self):
+        """The finished protobuf message."""
+
+
+#: Batch field for each kind of record a client can carry.
+STEPS = "steps"
+PROCESS_SAMPLES = "process_samples"
+SYSTEM_SAMPLES = "system_samples"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Tuning of one client; every field defaults from :mod:`traceml.settings`."""
+
+    flush_interval_s: float = field(
+        default_factory=lambda: settings.env_float(settings.FLUSH_INTERVAL_SEC)
+    )
+    batch_max_records: int = field(
+        default_factory=lambda: settings.env_int(settings.BATCH_MAX_RECORDS)
+    )
+    buffer_max_records: int = field(
+        default_factory=lambda: settings.env_int(settings.BUFFER_MAX_RECORDS)
+    )
+    unacked_max_batches: int = field(
+        default_factory=lambda: settings.env_int(settings.UNACKED_MAX_BATCHES)
+    )
+    rpc_timeout_s: float = field(
+        default_factory=lambda: settings.env_float(settings.RPC_TIMEOUT_SEC)
+    )
+    #: Longest pause between reconnect attempts, seconds (backoff doubles from 0.2 s).
+    max_backoff_s: float = 5.0
+
+
+@dataclass
+class ClientStats:
+    """Counters of one client (records unless named otherwise)."""
+
+    submitted: int = 0
+    dropped_buffer_full: int = 0
+    dropped_unacked: int = 0
+    batches_sent: int = 0
+    batches_acked: int = 0
+    resends: int = 0
+
+    @property
+    def dropped(self) -> int:
+        """All records this client could not deliver."""
+        return self.dropped_buffer_full + self.dropped_unacked
+
+
+# --- fork hooks: shared by every client of the process ------------------------------------
+_clients: "weakref.WeakSet[TelemetryClient]" = weakref.WeakSet()
+_in_forked_child = False
+
+
+def in_forked_child() -> bool:
+    """True in a process forked from one that had clients (a DataLoader worker)."""
+    return _in_forked_child
+
+
+def _before_fork() -> None:
+    for client in list(_clients):
+        client._rpc_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for client in list(_clients):
+        client._rpc_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _in_forked_child
+    _in_forked_child = True
+    for client in list(_clients):
+        client._dead = True
+    _clients.clear()
+
+
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
+
+
+class TelemetryClient:
+    """Ships one sender's records to the aggregator; never raises into the caller.
+
+    Args:
+        target: ``host:port`` of the aggregator.
+        run_name: run the records belong to; the aggregator rejects other runs.
+        rank: global rank of the sending SDK, or None for a node sampler.
+        node_rank: node rank of a node sampler (ignored when ``rank`` is given).
+        restart_count: torchrun attempt (``TORCHELASTIC_RESTART_COUNT``); keeps attempts apart.
+        identity: callable returning the :class:`~traceml.wire.RankIdentity` to send with the
+            first batch (called on the sender thread when that batch is built), or None.
+        config: tuning; defaults from the ``TRACEML_*`` environment.
+        warn: where one-line warnings go (stderr by default).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        run_name: str,
+        *,
+        rank: int | None = None,
+        node_rank: int = 0,
+        restart_count: int = 0,
+        identity=None,
+        config: ClientConfig | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self.target = target
+        self.run_name = run_name
+        self.rank = rank
+        self.node_rank = node_rank
+        self.restart_count = restart_count
+        self.identity = identity
+        self.config = config or ClientConfig()
+        self.stats = ClientStats()
+        self._warn = warn or (lambda msg: print(f"traceml: {msg}", file=sys.stderr, flush=True))
+        self._buffer: collections.deque = collections.deque()
+        self._unacked: collections.deque = collections.deque()  # Batch messages, seq order
+        self._next_seq = 1
+        self._acked_seq = 0
+        self._ever_acked = False
+        self._rejected = False
+        self._dead = False  # set in a forked child, or once the client is closed
+        self._unreachable_warned = False
+        self._finish = None  # RankFinish to send last, set by close()
+        self._rpc_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Event()  # set when everything submitted so far is acked
+        self._stub = None
+        self._channel = None
+        _clients.add(self)
+        self._thread = threading.Thread(
+            target=self._run, name=f"traceml-client-{target}", daemon=True
+        )
+        self._thread.start()
+
+    # --- training thread --------------------------------------------------------------------
+    def submit(self, kind: str, item) -> None:
+        """Buffer one record: O(1), no I/O, never raises, never blocks.
+
+        Args:
+            kind: :data:`STEPS`, :data:`PROCESS_SAMPLES` or :data:`SYSTEM_SAMPLES`.
+            item: a protobuf message of that kind, or a :class:`PendingRecord`.
+        """
+        if self._dead:
+            return
+        if len(self._buffer) >= self.config.buffer_max_records:
+            self.stats.dropped_buffer_full += 1
+            return
+        self._buffer.append((kind, item))
+        self.stats.submitted += 1
+        if len(self._buffer) >= self.config.batch_max_records:
+            self._wake.set()
+
+    # --- shutdown ---------------------------------------------------------------------------
+    def close(self, finish=None, timeout_s: float = 10.0) -> bool:
+        """Send what is buffered, then ``finish`` (a RankFinish) last; wait up to ``timeout_s``.
+
+        Returns True when every batch was acknowledged. A client that has already found the
+        aggregator unreachable and never reached it does not wait: training has paid the
+        warning, not the time.
+        """
+        if self._dead:
+            return False
+        self._finish = finish
+        self._closing = True
+        self._idle.clear()
+        self._wake.set()
+        never_reached = self._unreachable_warned and not self._ever_acked
+        wait_s = 0.0 if never_reached else timeout_s
+        delivered = self._idle.wait(wait_s)
+        self._dead = True
+        self._wake.set()
+        return delivered and not self._rejected
+
+    _closing = False
+
+    # --- sender thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.0
+        while not self._dead:
+            self._wake.wait(backoff or self.config.flush_interval_s)
+            self._wake.clear()
+            if self._dead or _in_forked_child:
+                return
+            try:
+                ok = self._flush()
+            except Exception as exc:  # fail-open: a bug here must not kill training
+                self._warn(f"telemetry sender error ({type(exc).__name__}: {exc}); retrying")
+                ok = False
+            if ok:
+                backoff = 0.0
+                if self._closing and not self._buffer and not self._unacked:
+                    self._idle.set()
+                    return
+            else:
+                backoff = min(max(backoff * 2, 0.2), self.config.max_backoff_s)
+        self._close_channel()
+
+    def _flush(self) -> bool:
+        """Send unacked batches, then new ones, until the buffer is drained or a send fails."""
+        if self._rejected:
+            self._buffer.clear()
+            return True
+        while True:
+            if self._unacked:
+                if not self._send(self._unacked[0]):
+                    return False
+                continue
+            batch = self._take_batch()
+            if batch is None:
+                return True
+            self._unacked.append(batch)
+            self._bound_unacked()
+
+    def _take_batch(self):
+        from traceml import wire
+
+        records = 0
+        batch = wire.Batch(run_name=self.run_name, restart_count=self.restart_count)
+        if self.rank is not None:
+            batch.rank = self.rank
+        else:
+            batch.node_rank = self.node_rank
+        while self._buffer and records < self.config.batch_max_records:
+            kind, item = self._buffer[0]
+            if kind == STEPS and not isinstance(item, wire.StepRecord):
+                if not item.ready() and not self._closing:
+                    break  # keep step order; resolved on a later wake
+                item = item.to_proto()
+            getattr(batch, kind).append(item)
+            self._buffer.popleft()
+            records += 1
+        last = not self._buffer and self._closing and self._finish is not None
+        if records == 0 and not last:
+            return None
+        batch.seq = self._next_seq
+        self._next_seq += 1
+        if batch.seq == 1 and self.identity is not None:
+            batch.identity.CopyFrom(self.identity())
+        if last:
+            self._finish.last_seq = batch.seq
+            self._finish.records_dropped = self.stats.dropped
+            batch.finish.CopyFrom(self._finish)
+            self._finish = None
+        return batch
+
+    def _bound_unacked(self) -> None:
+        while len(self._unacked) > self.config.unacked_max_batches:
+            lost = self._unacked.popleft()
+            self.stats.dropped_unacked += _record_count(lost)
+
+    def _send(self, batch) -> bool:
+        import grpc
+
+        with self._rpc_lock:
+            if self._dead and not self._closing:
+                return False
+            try:
+                stub = self._connect()
+                ack = stub.Push(batch, timeout=self.config.rpc_timeout_s)
+            except grpc.RpcError as exc:
+                self._on_unreachable(exc)
+                return False
+        self.stats.batches_sent += 1
+        if ack.rejected:
+            self._rejected = True
+            self._warn(f"aggregator rejected telemetry: {ack.reason}; sending no more")
+            self._unacked.clear()
+            self._buffer.clear()
+            return True
+        if self._unreachable_warned and self._ever_acked is False:
+            self._warn(f"aggregator at {self.target} reached; telemetry flowing")
+        self._ever_acked = True
+        self._acked_seq = max(self._acked_seq, ack.stored_seq)
+        while self._unacked and self._unacked[0].seq <= self._acked_seq:
+            self._unacked.popleft()
+            self.stats.batches_acked += 1
+        if batch.seq > self._acked_seq:  # stored nothing: the aggregator is not keeping up
+            self.stats.resends += 1
+            return False
+        return True
+
+    def _connect(self):
+        if self._stub is None:
+            import grpc
+
+            from traceml import wire
+
+            self._channel = grpc.insecure_channel(
+                self.target, options=[("grpc.enable_retries", 0)]
+            )
+            self._stub = wire.AggregatorStub(self._channel)
+        return self._stub
+
+    def _on_unreachable(self, exc) -> None:
+        code = exc.code() if hasattr(exc, "code") else None
+        if not self._unreachable_warned:
+            self._unreachable_warned = True
+            self._warn(
+                f"aggregator at {self.target} unreachable ({getattr(code, 'name', code)}); "
+                "training continues, telemetry is kept and resent"
+            )
+        self._close_channel()
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            try:
+                self._channel.close()
+            except Exception:
+                pass
+        self._channel = None
+        self._stub = None
+
+
+def _record_count(batch) -> int:
+    return len(batch.steps) + len(batch.process_samples) + len(batch.system_samples)

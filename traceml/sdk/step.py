@@ -1,0 +1,188 @@
+"""One training step: the clock around it and the phases measured inside it.
+
+:class:`StepTracer` owns the per-rank step state. ``with tracer.step(model):`` times one step on
+the CPU clock (``time.perf_counter_ns``); the hooks in :mod:`traceml.sdk.instrumentation` add
+each phase's duration to the tracer while a step is open. At the end of a step the tracer hands
+one :class:`StepMeasurement` to the telemetry client, which converts it to a
+:class:`~traceml.wire.StepRecord` off the training thread.
+
+Definitions (all durations per step, in ns here and µs on the wire):
+
+* step time: from the end of the previous step to the end of this one (for the first step, from
+  its start), so it includes the input wait;
+* input wait: from the end of the previous step to the start of this one, plus DataLoader
+  ``__next__`` time spent inside the step body; absent for the first step;
+* DataLoader next: time inside ``__next__`` of any DataLoader iterator since the previous step
+  (supporting evidence: a loop without a DataLoader still has an input wait);
+* forward, backward, optimizer, H2D: see :mod:`traceml.sdk.instrumentation`;
+* residual (computed by the analysis): step time minus the phases that were measured.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+_now_ns = time.perf_counter_ns
+
+
+class StepMeasurement:
+    """One finished step as measured on the training thread (ns), awaiting conversion.
+
+    GPU timings, when present, are resolved later from CUDA events (see
+    :mod:`traceml.sdk.timing`); :meth:`ready` tells the client when that can happen.
+    """
+
+    __slots__ = (
+        "step",
+        "end_ns",
+        "step_ns",
+        "input_wait_ns",
+        "dataloader_ns",
+        "h2d_ns",
+        "forward_ns",
+        "backward_ns",
+        "optimizer_ns",
+        "gpu",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "origin_ns",
+    )
+
+    def __init__(self) -> None:
+        self.gpu = None
+        self.peak_allocated_bytes = None
+        self.peak_reserved_bytes = None
+
+    def ready(self) -> bool:
+        """True when no GPU timing is pending."""
+        return self.gpu is None or self.gpu.ready()
+
+    def to_proto(self):
+        """The :class:`~traceml.wire.StepRecord` (µs, bytes); unmeasured phases stay absent."""
+        from traceml import wire
+
+        rec = wire.StepRecord(
+            step=self.step,
+            end_us=(self.end_ns - self.origin_ns) // 1000,
+            step_us=self.step_ns // 1000,
+        )
+        if self.input_wait_ns is not None:
+            rec.input_wait_us = self.input_wait_ns // 1000
+        if self.dataloader_ns is not None:
+            rec.dataloader_next_us = self.dataloader_ns // 1000
+        if self.h2d_ns is not None:
+            rec.h2d_us = self.h2d_ns // 1000
+        if self.forward_ns is not None:
+            rec.forward_us = self.forward_ns // 1000
+        if self.backward_ns is not None:
+            rec.backward_us = self.backward_ns // 1000
+        if self.optimizer_ns is not None:
+            rec.optimizer_us = self.optimizer_ns // 1000
+        if self.gpu is not None:
+            self.gpu.fill(rec)
+        if self.peak_allocated_bytes is not None:
+            rec.peak_allocated_bytes = self.peak_allocated_bytes
+            rec.peak_reserved_bytes = self.peak_reserved_bytes
+        return rec
+
+
+class StepTracer:
+    """Per-rank step state: the open step's phase totals and the step counter.
+
+    Args:
+        emit: called with each finished :class:`StepMeasurement` (the client's submit).
+        origin_ns: ``perf_counter_ns()`` at init; step end times are offsets from it.
+        h2d_measured: whether host-to-device copies are instrumented (CUDA present);
+            without it the H2D phase is reported as absent, never as 0.
+    """
+
+    def __init__(
+        self,
+        emit: Callable[[StepMeasurement], None],
+        origin_ns: int,
+        *,
+        h2d_measured: bool = False,
+    ) -> None:
+        self._emit = emit
+        self.origin_ns = origin_ns
+        self.h2d_measured = h2d_measured
+        self.steps_completed = 0
+        self.in_step = False
+        self._last_end_ns: int | None = None
+        self._start_ns = 0
+        # Phase totals of the open step (ns); None until a phase is seen.
+        self.forward_ns: int | None = None
+        self.backward_ns: int | None = None
+        self.optimizer_ns: int | None = None
+        self.h2d_ns = 0
+        self.dataloader_in_step_ns = 0
+        #: DataLoader ``__next__`` time since the previous step ended (ns).
+        self.dataloader_pending_ns: int | None = None
+        self.forward_depth = 0
+        #: Per-step GPU timing (set by :mod:`traceml.sdk.timing` when CUDA is used).
+        self.gpu_step_factory = None
+        self.gpu_step = None
+        #: Called at step end to read memory peaks every N steps (CUDA only).
+        self.memory_reader = None
+
+    # -- phases: called by the instrumentation hooks --------------------------------------------
+    def add_dataloader(self, elapsed_ns: int) -> None:
+        """Account one DataLoader ``__next__`` call (inside or between steps)."""
+        if self.in_step:
+            self.dataloader_in_step_ns += elapsed_ns
+        else:
+            self.dataloader_pending_ns = (self.dataloader_pending_ns or 0) + elapsed_ns
+
+    # -- the step ---------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Open a step (the ``with`` block is entered)."""
+        self._start_ns = _now_ns()
+        self.in_step = True
+        self.forward_ns = self.backward_ns = self.optimizer_ns = None
+        self.h2d_ns = 0
+        self.dataloader_in_step_ns = 0
+        self.forward_depth = 0
+        if self.gpu_step_factory is not None:
+            self.gpu_step = self.gpu_step_factory()
+
+    def end(self) -> None:
+        """Close the step and emit its measurement."""
+        end_ns = _now_ns()
+        self.in_step = False
+        m = StepMeasurement()
+        m.step = self.steps_completed
+        m.origin_ns = self.origin_ns
+        m.end_ns = end_ns
+        prev_end = self._last_end_ns
+        dataloader = self.dataloader_pending_ns
+        if self.dataloader_in_step_ns:
+            dataloader = (dataloader or 0) + self.dataloader_in_step_ns
+        if prev_end is None:
+            m.step_ns = end_ns - self._start_ns
+            m.input_wait_ns = None
+        else:
+            m.step_ns = end_ns - prev_end
+            m.input_wait_ns = (self._start_ns - prev_end) + self.dataloader_in_step_ns
+        m.dataloader_ns = dataloader
+        m.h2d_ns = self.h2d_ns if self.h2d_measured else None
+        m.forward_ns = self.forward_ns
+        m.backward_ns = self.backward_ns
+        m.optimizer_ns = self.optimizer_ns
+        if self.gpu_step is not None:
+            self.gpu_step.close()
+            m.gpu = self.gpu_step
+            self.gpu_step = None
+        if self.memory_reader is not None:
+            self.memory_reader(m)
+        self._last_end_ns = end_ns
+        self.dataloader_pending_ns = None
+        self.steps_completed += 1
+        self._emit(m)
+
+    def abandon(self) -> None:
+        """Close a step whose body raised: nothing is emitted, the counter does not move."""
+        self.in_step = False
+        self.gpu_step = None
+        self._last_end_ns = _now_ns()
+        self.dataloader_pending_ns = None

@@ -1,0 +1,126 @@
+"""Every ``TRACEML_*`` environment variable, one constant each, with its default.
+
+The launcher exports the ``TRACEML_RUN_NAME``/``TRACEML_AGGREGATOR``/``TRACEML_LAUNCHED``
+triple to its torchrun; everything else is a knob a user may set. Read values through
+:func:`env_str`, :func:`env_float`, :func:`env_int` and :func:`env_bool` so a malformed value
+falls back to the default with one warning instead of crashing training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its name, default and meaning (units in the doc)."""
+
+    name: str
+    default: str
+    doc: str
+
+
+# --- exported by the launcher to every rank ---------------------------------------------
+RUN_NAME = Setting("TRACEML_RUN_NAME", "", "Run name the rank reports under.")
+AGGREGATOR = Setting("TRACEML_AGGREGATOR", "", "host:port of the aggregator's gRPC endpoint.")
+LAUNCHED = Setting(
+    "TRACEML_LAUNCHED", "0", "1 when a `traceml run` launcher hosts the node sampler."
+)
+
+# --- launcher ------------------------------------------------------------------------------
+FINALIZE_TIMEOUT_SEC = Setting(
+    "TRACEML_FINALIZE_TIMEOUT_SEC", "300", "Budget of node 0's finalization, seconds (> 0)."
+)
+AGGREGATOR_WAIT_SEC = Setting(
+    "TRACEML_AGGREGATOR_WAIT_SEC",
+    "300",
+    "How long a non-owner node waits for node 0's aggregator before giving up, seconds.",
+)
+AGGREGATOR_START_SEC = Setting(
+    "TRACEML_AGGREGATOR_START_SEC", "60", "How long node 0 waits for its aggregator to serve."
+)
+
+# --- SDK -------------------------------------------------------------------------------------
+DISABLE = Setting("TRACEML_DISABLE", "0", "1 turns the SDK into a no-op.")
+STRICT = Setting(
+    "TRACEML_STRICT", "0", "1 lets SDK errors raise into training (for debugging TraceML)."
+)
+FLUSH_INTERVAL_SEC = Setting(
+    "TRACEML_FLUSH_INTERVAL_SEC", "1.0", "Longest time a record waits before it is sent, s."
+)
+BATCH_MAX_RECORDS = Setting(
+    "TRACEML_BATCH_MAX_RECORDS", "512", "Records that trigger a send before the interval."
+)
+BUFFER_MAX_RECORDS = Setting(
+    "TRACEML_BUFFER_MAX_RECORDS",
+    "65536",
+    "Bound of the in-process buffer; records beyond it are dropped and counted.",
+)
+UNACKED_MAX_BATCHES = Setting(
+    "TRACEML_UNACKED_MAX_BATCHES",
+    "256",
+    "Batches kept for resend while the aggregator is unreachable; older ones are dropped "
+    "and their records counted.",
+)
+RPC_TIMEOUT_SEC = Setting("TRACEML_RPC_TIMEOUT_SEC", "5", "Deadline of one Push RPC, s.")
+FINISH_TIMEOUT_SEC = Setting(
+    "TRACEML_FINISH_TIMEOUT_SEC", "10", "How long a rank's exit waits to deliver its last batch."
+)
+SAMPLE_INTERVAL_SEC = Setting(
+    "TRACEML_SAMPLE_INTERVAL_SEC", "1.0", "Period of the system and process samplers, s."
+)
+MEMORY_EVERY_N_STEPS = Setting(
+    "TRACEML_MEMORY_EVERY_N_STEPS",
+    "10",
+    "CUDA allocator peaks are read (and reset) once every N steps.",
+)
+
+ALL: tuple[Setting, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Setting))
+
+
+def env_str(setting: Setting) -> str:
+    """The variable's value, or its default when unset or empty."""
+    return os.environ.get(setting.name) or setting.default
+
+
+def _warn_bad(setting: Setting, raw: str, why: str) -> None:
+    print(
+        f"traceml: ignoring {setting.name}={raw!r} ({why}); using {setting.default}",
+        file=sys.stderr,
+    )
+
+
+def env_float(setting: Setting, *, positive: bool = True) -> float:
+    """The variable as a finite float (> 0 when ``positive``); default with a warning if not."""
+    raw = env_str(setting)
+    try:
+        value = float(raw)
+    except ValueError:
+        _warn_bad(setting, raw, "not a number")
+        return float(setting.default)
+    if not math.isfinite(value) or (positive and value <= 0):
+        _warn_bad(setting, raw, "must be a finite number > 0" if positive else "not finite")
+        return float(setting.default)
+    return value
+
+
+def env_int(setting: Setting) -> int:
+    """The variable as an integer >= 1; default with a warning if not."""
+    raw = env_str(setting)
+    try:
+        value = int(raw)
+    except ValueError:
+        _warn_bad(setting, raw, "not an integer")
+        return int(setting.default)
+    if value < 1:
+        _warn_bad(setting, raw, "must be >= 1")
+        return int(setting.default)
+    return value
+
+
+def env_bool(setting: Setting) -> bool:
+    """True for 1/true/yes/on (any case)."""
+    return env_str(setting).strip().lower() in {"1", "true", "yes", "on"}

@@ -1,0 +1,90 @@
+"""``traceml-aggregator``: the telemetry aggregator as a standalone command.
+
+Usage::
+
+    traceml-aggregator --run-dir logs/my-run --run-name my-run --world-size 8 \\
+        [--port 29765] [--bind-host 127.0.0.1] [--html-report] [--finalize-timeout-sec 300]
+
+It serves until SIGTERM or SIGINT. ``traceml run`` starts it on node 0; run it yourself to use
+the SDK under plain ``torchrun`` (export ``TRACEML_AGGREGATOR=host:port`` and
+``TRACEML_RUN_NAME`` to the ranks), then ask for the summary with ``traceml finalize``.
+Exit codes: 0 after a clean stop, 2 for bad options or a port that cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from pathlib import Path
+
+from traceml import settings
+from traceml.launcher.config import validate_run_name
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="traceml-aggregator", description="TraceML telemetry aggregator (gRPC + SQLite)."
+    )
+    p.add_argument("--run-dir", required=True, type=Path, help="directory of the run's files")
+    p.add_argument("--run-name", required=True, help="accept telemetry of this run only")
+    p.add_argument("--port", type=int, default=29765, help="gRPC port (default 29765)")
+    p.add_argument("--bind-host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks expected")
+    p.add_argument("--html-report", action="store_true", help="also write final_summary.html")
+    p.add_argument(
+        "--finalize-timeout-sec",
+        type=float,
+        default=None,
+        help=f"finalization budget, s (default ${settings.FINALIZE_TIMEOUT_SEC.name} or "
+        f"{settings.FINALIZE_TIMEOUT_SEC.default})",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``traceml-aggregator``; returns the exit code."""
+    from traceml_aggregator.server import BindError, ServerConfig, serve
+
+    args = _parser().parse_args(argv)
+    error = validate_run_name(args.run_name)
+    if not error and not 0 < args.port < 65536:
+        error = f"--port {args.port} is not a TCP port (1-65535)"
+    if not error and args.world_size is not None and args.world_size < 1:
+        error = f"--world-size {args.world_size} must be >= 1"
+    timeout = args.finalize_timeout_sec
+    if timeout is None:
+        timeout = settings.env_float(settings.FINALIZE_TIMEOUT_SEC)
+    elif not (math.isfinite(timeout) and timeout > 0):
+        error = error or f"--finalize-timeout-sec {timeout} must be a finite number > 0"
+    if error:
+        print(f"traceml-aggregator: error: {error}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        run_dir=args.run_dir,
+        run_name=args.run_name,
+        port=args.port,
+        bind_host=args.bind_host,
+        world_size=args.world_size,
+        html_report=args.html_report,
+        finalize_timeout_s=timeout,
+    )
+
+    def ready(port: int) -> None:
+        print(
+            f"traceml-aggregator: serving run {args.run_name!r} on "
+            f"{args.bind_host}:{port}, store {args.run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        return asyncio.run(serve(config, ready))
+    except BindError as exc:
+        print(f"traceml-aggregator: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

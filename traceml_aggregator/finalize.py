@@ -1,0 +1,138 @@
+"""End of a run: who is done, who is dead, who is missing, and when to write the summary.
+
+:class:`RunState` follows every rank from what has been stored: finish markers from the ranks,
+and node exits from the launchers (a node's torchrun exited, so every local rank that did not
+finish is dead, never waited for). :class:`Finalizer` answers the launcher's ``Finalize`` RPC:
+wait until every expected rank is done or the budget runs out, drain the writer, checkpoint,
+write ``final_summary.*``. Its watchdog writes a partial summary on its own when the first rank
+has ended and the others are still not done after the budget (a hung rank keeps its torchrun,
+and so the launcher, from ever asking).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RunState:
+    """What the aggregator knows of the run's ranks (updated on the event loop).
+
+    Args:
+        world_size: ranks expected (``--world-size``); None to take it from the ranks'
+            identities.
+    """
+
+    world_size: int | None = None
+    finished: set[int] = field(default_factory=set)
+    exited_nodes: dict[int, set[int]] = field(default_factory=dict)
+    first_end_monotonic: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_batch(self, batch) -> None:
+        """Account a stored batch (identity and finish marker)."""
+        if batch.HasField("identity") and self.world_size is None:
+            self.world_size = batch.identity.world_size
+        if batch.HasField("finish") and batch.WhichOneof("sender") == "rank":
+            self.finished.add(batch.rank)
+            self._mark_end()
+
+    def on_node_exit(self, report) -> None:
+        """Account a node's torchrun exit: its ranks are done, finished or not."""
+        self.exited_nodes[report.node_rank] = {r.rank for r in report.ranks}
+        self._mark_end()
+
+    def _mark_end(self) -> None:
+        if self.first_end_monotonic is None:
+            self.first_end_monotonic = time.monotonic()
+        self.changed.set()
+
+    def expected(self) -> set[int]:
+        """Ranks 0..world_size-1 (empty while the world size is unknown)."""
+        return set(range(self.world_size or 0))
+
+    def missing(self) -> list[int]:
+        """Expected ranks that neither finished nor belong to an exited node, sorted."""
+        done = set(self.finished)
+        for ranks in self.exited_nodes.values():
+            done |= ranks
+        return sorted(self.expected() - done)
+
+    async def wait_done(self, deadline: float) -> list[int]:
+        """Wait until no rank is missing or ``deadline`` (monotonic s); the missing ranks."""
+        while True:
+            missing = self.missing()
+            if (not missing and self.world_size) or time.monotonic() >= deadline:
+                return missing
+            # Re-check at least every 0.2 s: several waiters share the event, and a set()
+            # between one waiter's check and its clear() must not be slept through.
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(
+                    self.changed.wait(), min(0.2, max(0.0, deadline - time.monotonic()))
+                )
+            except asyncio.TimeoutError:
+                pass
+
+
+@dataclass
+class Outcome:
+    """What one finalization produced."""
+
+    missing: list[int]
+    json_path: Path | None = None
+    text_path: Path | None = None
+    html_path: Path | None = None
+    text: str = ""
+    error: str = ""
+
+
+class Finalizer:
+    """Writes the reports once the run is over (see the module docstring).
+
+    Args:
+        state: the run state.
+        writer: the store's writer.
+        write_reports: ``fn(store, missing) -> Outcome`` run on the writer thread.
+        budget_s: default finalization budget (the launcher's ``--finalize-timeout-sec``).
+    """
+
+    def __init__(self, state: RunState, writer, write_reports, budget_s: float) -> None:
+        self.state = state
+        self.writer = writer
+        self._write_reports = write_reports
+        self.budget_s = budget_s
+        self._lock = asyncio.Lock()
+        self.last: Outcome | None = None
+
+    async def finalize(self, budget_s: float | None = None) -> Outcome:
+        """Wait for every rank (bounded), drain, checkpoint and write the reports."""
+        budget = budget_s if budget_s and budget_s > 0 else self.budget_s
+        deadline = time.monotonic() + budget
+        missing = await self.state.wait_done(deadline)
+        return await self._write(missing, deadline)
+
+    async def _write(self, missing: list[int], deadline: float) -> Outcome:
+        async with self._lock:
+            await self.writer.drain(max(0.5, deadline - time.monotonic()))
+            try:
+                await self.writer.call(self.writer.store.checkpoint)
+                outcome = await self.writer.call(
+                    self._write_reports, self.writer.store, missing
+                )
+            except Exception as exc:
+                outcome = Outcome(missing, error=f"{type(exc).__name__}: {exc}")
+            self.last = outcome
+            return outcome
+
+    async def watchdog(self) -> None:
+        """Write a partial summary if ranks are still missing a budget after the first end."""
+        while self.state.first_end_monotonic is None:
+            await asyncio.sleep(0.2)
+        deadline = self.state.first_end_monotonic + self.budget_s
+        missing = await self.state.wait_done(deadline)
+        if missing and self.last is None:
+            await self._write(missing, deadline)

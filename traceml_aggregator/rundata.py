@@ -1,0 +1,104 @@
+"""Everything the analysis needs, read from the store in one pass (the only I/O before it).
+
+:func:`load` turns the SQLite tables into plain dataclasses; the functions in
+:mod:`traceml_aggregator.analysis` then work on :class:`RunData` alone and never touch the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from traceml_aggregator.store import STEP_OPTIONAL_FIELDS, Store
+
+
+@dataclass
+class RankData:
+    """One rank (its latest attempt) as stored.
+
+    ``steps`` holds one dict per stored step of that attempt, in step order, with the
+    :class:`~traceml.wire.StepRecord` fields (µs, bytes; None when not measured).
+    """
+
+    rank: int
+    restart: int = 0
+    identity: dict | None = None
+    steps: list[dict] = field(default_factory=list)
+    finish: dict | None = None
+    end: dict | None = None  # from the node launcher's report, when any
+    process_samples: list[dict] = field(default_factory=list)
+    earlier_attempts: dict[int, int] = field(default_factory=dict)  # restart -> steps stored
+
+
+@dataclass
+class RunData:
+    """The whole run: ranks by global rank, node exits and system samples by node rank."""
+
+    run_name: str
+    world_size: int
+    ranks: dict[int, RankData]
+    node_exits: dict[int, dict]
+    system_samples: dict[int, list[dict]]
+    gpu_samples: dict[int, list[dict]]
+    missing: list[int]
+
+
+def load(store: Store, missing: list[int]) -> RunData:
+    """Read the run from ``store``; ``missing`` lists the ranks finalization gave up on."""
+    meta = store.meta()
+    ranks: dict[int, RankData] = {}
+
+    def rank_data(rank: int) -> RankData:
+        return ranks.setdefault(rank, RankData(rank))
+
+    latest = {
+        row["rank"]: row["restart"]
+        for row in store.query(
+            "SELECT rank, MAX(restart) AS restart FROM ("
+            " SELECT rank, restart FROM ranks UNION ALL SELECT rank, restart FROM steps"
+            " UNION ALL SELECT rank, restart FROM rank_finish) GROUP BY rank"
+        )
+    }
+    for rank, restart in latest.items():
+        rank_data(rank).restart = restart
+    for row in store.query("SELECT * FROM ranks ORDER BY rank, restart"):
+        rd = rank_data(row["rank"])
+        if row["restart"] == rd.restart:
+            rd.identity = dict(row)
+    columns = ("step", "end_us", "step_us") + STEP_OPTIONAL_FIELDS
+    for row in store.query(f"SELECT rank, restart, {', '.join(columns)} FROM steps ORDER BY rank, restart, step"):
+        rd = rank_data(row["rank"])
+        if row["restart"] == rd.restart:
+            rd.steps.append({c: row[c] for c in columns})
+        else:
+            rd.earlier_attempts[row["restart"]] = rd.earlier_attempts.get(row["restart"], 0) + 1
+    for row in store.query("SELECT * FROM rank_finish"):
+        rd = rank_data(row["rank"])
+        if row["restart"] == rd.restart:
+            rd.finish = dict(row)
+    for row in store.query("SELECT * FROM rank_ends"):
+        rank_data(row["rank"]).end = dict(row)
+    for row in store.query("SELECT * FROM process_samples ORDER BY unix_us"):
+        rd = rank_data(row["rank"])
+        if row["restart"] == rd.restart:
+            rd.process_samples.append(dict(row))
+    system: dict[int, list[dict]] = {}
+    for row in store.query("SELECT * FROM system_samples ORDER BY unix_us"):
+        system.setdefault(row["node_rank"], []).append(dict(row))
+    gpus: dict[int, list[dict]] = {}
+    for row in store.query("SELECT * FROM gpu_samples ORDER BY unix_us, nvml_index"):
+        gpus.setdefault(row["node_rank"], []).append(dict(row))
+    node_exits = {row["node_rank"]: dict(row) for row in store.query("SELECT * FROM node_exits")}
+    world_size = int(meta.get("world_size") or 0) or max(
+        [(rd.identity or {}).get("world_size") or 0 for rd in ranks.values()] + [len(ranks)]
+    )
+    for rank in range(world_size):
+        rank_data(rank)
+    return RunData(
+        run_name=meta.get("run_name", ""),
+        world_size=world_size,
+        ranks=dict(sorted(ranks.items())),
+        node_exits=node_exits,
+        system_samples=system,
+        gpu_samples=gpus,
+        missing=list(missing),
+    )

@@ -1,0 +1,167 @@
+"""The aggregator's gRPC server (``grpc.aio``): Push, ReportNodeExit, Finalize, health.
+
+One event loop serves every rank's calls (thousands of concurrent streams cost coroutines, not
+threads); the single :class:`~traceml_aggregator.writer.Writer` stores what they bring. The
+standard ``grpc.health.v1.Health`` service reports SERVING once the store is open, which is
+what the launcher waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from traceml import wire
+from traceml_aggregator.finalize import Finalizer, RunState
+from traceml_aggregator.store import Store
+from traceml_aggregator.writer import Writer
+
+#: Name of the run's database inside the run directory.
+DB_NAME = "telemetry.sqlite"
+SERVICE_NAME = "traceml.wire.v1.Aggregator"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of one aggregator (the ``traceml-aggregator`` flags)."""
+
+    run_dir: Path
+    run_name: str
+    port: int = 29765
+    bind_host: str = "127.0.0.1"
+    world_size: int | None = None
+    html_report: bool = False
+    finalize_timeout_s: float = 300.0
+
+
+class AggregatorService(wire.AggregatorServicer):
+    """The servicer: validates the run name, hands batches to the writer, acknowledges."""
+
+    def __init__(self, config: ServerConfig, writer: Writer, state: RunState, finalizer):
+        self.config = config
+        self.writer = writer
+        self.state = state
+        self.finalizer = finalizer
+
+    def _foreign(self, run_name: str) -> str:
+        if run_name != self.config.run_name:
+            return f"run name {run_name!r} is not this aggregator's {self.config.run_name!r}"
+        return ""
+
+    async def Push(self, request, context):
+        reason = self._foreign(request.run_name)
+        if reason:
+            return wire.Ack(rejected=True, reason=reason)
+        if request.seq < 1:
+            return wire.Ack(rejected=True, reason="sequence numbers start at 1")
+        try:
+            result = await self.writer.store_batch(request)
+        except Exception as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
+        return wire.Ack(stored_seq=result.stored_seq)
+
+    async def ReportNodeExit(self, request, context):
+        reason = self._foreign(request.run_name)
+        if reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        await self.writer.call(self.writer.store.write_node_exit, request, time.time_ns() // 1000)
+        self.state.on_node_exit(request)
+        return wire.NodeExitAck()
+
+    async def Finalize(self, request, context):
+        reason = self._foreign(request.run_name)
+        if reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        outcome = await self.finalizer.finalize(request.timeout_s)
+        return wire.FinalizeReply(
+            complete=not outcome.missing,
+            missing_ranks=outcome.missing,
+            summary_json_path=str(outcome.json_path or ""),
+            summary_text_path=str(outcome.text_path or ""),
+            summary_html_path=str(outcome.html_path or ""),
+            summary_text=outcome.text,
+            error=outcome.error,
+        )
+
+
+class BindError(RuntimeError):
+    """The aggregator could not listen on its host:port (in use, or no such address)."""
+
+
+async def serve(config: ServerConfig, ready=None) -> int:
+    """Run the aggregator until SIGTERM/SIGINT; returns the process exit code.
+
+    Args:
+        config: the server's options.
+        ready: optional callback with the bound port once the server is SERVING.
+
+    Raises:
+        BindError: the port cannot be bound.
+    """
+    from traceml_aggregator.report import write_reports
+
+    store = Store(config.run_dir / DB_NAME)
+    store.set_meta("run_name", config.run_name)
+    if config.world_size:
+        store.set_meta("world_size", str(config.world_size))
+    state = RunState(world_size=config.world_size)
+    writer = Writer(store, state.on_batch)
+
+    def reports(store_, missing):
+        return write_reports(store_, config.run_dir, missing, html=config.html_report)
+
+    finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),  # a second aggregator on the port must fail, not share
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ]
+    )
+    wire.add_AggregatorServicer_to_server(
+        AggregatorService(config, writer, state, finalizer), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{_bracket(config.bind_host)}:{config.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise BindError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise BindError(f"cannot listen on {address} (port in use or address not local)")
+    writer.start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
+    if ready is not None:
+        ready(port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    watchdog.cancel()
+    await server.stop(grace=1.0)
+    await writer.drain(5.0)
+    await writer.close()
+    print(
+        f"traceml-aggregator: stored {writer.records_stored} records in "
+        f"{writer.batches_stored} batches",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,306 @@
+"""The SQLite telemetry store: schema, idempotent batch writes, reads for the analysis.
+
+One :class:`Store` owns one connection and is used from one thread only (the aggregator's
+writer thread); it is not thread-safe by design. Writes arrive as lists of batches and are
+stored in one transaction per list.
+
+Idempotency: every batch names its sender (a rank or a node sampler), the sender's attempt
+(``restart_count``) and a sequence number. ``streams`` keeps the highest stored sequence number
+per (sender, attempt); a batch at or below it is acknowledged without being stored again.
+``steps`` is also keyed by (rank, attempt, step), so a step is stored exactly once.
+
+Shared filesystems: the run directory may live on NFS or Lustre, where SQLite's WAL index in
+shared memory (``-shm``) is unreliable. The store sets ``locking_mode=EXCLUSIVE`` *before* the
+first WAL access, which makes SQLite keep the WAL index in process memory and never create the
+``-shm`` file (see https://sqlite.org/wal.html, "WAL without shared memory"). The cost: no
+other process can read the database while the aggregator has it open. ``close()`` checkpoints
+the WAL into the main file, so the database is one self-contained file afterwards.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from traceml import wire
+
+#: Version of the table layout below; stored in ``meta``.
+SCHEMA_VERSION = 1
+
+#: Optional StepRecord fields, in column order (µs or bytes; NULL when not measured).
+STEP_OPTIONAL_FIELDS = (
+    "input_wait_us",
+    "dataloader_next_us",
+    "h2d_us",
+    "forward_us",
+    "backward_us",
+    "optimizer_us",
+    "gpu_step_us",
+    "gpu_h2d_us",
+    "gpu_forward_us",
+    "gpu_backward_us",
+    "gpu_optimizer_us",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+)
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS streams (
+    sender TEXT NOT NULL, sender_id INTEGER NOT NULL, restart INTEGER NOT NULL,
+    stored_seq INTEGER NOT NULL, PRIMARY KEY (sender, sender_id, restart)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS ranks (
+    rank INTEGER NOT NULL, restart INTEGER NOT NULL, node_rank INTEGER, local_rank INTEGER,
+    world_size INTEGER, local_world_size INTEGER, hostname TEXT, pid INTEGER,
+    start_unix_us INTEGER, torch_version TEXT, cuda_version TEXT, backend TEXT,
+    parallelism TEXT, device TEXT, gpu_uuid TEXT,
+    PRIMARY KEY (rank, restart)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS steps (
+    rank INTEGER NOT NULL, restart INTEGER NOT NULL, step INTEGER NOT NULL,
+    end_us INTEGER NOT NULL, step_us INTEGER NOT NULL,
+    {", ".join(f"{name} INTEGER" for name in STEP_OPTIONAL_FIELDS)},
+    PRIMARY KEY (rank, restart, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS process_samples (
+    rank INTEGER NOT NULL, restart INTEGER NOT NULL, unix_us INTEGER NOT NULL,
+    cpu_percent REAL, rss_bytes INTEGER, gpu_allocated_bytes INTEGER,
+    gpu_reserved_bytes INTEGER);
+CREATE TABLE IF NOT EXISTS system_samples (
+    node_rank INTEGER NOT NULL, unix_us INTEGER NOT NULL, hostname TEXT,
+    cpu_percent REAL, ram_used_bytes INTEGER, ram_total_bytes INTEGER,
+    gpu_unavailable_reason TEXT);
+CREATE TABLE IF NOT EXISTS gpu_samples (
+    node_rank INTEGER NOT NULL, unix_us INTEGER NOT NULL, nvml_index INTEGER NOT NULL,
+    uuid TEXT, util_percent REAL, memory_used_bytes INTEGER, memory_total_bytes INTEGER,
+    temperature_c REAL, power_w REAL, unavailable_reason TEXT);
+CREATE TABLE IF NOT EXISTS rank_finish (
+    rank INTEGER NOT NULL, restart INTEGER NOT NULL, steps_completed INTEGER NOT NULL,
+    records_dropped INTEGER NOT NULL, steps_gpu_unresolved INTEGER NOT NULL,
+    end_state TEXT NOT NULL, reason TEXT, last_seq INTEGER NOT NULL,
+    received_unix_us INTEGER NOT NULL, PRIMARY KEY (rank, restart)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS node_exits (
+    node_rank INTEGER PRIMARY KEY, hostname TEXT, exit_code INTEGER NOT NULL,
+    restart_count INTEGER NOT NULL, received_unix_us INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS rank_ends (
+    rank INTEGER PRIMARY KEY, local_rank INTEGER, node_rank INTEGER NOT NULL,
+    end_state TEXT NOT NULL, exit_code INTEGER, signal INTEGER, reason TEXT);
+"""
+
+
+_PROCESS_FIELDS = ("cpu_percent", "rss_bytes", "gpu_allocated_bytes", "gpu_reserved_bytes")
+_SYSTEM_FIELDS = ("cpu_percent", "ram_used_bytes", "ram_total_bytes")
+_GPU_FIELDS = ("util_percent", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
+
+
+def _optional(message, names: tuple[str, ...]) -> tuple:
+    """Values of ``names`` in ``message``, None where the optional field is absent."""
+    present = {fd.name: value for fd, value in message.ListFields()}
+    return tuple(present.get(name) for name in names)
+
+
+@dataclass
+class WriteResult:
+    """Outcome of one stored batch: the sender's highest stored sequence number."""
+
+    stored_seq: int
+    duplicate: bool
+
+
+class Store:
+    """The run's SQLite database (see the module docstring for the guarantees).
+
+    Args:
+        path: database file; created with its parent directory if missing.
+
+    Raises:
+        sqlite3.Error: the file cannot be opened or is not a TraceML database.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute(
+            "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+        )
+        self._seqs: dict[tuple[str, int, int], int] = {
+            (s, i, r): q for s, i, r, q in self._db.execute("SELECT * FROM streams")
+        }
+
+    # --- meta ------------------------------------------------------------------------------------
+    def set_meta(self, key: str, value: str) -> None:
+        """Store one run-level fact (run name, expected world size, ...)."""
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def meta(self) -> dict[str, str]:
+        """All run-level facts."""
+        return dict(self._db.execute("SELECT key, value FROM meta"))
+
+    # --- writes ----------------------------------------------------------------------------------
+    def write_batches(self, batches: list, received_unix_us: int) -> list[WriteResult]:
+        """Store ``batches`` (wire Batch messages of this run) in one transaction.
+
+        Returns one :class:`WriteResult` per batch, in order. A batch whose sequence number
+        was already stored is skipped (``duplicate=True``).
+        """
+        steps: list[tuple] = []
+        process: list[tuple] = []
+        system: list[tuple] = []
+        gpus: list[tuple] = []
+        results: list[WriteResult] = []
+        touched: dict[tuple[str, int, int], int] = {}
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            for batch in batches:
+                sender = batch.WhichOneof("sender") or "rank"
+                sender_id = getattr(batch, sender)
+                key = (sender, sender_id, batch.restart_count)
+                stored = self._seqs.get(key, 0)
+                if batch.seq <= stored:
+                    results.append(WriteResult(stored, True))
+                    continue
+                self._seqs[key] = touched[key] = batch.seq
+                results.append(WriteResult(batch.seq, False))
+                restart = batch.restart_count
+                if batch.HasField("identity"):
+                    self._write_identity(batch.identity)
+                rank = batch.rank
+                for rec in batch.steps:
+                    steps.append(
+                        (rank, restart, rec.step, rec.end_us, rec.step_us)
+                        + _optional(rec, STEP_OPTIONAL_FIELDS)
+                    )
+                for s in batch.process_samples:
+                    # A node sampler reports for its local workers; a rank for itself.
+                    owner = (s.rank, s.restart_count) if sender == "node_rank" else (rank, restart)
+                    process.append(owner + (s.unix_us,) + _optional(s, _PROCESS_FIELDS))
+                for s in batch.system_samples:
+                    system.append(
+                        (s.node_rank, s.unix_us, s.hostname)
+                        + _optional(s, _SYSTEM_FIELDS)
+                        + (s.gpu_unavailable_reason or None,)
+                    )
+                    for g in s.gpus:
+                        gpus.append(
+                            (s.node_rank, s.unix_us, g.nvml_index, g.uuid)
+                            + _optional(g, _GPU_FIELDS)
+                            + (g.unavailable_reason or None,)
+                        )
+                if batch.HasField("finish"):
+                    self._write_finish(rank, restart, batch.finish, received_unix_us)
+            if steps:
+                marks = ",".join("?" * (5 + len(STEP_OPTIONAL_FIELDS)))
+                db.executemany(f"INSERT OR IGNORE INTO steps VALUES ({marks})", steps)
+            if process:
+                db.executemany("INSERT INTO process_samples VALUES (?,?,?,?,?,?,?)", process)
+            if system:
+                db.executemany("INSERT INTO system_samples VALUES (?,?,?,?,?,?,?)", system)
+            if gpus:
+                db.executemany("INSERT INTO gpu_samples VALUES (?,?,?,?,?,?,?,?,?,?)", gpus)
+            if touched:
+                db.executemany(
+                    "INSERT OR REPLACE INTO streams VALUES (?,?,?,?)",
+                    [k + (v,) for k, v in touched.items()],
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            for key in touched:  # forget the sequence numbers of what was rolled back
+                self._seqs.pop(key, None)
+            self._seqs.update(
+                {(s, i, r): q for s, i, r, q in db.execute("SELECT * FROM streams")}
+            )
+            raise
+        return results
+
+    def _write_identity(self, ident) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO ranks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                ident.rank,
+                ident.restart_count,
+                ident.node_rank,
+                ident.local_rank,
+                ident.world_size,
+                ident.local_world_size,
+                ident.hostname,
+                ident.pid,
+                ident.start_unix_us,
+                ident.torch_version,
+                ident.cuda_version,
+                ident.backend,
+                ident.parallelism,
+                ident.device,
+                ident.gpu_uuid,
+            ),
+        )
+
+    def _write_finish(self, rank: int, restart: int, finish, received_unix_us: int) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO rank_finish VALUES (?,?,?,?,?,?,?,?,?)",
+            (
+                rank,
+                restart,
+                finish.steps_completed,
+                finish.records_dropped,
+                finish.steps_gpu_unresolved,
+                wire.end_state_name(finish.end_state),
+                finish.reason or None,
+                finish.last_seq,
+                received_unix_us,
+            ),
+        )
+
+    def write_node_exit(self, report, received_unix_us: int) -> None:
+        """Store a node's torchrun exit and its ranks' end states (a later report replaces)."""
+        db = self._db
+        db.execute("BEGIN")
+        db.execute(
+            "INSERT OR REPLACE INTO node_exits VALUES (?,?,?,?,?)",
+            (
+                report.node_rank,
+                report.hostname,
+                report.exit_code,
+                report.restart_count,
+                received_unix_us,
+            ),
+        )
+        db.executemany(
+            "INSERT OR REPLACE INTO rank_ends VALUES (?,?,?,?,?,?,?)",
+            [
+                (
+                    r.rank,
+                    r.local_rank,
+                    report.node_rank,
+                    wire.end_state_name(r.end_state),
+                    r.exit_code if r.HasField("exit_code") else None,
+                    r.signal if r.HasField("signal") else None,
+                    r.reason or None,
+                )
+                for r in report.ranks
+            ],
+        )
+        db.execute("COMMIT")
+
+    # --- reads -----------------------------------------------------------------------------------
+    def query(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
+        """Rows of a read-only query, as :class:`sqlite3.Row` (access by column name)."""
+        cur = self._db.cursor()
+        cur.row_factory = sqlite3.Row
+        return cur.execute(sql, params).fetchall()
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the main database file (``wal_checkpoint(TRUNCATE)``)."""
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def close(self) -> None:
+        """Checkpoint and close; the database is a single file afterwards."""
+        try:
+            self.checkpoint()
+        finally:
+            self._db.close()

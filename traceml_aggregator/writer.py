@@ -1,0 +1,100 @@
+"""The single SQLite writer: batches from every stream, one transaction per drain.
+
+RPC handlers on the event loop hand batches to :meth:`Writer.store` and await the result. The
+writer task takes everything queued at that moment (up to :data:`MAX_BATCHES_PER_TRANSACTION`),
+stores it in one transaction on its own thread (the only thread that touches the
+:class:`~traceml_aggregator.store.Store`), and resolves each handler's future with the stored
+sequence number, which the handler returns as the acknowledgement. Because a batch is
+acknowledged only after its transaction committed, an acknowledged batch is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import Any, Callable
+
+from traceml_aggregator.store import Store, WriteResult
+
+#: Upper bound of batches folded into one transaction (keeps a transaction under ~100 ms).
+MAX_BATCHES_PER_TRANSACTION = 2048
+
+
+class Writer:
+    """Owns the store and its thread; all store access goes through it.
+
+    Args:
+        store: the run's store (used only on the writer thread from now on).
+        on_stored: called on the event loop with each batch after it committed
+            (the run state tracks finish markers this way).
+    """
+
+    def __init__(self, store: Store, on_stored: Callable[[Any], None]) -> None:
+        self.store = store
+        self._on_stored = on_stored
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
+        self._task: asyncio.Task | None = None
+        self._busy = False
+        self.batches_stored = 0
+        self.records_stored = 0
+
+    def start(self) -> None:
+        """Start the writer task on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def store_batch(self, batch) -> WriteResult:
+        """Queue ``batch`` and wait until it is durably stored (or found to be a duplicate)."""
+        future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((batch, future))
+        return await future
+
+    async def call(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the writer thread (reads and other writes of the store)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or being written; False when ``timeout_s`` ran out."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.qsize() or self._busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await self._queue.get()]
+            while len(items) < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            self._busy = True
+            batches = [batch for batch, _ in items]
+            try:
+                results = await loop.run_in_executor(
+                    self._pool, self.store.write_batches, batches, time.time_ns() // 1000
+                )
+            except Exception as exc:  # the store failed: every waiting handler learns why
+                for _, future in items:
+                    if not future.done():
+                        future.set_exception(exc)
+                self._busy = False
+                continue
+            for (batch, future), result in zip(items, results):
+                if not result.duplicate:
+                    self.batches_stored += 1
+                    self.records_stored += (
+                        len(batch.steps) + len(batch.process_samples) + len(batch.system_samples)
+                    )
+                    self._on_stored(batch)
+                if not future.done():
+                    future.set_result(result)
+            self._busy = False
+
+    async def close(self) -> None:
+        """Stop the task, checkpoint and close the store."""
+        if self._task is not None:
+            self._task.cancel()
+        await self.call(self.store.close)
+        self._pool.shutdown(wait=True)
