@@ -1,0 +1,62 @@
+"""Shared fixtures: free ports, running `traceml run` for real, reading its artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+EXAMPLES = ROOT / "examples"
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (tests never use the defaults)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def traceml_cmd() -> list[str]:
+    """The `traceml` command of the environment running the tests."""
+    return [sys.executable, "-m", "traceml"]
+
+
+def run_traceml(args: list[str], cwd: Path, *, timeout: float = 240, env: dict | None = None):
+    """Run `traceml ARGS` in ``cwd``; returns the CompletedProcess (text, captured)."""
+    full_env = dict(os.environ)
+    full_env.pop("TRACEML_AGGREGATOR", None)
+    full_env.pop("TRACEML_RUN_NAME", None)
+    full_env.update(env or {})
+    return subprocess.run(
+        traceml_cmd() + args,
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def load_summary(run_dir: Path) -> dict:
+    """``final_summary.json`` of a run directory."""
+    return json.loads((run_dir / "final_summary.json").read_text())
+
+
+def query(run_dir: Path, sql: str, params: tuple = ()) -> list[tuple]:
+    """Rows of ``sql`` on the run's SQLite database (after the aggregator closed it)."""
+    with sqlite3.connect(run_dir / "telemetry.sqlite") as db:
+        return db.execute(sql, params).fetchall()
+
+
+@pytest.fixture
+def port() -> int:
+    """A free aggregator port."""
+    return free_port()
