@@ -79,7 +79,6 @@ def _fail(exc: BaseException) -> None:
     session.fail_open("trace_step", exc)
 
 
-_contexts: dict = {}
 _NULL = contextlib.nullcontext()
 
 
@@ -99,9 +98,9 @@ def trace_step(model=None):
     session = session_mod.current()
     if session is None:
         return _NULL
-    ctx = _contexts.get(id(session))
+    ctx = session.step_context
     if ctx is None:
-        ctx = _contexts[id(session)] = _StepContext(session)
+        ctx = session.step_context = _StepContext(session)
     if model is not None and id(model) not in session.models_seen:
         try:
             from traceml.sdk import instrumentation

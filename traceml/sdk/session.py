@@ -51,6 +51,7 @@ class Session:
         self.tracer = StepTracer(self._emit_step, time.perf_counter_ns())
         self.extensions: list = []  # objects with close(): samplers, GPU timing
         self.models_seen: set[int] = set()  # id() of models whose forward is hooked
+        self.step_context = None  # the reusable context manager trace_step() returns
 
     def _emit_step(self, measurement) -> None:
         self.client.submit(client_mod.STEPS, measurement)
