@@ -14,6 +14,7 @@ set -euo pipefail
 
 LAB="${SLURM_LAB_DIR:-/tmp/traceml-slurm-lab}"
 LAB="${LAB%/}"
+MARKER="$LAB/.traceml-slurm-lab"   # only a directory carrying this is ever wiped
 CONF="$LAB/etc/slurm.conf"
 RUN="$LAB/run"
 LOG="$LAB/log"
@@ -37,6 +38,16 @@ die() { printf '[slurm-lab] ERROR: %s\n' "$*" >&2; exit 1; }
 usage() {
     sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
+}
+
+check_lab_dir() {
+    case $LAB in
+        /?*/?*) ;;
+        *) die "SLURM_LAB_DIR must be an absolute path below a top-level directory, not '$LAB'" ;;
+    esac
+    if [ -d "$LAB" ] && [ ! -e "$MARKER" ] && [ -n "$(ls -A "$LAB" 2>/dev/null)" ]; then
+        die "$LAB exists, is not empty and was not made by lab.sh; refusing to use it (set SLURM_LAB_DIR)"
+    fi
 }
 
 need_root() {
@@ -90,7 +101,7 @@ pid_alive() {
     [ "$comm" = "$name" ]
 }
 
-read_pid() { [ -r "$1" ] && tr -dc '0-9' <"$1" || true; }
+read_pid() { if [ -r "$1" ]; then tr -dc '0-9' <"$1" || true; fi; }
 
 # Wait for PIDs to exit; SIGKILL whatever is left after $1 seconds.
 wait_gone() {
@@ -124,7 +135,9 @@ pids_in_uts_ns() {
 do_stop() {
     local root_uts pids=() f node ns p pid
     root_uts=$(readlink /proc/self/ns/uts || true)
-    [ -d "$RUN" ] || [ -f "$LAB/created" ] || { log "no lab at $LAB (nothing to stop)"; return 0; }
+    if [ ! -e "$MARKER" ] || { [ ! -d "$RUN" ] && [ ! -f "$LAB/created" ]; }; then
+        log "no lab at $LAB (nothing to stop)"; return 0
+    fi
 
     # 1. Each node: every process in the node's UTS namespace (slurmd, slurmstepd, job
     #    tasks, anything a job left behind).  The namespace was recorded at start.
@@ -149,27 +162,23 @@ do_stop() {
             while read -r p; do [ -n "$p" ] && pids+=("$p"); done < <(ip netns pids "$name" 2>/dev/null || true)
         done <"$LAB/created"
     fi
+    # SIGTERM to the slurmd daemons; SIGKILL to the rest (slurmstepd and job processes
+    # would take KillWait seconds to go, and the lab's state is thrown away anyway).
     # Never ourselves or our parents.
-    local safe=() skip
+    local safe=() p
     for p in "${pids[@]+"${pids[@]}"}"; do
-        skip=0
-        [ "$p" = "$$" ] || [ "$p" = "$PPID" ] || [ "$p" = 1 ] && skip=1
-        [ $skip = 0 ] && safe+=("$p")
+        [ "$p" = "$$" ] || [ "$p" = "$PPID" ] || [ "$p" = 1 ] || safe+=("$p")
     done
-    if [ ${#safe[@]} -gt 0 ]; then
-        kill -TERM "${safe[@]}" 2>/dev/null || true
-    fi
+    for p in "${safe[@]+"${safe[@]}"}"; do
+        if pid_alive "$p" slurmd; then kill -TERM "$p" 2>/dev/null || true; else kill -KILL "$p" 2>/dev/null || true; fi
+    done
 
-    # 2. slurmctld and munged, by pid file.
+    # 2. slurmctld and munged, by pid file (munged ~2 s and slurmctld ~3 s to exit).
     local daemons=()
     pid=$(read_pid "$RUN/slurmctld.pid"); pid_alive "$pid" slurmctld && daemons+=("$pid")
-    [ ${#daemons[@]} -gt 0 ] && kill -TERM "${daemons[@]}" 2>/dev/null || true
+    pid=$(read_pid "$RUN/munged.pid"); pid_alive "$pid" munged && daemons+=("$pid")
+    if [ ${#daemons[@]} -gt 0 ]; then kill -TERM "${daemons[@]}" 2>/dev/null || true; fi
     wait_gone 8 "${safe[@]+"${safe[@]}"}" "${daemons[@]+"${daemons[@]}"}"
-    pid=$(read_pid "$RUN/munged.pid")
-    if pid_alive "$pid" munged; then
-        kill -TERM "$pid" 2>/dev/null || true
-        wait_gone 5 "$pid"
-    fi
 
     # 3. Network objects this lab created (recorded in $LAB/created).
     if [ -f "$LAB/created" ] && command -v ip >/dev/null; then
@@ -197,7 +206,6 @@ write_config() {
     cpus=$(nproc)
     host=$(hostname -s)
     mkdir -p "$LAB/etc" "$RUN" "$LOG" "$LAB/spool/ctld" "$LAB/fakedev"
-    chmod 700 "$RUN"
 
     # munge key (munged insists on 0400/0600 and root ownership).
     head -c 1024 /dev/urandom >"$LAB/etc/munge.key"
@@ -242,6 +250,7 @@ SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
+MailProg=/bin/true
 GresTypes=gpu
 SlurmdParameters=config_overrides
 SchedulerParameters=batch_sched_delay=0
@@ -257,7 +266,7 @@ EOF
         for ((i = 1; i <= nodes; i++)); do
             local gres=""
             [ "$gpus" -gt 0 ] && gres=" Gres=gpu:$gpus"
-            echo "NodeName=node$i NodeHostname=node$i NodeAddr=$(node_addr "$mode" "$i") Port=$(node_port "$mode" "$i") CPUs=$cpus$gres State=UNKNOWN"
+            echo "NodeName=node$i NodeHostname=node$i NodeAddr=$(node_addr "$mode" "$i") Port=$(node_port "$mode" "$i") CPUs=$cpus Boards=1 SocketsPerBoard=1 CoresPerSocket=$cpus ThreadsPerCore=1$gres State=UNKNOWN"
         done
         echo "PartitionName=lab Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
     } >"$CONF"
@@ -311,14 +320,23 @@ fail_start() {
         echo "----- tail $f" >&2
         tail -n 15 "$f" >&2
     done
-    timeout 5 sinfo -N -l 2>&1 >&2 || true
+    timeout 5 sinfo -N -l >&2 2>&1 || true
     timeout 5 scontrol show node 2>&1 | grep -E 'NodeName|State|Reason' >&2 || true
+    die "$* (logs: $LOG)"     # the EXIT trap of do_start stops what was started
+}
+
+# EXIT trap while starting: a start that fails half-way leaves nothing running.
+start_exit() {
+    local rc=$1
+    trap - EXIT
+    [ "$rc" = 0 ] && return 0
+    log "start failed (exit $rc); stopping what was started"
     do_stop || true
-    die "$* (logs: $LOG)"
+    exit "$rc"
 }
 
 do_start() {
-    local mode=${SLURM_LAB_MODE:-loopback} nodes=${SLURM_LAB_NODES:-2} gpus=${SLURM_LAB_GPUS_PER_NODE:-2}
+    local mode=loopback nodes=2 gpus=2
     while [ $# -gt 0 ]; do
         case $1 in
             --mode) mode=$2; shift 2 ;;
@@ -331,12 +349,13 @@ do_start() {
         esac
     done
     case $mode in loopback | netns) ;; *) die "--mode must be loopback or netns, not '$mode'" ;; esac
-    [[ $nodes =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 50 ] || die "--nodes must be 1..50"
-    [[ $gpus =~ ^[0-9]+$ ]] && [ "$gpus" -le 16 ] || die "--gpus-per-node must be 0..16"
+    if ! [[ $nodes =~ ^[0-9]+$ ]] || [ "$nodes" -lt 1 ] || [ "$nodes" -gt 50 ]; then die "--nodes must be 1..50"; fi
+    if ! [[ $gpus =~ ^[0-9]+$ ]] || [ "$gpus" -gt 16 ]; then die "--gpus-per-node must be 0..16"; fi
 
     local t0=$SECONDS
     do_stop >/dev/null 2>&1 || true       # idempotent: a previous lab goes first
     install_packages
+    local p i
     for p in $CTLD_PORT; do port_busy "$p" && die "port $p is in use (another Slurm lab or slurmctld running?)"; done
     if [ "$mode" = loopback ]; then
         for ((i = 1; i <= nodes; i++)); do
@@ -345,8 +364,11 @@ do_start() {
     fi
 
     # Fresh state every start (old logs, job state and configs go).
-    rm -rf "$LAB/etc" "$LAB/spool" "$LOG" "$RUN" "$LAB/selftest" "$LAB/created"
     mkdir -p "$LAB"
+    touch "$MARKER"
+    rm -rf "${LAB:?}/etc" "$LAB/spool" "$LOG" "$RUN" "$LAB/selftest" "$LAB/created"
+    trap 'start_exit $?' EXIT
+    trap 'exit 130' INT TERM
     local ctl_addr=127.0.0.1
     [ "$mode" = netns ] && ctl_addr=$NET_PREFIX.1
     write_config "$mode" "$nodes" "$gpus" "$ctl_addr"
@@ -371,7 +393,9 @@ do_start() {
         mkdir -p "$LAB/spool/$node"
         cmd="hostname $node && mount --bind '$LAB/etc/hosts' /etc/hosts && exec slurmd -N $node -f '$CONF'"
         if [ "$mode" = netns ]; then
-            ip netns exec "$NETNS_PREFIX$i" unshare --uts --mount --propagation private sh -c "$cmd" \
+            # nsenter, not `ip netns exec`: that one remounts /sys, which hides
+            # /sys/fs/cgroup, and slurmd 22.05 then fails ("Unable to initialize cgroup plugin").
+            nsenter --net="/run/netns/$NETNS_PREFIX$i" unshare --uts --mount --propagation private sh -c "$cmd" \
                 </dev/null >"$LOG/slurmd-$node.out" 2>&1 9>&- || fail_start "slurmd $node did not start"
         else
             unshare --uts --mount --propagation private sh -c "$cmd" \
@@ -405,8 +429,17 @@ do_start() {
         [ $SECONDS -ge $deadline ] && fail_start "nodes not idle after ${START_TIMEOUT}s: $(tr '\n' ' ' <<<"$out")"
         sleep 0.2
     done
-    log "up: $mode mode, $nodes nodes ($(sinfo -h -N -o '%N' | sort -u | tr '\n' ' ')), $gpus GPUs/node, in $((SECONDS - t0))s"
+    # slurmctld makes its first scheduling pass ~3 s after it starts; a job submitted
+    # before that waits for it.  Wait for the pass (it logs its SchedulerParameters) so
+    # that job latencies are the steady ~1 s from the first job on.  Not fatal.
+    deadline=$((SECONDS + 10))
+    until grep -q 'SchedulerParameters=' "$LOG/slurmctld.log" 2>/dev/null; do
+        [ $SECONDS -ge $deadline ] && { log "note: no first scheduling pass seen yet; continuing"; break; }
+        sleep 0.1
+    done
+    log "up: $mode mode, $nodes nodes ($(sinfo -h -N -o '%N' | sort -u | paste -sd ' ')), $gpus GPUs/node, in $((SECONDS - t0))s"
     log "clients: export SLURM_CONF=$CONF   (or: eval \"\$($0 env)\")"
+    trap - EXIT INT TERM
 }
 
 # ---------------------------------------------------------------- status / env
@@ -420,7 +453,7 @@ load_state() {
 do_status() {
     if ! load_state; then echo "slurm lab at $LAB: not running"; return 3; fi
     echo "slurm lab at $LAB: $SLURM_LAB_MODE mode, $SLURM_LAB_NODES nodes, $SLURM_LAB_GPUS_PER_NODE GPUs/node"
-    local ok=0 pid name f
+    local ok=0 pid name f d
     for f in "$RUN"/munged.pid "$RUN"/slurmctld.pid "$RUN"/slurmd-*.pid; do
         [ -e "$f" ] || continue
         name=$(basename "$f" .pid); pid=$(read_pid "$f")
@@ -442,6 +475,23 @@ do_env() {
 }
 
 # ---------------------------------------------------------------- selftest
+# wait_job ID TIMEOUT: poll until the job ends; print its exit code (128+signal if killed).
+wait_job() {
+    local id=$1 deadline=$((SECONDS + $2)) info state code
+    while [ $SECONDS -lt $deadline ]; do
+        info=$(timeout 10 scontrol -o show job "$id" 2>/dev/null || true)
+        state=$(grep -o 'JobState=[A-Z_]*' <<<"$info" | cut -d= -f2 || true)
+        case $state in
+            PENDING | RUNNING | CONFIGURING | COMPLETING | SUSPENDED | REQUEUED* | RESIZING | "") sleep 0.2 ;;
+            *)
+                code=$(grep -o 'ExitCode=[0-9]*:[0-9]*' <<<"$info" | head -n 1 | cut -d= -f2)
+                if [ "${code#*:}" != 0 ]; then echo $((128 + ${code#*:})); else echo "${code%%:*}"; fi
+                return 0 ;;
+        esac
+    done
+    return 1
+}
+
 do_selftest() {
     load_state || die "no running lab at $LAB (run: $0 start)"
     export SLURM_CONF=$CONF
@@ -460,7 +510,7 @@ EOF
 srun bash '$d/task.sh'
 EOF
     local gres=() expect_gpus=unset
-    if [ "$gpus" -gt 0 ]; then gres=(--gres=gpu:$gpus); expect_gpus=$gpus; fi
+    if [ "$gpus" -gt 0 ]; then gres=("--gres=gpu:$gpus"); expect_gpus=$gpus; fi
     rc=0
     timeout 120 sbatch --wait --parsable --nodes="$nodes" --ntasks-per-node=1 "${gres[@]+"${gres[@]}"}" \
         -o "$d/job.out" -e "$d/job.out" "$d/job.sh" >"$d/sbatch.out" 2>&1 || rc=$?
@@ -528,9 +578,11 @@ EOF
 #!/bin/bash
 srun --nodes=2 --ntasks=2 --ntasks-per-node=1 '$py' '$d/tcp.py' $SELFTEST_PORT
 EOF
-        rc=0
-        timeout 120 sbatch --wait --nodes=2 --ntasks-per-node=1 -o "$d/tcp.out" -e "$d/tcp.out" "$d/tcp.sh" \
-            >/dev/null 2>&1 || rc=$?
+        # Submitted without --wait and polled: sbatch --wait sleeps 2 s, then 8 s, then 32 s.
+        local id
+        id=$(sbatch --parsable --nodes=2 --ntasks-per-node=1 -o "$d/tcp.out" -e "$d/tcp.out" "$d/tcp.sh") ||
+            die "selftest: sbatch of the TCP job failed"
+        rc=$(wait_job "$id" 120) || die "selftest: TCP job $id did not finish within 120 s"
         if [ "$rc" != 0 ] || ! grep -q 'reply=pong' "$d/tcp.out"; then
             cat "$d/tcp.out" >&2; die "selftest: TCP rendezvous between node 0 and node 1 failed (rc=$rc)"
         fi
@@ -544,6 +596,7 @@ EOF
 # ---------------------------------------------------------------- main
 cmd=${1:-}
 [ $# -gt 0 ] && shift
+check_lab_dir
 case $cmd in
     start) need_root; with_lock; do_start "$@" ;;
     stop) need_root; with_lock; do_stop ;;
