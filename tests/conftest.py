@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -29,20 +30,40 @@ def traceml_cmd() -> list[str]:
     return [sys.executable, "-m", "traceml"]
 
 
-def run_traceml(args: list[str], cwd: Path, *, timeout: float = 240, env: dict | None = None):
-    """Run `traceml ARGS` in ``cwd``; returns the CompletedProcess (text, captured)."""
+def traceml_env(env: dict | None = None) -> dict:
+    """The test process's environment without a TraceML endpoint, plus ``env``."""
     full_env = dict(os.environ)
     full_env.pop("TRACEML_AGGREGATOR", None)
     full_env.pop("TRACEML_RUN_NAME", None)
     full_env.update(env or {})
+    return full_env
+
+
+def run_traceml(args: list[str], cwd: Path, *, timeout: float = 240, env: dict | None = None):
+    """Run `traceml ARGS` in ``cwd``; returns the CompletedProcess (text, captured)."""
     return subprocess.run(
         traceml_cmd() + args,
         cwd=cwd,
-        env=full_env,
+        env=traceml_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def start_traceml(args: list[str], cwd: Path, log_prefix: Path, *, env: dict | None = None,
+                  prefix: list[str] | None = None) -> subprocess.Popen:
+    """Start `traceml ARGS` in ``cwd`` (after the command words ``prefix``, such as
+    ``ip netns exec NS``) with stdout and stderr in ``<log_prefix>.out``/``.err``."""
+    with open(f"{log_prefix}.out", "wb") as out, open(f"{log_prefix}.err", "wb") as err:
+        return subprocess.Popen(
+            (prefix or []) + traceml_cmd() + args,
+            cwd=cwd,
+            env=traceml_env(env),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+        )
 
 
 def load_summary(run_dir: Path) -> dict:
@@ -51,8 +72,12 @@ def load_summary(run_dir: Path) -> dict:
 
 
 def query(run_dir: Path, sql: str, params: tuple = ()) -> list[tuple]:
-    """Rows of ``sql`` on the run's SQLite database (after the aggregator closed it)."""
-    with sqlite3.connect(run_dir / "telemetry.sqlite") as db:
+    """Rows of ``sql`` on the run's SQLite database (after the aggregator closed it).
+
+    The connection is closed on return: an open one keeps a shared lock (WAL mode) that would
+    stop an aggregator from reopening the database.
+    """
+    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
         return db.execute(sql, params).fetchall()
 
 

@@ -8,7 +8,7 @@ Public API (everything else is internal)::
     for batch in loader:
         with traceml.trace_step(model):  # one optimizer step
             ...
-    traceml.summary()                   # rank 0: the verdict as a flat dict (after finalize)
+    metrics = traceml.summary()         # rank 0: the verdict so far, as a flat dict
 
 Run the script with ``traceml run train.py --nproc-per-node=N``; see ``docs/quickstart.md``.
 """
@@ -19,7 +19,7 @@ import contextlib
 import time
 
 __version__ = "0.1.0"
-__all__ = ["init", "trace_step", "phase", "shutdown", "__version__"]
+__all__ = ["init", "trace_step", "phase", "summary", "shutdown", "__version__"]
 
 
 def init(aggregator: str | None = None, run_name: str | None = None) -> bool:
@@ -132,6 +132,37 @@ def phase(name: str):
         yield
     finally:
         instrumentation.add_phase(name, time.perf_counter_ns() - start)
+
+
+def summary(prefix: str = "traceml/", timeout_s: float | None = None) -> dict:
+    """The verdict so far and its key figures, as one flat dict (rank 0; ``{}`` elsewhere).
+
+    Call it at the end of training, before the script exits: the aggregator analyses what it
+    has stored (this rank's steps are flushed first) and answers with, e.g.::
+
+        {"traceml/verdict": "INPUT_BOUND", "traceml/severity": "critical",
+         "traceml/step_time_ms": 41.2, "traceml/input_wait_ms": 30.1,
+         "traceml/input_wait_pct": 73.0, ...}
+
+    Numbers (``*_ms``, ``*_pct``, ``*_bytes``, counts) suit ``wandb.log`` and
+    ``mlflow.log_metrics``; strings (``verdict``, ``severity``, ``clock``, ...) suit
+    ``mlflow.set_tags``. Unmeasured figures are absent. See ``docs/reading-output.md``.
+
+    Args:
+        prefix: prepended to every name.
+        timeout_s: bound of the whole call, s (default ``TRACEML_SUMMARY_TIMEOUT_SEC``, 30).
+
+    Returns:
+        The dict; ``{}`` on ranks other than 0, and (after one warning) without a session or
+        when the aggregator cannot answer. Never raises (unless ``TRACEML_STRICT=1``).
+    """
+    from traceml.sdk import live_summary, session
+
+    try:
+        return live_summary.fetch(prefix, timeout_s)
+    except Exception as exc:
+        session.fail_open("traceml.summary()", exc)
+        return {}
 
 
 def shutdown() -> None:

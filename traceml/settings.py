@@ -57,13 +57,8 @@ BATCH_MAX_RECORDS = Setting(
 BUFFER_MAX_RECORDS = Setting(
     "TRACEML_BUFFER_MAX_RECORDS",
     "65536",
-    "Bound of the in-process buffer; records beyond it are dropped and counted.",
-)
-UNACKED_MAX_BATCHES = Setting(
-    "TRACEML_UNACKED_MAX_BATCHES",
-    "256",
-    "Batches kept for resend while the aggregator is unreachable; older ones are dropped "
-    "and their records counted.",
+    "Bound of the in-process buffer, records; it also holds what waits while the aggregator "
+    "is out of reach. Records beyond it are dropped and counted.",
 )
 RPC_TIMEOUT_SEC = Setting("TRACEML_RPC_TIMEOUT_SEC", "5", "Deadline of one Push RPC, s.")
 FINISH_TIMEOUT_SEC = Setting(
@@ -76,6 +71,21 @@ MEMORY_EVERY_N_STEPS = Setting(
     "TRACEML_MEMORY_EVERY_N_STEPS",
     "10",
     "CUDA allocator peaks are read (and reset) once every N steps.",
+)
+GPU_TIMING_EVERY_N_STEPS = Setting(
+    "TRACEML_GPU_TIMING_EVERY_N_STEPS",
+    "10",
+    "One step in N is timed on the GPU clock (CUDA events around the step and its phases).",
+)
+GPU_FINISH_WAIT_SEC = Setting(
+    "TRACEML_GPU_FINISH_WAIT_SEC",
+    "2",
+    "How long a rank's exit waits for the CUDA events of its last GPU-timed step, s.",
+)
+SUMMARY_TIMEOUT_SEC = Setting(
+    "TRACEML_SUMMARY_TIMEOUT_SEC",
+    "30",
+    "How long traceml.summary() waits for its steps to be stored and the verdict computed, s.",
 )
 
 ALL: tuple[Setting, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Setting))
@@ -93,18 +103,31 @@ def _warn_bad(setting: Setting, raw: str, why: str) -> None:
     )
 
 
-def env_float(setting: Setting, *, positive: bool = True) -> float:
-    """The variable as a finite float (> 0 when ``positive``); default with a warning if not."""
+def env_float(setting: Setting, *, positive: bool = True, strict: bool = False) -> float:
+    """The variable as a finite float (> 0 when ``positive``); default with a warning if not.
+
+    Args:
+        strict: raise instead of warning and falling back (the launcher rejects bad input
+            before anything starts; training processes must never fail on a knob).
+
+    Raises:
+        ValueError: only with ``strict``; the one-line message names the variable and value.
+    """
     raw = env_str(setting)
     try:
         value = float(raw)
+        why = ""
     except ValueError:
-        _warn_bad(setting, raw, "not a number")
-        return float(setting.default)
-    if not math.isfinite(value) or (positive and value <= 0):
-        _warn_bad(setting, raw, "must be a finite number > 0" if positive else "not finite")
-        return float(setting.default)
-    return value
+        why = "not a number"
+    else:
+        if not math.isfinite(value) or (positive and value <= 0):
+            why = "must be a finite number > 0" if positive else "not finite"
+    if not why:
+        return value
+    if strict:
+        raise ValueError(f"{setting.name}={raw!r}: {why}")
+    _warn_bad(setting, raw, why)
+    return float(setting.default)
 
 
 def env_int(setting: Setting) -> int:

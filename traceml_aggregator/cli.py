@@ -32,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=29765, help="gRPC port (default 29765)")
     p.add_argument("--bind-host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks expected")
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="node launchers that report their torchrun's exit (set by `traceml run`)",
+    )
     p.add_argument("--html-report", action="store_true", help="also write final_summary.html")
     p.add_argument(
         "--finalize-timeout-sec",
@@ -53,9 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         error = f"--port {args.port} is not a TCP port (1-65535)"
     if not error and args.world_size is not None and args.world_size < 1:
         error = f"--world-size {args.world_size} must be >= 1"
+    if not error and args.nnodes is not None and args.nnodes < 1:
+        error = f"--nnodes {args.nnodes} must be >= 1"
     timeout = args.finalize_timeout_sec
     if timeout is None:
-        timeout = settings.env_float(settings.FINALIZE_TIMEOUT_SEC)
+        try:
+            timeout = settings.env_float(settings.FINALIZE_TIMEOUT_SEC, strict=True)
+        except ValueError as exc:
+            error = error or str(exc)
     elif not (math.isfinite(timeout) and timeout > 0):
         error = error or f"--finalize-timeout-sec {timeout} must be a finite number > 0"
     if error:
@@ -67,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         bind_host=args.bind_host,
         world_size=args.world_size,
+        nnodes=args.nnodes,
         html_report=args.html_report,
         finalize_timeout_s=timeout,
     )

@@ -3,8 +3,9 @@
 :class:`RunState` follows every rank from what has been stored: finish markers from the ranks,
 and node exits from the launchers (a node's torchrun exited, so every local rank that did not
 finish is dead, never waited for). :class:`Finalizer` answers the launcher's ``Finalize`` RPC:
-wait until every expected rank is done or the budget runs out, drain the writer, checkpoint,
-write ``final_summary.*``. Its watchdog writes a partial summary on its own when the first rank
+wait until every expected rank is done or the budget runs out, then (briefly) for the node
+launchers' exit reports that carry the ranks' exit codes, drain the writer, checkpoint, write
+``final_summary.*``. Its watchdog writes a partial summary on its own when the first rank
 has ended and the others are still not done after the budget (a hung rank keeps its torchrun,
 and so the launcher, from ever asking).
 """
@@ -16,6 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: Once every rank is done, how long finalization still waits for node launchers that have
+#: not reported their torchrun's exit, s (within the budget). A torchrun exits 0.1-2 s after
+#: its last rank; its report carries the exit codes and signals the summary shows, and a node
+#: whose report arrives after the aggregator stopped warns that it could not report.
+NODE_REPORT_GRACE_S = 10.0
+
 
 @dataclass
 class RunState:
@@ -24,9 +31,12 @@ class RunState:
     Args:
         world_size: ranks expected (``--world-size``); None to take it from the ranks'
             identities.
+        nnodes: node launchers expected to report their torchrun's exit (``--nnodes``);
+            None when no launcher reports (ranks under plain torchrun).
     """
 
     world_size: int | None = None
+    nnodes: int | None = None
     finished: set[int] = field(default_factory=set)
     exited_nodes: dict[int, set[int]] = field(default_factory=dict)
     first_end_monotonic: float | None = None
@@ -54,6 +64,10 @@ class RunState:
         """Ranks 0..world_size-1 (empty while the world size is unknown)."""
         return set(range(self.world_size or 0))
 
+    def unreported_nodes(self) -> list[int]:
+        """Expected nodes whose launcher has not reported its torchrun's exit, sorted."""
+        return sorted(set(range(self.nnodes or 0)) - self.exited_nodes.keys())
+
     def missing(self) -> list[int]:
         """Expected ranks that neither finished nor belong to an exited node, sorted."""
         done = set(self.finished)
@@ -63,10 +77,16 @@ class RunState:
 
     async def wait_done(self, deadline: float) -> list[int]:
         """Wait until no rank is missing or ``deadline`` (monotonic s); the missing ranks."""
-        while True:
-            missing = self.missing()
-            if (not missing and self.world_size) or time.monotonic() >= deadline:
-                return missing
+        await self._wait_for(lambda: bool(self.world_size) and not self.missing(), deadline)
+        return self.missing()
+
+    async def wait_reported(self, deadline: float) -> list[int]:
+        """Wait until every expected node reported or ``deadline``; the unreported nodes."""
+        await self._wait_for(lambda: not self.unreported_nodes(), deadline)
+        return self.unreported_nodes()
+
+    async def _wait_for(self, condition, deadline: float) -> None:
+        while not condition() and time.monotonic() < deadline:
             # Re-check at least every 0.2 s: several waiters share the event, and a set()
             # between one waiter's check and its clear() must not be slept through.
             self.changed.clear()
@@ -113,6 +133,9 @@ class Finalizer:
         budget = budget_s if budget_s and budget_s > 0 else self.budget_s
         deadline = time.monotonic() + budget
         missing = await self.state.wait_done(deadline)
+        if not missing:
+            grace_end = min(deadline, time.monotonic() + NODE_REPORT_GRACE_S)
+            await self.state.wait_reported(grace_end)
         return await self._write(missing, deadline)
 
     async def _write(self, missing: list[int], deadline: float) -> Outcome:

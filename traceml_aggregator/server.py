@@ -1,4 +1,5 @@
-"""The aggregator's gRPC server (``grpc.aio``): Push, ReportNodeExit, Finalize, health.
+"""The aggregator's gRPC server (``grpc.aio``): Push, ReportNodeExit, Finalize, Summarize,
+RegisterNode, health.
 
 One event loop serves every rank's calls (thousands of concurrent streams cost coroutines, not
 threads); the single :class:`~traceml_aggregator.writer.Writer` stores what they bring. The
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -20,12 +22,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from traceml import wire
 from traceml_aggregator.finalize import Finalizer, RunState
+from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
 
 #: Name of the run's database inside the run directory.
 DB_NAME = "telemetry.sqlite"
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
+#: How long a Summarize call lets queued batches reach the store before it reads it, s.
+SUMMARIZE_DRAIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class ServerConfig:
     port: int = 29765
     bind_host: str = "127.0.0.1"
     world_size: int | None = None
+    #: Node launchers that will report their torchrun's exit (None: ranks under plain torchrun).
+    nnodes: int | None = None
     html_report: bool = False
     finalize_timeout_s: float = 300.0
 
@@ -49,6 +56,7 @@ class AggregatorService(wire.AggregatorServicer):
         self.writer = writer
         self.state = state
         self.finalizer = finalizer
+        self.nodes = NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes)
 
     def _foreign(self, run_name: str) -> str:
         if run_name != self.config.run_name:
@@ -90,6 +98,31 @@ class AggregatorService(wire.AggregatorServicer):
             error=outcome.error,
         )
 
+    async def Summarize(self, request, context):
+        reason = self._foreign(request.run_name)
+        if reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        from traceml_aggregator.report import summarize_live
+
+        try:
+            await self.writer.drain(SUMMARIZE_DRAIN_S)
+            metrics, labels = await self.writer.call(summarize_live, self.writer.store)
+        except Exception as exc:  # an analysis bug must not take the aggregator down
+            return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
+        return wire.SummarizeReply(metrics=metrics, labels=labels)
+
+
+    async def RegisterNode(self, request, context):
+        reason = self._foreign(request.run_name)
+        if reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        accepted, refusal = self.nodes.claim(request)
+        if not accepted:
+            print(f"traceml-aggregator: refused a node claim: {refusal}", file=sys.stderr)
+        return wire.NodeClaimReply(
+            accepted=accepted, reason=refusal, run_failure=self.nodes.run_failure
+        )
+
 
 class BindError(RuntimeError):
     """The aggregator could not listen on its host:port (in use, or no such address)."""
@@ -111,7 +144,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     store.set_meta("run_name", config.run_name)
     if config.world_size:
         store.set_meta("world_size", str(config.world_size))
-    state = RunState(world_size=config.world_size)
+    state = RunState(world_size=config.world_size, nnodes=config.nnodes)
     writer = Writer(store, state.on_batch)
 
     def reports(store_, missing):
@@ -157,7 +190,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
     await writer.close()
     print(
         f"traceml-aggregator: stored {writer.records_stored} records in "
-        f"{writer.batches_stored} batches",
+        f"{writer.batches_stored} batches; {writer.batches_duplicate} resent batches "
+        "were already stored",
         file=sys.stderr,
     )
     return 0

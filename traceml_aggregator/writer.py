@@ -37,8 +37,10 @@ class Writer:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
         self._task: asyncio.Task | None = None
         self._busy = False
+        #: Batches and records stored, and resent batches found already stored (not stored).
         self.batches_stored = 0
         self.records_stored = 0
+        self.batches_duplicate = 0
 
     def start(self) -> None:
         """Start the writer task on the running event loop."""
@@ -82,7 +84,9 @@ class Writer:
                 self._busy = False
                 continue
             for (batch, future), result in zip(items, results):
-                if not result.duplicate:
+                if result.duplicate:
+                    self.batches_duplicate += 1
+                else:
                     self.batches_stored += 1
                     self.records_stored += (
                         len(batch.steps) + len(batch.process_samples) + len(batch.system_samples)

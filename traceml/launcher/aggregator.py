@@ -43,6 +43,8 @@ def start(config: LaunchConfig, run_dir: RunDir) -> subprocess.Popen:
         str(config.aggregator_bind_host),
         "--world-size",
         str(config.world_size),
+        "--nnodes",
+        str(config.nnodes),
         "--finalize-timeout-sec",
         str(config.finalize_timeout_sec),
     ]
@@ -88,6 +90,12 @@ def report_node_exit(target: str, report, timeout_s: float = 10.0) -> None:
     """Send this node's NodeExit. Raises grpc.RpcError on failure."""
     with grpc.insecure_channel(target) as channel:
         wire.AggregatorStub(channel).ReportNodeExit(report, timeout=timeout_s)
+
+
+def register_node(target: str, claim, timeout_s: float = 10.0):
+    """Send this node's NodeClaim; returns the NodeClaimReply. Raises grpc.RpcError."""
+    with grpc.insecure_channel(target) as channel:
+        return wire.AggregatorStub(channel).RegisterNode(claim, timeout=timeout_s)
 
 
 def finalize(target: str, run_name: str, budget_s: float):

@@ -7,6 +7,7 @@ script goes to the script, in order. Put ``--`` before script arguments that loo
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -67,16 +68,21 @@ def run_command(
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or 300]",
     ),
     max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
+    use_slurm: bool = typer.Option(
+        False,
+        "--slurm",
+        help="inside srun: derive --nnodes, --node-rank, --nproc-per-node, --master-addr and "
+        "--run-name from the job step's SLURM_* variables (flags given win)",
+    ),
 ) -> None:
     """Run SCRIPT under torchrun with TraceML telemetry; exits with torchrun's exit code."""
+    from traceml.launcher import claim, slurm
     from traceml.launcher.config import LaunchConfig, LaunchError
-    from traceml.launcher.run import Launch, preflight
+    from traceml.launcher.run import Launch, preflight, say
 
     if run_name and session_id and run_name != session_id:
         _error(f"--run-name {run_name!r} and --session-id {session_id!r} differ; give one")
         raise typer.Exit(2)
-    if finalize_timeout_sec is None:
-        finalize_timeout_sec = settings.env_float(settings.FINALIZE_TIMEOUT_SEC)
     config = LaunchConfig(
         script=script,
         script_args=list(ctx.args),
@@ -96,12 +102,103 @@ def run_command(
         max_restarts=max_restarts,
     )
     try:
+        step = slurm.SlurmStep.from_env(os.environ)
+        note = slurm.apply(config, _typed(ctx), step) if use_slurm else slurm.hint(config, step)
+        if note:
+            say(note)
         config.resolve()
         preflight(config)
+    except claim.ClaimError as exc:
+        _error(str(exc))
+        say(claim.report_refusal(config, str(exc)))
+        raise typer.Exit(2)
     except LaunchError as exc:
         _error(str(exc))
         raise typer.Exit(2)
     raise typer.Exit(Launch(config).run())
+
+
+def _typed(ctx: typer.Context) -> set[str]:
+    """Names of the parameters given on the command line (``session_id`` also as
+    ``run_name``, its alias)."""
+    typed = {name for name in ctx.params if ctx.get_parameter_source(name).name == "COMMANDLINE"}
+    if "session_id" in typed:
+        typed.add("run_name")
+    return typed
+
+
+@app.command("view")
+def view_command(
+    summary: Path = typer.Argument(..., help="final_summary.json (or its run directory)"),
+    html: Optional[Path] = typer.Option(None, help="write the HTML report to this file"),
+) -> None:
+    """Print a saved summary's text report, or render its HTML report with --html."""
+    from traceml_aggregator.report import SummaryFileError, read_summary, write_atomic
+
+    try:
+        document = read_summary(summary)
+    except SummaryFileError as exc:
+        _error(str(exc))
+        raise typer.Exit(2)
+    if html is None:
+        from traceml_aggregator.report.text import render_text
+
+        sys.stdout.write(render_text(document))
+        return
+    from traceml_aggregator.report.html import render_html
+
+    try:
+        write_atomic(html, render_html(document))
+    except OSError as exc:
+        _error(f"cannot write {html}: {exc.strerror or exc}")
+        raise typer.Exit(2)
+    print(f"traceml: wrote {html}", file=sys.stderr)
+
+
+@app.command("compare")
+def compare_command(
+    baseline: Path = typer.Argument(..., help="run A: final_summary.json (or its run directory)"),
+    candidate: Path = typer.Argument(..., help="run B, compared with A"),
+    out_dir: Path = typer.Option(Path("."), help="where compare.json and compare.txt go"),
+    fail_on_regression: Optional[float] = typer.Option(
+        None,
+        metavar="PCT",
+        help="exit with code 3 when a key metric got worse by more than PCT percent",
+    ),
+) -> None:
+    """Compare two runs: per-metric deltas, the change of diagnosis, and a verdict."""
+    from traceml_aggregator.report import SummaryFileError, read_summary, to_json, write_atomic
+    from traceml_aggregator.report.compare import (
+        REGRESSION_EXIT_CODE,
+        compare,
+        regressions_beyond,
+        render_compare_text,
+    )
+
+    if fail_on_regression is not None and not fail_on_regression >= 0:
+        _error(f"--fail-on-regression {fail_on_regression} must be a percentage >= 0")
+        raise typer.Exit(2)
+    try:
+        a, b = read_summary(baseline), read_summary(candidate)
+    except SummaryFileError as exc:
+        _error(str(exc))
+        raise typer.Exit(2)
+    document = compare(a, b, a_path=str(baseline), b_path=str(candidate))
+    text = render_compare_text(document)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(out_dir / "compare.json", to_json(document))
+        write_atomic(out_dir / "compare.txt", text)
+    except OSError as exc:
+        _error(f"cannot write to {out_dir}: {exc.strerror or exc}")
+        raise typer.Exit(2)
+    sys.stdout.write(text)
+    if fail_on_regression is not None:
+        worse = regressions_beyond(document, fail_on_regression)
+        if worse:
+            names = ", ".join(f"{r['name']} {r['change_pct']:+.1f}%" for r in worse)
+            _error(f"regression beyond {fail_on_regression:g}%: {names}")
+            raise typer.Exit(REGRESSION_EXIT_CODE)
 
 
 def main() -> None:

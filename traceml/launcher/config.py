@@ -9,6 +9,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from traceml import settings
+
 #: A run name is one safe path segment: letters, digits, '.', '_' and '-', not '.' or '..'.
 _RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -34,12 +36,30 @@ def generated_run_name() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
+def _seconds(value: float | None, setting: settings.Setting, flag: str = "") -> float:
+    """A duration (s): ``value`` (from ``flag``) when given, else ``setting`` from the environment.
+
+    Raises:
+        LaunchError: the value is not a finite number > 0 (the message names its source).
+    """
+    if value is None:
+        try:
+            return settings.env_float(setting, strict=True)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+    if not (math.isfinite(value) and value > 0):
+        raise LaunchError(f"{flag} must be a finite number > 0 (got {value})")
+    return value
+
+
 @dataclass
 class LaunchConfig:
     """Everything ``traceml run`` was asked to do (the flags, after defaults).
 
     ``aggregator_host`` and ``aggregator_bind_host`` are None until :meth:`resolve` fills
-    their defaults (``master_addr``; 127.0.0.1 on one node, 0.0.0.0 on several).
+    their defaults (``master_addr``; 127.0.0.1 on one node, 0.0.0.0 on several); so are the
+    durations (seconds), which come from their flag, else their ``TRACEML_*`` variable, else
+    the default in :mod:`traceml.settings`.
     """
 
     script: str
@@ -57,7 +77,12 @@ class LaunchConfig:
     mode: str = "summary"
     logs_dir: Path = Path("logs")
     html_report: bool = False
-    finalize_timeout_sec: float = 300.0
+    #: Budget of node 0's finalization, s (``--finalize-timeout-sec``, wins over the env).
+    finalize_timeout_sec: float | None = None
+    #: How long node r > 0 waits for node 0's aggregator, s (env only).
+    aggregator_wait_sec: float | None = None
+    #: How long node 0 waits for its own aggregator to serve, s (env only).
+    aggregator_start_sec: float | None = None
     max_restarts: int = 0
     torchrun_args: list[str] = field(default_factory=list)
 
@@ -116,10 +141,13 @@ class LaunchConfig:
                 raise LaunchError(f"{name} {port} is not a TCP port (1-65535)")
         if self.mode not in MODES:
             raise LaunchError(f"--mode must be one of {', '.join(MODES)} (got {self.mode!r})")
-        if not (math.isfinite(self.finalize_timeout_sec) and self.finalize_timeout_sec > 0):
-            raise LaunchError(
-                f"--finalize-timeout-sec must be a finite number > 0 (got {self.finalize_timeout_sec})"
-            )
+        self.finalize_timeout_sec = _seconds(
+            self.finalize_timeout_sec, settings.FINALIZE_TIMEOUT_SEC, "--finalize-timeout-sec"
+        )
+        self.aggregator_wait_sec = _seconds(self.aggregator_wait_sec, settings.AGGREGATOR_WAIT_SEC)
+        self.aggregator_start_sec = _seconds(
+            self.aggregator_start_sec, settings.AGGREGATOR_START_SEC
+        )
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
         if self.run_name is None:

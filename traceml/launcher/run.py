@@ -2,13 +2,18 @@
 
 Node 0::
 
-    check port -> run dir -> aggregator (wait SERVING) -> node sampler -> torchrun -> wait
-    -> report node exit -> Finalize (bounded) -> print summary -> stop aggregator -> exit code
+    check claim, port -> run dir -> aggregator (wait SERVING) -> node sampler -> torchrun
+    -> wait (watching the aggregator and the node claims) -> report node exit
+    -> Finalize (bounded) -> print summary -> stop aggregator -> exit code
 
 Node r > 0::
 
-    run dir -> wait for node 0's aggregator (bounded) -> node sampler -> torchrun -> wait
-    -> report node exit -> exit code
+    check claim -> run dir -> wait for node 0's aggregator (bounded) -> register the claim
+    -> node sampler -> torchrun -> wait -> report node exit -> exit code
+
+A node-rank claim that cannot be right (see :mod:`traceml.launcher.claim`) stops the launch
+before torchrun on the node that makes it, and node 0 stops its torchrun once its aggregator
+says the run cannot rendezvous.
 
 The exit code is torchrun's, always. Once training has started, a telemetry failure is a
 warning on stderr and a field in the manifest, never a different exit code.
@@ -17,16 +22,23 @@ warning on stderr and a field in the manifest, never a different exit code.
 from __future__ import annotations
 
 import errno
+import json
+import signal
 import socket
 import sys
+import time
 
 import grpc
 
 from traceml import __version__, settings
-from traceml.launcher import aggregator
+from traceml.launcher import aggregator, claim
 from traceml.launcher.config import LaunchConfig, LaunchError
 from traceml.launcher.rundir import Manifest, RunDir
 from traceml.launcher.torchrun import TorchrunProcess, exit_code, install_signal_forwarding
+
+
+#: How often node 0's launcher looks at its aggregator while training runs, s.
+WATCH_INTERVAL_S = 1.0
 
 
 def say(message: str) -> None:
@@ -49,7 +61,16 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def preflight(config: LaunchConfig) -> None:
-    """Checks that need the outside world, before anything starts (raises LaunchError)."""
+    """Checks that need the outside world, before anything starts (raises LaunchError).
+
+    The node-rank claim comes first: a second node 0 would otherwise only learn that the
+    aggregator port is taken (on machines that share one port space).
+
+    Raises:
+        ClaimError: this node's ``--node-rank`` cannot be right (see
+            :func:`traceml.launcher.claim.check`).
+    """
+    claim.check(config)
     if config.owns_aggregator:
         if (config.run_dir / "telemetry.sqlite").exists():
             raise LaunchError(
@@ -67,6 +88,8 @@ class Launch:
         self.aggregator_process = None
         self.health = {"status": "not_started", "reason": None, "pid": None, "exit_code": None}
         self.sampler = None
+        #: Why the run cannot rendezvous, once node 0's aggregator says so ("" until then).
+        self.run_failure = ""
 
     def run(self) -> int:
         """Launch, wait, finish; returns the exit code for the launcher."""
@@ -112,6 +135,9 @@ class Launch:
         elif not self._wait_for_owner():
             node_manifest.event("ended", status="aggregator_unreachable")
             return 1
+        elif not self._register():
+            node_manifest.event("ended", status="claim_refused")
+            return 2
 
         self._start_sampler()
         torchrun = TorchrunProcess(config, run_dir)
@@ -120,32 +146,129 @@ class Launch:
         node_manifest.event("training_started", status="training", torchrun_pid=torchrun.process.pid)
         if run_manifest:
             run_manifest.event("training_started", status="training")
-        returncode = torchrun.wait()
+        returncode = self._wait_training(torchrun, run_manifest)
         code = exit_code(returncode)
+        try:
+            self._after_training(torchrun, returncode, node_manifest, run_manifest)
+        except Exception as exc:  # fail-open: telemetry never changes the training's outcome
+            say(
+                f"warning: TraceML failed after training ({type(exc).__name__}: {exc}); "
+                f"exit code {code} is torchrun's"
+            )
+        return code
+
+    def _wait_training(self, torchrun: TorchrunProcess, run_manifest: Manifest | None) -> int:
+        """torchrun's return code, once it exits.
+
+        Meanwhile node 0 looks at its aggregator every :data:`WATCH_INTERVAL_S` and says, once
+        each, when it died (training goes on without telemetry) and when its watchdog wrote a
+        partial summary because ranks never finished (training goes on: TraceML never stops a
+        job; the user decides). The one exception: a node-rank claim the aggregator refused
+        means a node will never join the rendezvous, so torchrun is stopped
+        (:meth:`_watch_claims`). A failure of this watch only ends the watch.
+        """
+        if run_manifest is None:
+            return torchrun.wait()
+        started_unix_s = time.time()
+        partial_seen = False
+        while True:
+            returncode = torchrun.wait(WATCH_INTERVAL_S)
+            if returncode is not None:
+                return returncode
+            try:
+                self._watch_aggregator(run_manifest)
+                partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
+                self._watch_claims(torchrun, run_manifest)
+            except Exception as exc:
+                say(f"warning: stopped watching the aggregator ({type(exc).__name__}: {exc})")
+                return torchrun.wait()
+
+    def _watch_aggregator(self, manifest: Manifest) -> None:
+        """Record and report (once) that node 0's aggregator process has exited; its exit
+        code is a shell's (137: killed by SIGKILL)."""
+        returncode = self.aggregator_process.poll()
+        if returncode is None or self.health["status"] != "serving":
+            return
+        code = exit_code(returncode)
+        self.health.update(
+            status="failed", reason=f"exited with code {code} during the run", exit_code=code
+        )
+        manifest.event("aggregator_failed", aggregator=self.health)
+        say(
+            f"warning: the aggregator exited with code {code} during the run; training "
+            f"continues without telemetry and no final summary will be written "
+            f"(see {self.run_dir.aggregator_stderr})"
+        )
+
+    def _watch_partial(self, manifest: Manifest, since_unix_s: float) -> bool:
+        """True once the aggregator's watchdog has written a partial summary (said once)."""
+        path = self.run_dir.final_summary_json
+        try:
+            if path.stat().st_mtime < since_unix_s:
+                return False
+            missing = json.loads(path.read_text(encoding="utf-8"))["run"]["missing_ranks"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False  # not written yet, being replaced, or not a summary
+        if not missing:
+            return False
+        manifest.event("partial_summary", partial_summary={"path": str(path), "missing_ranks": missing})
+        say(
+            f"partial summary written to {path}: ranks {missing} have not finished "
+            f"{self.config.finalize_timeout_sec:g} s (--finalize-timeout-sec) after the first "
+            "rank ended; training keeps running (TraceML never stops it; Ctrl-C does)"
+        )
+        return True
+
+    def _watch_claims(self, torchrun: TorchrunProcess, manifest: Manifest) -> None:
+        """Node 0 of several: renew its claim; stop torchrun (once) when the run has failed.
+
+        The reply's ``run_failure`` is set once the aggregator refused another launcher's
+        claim before every node had joined: that node never starts its torchrun, so this
+        one would wait in the rendezvous until torchrun's own timeout.
+        """
+        if self.config.nnodes < 2 or self.run_failure:
+            return
+        try:
+            reply = claim.register(self.config, timeout_s=WATCH_INTERVAL_S)
+        except grpc.RpcError:
+            return  # the aggregator's own health is _watch_aggregator's
+        self.run_failure = reply.run_failure or reply.reason
+        if not self.run_failure:
+            return
+        manifest.event("rendezvous_failed", reason=self.run_failure)
+        say(
+            f"error: the run cannot rendezvous: {self.run_failure}; stopping training on this "
+            "node (no summary: nothing ran)"
+        )
+        torchrun.forward_signal(signal.SIGTERM)
+
+    def _after_training(
+        self,
+        torchrun: TorchrunProcess,
+        returncode: int,
+        node_manifest: Manifest,
+        run_manifest: Manifest | None,
+    ) -> None:
+        """Stop the sampler, report this node's exit, finalize and stop the aggregator (node
+        0), and record the end in the manifests."""
+        code = exit_code(returncode)
+        status = "completed" if code == 0 else "failed"
         self._stop_sampler()
         report = torchrun.node_exit(returncode)
         node_manifest.event(
             "training_ended",
-            status="finalizing" if owner else "reporting",
+            status="reporting" if run_manifest is None else "finalizing",
             torchrun_exit_code=code,
             ranks=[_rank_end_json(r) for r in report.ranks],
         )
         telemetry_ok = self._report_node_exit(report)
-        if owner:
-            self._finalize(run_manifest)
-            self.health["exit_code"] = aggregator.stop(self.aggregator_process)
-            if self.health["status"] == "serving":
-                self.health["status"] = "stopped"
-            run_manifest.event(
-                "ended", status="completed" if code == 0 else "failed", exit_code=code
-            )
-        node_manifest.event(
-            "ended",
-            status="completed" if code == 0 else "failed",
-            exit_code=code,
-            telemetry_reported=telemetry_ok,
-        )
-        return code
+        if run_manifest is not None:
+            try:
+                self._finalize(run_manifest)
+            finally:
+                self._stop_aggregator()
+            run_manifest.event("ended", status=status, exit_code=code, aggregator=self.health)
+        node_manifest.event("ended", status=status, exit_code=code, telemetry_reported=telemetry_ok)
 
     # --- steps -------------------------------------------------------------------------------
     def _start_aggregator(self, manifest: Manifest) -> bool:
@@ -155,12 +278,12 @@ class Launch:
         try:
             aggregator.wait_serving(
                 config.launcher_target,
-                settings.env_float(settings.AGGREGATOR_START_SEC),
+                config.aggregator_start_sec,
                 self.aggregator_process,
             )
         except aggregator.AggregatorUnavailable as exc:
             self.health.update(status="failed", reason=str(exc))
-            self.health["exit_code"] = aggregator.stop(self.aggregator_process)
+            self._stop_aggregator()
             manifest.event("ended", status="aggregator_failed", aggregator=self.health)
             say(f"error: {exc}; see {self.run_dir.aggregator_stderr}")
             return False
@@ -168,8 +291,26 @@ class Launch:
         manifest.event("aggregator_serving", aggregator=self.health)
         return True
 
+    def _register(self) -> bool:
+        """Node r > 0: claim this node's rank at node 0's aggregator; False when refused.
+
+        An aggregator that cannot take the claim (another run name, an old version) costs
+        only the check: a warning, and the launch goes on.
+        """
+        try:
+            reply = claim.register(self.config)
+        except grpc.RpcError as exc:
+            say(
+                f"warning: node 0's aggregator did not take this node's claim "
+                f"({exc.code().name}: {exc.details()})"
+            )
+            return True
+        if not reply.accepted:
+            say(f"error: node 0 refused this node: {reply.reason}")
+        return reply.accepted
+
     def _wait_for_owner(self) -> bool:
-        wait_s = settings.env_float(settings.AGGREGATOR_WAIT_SEC)
+        wait_s = self.config.aggregator_wait_sec
         target = self.config.aggregator_target
         say(f"node {self.config.node_rank}: waiting up to {wait_s:g} s for node 0's aggregator at {target}")
         try:
@@ -209,8 +350,17 @@ class Launch:
             say(f"warning: could not report this node's exit to the aggregator ({exc.code().name})")
             return False
 
+    def _stop_aggregator(self) -> None:
+        """Stop node 0's aggregator; its exit code goes into the health fields."""
+        self.health["exit_code"] = exit_code(aggregator.stop(self.aggregator_process))
+        if self.health["status"] == "serving":
+            self.health["status"] = "stopped"
+
     def _finalize(self, manifest: Manifest) -> None:
         config = self.config
+        self._watch_aggregator(manifest)
+        if self.health["status"] != "serving" or self.run_failure:
+            return  # said by _watch_aggregator or _watch_claims
         try:
             reply = aggregator.finalize(
                 config.launcher_target, str(config.run_name), config.finalize_timeout_sec
@@ -239,7 +389,7 @@ class Launch:
                 artifacts[key] = path
         manifest.event(
             "finalized",
-            status="finalized",
+            status="finalize_failed" if reply.error else "finalized",
             aggregator=self.health,
             artifacts=artifacts,
             complete=reply.complete,

@@ -41,6 +41,7 @@ class RunDir:
         self.aggregator_dir = self.root / "aggregator"
         self.aggregator_stderr = self.aggregator_dir / "process.stderr.log"
         self.database = self.root / "telemetry.sqlite"
+        self.final_summary_json = self.root / "final_summary.json"
 
     def create(self, *, owner: bool) -> None:
         """Create the directories this node writes into."""

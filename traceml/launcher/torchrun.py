@@ -129,12 +129,20 @@ class TorchrunProcess:
     def node_exit(self, returncode: int):
         """The :class:`~traceml.wire.NodeExit` for this node: one RankEnd per local rank.
 
-        Failed ranks come from torchrun's own failure record; when torchrun failed, the other
-        local ranks were stopped by it (``terminated``); when it succeeded, all completed.
+        Failed ranks come from torchrun's own failure record, which lists every local rank
+        that ended with a non-zero code or a signal. When one local rank failed, torchrun
+        stopped the others with SIGTERM: those are ``terminated`` (signal 15 kept), not a
+        failure of their own; a SIGTERM is the rank's own end only when every failed rank got
+        one. A rank the record does not list exited 0 (``completed``). Without a record
+        (torchrun itself was stopped, or failed before its workers ended) a non-zero exit
+        leaves every rank ``terminated``.
         """
         from traceml import wire
 
         failed = _read_failures(self.run_dir.rank_ends)
+        unlisted_completed = returncode == 0 or failed is not None
+        failed = failed or {}
+        other_cause = any(f.get("signal") != signal.SIGTERM for f in failed.values())
         config = self.config
         report = wire.NodeExit(
             run_name=str(config.run_name),
@@ -146,19 +154,24 @@ class TorchrunProcess:
             rank = config.node_rank * config.nproc_per_node + local_rank
             end = report.ranks.add(rank=rank, local_rank=local_rank)
             info = failed.get(rank)
-            if info is not None:
-                if info.get("signal") is not None:
-                    end.end_state = wire.EndState.END_STATE_SIGNALED
-                    end.signal = info["signal"]
+            if info is None:
+                if unlisted_completed:
+                    end.end_state = wire.EndState.END_STATE_COMPLETED
+                    end.exit_code = 0
                 else:
-                    end.end_state = wire.EndState.END_STATE_FAILED
-                    end.exit_code = info["exit_code"]
-                end.reason = info.get("reason") or ""
-            elif returncode == 0:
-                end.end_state = wire.EndState.END_STATE_COMPLETED
-                end.exit_code = 0
-            else:
+                    end.end_state = wire.EndState.END_STATE_TERMINATED
+            elif info.get("signal") == signal.SIGTERM and other_cause:
                 end.end_state = wire.EndState.END_STATE_TERMINATED
+                end.signal = signal.SIGTERM
+                end.reason = "stopped by torchrun after another local rank failed"
+            elif info.get("signal") is not None:
+                end.end_state = wire.EndState.END_STATE_SIGNALED
+                end.signal = info["signal"]
+                end.reason = info.get("reason") or ""
+            else:
+                end.end_state = wire.EndState.END_STATE_FAILED
+                end.exit_code = info["exit_code"]
+                end.reason = info.get("reason") or ""
         return report
 
 
@@ -167,11 +180,12 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _read_failures(path: Path) -> dict[int, dict]:
+def _read_failures(path: Path) -> dict[int, dict] | None:
+    """Failed ranks by global rank, from torchrun_main's record; None when there is none."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}
+        return None
     return {int(r["rank"]): r for r in data.get("failed", [])}
 
 

@@ -17,6 +17,18 @@ import sys
 RANK_ENDS_FILE_ENV = "TRACEML_RANK_ENDS_FILE"
 
 
+def _reason(failure) -> str:
+    """What torchrun knows of why a rank failed: its error file's message (ranks whose entry
+    point uses torch's ``@record``) or the signal; "" when torchrun only has its generic
+    "To enable traceback see ..." hint, so the rank's own finish reason shows instead."""
+    if failure.exitcode >= 0 and not os.path.isfile(failure.error_file):
+        return ""
+    message = failure.message
+    if isinstance(message, dict):  # error files written by torch's ErrorHandler
+        message = message.get("message", "")
+    return str(message or "")[:1000]
+
+
 def _write_failures(path: str, failures: dict) -> None:
     ranks = []
     for rank, failure in sorted(failures.items()):
@@ -27,7 +39,7 @@ def _write_failures(path: str, failures: dict) -> None:
                 "local_rank": int(failure.local_rank),
                 "exit_code": code if code >= 0 else None,
                 "signal": -code if code < 0 else None,
-                "reason": str(failure.message or "")[:1000],
+                "reason": _reason(failure),
             }
         )
     tmp = f"{path}.tmp"

@@ -5,13 +5,16 @@ training thread only calls :meth:`TelemetryClient.submit`, which appends to a bo
 (no lock, no I/O, no allocation beyond the deque slot). A daemon thread wakes every
 ``TRACEML_FLUSH_INTERVAL_SEC`` (or when ``TRACEML_BATCH_MAX_RECORDS`` records wait), turns
 buffered items into one :class:`~traceml.wire.Batch` with the next sequence number, and sends it
-with a unary ``Push``. The aggregator acknowledges the highest sequence number it has durably
-stored; unacknowledged batches are resent, in order, after a reconnect with exponential backoff.
-The aggregator ignores a sequence number it already stored, so a resend is never stored twice.
+with a unary ``Push``. One batch is in flight at a time: the aggregator acknowledges the highest
+sequence number it has durably stored, and until the batch is covered by an acknowledgement it
+is resent (after a failed call, with exponential backoff from 0.2 s to 5 s); new records wait in
+the buffer meanwhile. The aggregator ignores a sequence number it already stored, so a resend is
+never stored twice.
 
 What the client had to give up is counted, never silently lost: records refused because the
-buffer was full, and records of batches dropped because too many were waiting for an ack. The
-counts travel in the rank's :class:`~traceml.wire.RankFinish`.
+buffer was full (``TRACEML_BUFFER_MAX_RECORDS``, the only bound: while the aggregator is out of
+reach, records accumulate there). The count travels in the rank's
+:class:`~traceml.wire.RankFinish`; :class:`ClientStats` also counts failed calls and resends.
 
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
 flight; measured with grpcio 1.85, streaming during fork() killed children and broke the parent's
@@ -68,9 +71,6 @@ class ClientConfig:
     buffer_max_records: int = field(
         default_factory=lambda: settings.env_int(settings.BUFFER_MAX_RECORDS)
     )
-    unacked_max_batches: int = field(
-        default_factory=lambda: settings.env_int(settings.UNACKED_MAX_BATCHES)
-    )
     rpc_timeout_s: float = field(
         default_factory=lambda: settings.env_float(settings.RPC_TIMEOUT_SEC)
     )
@@ -84,20 +84,32 @@ class ClientStats:
 
     submitted: int = 0
     dropped_buffer_full: int = 0
-    dropped_unacked: int = 0
+    #: Records in batches the aggregator acknowledged.
+    acked: int = 0
+    #: Push calls that returned an acknowledgement (batches).
     batches_sent: int = 0
+    #: Batches covered by an acknowledgement.
     batches_acked: int = 0
+    #: Push calls that failed (unreachable, deadline exceeded, aborted by the aggregator).
+    send_failures: int = 0
+    #: Push calls that carried a batch already sent once (after a failure or a stale ack).
     resends: int = 0
+    #: Pending records converted at close before they were ready (steps whose CUDA events
+    #: never completed: sent without GPU fields).
+    unresolved: int = 0
 
     @property
     def dropped(self) -> int:
         """All records this client could not deliver."""
-        return self.dropped_buffer_full + self.dropped_unacked
+        return self.dropped_buffer_full
 
 
 # --- fork hooks: shared by every client of the process ------------------------------------
 _clients: "weakref.WeakSet[TelemetryClient]" = weakref.WeakSet()
 _in_forked_child = False
+#: Aggregators some client of this process reported unreachable and has not reached since: a
+#: rank and the node sampler it hosts share one endpoint, and the user gets one warning for it.
+_unreachable_targets: set[str] = set()
 
 
 def in_forked_child() -> bool:
@@ -167,7 +179,8 @@ class TelemetryClient:
         self.stats = ClientStats()
         self._warn = warn or (lambda msg: print(f"traceml: {msg}", file=sys.stderr, flush=True))
         self._buffer: collections.deque = collections.deque()
-        self._unacked: collections.deque = collections.deque()  # Batch messages, seq order
+        self._pending = None  # the Batch sent (or about to be) and not yet acknowledged
+        self._sent_seq = 0  # highest sequence number ever put on the wire
         self._next_seq = 1
         self._acked_seq = 0
         self._ever_acked = False
@@ -177,7 +190,8 @@ class TelemetryClient:
         self._finish = None  # RankFinish to send last, set by close()
         self._rpc_lock = threading.Lock()
         self._wake = threading.Event()
-        self._idle = threading.Event()  # set when everything submitted so far is acked
+        self._done = threading.Event()  # set by the sender thread when closing is over
+        self._delivered = False  # everything, finish marker included, was acknowledged
         self._stub = None
         self._channel = None
         _clients.add(self)
@@ -208,62 +222,101 @@ class TelemetryClient:
     def close(self, finish=None, timeout_s: float = 10.0) -> bool:
         """Send what is buffered, then ``finish`` (a RankFinish) last; wait up to ``timeout_s``.
 
-        Returns True when every batch was acknowledged. A client that has already found the
-        aggregator unreachable and never reached it does not wait: training has paid the
-        warning, not the time.
+        Returns True when every batch was acknowledged. Returns False without waiting longer
+        when the aggregator rejected the run, or when a send fails and the aggregator was never
+        reached (training has paid the warning, not the time); False after ``timeout_s`` when
+        the aggregator stopped answering. Afterwards the client is closed: :meth:`submit` is a
+        no-op, the sender thread ends, a second ``close()`` returns False at once.
         """
         if self._dead:
             return False
         self._finish = finish
-        self._closing = True
-        self._idle.clear()
+        self._closing = True  # after _finish: the sender thread reads them in this order
         self._wake.set()
-        never_reached = self._unreachable_warned and not self._ever_acked
-        wait_s = 0.0 if never_reached else timeout_s
-        delivered = self._idle.wait(wait_s)
+        self._done.wait(timeout_s)
         self._dead = True
         self._wake.set()
-        return delivered and not self._rejected
+        return self._delivered
 
     _closing = False
+
+    # --- caller's thread: flush and one-off calls ---------------------------------------------
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every record submitted so far is acknowledged, at most ``timeout_s``.
+
+        For a caller that needs the aggregator to hold this sender's data now
+        (``traceml.summary()``). Returns False (never raises) on timeout, when the aggregator
+        was never reached or rejected the run, and in a forked child.
+        """
+        deadline = time.monotonic() + timeout_s
+        target = self.stats.submitted
+        while self.stats.acked < target:
+            never_reached = self._unreachable_warned and not self._ever_acked
+            if self._dead or self._rejected or never_reached or time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.02)
+        return not self._rejected
+
+    def call(self, method: str, request, timeout_s: float):
+        """One unary RPC of the aggregator (e.g. ``"Summarize"``) on a channel of its own, under
+        the fork lock, so that no fork() (a DataLoader worker) happens while it is in flight.
+
+        Raises:
+            grpc.RpcError: the call failed or timed out.
+            RuntimeError: called in a forked child, which must never touch gRPC.
+        """
+        if _in_forked_child:
+            raise RuntimeError("no telemetry RPC from a forked child")
+        import grpc
+
+        from traceml import wire
+
+        with self._rpc_lock, grpc.insecure_channel(self.target) as channel:
+            return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)
 
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
         backoff = 0.0
-        while not self._dead:
-            self._wake.wait(backoff or self.config.flush_interval_s)
-            self._wake.clear()
-            if self._dead or _in_forked_child:
-                return
-            try:
-                ok = self._flush()
-            except Exception as exc:  # fail-open: a bug here must not kill training
-                self._warn(f"telemetry sender error ({type(exc).__name__}: {exc}); retrying")
-                ok = False
-            if ok:
-                backoff = 0.0
-                if self._closing and not self._buffer and not self._unacked:
-                    self._idle.set()
+        try:
+            while not self._dead:
+                self._wake.wait(backoff or self.config.flush_interval_s)
+                self._wake.clear()
+                if self._dead:
                     return
-            else:
-                backoff = min(max(backoff * 2, 0.2), self.config.max_backoff_s)
-        self._close_channel()
+                try:
+                    ok = self._flush()
+                except Exception as exc:  # fail-open: a bug here must not kill training
+                    self._warn(f"telemetry sender error ({type(exc).__name__}: {exc}); retrying")
+                    ok = False
+                backoff = 0.0 if ok else min(max(backoff * 2, 0.2), self.config.max_backoff_s)
+                if self._closing and self._close_over(ok):
+                    self._done.set()
+                    return
+        finally:
+            self._close_channel()
+
+    def _close_over(self, ok: bool) -> bool:
+        """Whether a closing client is done: all delivered, rejected, or never reached."""
+        if self._rejected:
+            return True
+        if ok and self._pending is None and not self._buffer and self._finish is None:
+            self._delivered = True
+            return True
+        return not ok and not self._ever_acked
 
     def _flush(self) -> bool:
-        """Send unacked batches, then new ones, until the buffer is drained or a send fails."""
+        """Send the pending batch, then new ones, until the buffer is drained or a send fails."""
         if self._rejected:
             self._buffer.clear()
             return True
         while True:
-            if self._unacked:
-                if not self._send(self._unacked[0]):
-                    return False
-                continue
-            batch = self._take_batch()
-            if batch is None:
-                return True
-            self._unacked.append(batch)
-            self._bound_unacked()
+            if self._pending is None:
+                self._pending = self._take_batch()
+                if self._pending is None:
+                    return True
+            if not self._send(self._pending):
+                return False
 
     def _take_batch(self):
         from traceml import wire
@@ -277,8 +330,10 @@ class TelemetryClient:
         while self._buffer and records < self.config.batch_max_records:
             kind, item = self._buffer[0]
             if kind == STEPS and not isinstance(item, wire.StepRecord):
-                if not item.ready() and not self._closing:
-                    break  # keep step order; resolved on a later wake
+                if not item.ready():
+                    if not self._closing:
+                        break  # keep step order; resolved on a later wake
+                    self.stats.unresolved += 1
                 item = item.to_proto()
             getattr(batch, kind).append(item)
             self._buffer.popleft()
@@ -293,44 +348,45 @@ class TelemetryClient:
         if last:
             self._finish.last_seq = batch.seq
             self._finish.records_dropped = self.stats.dropped
+            self._finish.steps_gpu_unresolved = self.stats.unresolved
             batch.finish.CopyFrom(self._finish)
             self._finish = None
         return batch
 
-    def _bound_unacked(self) -> None:
-        while len(self._unacked) > self.config.unacked_max_batches:
-            lost = self._unacked.popleft()
-            self.stats.dropped_unacked += _record_count(lost)
-
     def _send(self, batch) -> bool:
+        """One ``Push`` of ``batch``; True once an acknowledgement covers it (or the run was
+        rejected), False when it must be sent again."""
         import grpc
 
         with self._rpc_lock:
-            if self._dead and not self._closing:
+            if self._dead:
                 return False
+            if batch.seq <= self._sent_seq:
+                self.stats.resends += 1
+            self._sent_seq = max(self._sent_seq, batch.seq)
             try:
-                stub = self._connect()
-                ack = stub.Push(batch, timeout=self.config.rpc_timeout_s)
+                ack = self._connect().Push(batch, timeout=self.config.rpc_timeout_s)
             except grpc.RpcError as exc:
+                self.stats.send_failures += 1
                 self._on_unreachable(exc)
                 return False
         self.stats.batches_sent += 1
         if ack.rejected:
             self._rejected = True
             self._warn(f"aggregator rejected telemetry: {ack.reason}; sending no more")
-            self._unacked.clear()
+            self._pending = None
             self._buffer.clear()
             return True
-        if self._unreachable_warned and self._ever_acked is False:
+        if not self._ever_acked and self.target in _unreachable_targets:
+            _unreachable_targets.discard(self.target)
             self._warn(f"aggregator at {self.target} reached; telemetry flowing")
         self._ever_acked = True
         self._acked_seq = max(self._acked_seq, ack.stored_seq)
-        while self._unacked and self._unacked[0].seq <= self._acked_seq:
-            self._unacked.popleft()
-            self.stats.batches_acked += 1
-        if batch.seq > self._acked_seq:  # stored nothing: the aggregator is not keeping up
-            self.stats.resends += 1
+        if batch.seq > self._acked_seq:  # not stored (yet): the aggregator is not keeping up
             return False
+        self._pending = None
+        self.stats.batches_acked += 1
+        self.stats.acked += _record_count(batch)
         return True
 
     def _connect(self):
@@ -346,13 +402,16 @@ class TelemetryClient:
         return self._stub
 
     def _on_unreachable(self, exc) -> None:
-        code = exc.code() if hasattr(exc, "code") else None
+        """A Push failed: warn once per process and endpoint, drop the channel."""
         if not self._unreachable_warned:
             self._unreachable_warned = True
-            self._warn(
-                f"aggregator at {self.target} unreachable ({getattr(code, 'name', code)}); "
-                "training continues, telemetry is kept and resent"
-            )
+            if self.target not in _unreachable_targets:
+                _unreachable_targets.add(self.target)
+                code = exc.code() if hasattr(exc, "code") else None
+                self._warn(
+                    f"aggregator at {self.target} unreachable ({getattr(code, 'name', code)}); "
+                    "training continues, telemetry is kept and resent"
+                )
         self._close_channel()
 
     def _close_channel(self) -> None:

@@ -39,6 +39,7 @@ class Session:
         self.target = target
         self.start_unix_us = time.time_ns() // 1000
         self.parallelism = "single"
+        self.backend = ""  # process-group backend ("gloo", "nccl"), "" before one is seen
         self._exception: BaseException | None = None
         self._closed = False
         self.client = client_mod.TelemetryClient(
@@ -50,6 +51,8 @@ class Session:
         )
         self.tracer = StepTracer(self._emit_step, time.perf_counter_ns())
         self.extensions: list = []  # objects with close(): samplers, GPU timing
+        #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.
+        self.device = None
         self.models_seen: set[int] = set()  # id() of models whose forward is hooked
         self.step_context = None  # the reusable context manager trace_step() returns
 
@@ -57,20 +60,14 @@ class Session:
         self.client.submit(client_mod.STEPS, measurement)
 
     def _identity(self):
-        """The RankIdentity, built when the first batch is sent (the process group and the
-        traced model are known by then)."""
+        """The RankIdentity, built when the first batch is sent (the traced model is known by
+        then; the process group may already be destroyed, so its backend is the one
+        :meth:`note_model` saw)."""
         import torch
 
         from traceml import wire
 
-        backend = ""
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                backend = str(dist.get_backend())
-        except Exception:
-            pass
+        backend = self.backend or _process_group_backend()
         info = self.info
         device, uuid = self._device()
         return wire.RankIdentity(
@@ -93,22 +90,57 @@ class Session:
         )
 
     def _device(self) -> tuple[str, str]:
-        """The rank's device and, for a GPU whose context exists, its UUID."""
-        import torch
+        """``("cuda:<i>", NVML UUID)`` once the training thread has used a GPU, else cpu.
 
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        Runs on the sender thread, which must not ask CUDA for its own current device (device
+        0 for that thread): the index is the one the training thread found.
+        """
+        device = self.device
+        if device is None or device.index is None:
             return "cpu", ""
-        index = torch.cuda.current_device()
         try:
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
-            if uuid and not uuid.startswith(("GPU-", "MIG-")):
-                uuid = f"GPU-{uuid}"
+            uuid = device.uuid()
         except Exception:
             uuid = ""
-        return f"cuda:{index}", uuid
+        return f"cuda:{device.index}", uuid
+
+    def attach_telemetry(self) -> None:
+        """Add what goes beyond CPU step phases: with CUDA, the GPU clock, step memory peaks
+        and H2D timing; the samplers (:func:`traceml.sdk.samplers.start_rank_samplers`).
+        See ``docs/telemetry.md`` for what each figure is and costs."""
+        import torch
+
+        from traceml.sdk import instrumentation, memory, samplers, timing
+        from traceml.sdk.device import RankDevice
+
+        if torch.cuda.is_available():
+            self.device = RankDevice()
+            tracer = self.tracer
+
+            def on_device() -> None:
+                tracer.h2d_measured = True
+
+            timer = timing.GpuTimer(
+                self.device,
+                settings.env_int(settings.GPU_TIMING_EVERY_N_STEPS),
+                on_device=on_device,
+                finish_wait_s=settings.env_float(settings.GPU_FINISH_WAIT_SEC),
+            )
+            tracer.gpu_step_factory = timer
+            tracer.memory_reader = memory.StepMemory(
+                self.device, settings.env_int(settings.MEMORY_EVERY_N_STEPS)
+            )
+            instrumentation.install_h2d()
+            self.extensions.append(timer)
+        sampler = samplers.start_rank_samplers(self)
+        if sampler is not None:
+            self.extensions.append(sampler)
 
     def note_model(self, model) -> None:
-        """Remember the parallelism wrapper of the first traced model."""
+        """Remember the process group's backend and the parallelism wrapper of the first
+        traced model (training thread, once per model)."""
+        if not self.backend:
+            self.backend = _process_group_backend()
         if self.parallelism != "single" or model is None:
             return
         name = type(model).__name__
@@ -143,6 +175,18 @@ class Session:
         self.client.close(finish, timeout_s=timeout)
 
 
+def _process_group_backend() -> str:
+    """The default process group's backend, or "" when there is none."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return str(dist.get_backend())
+    except Exception:
+        pass
+    return ""
+
+
 _session: Session | None = None
 _lock = threading.Lock()
 
@@ -175,6 +219,7 @@ def start(aggregator: str | None = None, run_name: str | None = None) -> Session
         from traceml.sdk import instrumentation
 
         instrumentation.install(session.tracer)
+        session.attach_telemetry()
         _install_exit_hooks(session)
         _session = session
         return session

@@ -120,7 +120,10 @@ class StepTracer:
         #: DataLoader ``__next__`` time since the previous step ended (ns).
         self.dataloader_pending_ns: int | None = None
         self.forward_depth = 0
-        #: Per-step GPU timing (set by :mod:`traceml.sdk.timing` when CUDA is used).
+        #: Backward or optimizer calls in progress (a host-to-device copy inside one is its time).
+        self.phase_depth = 0
+        #: Called with the step index as a step opens; returns its GPU timing object or None
+        #: (a :class:`traceml.sdk.timing.GpuTimer`, set when CUDA is available).
         self.gpu_step_factory = None
         self.gpu_step = None
         #: Called at step end to read memory peaks every N steps (CUDA only).
@@ -142,16 +145,26 @@ class StepTracer:
         self.forward_ns = self.backward_ns = self.optimizer_ns = None
         self.h2d_ns = 0
         self.dataloader_in_step_ns = 0
-        self.forward_depth = 0
+        self.forward_depth = self.phase_depth = 0
         if self.gpu_step_factory is not None:
-            self.gpu_step = self.gpu_step_factory()
+            self.gpu_step = self.gpu_step_factory(self.steps_completed)
 
     def end(self) -> None:
-        """Close the step and emit its measurement."""
-        end_ns = _now_ns()
-        self.in_step = False
+        """Close the step and emit its measurement.
+
+        The GPU end event and the memory read (one step in N) come before the clock stops:
+        their cost is this step's (its residual), never the next step's input wait.
+        """
         m = StepMeasurement()
         m.step = self.steps_completed
+        if self.gpu_step is not None:
+            self.gpu_step.close()
+            m.gpu = self.gpu_step
+            self.gpu_step = None
+        if self.memory_reader is not None:
+            self.memory_reader(m)
+        end_ns = _now_ns()
+        self.in_step = False
         m.origin_ns = self.origin_ns
         m.end_ns = end_ns
         prev_end = self._last_end_ns
@@ -169,12 +182,6 @@ class StepTracer:
         m.forward_ns = self.forward_ns
         m.backward_ns = self.backward_ns
         m.optimizer_ns = self.optimizer_ns
-        if self.gpu_step is not None:
-            self.gpu_step.close()
-            m.gpu = self.gpu_step
-            self.gpu_step = None
-        if self.memory_reader is not None:
-            self.memory_reader(m)
         self._last_end_ns = end_ns
         self.dataloader_pending_ns = None
         self.steps_completed += 1

@@ -13,7 +13,11 @@ from traceml.wire.v1.service_pb2 import (
     Batch,
     FinalizeReply,
     FinalizeRequest,
+    NodeClaim,
+    NodeClaimReply,
     NodeExitAck,
+    SummarizeReply,
+    SummarizeRequest,
 )
 from traceml.wire.v1.service_pb2_grpc import (
     AggregatorServicer,
@@ -46,6 +50,8 @@ __all__ = [
     "RankFinish",
     "RankIdentity",
     "StepRecord",
+    "SummarizeReply",
+    "SummarizeRequest",
     "SystemSample",
     "add_AggregatorServicer_to_server",
 ]

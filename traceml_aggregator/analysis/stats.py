@@ -38,3 +38,28 @@ def median(values: Iterable[float | None]) -> float | None:
     """Median of the non-None values, or None."""
     present = sorted(v for v in values if v is not None)
     return percentile(present, 50) if present else None
+
+
+def lower_median(values: Iterable[float | None]) -> float | None:
+    """The lower median of the non-None values (for two values, the smaller), or None.
+
+    Used for "the typical rank": a value that more than half of the ranks reach, so one
+    outlying rank never moves it (the plain median of two ranks would be their mean).
+    """
+    present = sorted(v for v in values if v is not None)
+    return present[(len(present) - 1) // 2] if present else None
+
+
+def bucket_medians(
+    xs: list[int], ys: list[float], max_points: int
+) -> tuple[list[int], list[float]]:
+    """Shrink a series to at most ``max_points`` points: consecutive equal-size buckets, each
+    as (its first x, the median of its y). Series already short enough come back unchanged."""
+    if len(xs) <= max_points:
+        return list(xs), list(ys)
+    size = math.ceil(len(xs) / max_points)
+    out_x, out_y = [], []
+    for start in range(0, len(xs), size):
+        out_x.append(xs[start])
+        out_y.append(percentile(sorted(ys[start : start + size]), 50))
+    return out_x, out_y

@@ -1,105 +1,197 @@
-"""The summary document (``final_summary.json``) built from :class:`RunData`.
+"""The summary document (``final_summary.json``) built from :class:`RunData`, I/O-free.
 
-Units: every duration is in milliseconds (``*_ms``), every size in bytes (``*_bytes``). A
-figure that was never measured is ``null``, never 0.
+Layout (``docs/final_summary.schema.json`` is the contract, ``docs/reading-output.md`` the
+guide): ``run`` (identity, topology, completeness), ``primary_diagnosis`` (why the steps are
+slow), ``findings`` by section (``step_time``, ``memory``, ``system``, ``health``),
+``analysis`` (window, clock, typical rank, thresholds), ``ranks[]`` and ``nodes[]``.
+
+Units: every duration is in milliseconds (``*_ms``), every size in bytes (``*_bytes``), shares
+in percent (``*_pct``). A figure that was never measured is ``null``, never 0.
 """
 
 from __future__ import annotations
 
 import time
 
-from traceml_aggregator.analysis.stats import describe, median
+from traceml_aggregator.analysis import health, memory, step_time, system, thresholds
+from traceml_aggregator.analysis.phases import PARTS, Profile, choose_clock, profiles
+from traceml_aggregator.analysis.stats import bucket_medians, median
+from traceml_aggregator.analysis.window import align
 from traceml_aggregator.rundata import RankData, RunData
 
 #: Version of the summary document's layout; see docs/final_summary.schema.json.
 SCHEMA_VERSION = 1
+#: Most points per rank in the charted series (``ranks[].series``); longer runs are bucketed.
+SERIES_MAX_POINTS = 400
 
-#: Phases of a step, as (summary name, StepRecord field in µs).
-PHASES = (
-    ("input_wait", "input_wait_us"),
-    ("h2d", "h2d_us"),
-    ("forward", "forward_us"),
-    ("backward", "backward_us"),
-    ("optimizer", "optimizer_us"),
-)
+_EMPTY_PHASES = dict.fromkeys(PARTS + ("dataloader_next",))
 
 
-def _ms(us: float | None) -> float | None:
-    return None if us is None else us / 1000.0
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
 
 
-def residual_us(step: dict) -> int | None:
-    """Step time minus the phases measured in that step (µs); None without any phase."""
-    measured = [step[field] for _, field in PHASES if step.get(field) is not None]
-    if not measured:
-        return None
-    return step["step_us"] - sum(measured)
+def node_rank(rd: RankData) -> int | None:
+    """The rank's node: from its identity, else from its launcher's end report."""
+    for source in (rd.identity, rd.end):
+        if source and source.get("node_rank") is not None:
+            return source["node_rank"]
+    return None
 
 
-def end_state(rd: RankData, missing: set[int]) -> dict:
-    """How a rank ended: the launcher's view (exit code, signal) wins over the rank's own
-    finish marker, which cannot see a ``sys.exit(7)`` or a crash."""
-    end = rd.end or {}
-    finish = rd.finish or {}
-    if end.get("end_state") not in (None, "completed"):
-        state = end["end_state"]  # the launcher saw a failure
-    elif finish:
-        state = finish["end_state"]  # the rank's own view (an exception it raised)
-    elif end:
-        state = end["end_state"]
-    else:
-        state = "running" if rd.rank in missing else "never_reported"
+def _series(rd: RankData) -> dict:
+    steps = [s["step"] for s in rd.steps]
+    xs, step_ms = bucket_medians(
+        steps, [s["step_us"] / 1000.0 for s in rd.steps], SERIES_MAX_POINTS
+    )
+    mem = [s for s in rd.steps if s.get("peak_allocated_bytes") is not None]
+    mem_x, alloc = bucket_medians(
+        [s["step"] for s in mem], [s["peak_allocated_bytes"] for s in mem], SERIES_MAX_POINTS
+    )
+    _, reserved = bucket_medians(
+        [s["step"] for s in mem], [s["peak_reserved_bytes"] or 0 for s in mem], SERIES_MAX_POINTS
+    )
     return {
-        "state": state,
-        "exit_code": end.get("exit_code"),
-        "signal": end.get("signal"),
-        "reason": end.get("reason") or finish.get("reason"),
+        "step": xs,
+        "step_ms": [round(v, 3) for v in step_ms],
+        "memory_step": mem_x,
+        "peak_allocated_bytes": [int(v) for v in alloc],
+        "peak_reserved_bytes": [int(v) for v in reserved],
     }
 
 
-def rank_summary(rd: RankData, missing: set[int]) -> dict:
-    """Per-rank figures: identity, end state, step count, step-time and phase statistics."""
-    steps = rd.steps
+def rank_summary(
+    rd: RankData,
+    prof: Profile | None,
+    *,
+    missing: set[int],
+    live: bool,
+    gpu_totals: dict[str, int],
+    span: tuple[int, int] | None,
+) -> dict:
+    """``ranks[]`` entry: identity, end, counts, step time and phases over the window (null
+    outside it), memory, process figures, series for the charts."""
     ident = rd.identity or {}
     finish = rd.finish or {}
-    step_ms = describe(_ms(s["step_us"]) for s in steps)
-    phases = {name: _ms(median(s[field] for s in steps)) for name, field in PHASES}
-    phases["dataloader_next"] = _ms(median(s["dataloader_next_us"] for s in steps))
-    phases["residual"] = _ms(median(residual_us(s) for s in steps))
+    step_ms = (
+        {k: _round(prof.step_ms[k]) for k in ("median", "mean", "p95", "max")}
+        if prof and prof.step_ms
+        else None
+    )
     return {
         "rank": rd.rank,
         "restart": rd.restart,
-        "node_rank": ident.get("node_rank", (rd.end or {}).get("node_rank")),
+        "node_rank": node_rank(rd),
         "local_rank": ident.get("local_rank", (rd.end or {}).get("local_rank")),
         "hostname": ident.get("hostname"),
-        "end": end_state(rd, missing),
-        "steps_completed": finish.get("steps_completed", len(steps)) if finish else len(steps),
-        "records_received": len(steps),
-        "records_dropped": finish.get("records_dropped") if finish else None,
+        "device": ident.get("device"),
+        "end": health.end_state(rd, missing, live=live),
+        "steps_completed": finish["steps_completed"] if finish else len(rd.steps),
+        "records_received": len(rd.steps),
+        "records_dropped": finish.get("records_dropped"),
+        "steps_gpu_unresolved": finish.get("steps_gpu_unresolved"),
         "step_time_ms": step_ms,
-        "phase_median_ms": phases,
+        "phase_median_ms": (
+            {k: _round(v) for k, v in prof.median_ms.items()} if prof else dict(_EMPTY_PHASES)
+        ),
+        "phase_share_pct": (
+            {k: _round(prof.share_pct[k], 1) for k in PARTS} if prof else dict.fromkeys(PARTS)
+        ),
+        "memory": memory.rank_memory(rd, gpu_totals),
+        "process": system.rank_process(rd, span),
         "earlier_attempts": {str(k): v for k, v in sorted(rd.earlier_attempts.items())},
+        "series": _series(rd),
     }
 
 
-def build_summary(run: RunData) -> dict:
-    """The whole summary document for ``run``."""
+def node_summaries(run: RunData, ranks: list[dict], span: tuple[int, int] | None) -> list[dict]:
+    """``nodes[]``: each node's ranks, torchrun exit, step time over its ranks, system figures."""
+    node_ids = (
+        {r["node_rank"] for r in ranks if r["node_rank"] is not None}
+        | set(run.system_samples)
+        | set(run.node_exits)
+    )
+    out = []
+    for n in sorted(node_ids):
+        members = [r for r in ranks if r["node_rank"] == n]
+        exit_ = run.node_exits.get(n) or {}
+        samples = run.system_samples.get(n, [])
+        hostname = (
+            exit_.get("hostname")
+            or next((r["hostname"] for r in members if r["hostname"]), None)
+            or (samples[-1].get("hostname") if samples else None)
+        )
+        stepped = [r for r in members if r["step_time_ms"]]
+        out.append(
+            {
+                "node_rank": n,
+                "hostname": hostname,
+                "ranks": [r["rank"] for r in members],
+                "exit_code": exit_.get("exit_code"),
+                "restart_count": exit_.get("restart_count"),
+                "step_time_ms_median": _round(median(r["step_time_ms"]["median"] for r in stepped)),
+                "phase_median_ms": {
+                    k: _round(median(r["phase_median_ms"][k] for r in stepped)) for k in PARTS
+                },
+                "system": system.node_system(samples, run.gpu_samples.get(n, []), span),
+            }
+        )
+    return out
+
+
+def build_summary(run: RunData, *, live: bool = False) -> dict:
+    """The whole summary document for ``run``.
+
+    Args:
+        run: everything stored for the run.
+        live: the run is still going (``traceml.summary()``): ranks without an end are
+            ``running``, and the run is not ``complete``.
+    """
     missing = set(run.missing)
-    ranks = [rank_summary(rd, missing) for rd in run.ranks.values()]
-    nodes = sorted({r["node_rank"] for r in ranks if r["node_rank"] is not None})
+    window = align(run)
+    clock = choose_clock(window)
+    profs = profiles(window, clock)
+    node_of = {r: node_rank(rd) for r, rd in run.ranks.items()}
+    primary, step_findings = step_time.diagnose(window, clock, profs, node_of)
+    span = system.window_span_us(run, window)
+    totals = memory.gpu_totals(run)
+    ranks = [
+        rank_summary(rd, profs.get(r), missing=missing, live=live, gpu_totals=totals, span=span)
+        for r, rd in run.ranks.items()
+    ]
+    nodes = node_summaries(run, ranks, span)
+    gpu_ranks: dict[str, list[int]] = {}
+    for r, rd in run.ranks.items():
+        uuid = (rd.identity or {}).get("gpu_uuid")
+        if uuid:
+            gpu_ranks.setdefault(uuid, []).append(r)
     return {
         "schema_version": SCHEMA_VERSION,
         "generated_unix_s": round(time.time(), 3),
+        "live": live,
         "run": {
             "run_name": run.run_name,
             "world_size": run.world_size,
-            "nodes": nodes,
-            "complete": not missing,
+            "nodes": [n["node_rank"] for n in nodes],
+            "complete": not missing and not live,
             "missing_ranks": sorted(missing),
+            "attempt": max((rd.restart for rd in run.ranks.values()), default=0),
         },
-        "node_exits": [
-            {"node_rank": n, "exit_code": e["exit_code"], "hostname": e["hostname"]}
-            for n, e in sorted(run.node_exits.items())
-        ],
+        "primary_diagnosis": primary.to_json(),
+        "findings": {
+            "step_time": [f.to_json() for f in step_findings],
+            "memory": [
+                f.to_json() for f in memory.findings({r["rank"]: r["memory"] for r in ranks})
+            ],
+            "system": [f.to_json() for f in system.findings(nodes, gpu_ranks)],
+            "health": [f.to_json() for f in health.findings(run, ranks, live=live)],
+        },
+        "analysis": {
+            "clock": clock.to_json(),
+            "window": window.to_json(),
+            "typical": step_time.typical(profs),
+            "thresholds": thresholds.as_dict(),
+        },
         "ranks": ranks,
+        "nodes": nodes,
     }

@@ -30,6 +30,16 @@ class AggregatorStub(object):
                 request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.FinalizeRequest.SerializeToString,
                 response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.FinalizeReply.FromString,
                 )
+        self.Summarize = channel.unary_unary(
+                '/traceml.wire.v1.Aggregator/Summarize',
+                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeRequest.SerializeToString,
+                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeReply.FromString,
+                )
+        self.RegisterNode = channel.unary_unary(
+                '/traceml.wire.v1.Aggregator/RegisterNode',
+                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
+                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
+                )
 
 
 class AggregatorServicer(object):
@@ -56,6 +66,21 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Summarize(self, request, context):
+        """The live verdict over what is stored so far; finalizes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterNode(self, request, context):
+        """A node's launcher claims its node rank (idempotent: node 0 repeats it while training
+        runs, to learn when the run can no longer rendezvous).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +98,16 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.Finalize,
                     request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.FinalizeRequest.FromString,
                     response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.FinalizeReply.SerializeToString,
+            ),
+            'Summarize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Summarize,
+                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeRequest.FromString,
+                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeReply.SerializeToString,
+            ),
+            'RegisterNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterNode,
+                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.FromString,
+                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,5 +167,39 @@ class Aggregator(object):
         return grpc.experimental.unary_unary(request, target, '/traceml.wire.v1.Aggregator/Finalize',
             traceml_dot_wire_dot_v1_dot_service__pb2.FinalizeRequest.SerializeToString,
             traceml_dot_wire_dot_v1_dot_service__pb2.FinalizeReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Summarize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/traceml.wire.v1.Aggregator/Summarize',
+            traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeRequest.SerializeToString,
+            traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RegisterNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/traceml.wire.v1.Aggregator/RegisterNode',
+            traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
+            traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

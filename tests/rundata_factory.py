@@ -1,0 +1,187 @@
+"""RunData built by hand, as the store would load it (µs, bytes; None = not measured)."""
+
+from __future__ import annotations
+
+from traceml_aggregator.rundata import RankData, RunData
+from traceml_aggregator.store import STEP_OPTIONAL_FIELDS
+
+MIB = 1024 * 1024
+GPU_FIELDS = {
+    "forward_us": "gpu_forward_us",
+    "backward_us": "gpu_backward_us",
+    "optimizer_us": "gpu_optimizer_us",
+    "h2d_us": "gpu_h2d_us",
+}
+
+
+def step(
+    i: int,
+    *,
+    input_wait=1000,
+    forward=10_000,
+    backward=20_000,
+    optimizer=2_000,
+    residual=500,
+    h2d=None,
+    gpu=False,
+    alloc=None,
+    **extra,
+) -> dict:
+    """One stored step (µs); step_us is the sum of its parts."""
+    s = dict.fromkeys(STEP_OPTIONAL_FIELDS)
+    s.update(
+        input_wait_us=input_wait,
+        forward_us=forward,
+        backward_us=backward,
+        optimizer_us=optimizer,
+        h2d_us=h2d,
+        dataloader_next_us=input_wait,
+    )
+    if gpu:
+        for cpu, g in GPU_FIELDS.items():
+            s[g] = s[cpu]
+            if cpu != "h2d_us" and s[cpu] is not None:
+                s[cpu] = 50  # launch time only: the CPU clock would hide the work
+    if alloc is not None:
+        s["peak_allocated_bytes"] = alloc
+        s["peak_reserved_bytes"] = alloc + 256 * MIB
+    total = sum(v or 0 for v in (input_wait, forward, backward, optimizer, residual, h2d))
+    if gpu:
+        s["gpu_step_us"] = total - input_wait  # the step body, without the input wait
+    s.update(step=i, end_us=(i + 1) * total, step_us=total, **extra)
+    return s
+
+
+def rank(
+    r: int,
+    steps: list[dict],
+    *,
+    node=0,
+    uuid="",
+    end="completed",
+    exit_code=0,
+    signal=None,
+    finish=True,
+    **kw,
+) -> RankData:
+    return RankData(
+        rank=r,
+        identity={
+            "rank": r,
+            "node_rank": node,
+            "local_rank": r % 4,
+            "world_size": 0,
+            "hostname": f"host{node}",
+            "start_unix_us": 1_000_000,
+            "device": "cpu",
+            "gpu_uuid": uuid,
+        },
+        steps=steps,
+        finish={
+            "steps_completed": len(steps),
+            "records_dropped": 0,
+            "steps_gpu_unresolved": 0,
+            "end_state": "completed",
+            "reason": None,
+        }
+        if finish
+        else None,
+        end={
+            "node_rank": node,
+            "local_rank": r % 4,
+            "end_state": end,
+            "exit_code": exit_code,
+            "signal": signal,
+            "reason": None,
+        },
+        **kw,
+    )
+
+
+def run_of(ranks: list[RankData], *, missing=(), system=None, gpus=None, exits=None) -> RunData:
+    return RunData(
+        run_name="unit",
+        world_size=len(ranks),
+        ranks={rd.rank: rd for rd in ranks},
+        node_exits=exits
+        if exits is not None
+        else {0: {"exit_code": 0, "hostname": "host0", "restart_count": 0}},
+        system_samples=system or {},
+        gpu_samples=gpus or {},
+        missing=list(missing),
+    )
+
+
+def steps(n=40, **kw) -> list[dict]:
+    """``n`` identical steps (see :func:`step`)."""
+    return [step(i, **kw) for i in range(n)]
+
+
+def system_sample(t, node=0, cpu=50.0, ram=0.5, reason=None) -> dict:
+    """A node's host sample at unix µs ``t``: CPU %, RAM used as a fraction of 64 GiB."""
+    return {
+        "unix_us": t,
+        "node_rank": node,
+        "hostname": f"host{node}",
+        "cpu_percent": cpu,
+        "ram_used_bytes": int(ram * 64 * 1024 * MIB),
+        "ram_total_bytes": 64 * 1024 * MIB,
+        "gpu_unavailable_reason": reason,
+    }
+
+
+def gpu_sample(t, index, util, temp=60.0, reason=None, node=0) -> dict:
+    """GPU ``index`` (UUID ``GPU-<node>-<index>``, 80 GiB) of ``node`` at unix µs ``t``."""
+    return {
+        "unix_us": t,
+        "node_rank": node,
+        "nvml_index": index,
+        "uuid": f"GPU-{node}-{index}",
+        "util_percent": util,
+        "memory_used_bytes": 1,
+        "memory_total_bytes": 80 * 1024 * MIB,
+        "temperature_c": temp,
+        "power_w": 200.0,
+        "unavailable_reason": reason,
+    }
+
+
+def rich_run(n_steps: int = 200) -> RunData:
+    """A GPU run on 2 nodes x 4 ranks with something in every report section: one step in 10
+    GPU-timed, rank 6 computes 8 ms more per step on a hot GPU, rank 5's memory creeps, the GPUs
+    are 60-70 % busy."""
+    ranks = []
+    for r in range(8):
+        node = r // 4
+        forward = 18_000 if r == 6 else 10_000
+        out = []
+        for i in range(n_steps):
+            alloc = None
+            if i % 10 == 0:
+                k = i // 10
+                alloc = int((3 + min(k, 2) / 2) * 1024 * MIB) + (k * 30 * MIB if r == 5 else 0)
+            s = step(
+                i,
+                forward=forward,
+                h2d=2_000,
+                gpu=i % 10 == 0,
+                alloc=alloc,
+                input_wait=1500 + (i % 7) * 100,
+            )
+            s["step_us"] += 3000 * (i % 5 == 0)  # some jitter for the charts
+            out.append(s)
+        ranks.append(rank(r, out, node=node, uuid=f"GPU-{node}-{r % 4}"))
+    span = range(1_000_000, 1_000_000 + n_steps * 40_000, 1_000_000)
+    system = {
+        n: [system_sample(t, node=n, cpu=35.0 + 10 * n, ram=0.3) for t in span] for n in (0, 1)
+    }
+    gpus = {
+        n: [
+            gpu_sample(t, g, 60.0 + g + 5 * n, temp=87.0 if (n, g) == (1, 2) else 64.0, node=n)
+            for t in span
+            for g in range(4)
+        ]
+        for n in (0, 1)
+    }
+    exits = {n: {"exit_code": 0, "hostname": f"host{n}", "restart_count": 0} for n in (0, 1)}
+    return run_of(ranks, system=system, gpus=gpus, exits=exits)

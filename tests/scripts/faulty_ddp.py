@@ -1,0 +1,101 @@
+"""A small gloo DDP job whose one rank fails on purpose, for the crash and hang tests.
+
+Runs under ``traceml run`` or plain torchrun. Every rank trains ``--steps`` steps of a tiny
+model (one all-reduce per step). Rank ``--fail-rank`` ends itself at the start of step
+``--fail-step`` (so it and its peers completed exactly ``--fail-step`` steps), the way
+``--fail`` says:
+
+    segv      SIGSEGV sent to itself (a native crash)
+    exit3     os._exit(3) (no Python shutdown, no atexit)
+    sysexit7  sys.exit(7) (normal Python shutdown, exit code 7)
+    raise     an uncaught RuntimeError
+    hang      after all steps, sleeps forever instead of exiting (its peers exit normally)
+    none      no failure
+
+``--step-sleep`` adds a planted sleep to every step (s), to make a run last without CPU work.
+Rank 0 prints ``faulty_ddp: training`` once its first step begins.
+
+Before a failure it waits ``--settle-sec`` (default 1.5 s) so that every rank's telemetry of
+the completed steps is flushed (tests set ``TRACEML_FLUSH_INTERVAL_SEC`` well below that), then
+writes the wall time of its death (Unix s) to ``--mark`` when given: the tests measure how long
+the launcher takes to return after it.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import traceml
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--fail-step", type=int, default=5)
+    p.add_argument(
+        "--fail",
+        choices=("segv", "exit3", "sysexit7", "raise", "hang", "none"),
+        default="none",
+    )
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--settle-sec", type=float, default=1.5)
+    p.add_argument("--mark", default="")
+    return p.parse_args()
+
+
+def die(rank: int, how: str, settle_s: float, mark: str) -> None:
+    time.sleep(settle_s)
+    if mark:
+        with open(mark, "w") as f:
+            f.write(f"{time.time():.3f}\n")
+    print(f"faulty_ddp: rank {rank} fails now ({how})", file=sys.stderr, flush=True)
+    if how == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif how == "exit3":
+        os._exit(3)
+    elif how == "sysexit7":
+        sys.exit(7)
+    elif how == "raise":
+        raise RuntimeError("injected failure")
+    elif how == "hang":
+        while True:
+            time.sleep(3600)
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    traceml.init()
+    failing = rank == args.fail_rank and args.fail != "none"
+
+    torch.manual_seed(rank)
+    model = DDP(nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(args.steps):
+        if failing and args.fail != "hang" and step == args.fail_step:
+            die(rank, args.fail, args.settle_sec, args.mark)
+        if rank == 0 and step == 0:
+            print("faulty_ddp: training", flush=True)
+        with traceml.trace_step(model):
+            time.sleep(args.step_sleep)
+            x = torch.randn(8, 16)
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+    dist.destroy_process_group()
+    if failing and args.fail == "hang":
+        die(rank, "hang", args.settle_sec, args.mark)
+    print(f"faulty_ddp: rank {rank} trained {args.steps} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""A small real DDP job (gloo, CPU) with one planted bottleneck, for the diagnosis tests.
+
+Every scenario sleeps BASE_FORWARD_MS inside the model's forward on every rank, so the step has
+a stable compute part that CPU contention cannot blur. Then, by ``--scenario``:
+
+* ``balanced`` — nothing else (the control: no bottleneck);
+* ``input`` — the dataset sleeps ``--delay-ms`` per batch on every rank;
+* ``input_straggler`` — the dataset sleeps ``--delay-ms`` per batch on ``--slow-rank`` only;
+* ``compute_straggler`` — the forward sleeps ``--delay-ms`` more on ``--slow-rank`` only;
+* ``residual`` — every rank sleeps ``--delay-ms`` inside the step, outside every phase.
+
+With ``--summary-out PATH``, rank 0 writes ``traceml.summary()`` there as JSON at the end,
+and logs it through TensorBoard's SummaryWriter into ``--tensorboard-dir`` when given.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+import traceml
+
+BASE_FORWARD_MS = 10.0
+SCENARIOS = ("balanced", "input", "input_straggler", "compute_straggler", "residual")
+
+
+class Batches(Dataset):
+    """Whole batches (DataLoader batch_size=None); ``delay_s`` of sleep per batch."""
+
+    def __init__(self, n: int, delay_s: float) -> None:
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)
+
+
+class Model(nn.Module):
+    def __init__(self, sleep_s: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.sleep_s = sleep_s
+
+    def forward(self, x):
+        time.sleep(self.sleep_s)
+        return self.net(x)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scenario", choices=SCENARIOS, required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--delay-ms", type=float, default=20.0)
+    p.add_argument("--slow-rank", type=int, default=1)
+    p.add_argument("--summary-out", default="")
+    p.add_argument("--tensorboard-dir", default="")
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    traceml.init()
+    delay = args.delay_ms / 1000.0
+    slow = rank == args.slow_rank
+    input_s = (
+        delay if args.scenario == "input" or (args.scenario == "input_straggler" and slow) else 0.0
+    )
+    forward_s = BASE_FORWARD_MS / 1000.0 + (
+        delay if args.scenario == "compute_straggler" and slow else 0.0
+    )
+    residual_s = delay if args.scenario == "residual" else 0.0
+
+    torch.manual_seed(0)
+    loader = DataLoader(Batches(args.steps, input_s), batch_size=None, shuffle=False)
+    model = DDP(Model(forward_s))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.MSELoss()
+    for x, y in loader:
+        with traceml.trace_step(model):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if residual_s:
+                time.sleep(residual_s)
+
+    if args.summary_out:
+        flat = traceml.summary()
+        if rank == 0:
+            with open(args.summary_out, "w") as f:
+                json.dump(flat, f)
+            if args.tensorboard_dir:
+                from torch.utils.tensorboard import SummaryWriter
+
+                with SummaryWriter(args.tensorboard_dir) as writer:
+                    for name, value in flat.items():
+                        if isinstance(value, (int, float)):
+                            writer.add_scalar(name, value, global_step=args.steps)
+                        else:
+                            writer.add_text(name, value, global_step=args.steps)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The SDK's telemetry client against a real aggregator process: bounds, rejection, close, fork.
+
+Every test talks real gRPC to a real ``traceml-aggregator`` (see ``live_aggregator.py``) and
+checks what the store holds after it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from live_aggregator import LiveAggregator
+
+from traceml import wire
+from traceml.sdk import client as client_mod
+from traceml.sdk.client import ClientConfig, TelemetryClient
+
+
+def step(i: int) -> wire.StepRecord:
+    """A plausible step record (µs)."""
+    return wire.StepRecord(step=i, end_us=1000 * (i + 1), step_us=1000, forward_us=300)
+
+
+def finish(steps: int) -> wire.RankFinish:
+    return wire.RankFinish(steps_completed=steps, end_state=wire.EndState.END_STATE_COMPLETED)
+
+
+def make_client(target: str, run_name: str, warnings: list[str], **config) -> TelemetryClient:
+    defaults = dict(
+        flush_interval_s=0.02, batch_max_records=512, buffer_max_records=65536, rpc_timeout_s=2.0
+    )
+    defaults.update(config)
+    return TelemetryClient(
+        target, run_name, rank=0, config=ClientConfig(**defaults), warn=warnings.append
+    )
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def aggregator(tmp_path):
+    agg = LiveAggregator(tmp_path / "run", "mine").start()
+    yield agg
+    if agg.process.poll() is None:
+        agg.process.kill()
+        agg.process.wait()
+
+
+def test_full_buffer_drops_are_counted_and_reported_in_the_finish_marker(aggregator):
+    warnings: list[str] = []
+    # The sender sleeps an hour between wakes: only close() makes it send.
+    client = make_client(
+        aggregator.target, "mine", warnings, flush_interval_s=3600, buffer_max_records=10
+    )
+    for i in range(15):
+        client.submit(client_mod.STEPS, step(i))
+    assert (client.stats.submitted, client.stats.dropped_buffer_full) == (10, 5)
+
+    assert client.close(finish(15), timeout_s=30) is True
+    assert client.stats.acked == 10 and client.stats.dropped == 5
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(i,) for i in range(10)]
+    # One batch carried the 10 records and the finish marker (seq 1).
+    assert aggregator.query(
+        "SELECT steps_completed, records_dropped, last_seq, end_state FROM rank_finish"
+    ) == [(15, 5, 1, "completed")]
+    assert warnings == []
+
+
+def test_rejected_run_name_stops_sending_and_nothing_is_stored(aggregator):
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "theirs", warnings, batch_max_records=1)
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.batches_sent == 1)
+    for i in range(1, 6):
+        client.submit(client_mod.STEPS, step(i))
+    time.sleep(0.3)  # 15 flush intervals: a client that kept sending would have sent by now
+
+    assert client.stats.batches_sent == 1
+    assert client.stats.acked == 0
+    started = time.monotonic()
+    assert client.close(finish(6), timeout_s=30) is False
+    assert time.monotonic() - started < 5
+    assert len(warnings) == 1
+    assert "rejected" in warnings[0] and "'theirs'" in warnings[0] and "'mine'" in warnings[0]
+
+    assert aggregator.stop() == 0
+    for table in ("steps", "ranks", "streams", "rank_finish"):
+        assert aggregator.query(f"SELECT COUNT(*) FROM {table}") == [(0,)], table
+
+
+def test_push_from_another_run_is_answered_rejected(aggregator):
+    import grpc
+
+    with grpc.insecure_channel(aggregator.target) as channel:
+        stub = wire.AggregatorStub(channel)
+        batch = wire.Batch(run_name="other", rank=0, seq=1, steps=[step(0)])
+        ack = stub.Push(batch, timeout=10)
+        assert ack.rejected and ack.stored_seq == 0
+        assert "'other'" in ack.reason
+        batch.run_name = "mine"
+        assert stub.Push(batch, timeout=10) == wire.Ack(stored_seq=1)
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT rank, step FROM steps") == [(0, 0)]
+
+
+def test_close_delivers_everything_once_and_closes_for_good(aggregator):
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings, batch_max_records=7)
+    for i in range(40):
+        client.submit(client_mod.STEPS, step(i))
+    assert client.close(finish(40), timeout_s=30) is True
+    stats = client.stats
+    assert (stats.submitted, stats.acked, stats.dropped, stats.send_failures) == (40, 40, 0, 0)
+    assert stats.batches_acked == stats.batches_sent
+
+    # Closed for good: a second close answers at once, submit is a no-op.
+    started = time.monotonic()
+    assert client.close(finish(40), timeout_s=30) is False
+    assert time.monotonic() - started < 1
+    client.submit(client_mod.STEPS, step(40))
+    assert client.stats.submitted == 40
+    client._thread.join(5)
+    assert not client._thread.is_alive()
+
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT COUNT(*), MIN(step), MAX(step) FROM steps") == [(40, 0, 39)]
+    assert aggregator.query("SELECT steps_completed FROM rank_finish") == [(40,)]
+    assert warnings == []
+
+
+def test_close_gives_up_at_once_when_the_aggregator_was_never_reached(tmp_path):
+    from conftest import free_port
+
+    warnings: list[str] = []
+    # An hour-long interval: the first send happens in close(), after the step loop.
+    client = make_client(f"127.0.0.1:{free_port()}", "mine", warnings, flush_interval_s=3600)
+    client.submit(client_mod.STEPS, step(0))
+    started = time.monotonic()
+    assert client.close(finish(1), timeout_s=60) is False
+    assert time.monotonic() - started < 10  # not the 60 s budget
+    assert len(warnings) == 1 and "unreachable" in warnings[0]
+    assert client.stats.send_failures == 1
+
+
+def test_close_is_bounded_when_the_aggregator_stops_answering(aggregator):
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings, rpc_timeout_s=0.5)
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.acked == 1)
+    os.kill(aggregator.process.pid, signal.SIGSTOP)  # alive, connected, silent
+    try:
+        client.submit(client_mod.STEPS, step(1))
+        started = time.monotonic()
+        assert client.close(finish(2), timeout_s=2.0) is False
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(aggregator.process.pid, signal.SIGCONT)
+    assert 2.0 <= elapsed < 15
+    assert client.stats.send_failures >= 1
+    assert len(warnings) == 1 and "DEADLINE_EXCEEDED" in warnings[0]
+
+
+def test_a_forked_child_never_sends(aggregator):
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings, batch_max_records=1)
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.acked == 1)
+    pid = os.fork()
+    if pid == 0:  # the child: everything is a no-op, close() does not wait
+        ok = client_mod.in_forked_child()
+        client.submit(client_mod.STEPS, step(99))
+        ok = ok and client.stats.submitted == 1 and client.close(finish(1), 30) is False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not client_mod.in_forked_child()
+    client.submit(client_mod.STEPS, step(1))
+    assert client.close(finish(2), timeout_s=30) is True
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,)]

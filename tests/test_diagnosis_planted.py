@@ -1,0 +1,102 @@
+"""Planted bottlenecks, 2 ranks under real `traceml run` (gloo, CPU): the exact verdict.
+
+Every scenario sleeps 10 ms in each rank's forward (stable compute); the planted delay is
+DELAY_MS (20 ms) per step. In DDP the all-reduce equalises step time, so the straggler
+scenarios prove the slow rank is found from each rank's own phases.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planted import DELAY_MS, STEPS, planted_run
+
+pytestmark = pytest.mark.slow
+
+#: The planted delay as measured: sleeps overshoot, and CPU contention adds a few ms.
+GAP_RANGE_MS = (DELAY_MS * 0.7, DELAY_MS * 1.4)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp() / "planted"
+    return lambda scenario: planted_run(scenario, base)
+
+
+def _step_kinds(summary: dict) -> list[str]:
+    return [summary["primary_diagnosis"]["kind"]] + [
+        f["kind"] for f in summary["findings"]["step_time"]
+    ]
+
+
+def _common_checks(summary: dict) -> None:
+    assert summary["run"]["world_size"] == 2
+    assert summary["run"]["complete"] is True
+    assert summary["analysis"]["clock"]["name"] == "cpu"
+    window = summary["analysis"]["window"]
+    assert window["ranks"] == [0, 1]
+    assert window["steps"] == STEPS - 5  # WARMUP_STEPS left out
+    for r in summary["ranks"]:
+        assert r["steps_completed"] == STEPS
+        assert r["records_received"] == STEPS
+        assert r["end"]["state"] == "completed"
+        assert r["phase_median_ms"]["h2d"] is None  # no CUDA: not measured, never 0
+
+
+def test_balanced_control_raises_no_bottleneck(run):
+    s = run("balanced").summary
+    _common_checks(s)
+    p = s["primary_diagnosis"]
+    assert p["kind"] == "COMPUTE_BOUND"
+    assert p["severity"] == "info"
+    assert s["findings"]["step_time"] == []
+
+
+def test_input_bound_every_rank(run):
+    s = run("input").summary
+    _common_checks(s)
+    p = s["primary_diagnosis"]
+    assert p["kind"] == "INPUT_BOUND"
+    assert p["ranks"] == [0, 1]
+    assert GAP_RANGE_MS[0] <= p["evidence"]["typical_ms"] <= GAP_RANGE_MS[1]
+    assert not any(k.endswith("STRAGGLER") for k in _step_kinds(s))
+
+
+def test_input_straggler_names_rank_1(run):
+    s = run("input_straggler").summary
+    _common_checks(s)
+    p = s["primary_diagnosis"]
+    assert p["kind"] == "INPUT_STRAGGLER"
+    assert p["ranks"] == [1]
+    ev = p["evidence"]
+    assert (ev["slow_rank"], ev["typical_rank"]) == (1, 0)
+    assert GAP_RANGE_MS[0] <= ev["gap_ms"] <= GAP_RANGE_MS[1]
+    # DDP equalised the step times: the slow rank is not visible from step time alone ...
+    medians = [r["step_time_ms"]["median"] for r in s["ranks"]]
+    assert abs(medians[0] - medians[1]) < DELAY_MS / 2
+    # ... and one rank's input wait is not a job-wide finding.
+    assert "INPUT_BOUND" not in _step_kinds(s)
+
+
+def test_compute_straggler_names_rank_1(run):
+    s = run("compute_straggler").summary
+    _common_checks(s)
+    p = s["primary_diagnosis"]
+    assert p["kind"] == "COMPUTE_STRAGGLER"
+    assert p["ranks"] == [1]
+    ev = p["evidence"]
+    assert (ev["slow_rank"], ev["typical_rank"]) == (1, 0)
+    assert GAP_RANGE_MS[0] <= ev["gap_ms"] <= GAP_RANGE_MS[1]
+    # rank 0 waits for rank 1 inside backward (the all-reduce), not in its own phases
+    r0, r1 = s["ranks"]
+    assert r0["phase_median_ms"]["backward"] > r1["phase_median_ms"]["backward"] + DELAY_MS / 2
+
+
+def test_residual_heavy(run):
+    s = run("residual").summary
+    _common_checks(s)
+    p = s["primary_diagnosis"]
+    assert p["kind"] == "RESIDUAL_HEAVY"
+    assert p["ranks"] == [0, 1]
+    assert GAP_RANGE_MS[0] <= p["evidence"]["typical_ms"] <= GAP_RANGE_MS[1]
+    assert not any(k.endswith("STRAGGLER") for k in _step_kinds(s))

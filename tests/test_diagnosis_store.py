@@ -1,0 +1,202 @@
+"""Reports from data stored through the real Store API with real wire messages: zero-code runs
+(system and process samples only), partial summaries, restarted attempts, schema validity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from traceml import wire
+from traceml_aggregator.report import read_summary, write_reports
+from traceml_aggregator.store import Store
+
+SCHEMA = json.loads(
+    (Path(__file__).resolve().parents[1] / "docs" / "final_summary.schema.json").read_text()
+)
+GIB = 1024**3
+T0 = 1_700_000_000_000_000  # unix µs
+
+
+def identity(rank: int, restart: int = 0) -> wire.RankIdentity:
+    return wire.RankIdentity(
+        run_name="r",
+        rank=rank,
+        local_rank=rank,
+        node_rank=0,
+        world_size=2,
+        local_world_size=2,
+        hostname="h0",
+        pid=100 + rank,
+        restart_count=restart,
+        start_unix_us=T0,
+        device="cpu",
+        torch_version="2.13.0",
+        backend="gloo",
+        parallelism="ddp",
+    )
+
+
+def steps(n: int, input_us: int = 1000) -> list[wire.StepRecord]:
+    return [
+        wire.StepRecord(
+            step=i,
+            end_us=(i + 1) * 20_000,
+            step_us=20_000,
+            input_wait_us=input_us,
+            forward_us=8000,
+            backward_us=9000,
+            optimizer_us=1000,
+        )
+        for i in range(n)
+    ]
+
+
+def node_samples(seq: int) -> wire.Batch:
+    """What the node sampler sends for a script that never calls traceml: host and processes."""
+    batch = wire.Batch(run_name="r", node_rank=0, seq=seq)
+    for k in range(5):
+        t = T0 + k * 1_000_000
+        batch.system_samples.append(
+            wire.SystemSample(
+                unix_us=t,
+                node_rank=0,
+                hostname="h0",
+                cpu_percent=40.0 + k,
+                ram_used_bytes=8 * GIB,
+                ram_total_bytes=32 * GIB,
+                gpu_unavailable_reason="NVML Shared Library Not Found",
+            )
+        )
+        for r in range(2):
+            batch.process_samples.append(
+                wire.ProcessSample(unix_us=t, rank=r, cpu_percent=99.0, rss_bytes=(1 + r) * GIB)
+            )
+    return batch
+
+
+def node_exit(states=("completed", "completed"), code=0) -> wire.NodeExit:
+    ends = [
+        wire.RankEnd(
+            rank=r,
+            local_rank=r,
+            end_state=getattr(wire.EndState, f"END_STATE_{s.upper()}"),
+            exit_code=0 if s == "completed" else 1,
+        )
+        for r, s in enumerate(states)
+    ]
+    return wire.NodeExit(run_name="r", node_rank=0, hostname="h0", exit_code=code, ranks=ends)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "telemetry.sqlite")
+    s.set_meta("run_name", "r")
+    s.set_meta("world_size", "2")
+    yield s
+    s.close()
+
+
+def _report(store: Store, run_dir: Path, missing: list[int]) -> dict:
+    outcome = write_reports(store, run_dir, missing, html=True)
+    summary = read_summary(outcome.json_path)
+    jsonschema.validate(summary, SCHEMA)
+    assert outcome.html_path.read_text().startswith("<!doctype html>")
+    return summary
+
+
+def test_zero_code_run_reports_missing_steps_and_system_figures(store, tmp_path):
+    store.write_batches([node_samples(1)], T0)
+    store.write_node_exit(node_exit(), T0)
+    s = _report(store, tmp_path, [])
+    p = s["primary_diagnosis"]
+    assert p["kind"] == "INSUFFICIENT_DATA"
+    assert p["evidence"] == {"missing": ["steps"], "ranks_without_steps": [0, 1]}
+    assert "traceml.init()" in p["action"] and "traceml.trace_step(model)" in p["action"]
+    system = s["nodes"][0]["system"]
+    assert system["samples"] == 5
+    assert system["cpu_percent"]["median"] == 42.0
+    assert system["ram_used_pct_max"] == 25.0
+    assert system["gpus"] == [] and system["unavailable_reason"] == "NVML Shared Library Not Found"
+    assert [r["process"]["rss_bytes_max"] for r in s["ranks"]] == [GIB, 2 * GIB]
+    assert [r["end"]["state"] for r in s["ranks"]] == ["completed", "completed"]
+    text = (tmp_path / "final_summary.txt").read_text()
+    assert "INSUFFICIENT_DATA" in text and "traceml.init()" in text
+    assert "cpu %" in text and "42" in text
+
+
+def test_partial_summary_names_the_missing_rank(store, tmp_path):
+    store.write_batches(
+        [
+            wire.Batch(
+                run_name="r",
+                rank=0,
+                seq=1,
+                identity=identity(0),
+                steps=steps(30),
+                finish=wire.RankFinish(
+                    last_seq=1, steps_completed=30, end_state=wire.EndState.END_STATE_COMPLETED
+                ),
+            ),
+            wire.Batch(run_name="r", rank=1, seq=1, identity=identity(1), steps=steps(30)),
+        ],
+        T0,
+    )
+    s = _report(store, tmp_path, [1])
+    assert s["run"]["complete"] is False and s["run"]["missing_ranks"] == [1]
+    missing = [f for f in s["findings"]["health"] if f["kind"] == "RANK_MISSING"]
+    assert missing[0]["ranks"] == [1] and missing[0]["severity"] == "critical"
+    assert s["ranks"][1]["end"]["state"] == "running"
+    assert s["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"  # the steps stored still count
+    text = (tmp_path / "final_summary.txt").read_text()
+    assert "PARTIAL   rank 1 never finished" in text
+
+
+def test_restarted_attempts_stay_apart(store, tmp_path):
+    store.write_batches(
+        [
+            wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), steps=steps(12, 9000))
+            for r in range(2)
+        ],
+        T0,
+    )
+    store.write_batches(
+        [
+            wire.Batch(
+                run_name="r",
+                rank=r,
+                restart_count=1,
+                seq=1,
+                identity=identity(r, 1),
+                steps=steps(30),
+            )
+            for r in range(2)
+        ],
+        T0,
+    )
+    s = _report(store, tmp_path, [])
+    assert s["run"]["attempt"] == 1
+    assert [r["earlier_attempts"] for r in s["ranks"]] == [{"0": 12}, {"0": 12}]
+    assert [r["records_received"] for r in s["ranks"]] == [30, 30]
+    # the first attempt's 9 ms input wait does not leak into the latest attempt's analysis
+    assert s["analysis"]["typical"]["phase_median_ms"]["input_wait"] == 1.0
+    assert "RESTARTED" in [f["kind"] for f in s["findings"]["health"]]
+
+
+def test_failed_rank_end_state_in_reports(store, tmp_path):
+    store.write_batches(
+        [
+            wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), steps=steps(30))
+            for r in range(2)
+        ],
+        T0,
+    )
+    store.write_node_exit(node_exit(("failed", "terminated"), code=1), T0)
+    s = _report(store, tmp_path, [])
+    assert [r["end"]["state"] for r in s["ranks"]] == ["failed", "terminated"]
+    kinds = [f["kind"] for f in s["findings"]["health"]]
+    assert kinds[:2] == ["RANK_CRASHED", "RANK_TERMINATED"] and "NODE_FAILED" in kinds
+    text = (tmp_path / "final_summary.txt").read_text()
+    assert "rank 0: failed, exit code 1" in text

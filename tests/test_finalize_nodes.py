@@ -1,0 +1,111 @@
+"""Finalization waits (briefly, within the budget) for every node launcher's exit report.
+
+A real aggregator over gRPC, driven the way launchers and ranks drive it: two ranks on two
+nodes send their finish markers, node 0 reports its torchrun's exit and asks to finalize. Node
+1's report, which carries its ranks' exit codes, may come a moment later (its torchrun exits
+after its last rank): the summary must include it, without waiting for a report that never
+comes longer than the budget, and without waiting at all for ranks run without a launcher.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+from live_aggregator import LiveAggregator
+
+from conftest import load_summary
+
+from traceml import wire
+from traceml.launcher.aggregator import finalize, report_node_exit
+
+RUN = "nodes-report"
+COMPLETED = wire.EndState.END_STATE_COMPLETED
+
+
+def finish_ranks(target: str, world_size: int) -> None:
+    """Every rank (rank r on node r) introduces itself and finishes in one batch."""
+    with grpc.insecure_channel(target) as channel:
+        stub = wire.AggregatorStub(channel)
+        for rank in range(world_size):
+            batch = wire.Batch(run_name=RUN, rank=rank, seq=1)
+            batch.identity.CopyFrom(
+                wire.RankIdentity(run_name=RUN, rank=rank, node_rank=rank, world_size=world_size)
+            )
+            batch.finish.CopyFrom(wire.RankFinish(last_seq=1, end_state=COMPLETED))
+            assert stub.Push(batch, timeout=10).stored_seq == 1
+
+
+def node_exit(node_rank: int, code: int) -> wire.NodeExit:
+    report = wire.NodeExit(run_name=RUN, node_rank=node_rank, hostname="h", exit_code=code)
+    report.ranks.add(rank=node_rank, local_rank=0, end_state=COMPLETED, exit_code=code)
+    return report
+
+
+def timed_finalize(target: str, budget_s: float) -> tuple[list, threading.Thread]:
+    """Start Finalize in a thread; ``result`` gets (reply, seconds it took)."""
+    result: list = []
+
+    def call() -> None:
+        start = time.monotonic()
+        reply = finalize(target, RUN, budget_s)
+        result.append((reply, time.monotonic() - start))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return result, thread
+
+
+def test_waits_for_a_late_node_report(tmp_path):
+    agg = LiveAggregator(
+        tmp_path / RUN, RUN, world_size=2, extra_args=("--nnodes", "2")
+    ).start()
+    try:
+        finish_ranks(agg.target, 2)
+        report_node_exit(agg.target, node_exit(0, 0))
+        result, thread = timed_finalize(agg.target, 60)
+        time.sleep(2.0)
+        assert thread.is_alive()  # every rank finished, but node 1 has not reported yet
+        report_node_exit(agg.target, node_exit(1, 0))
+        thread.join(30)
+        (reply, took) = result[0]
+    finally:
+        agg.stop()
+    assert reply.complete and not reply.error
+    assert 2.0 <= took < 8.0
+    summary = load_summary(tmp_path / RUN)
+    assert {n["node_rank"]: n["exit_code"] for n in summary["nodes"]} == {0: 0, 1: 0}
+
+
+def test_a_node_that_never_reports_costs_at_most_the_budget(tmp_path):
+    agg = LiveAggregator(
+        tmp_path / RUN, RUN, world_size=2,
+        extra_args=("--nnodes", "2", "--finalize-timeout-sec", "3"),
+    ).start()
+    try:
+        finish_ranks(agg.target, 2)
+        report_node_exit(agg.target, node_exit(0, 0))
+        result, thread = timed_finalize(agg.target, 3)
+        thread.join(30)
+        (reply, took) = result[0]
+    finally:
+        agg.stop()
+    assert reply.complete and not reply.error  # every rank finished: nothing is missing
+    assert 3.0 <= took < 6.0
+    summary = load_summary(tmp_path / RUN)
+    assert {n["node_rank"]: n["exit_code"] for n in summary["nodes"]} == {0: 0, 1: None}
+
+
+def test_ranks_without_launchers_are_not_waited_for(tmp_path):
+    """A standalone aggregator (no --nnodes: ranks under plain torchrun) expects no reports."""
+    agg = LiveAggregator(tmp_path / RUN, RUN, world_size=2).start()
+    try:
+        finish_ranks(agg.target, 2)
+        result, thread = timed_finalize(agg.target, 60)
+        thread.join(30)
+        (reply, took) = result[0]
+    finally:
+        agg.stop()
+    assert reply.complete and not reply.error
+    assert took < 2.0

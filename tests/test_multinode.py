@@ -1,0 +1,90 @@
+"""Two nodes on this machine: two `traceml run` launchers, 2 nodes x 2 ranks, one run directory.
+
+Node 1 starts first and waits for node 0's aggregator; node 0 starts 20 s later (slow
+environment setup on node 0 must not make node 1 give up). Both write into one shared
+``--logs-dir``; each file has one writer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import SCRIPTS, free_port, load_summary, start_traceml
+
+SCRIPT = str(SCRIPTS / "faulty_ddp.py")
+STEPS = 8
+NODE0_DELAY_S = 20.0
+
+
+def wait_all(procs: dict, timeout_s: float) -> dict:
+    """Exit codes of ``procs`` (name -> Popen); kills the rest and fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+        time.sleep(0.2)
+    stuck = [n for n, p in procs.items() if p.poll() is None]
+    for n in stuck:
+        procs[n].kill()
+        procs[n].wait()
+    assert not stuck, f"still running after {timeout_s} s: {stuck}"
+    return {n: p.returncode for n, p in procs.items()}
+
+
+def test_two_nodes_share_one_run(tmp_path):
+    logs = tmp_path / "logs"
+    run_dir = logs / "two-nodes"
+    common = [
+        "run", SCRIPT, "--nnodes=2", "--nproc-per-node=2", "--run-name=two-nodes",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        f"--aggregator-port={free_port()}", f"--logs-dir={logs}", "--steps", str(STEPS),
+    ]
+    procs = {1: start_traceml(common + ["--node-rank=1"], tmp_path, tmp_path / "node1")}
+    time.sleep(NODE0_DELAY_S)
+    # While node 1 waits, it has written only its own files.
+    assert procs[1].poll() is None, (tmp_path / "node1.err").read_text()
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == [
+        "nodes", "nodes/node_1", "nodes/node_1/manifest.json",
+    ]
+    procs[0] = start_traceml(common + ["--node-rank=0"], tmp_path, tmp_path / "node0")
+    codes = wait_all(procs, 300)
+    assert codes == {0: 0, 1: 0}, (tmp_path / "node0.err").read_text()
+
+    summary = load_summary(run_dir)
+    assert summary["run"]["world_size"] == 4
+    assert summary["run"]["complete"] is True
+    assert summary["run"]["nodes"] == [0, 1]
+    ranks = {r["rank"]: r for r in summary["ranks"]}
+    assert {r: v["node_rank"] for r, v in ranks.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert {r: v["steps_completed"] for r, v in ranks.items()} == dict.fromkeys(range(4), STEPS)
+    assert {r: v["records_received"] for r, v in ranks.items()} == dict.fromkeys(range(4), STEPS)
+    assert {r: v["end"]["state"] for r, v in ranks.items()} == dict.fromkeys(range(4), "completed")
+    # Both launchers reported their torchrun's exit before node 0 finalized.
+    assert {n["node_rank"]: n["exit_code"] for n in summary["nodes"]} == {0: 0, 1: 0}
+    assert "could not report" not in (tmp_path / "node1.err").read_text()
+
+    # Each node's training output, in its own directory (and on its console).
+    for node, node_ranks in ((0, (0, 1)), (1, (2, 3))):
+        node_dir = run_dir / "nodes" / f"node_{node}"
+        out = (node_dir / "training.stdout.log").read_text()
+        for rank in node_ranks:
+            assert f"faulty_ddp: rank {rank} trained {STEPS} steps" in out
+        assert (node_dir / "training.stderr.log").is_file()
+        assert out in (tmp_path / f"node{node}.out").read_text()
+    assert "waiting up to 300 s for node 0's aggregator" in (tmp_path / "node1.err").read_text()
+
+    # Node 0 alone owns the aggregator: its log, its health fields, the summary.
+    assert "traceml-aggregator: serving run 'two-nodes'" in (
+        run_dir / "aggregator" / "process.stderr.log"
+    ).read_text()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["launch"]["node_rank"] == 0
+    assert manifest["launch"]["aggregator_bind_host"] == "0.0.0.0"
+    health = manifest["aggregator"]
+    assert health["status"] == "stopped" and health["exit_code"] == 0
+    assert isinstance(health["pid"], int)
+    node1 = json.loads((run_dir / "nodes" / "node_1" / "manifest.json").read_text())
+    assert "aggregator" not in node1
+    assert node1["status"] == "completed" and node1["telemetry_reported"] is True
+    assert [r["end_state"] for r in node1["ranks"]] == ["completed", "completed"]
+    # SQLite left one self-contained file: no WAL, no shared-memory index.
+    assert sorted(p.name for p in run_dir.glob("telemetry.sqlite*")) == ["telemetry.sqlite"]

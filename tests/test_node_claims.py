@@ -1,0 +1,143 @@
+"""Node-rank claims: the aggregator keeps one launcher per node rank, and a wrong claim stops
+the whole run fast instead of leaving node 0 in torchrun's rendezvous.
+
+The registry's rules as unit tests; then over real gRPC against a real aggregator; then a
+real node-0 launcher that a second launcher (in a Slurm step's environment, claiming rank 0
+on Slurm node 1) makes stop within seconds. tests/test_slurm_lab.py does the same across two
+real Slurm nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from conftest import EXAMPLES, free_port, run_traceml, start_traceml
+from test_slurm_flags import STEP_ENV
+
+from traceml import wire
+from traceml.launcher.aggregator import register_node, stop, wait_serving
+from traceml_aggregator.nodes import NodeRegistry
+
+
+def node_claim(rank: int, host: str = "n1", pid: int = 100, nnodes: int = 3, refusal: str = "",
+               run_name: str = "r") -> wire.NodeClaim:
+    return wire.NodeClaim(run_name=run_name, node_rank=rank, nnodes=nnodes, hostname=host,
+                          launcher_pid=pid, refusal=refusal)
+
+
+# --- the rules --------------------------------------------------------------------------------
+def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
+    nodes = NodeRegistry(own_host="n0", nnodes=3)
+    assert nodes.claim(node_claim(0, host="n0", pid=1)) == (True, "")
+    assert nodes.claim(node_claim(0, host="n0", pid=1)) == (True, "")   # node 0 renews
+    assert nodes.claim(node_claim(1)) == (True, "")
+    assert nodes.claim(node_claim(1)) == (True, "")                     # idempotent
+    ok, reason = nodes.claim(node_claim(1, host="n2", pid=200))
+    assert not ok
+    assert reason == ("the launcher on n2 (pid 200) claims node rank 1, which the launcher on n1 "
+                      "(pid 100) holds")
+    # Rank 2 is still unclaimed: node 2 will never join, so the run has failed.
+    assert nodes.run_failure == reason and not nodes.complete()
+    # Later refusals keep the first reason.
+    assert not nodes.claim(node_claim(0, host="n2"))[0]
+    assert nodes.run_failure == reason
+
+
+@pytest.mark.parametrize(
+    "claim, reason",
+    [
+        (node_claim(0, host="n2", pid=7),
+         "the launcher on n2 (pid 7) claims node rank 0, but node 0 is n0, where the aggregator "
+         "runs"),
+        (node_claim(1, nnodes=2), "the launcher on n1 (pid 100) runs with --nnodes 2, node 0 "
+                                  "with 3"),
+        (node_claim(2, refusal="SLURM_NODEID says 1"),
+         "the launcher on n1 (pid 100) refused to start as node 2: SLURM_NODEID says 1"),
+    ],
+)
+def test_refused_claims_fail_a_run_that_is_not_complete(claim, reason):
+    nodes = NodeRegistry(own_host="n0", nnodes=3)
+    assert nodes.claim(claim) == (False, reason)
+    assert nodes.run_failure == reason
+
+
+def test_a_stray_claim_never_fails_a_run_whose_nodes_all_joined():
+    nodes = NodeRegistry(own_host="n0", nnodes=2)
+    assert nodes.claim(node_claim(1, nnodes=2))[0]
+    assert nodes.complete()
+    assert not nodes.claim(node_claim(1, host="late", nnodes=2))[0]
+    assert not nodes.claim(node_claim(0, host="late", nnodes=2, refusal="wrong"))[0]
+    assert nodes.run_failure == ""
+
+
+# --- over gRPC --------------------------------------------------------------------------------
+def test_register_node_over_grpc(tmp_path):
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    with open(tmp_path / "aggregator.log", "wb") as log:
+        aggregator = subprocess.Popen(
+            [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(tmp_path / "r"),
+             "--run-name", "r", "--port", str(port), "--nnodes", "3"],
+            stdin=subprocess.DEVNULL, stderr=log, start_new_session=True,
+        )
+    try:
+        wait_serving(target, 60, aggregator)
+        here = socket.gethostname()
+        reply = register_node(target, node_claim(0, host=here))
+        assert (reply.accepted, reply.reason, reply.run_failure) == (True, "", "")
+        assert register_node(target, node_claim(1)).accepted
+        reply = register_node(target, node_claim(1, host="n2", pid=5))
+        assert not reply.accepted and reply.run_failure == reply.reason
+        assert "which the launcher on n1 (pid 100) holds" in reply.reason
+        # Node 0 renewing its claim learns that the run failed.
+        reply = register_node(target, node_claim(0, host=here))
+        assert reply.accepted and "which the launcher on n1 (pid 100) holds" in reply.run_failure
+        with pytest.raises(grpc.RpcError) as info:
+            register_node(target, node_claim(1, run_name="other"))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        stop(aggregator)
+    assert "refused a node claim: the launcher on n2 (pid 5)" in (
+        tmp_path / "aggregator.log").read_text()
+
+
+# --- launchers --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_second_node0_stops_the_run_within_seconds(tmp_path):
+    """Node 0 waits in torchrun's rendezvous for node 1; a launcher on Slurm node 1 that was
+    told --node-rank=0 refuses to start and tells node 0, which stops instead of hanging."""
+    agg_port, master_port = free_port(), free_port()
+    flags = [str(EXAMPLES / "ddp_minimal.py"), "--nnodes=2", "--node-rank=0",
+             "--run-name=twice0", "--master-addr=127.0.0.1", f"--master-port={master_port}",
+             f"--aggregator-port={agg_port}", f"--logs-dir={tmp_path / 'logs'}"]
+    node0 = start_traceml(["run", *flags], tmp_path, tmp_path / "node0")
+    try:
+        wait_serving(f"127.0.0.1:{agg_port}", 120, node0)
+        started = time.monotonic()
+        second = run_traceml(["run", *flags], tmp_path, env=STEP_ENV, timeout=120)
+        assert second.returncode == 2
+        assert "this is node 1 of Slurm step 77.0 (SLURM_NODEID=1), but --node-rank is 0: " \
+               "$SLURM_NODEID was expanded once" in second.stderr
+        assert f"told node 0's aggregator at 127.0.0.1:{agg_port}: the run stops there too" \
+               in second.stderr
+        code = node0.wait(60)
+        stopped_s = time.monotonic() - started
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+    assert code != 0
+    assert stopped_s < 30, stopped_s
+    err = (tmp_path / "node0.err").read_text()
+    assert "traceml: error: the run cannot rendezvous: the launcher on" in err
+    assert "refused to start as node 0: this is node 1 of Slurm step 77.0" in err
+    run_dir = tmp_path / "logs" / "twice0"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert "rendezvous_failed" in manifest["lifecycle"]
+    assert manifest["status"] == "failed"
+    assert not (run_dir / "final_summary.json").exists()

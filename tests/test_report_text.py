@@ -1,0 +1,91 @@
+"""final_summary.txt and `traceml view`: verdict first (verdict, why, next), then compact
+tables, never wider than 80 columns."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_traceml
+from planted import planted_run
+from rundata_factory import rank, rich_run, run_of, steps
+from traceml_aggregator.analysis.summary import build_summary
+from traceml_aggregator.report.fmt import MAX_RANK_ROWS
+from traceml_aggregator.report.text import WIDTH, render_text
+
+
+def _verdict_first(text: str, kind: str) -> list[str]:
+    lines = text.splitlines()
+    assert lines[0].startswith("TraceML summary · run '")
+    assert lines[2] == "=" * WIDTH
+    labels = [line[:10].strip() for line in lines[3:] if line[:10].strip()]
+    assert labels[:3] == ["VERDICT", "WHY", "NEXT"]
+    assert lines[3].split()[:2] == ["VERDICT", kind]
+    assert max(len(line) for line in lines) <= WIDTH
+    return lines
+
+
+@pytest.mark.slow
+def test_real_report_and_view_print_the_same_text(tmp_path_factory, tmp_path):
+    run = planted_run("input_straggler", tmp_path_factory.getbasetemp() / "planted")
+    text = (run.run_dir / "final_summary.txt").read_text()
+    lines = _verdict_first(text, "INPUT_STRAGGLER")
+    assert lines[3].endswith("· rank 1")
+    assert text in run.process.stdout  # the launcher printed the report
+    table = lines.index("Step time per rank (ms, medians over the window; CPU clock)")
+    assert lines[table + 1].split() == [
+        "rank",
+        "node",
+        "steps",
+        "step",
+        "p95",
+        "input",
+        "h2d",
+        "fwd",
+        "bwd",
+        "opt",
+        "resid",
+    ]
+    assert lines[table + 2].split()[:3] == ["0", "0", "30"]
+    assert lines[table + 3].split()[6] == "-"  # H2D was not measured: "-", not 0
+
+    view = run_traceml(["view", str(run.run_dir / "final_summary.json")], cwd=tmp_path)
+    assert view.returncode == 0 and view.stdout == text
+    html = tmp_path / "again.html"
+    view = run_traceml(["view", str(run.run_dir), "--html", str(html)], cwd=tmp_path)
+    assert view.returncode == 0
+    assert html.read_text() == (run.run_dir / "final_summary.html").read_text()
+
+
+def test_view_rejects_a_file_that_is_not_a_summary(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    proc = run_traceml(["view", str(bad)], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == f"traceml: error: {bad}: not a TraceML summary (no primary_diagnosis)"
+    )
+
+
+def test_large_run_stays_compact_and_narrow():
+    ranks = [rank(r, steps(input_wait=31_000 if r == 37 else 1000), node=r // 8) for r in range(64)]
+    for rd in ranks:
+        rd.identity["hostname"] = "a-very-long-hostname-of-a-cluster-node.example.org"
+    run = run_of(ranks)
+    run.run_name = "a-run-name-that-is-much-too-long-for-one-line-of-an-eighty-column-terminal"
+    text = render_text(build_summary(run))
+    lines = _verdict_first(text, "INPUT_STRAGGLER")
+    table = next(i for i, line in enumerate(lines) if line.startswith("Step time per rank"))
+    rows = lines[table + 2 : table + 2 + MAX_RANK_ROWS]
+    listed = [int(row.split()[0]) for row in rows]
+    assert 37 in listed and 0 in listed  # the straggler and the typical rank, always
+    assert listed == sorted(listed)
+    assert lines[table + 2 + MAX_RANK_ROWS].startswith("typical share of the step")
+    assert f"... {64 - MAX_RANK_ROWS} more ranks in final_summary.json" in lines
+
+
+def test_every_section_of_a_gpu_run_fits():
+    text = render_text(build_summary(rich_run()))
+    lines = _verdict_first(text, "COMPUTE_STRAGGLER")
+    for title in ("Other findings", "GPU memory per rank (MiB)", "Nodes (cpu % median"):
+        assert any(line.startswith(title) for line in lines), title

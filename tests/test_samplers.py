@@ -1,0 +1,125 @@
+"""Node and process samplers: finding torchrun's workers, and NVML missing.
+
+Workers are real processes (a parent with torchrun's variables and a forked child that inherits
+them, as a DataLoader worker does); NVML is made unloadable for real, by putting a file that is
+not a library first on ``LD_LIBRARY_PATH`` under the name ``pynvml`` loads.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from conftest import SCRIPTS, query, run_traceml
+from traceml.sdk.samplers import Workers
+
+# A "worker": torchrun's variables in its environment, and a forked child that inherits them.
+_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _spawn(code: str, **env: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env={**os.environ, **env}, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.fixture
+def worker():
+    proc = _spawn(_WORKER, RANK="5", TORCHELASTIC_RESTART_COUNT="2")
+    yield proc
+    for child in psutil.Process(proc.pid).children():
+        child.kill()
+    proc.kill()
+    proc.wait()
+
+
+def test_workers_are_torchrun_processes_not_their_children(worker):
+    root = psutil.Process(worker.pid)
+    workers = Workers(lambda: [root, *root.children(recursive=True)])
+    assert len(root.children()) == 1  # the forked child carries RANK too, and is left out
+    found = workers.find()
+    assert {pid: (rank, restart) for pid, (_, rank, restart) in found.items()} == {
+        worker.pid: (5, 2)
+    }
+    first = workers.sample(unix_us=1)
+    time.sleep(0.2)
+    second = workers.sample(unix_us=2)
+    assert [(s.rank, s.restart_count, s.unix_us) for s in first + second] == [(5, 2, 1), (5, 2, 2)]
+    assert not first[0].HasField("cpu_percent")  # no previous reading to compare with
+    assert second[0].HasField("cpu_percent") and second[0].rss_bytes > 0
+
+
+def test_a_worker_is_recognised_once_it_has_exec_d():
+    # torchrun forks, then exec()s the worker with RANK set: in between, the new process
+    # still shows torchrun's environment. It must be looked at again later, not written off.
+    code = textwrap.dedent(
+        f"""
+        import os, sys, time
+        print("ready", flush=True)
+        time.sleep(0.5)
+        env = dict(os.environ, RANK="3", TORCHELASTIC_RESTART_COUNT="0")
+        os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"], env)
+        """
+    )
+    proc = _spawn(code)
+    try:
+        workers = Workers(lambda: [psutil.Process(proc.pid)])
+        assert workers.find() == {}
+        time.sleep(1.5)
+        assert [(rank, restart) for _, rank, restart in workers.find().values()] == [(3, 0)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_sdk_rank_without_torchrun_samples_itself():
+    workers = Workers(lambda: [], extra=(os.getpid(), 7, 1))
+    [sample] = workers.sample(unix_us=5)
+    assert (sample.rank, sample.restart_count) == (7, 1)
+    assert sample.rss_bytes > 0
+
+
+@pytest.mark.slow
+def test_nvml_unloadable_run_exits_0_with_gpu_fields_null_and_a_reason(tmp_path, port):
+    libdir = tmp_path / "broken-nvml"
+    libdir.mkdir()
+    (libdir / "libnvidia-ml.so.1").write_bytes(b"not a shared library\n" * 64)
+    result = run_traceml(
+        [
+            "run", str(SCRIPTS / "planted_phases.py"), "--nproc-per-node=2",
+            "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+            "--run-name", "nonvml", "--", "--steps", "3",
+        ],
+        cwd=tmp_path,
+        env={
+            "LD_LIBRARY_PATH": f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+            "TRACEML_SAMPLE_INTERVAL_SEC": "0.2",
+        },
+    )
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "logs" / "nonvml"
+    assert query(run_dir, "SELECT COUNT(*) FROM steps") == [(6,)]  # training untouched
+    reasons = query(run_dir, "SELECT DISTINCT gpu_unavailable_reason FROM system_samples")
+    assert len(reasons) == 1 and reasons[0][0].startswith("NVML did not start"), reasons
+    assert query(run_dir, "SELECT COUNT(*) FROM gpu_samples") == [(0,)]
+    # One info line where GPU figures are missing on a GPU host; none on a CPU host.
+    info = [line for line in result.stderr.splitlines() if "GPU metrics are off" in line]
+    expected = ["traceml: GPU metrics are off on node 0: " + reasons[0][0]]
+    assert info == (expected if os.path.exists("/proc/driver/nvidia") else [])

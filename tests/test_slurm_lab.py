@@ -1,0 +1,129 @@
+"""The Slurm templates on a real Slurm cluster: 2 nodes x 2 (fake) GPUs, in both lab modes.
+
+The lab (tests/slurm_lab) runs stock slurmctld/slurmd on this machine, one slurmd per node with
+its own hostname; ``loopback`` puts the nodes on 127.77.0.x of the shared loopback, ``netns``
+gives each its own network namespace. The fake GPUs make Slurm set ``SLURM_GPUS_ON_NODE=2``
+while torch sees none, so examples/ddp_minimal.py trains with gloo on CPU, 2 workers per node.
+
+The templates are submitted as shipped, adapted only through sbatch options (fewer GPUs and
+CPUs than the template asks for), the environment (``PATH`` to this test's Python environment,
+``MASTER_PORT``) and their arguments (``--logs-dir``, ``--aggregator-port``, the script's
+``--steps``). Ports are free ones, never the defaults 29500/29765.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, free_port, load_summary
+from slurm_lab import SlurmLab, available
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+NODES, GPUS_PER_NODE, STEPS = 2, 2, 12
+#: sbatch options that fit the template's job to the lab (2 CPUs per node, 2 fake GPUs).
+FIT_TO_LAB = (f"--nodes={NODES}", "--ntasks-per-node=1", f"--gres=gpu:{GPUS_PER_NODE}",
+              "--cpus-per-task=1")
+#: Bound on a whole training job here (2 cores shared by 4 ranks, 2 launchers, the aggregator).
+JOB_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module", params=["loopback", "netns"])
+def lab(request):
+    """The lab, started once per mode for this module and stopped after it."""
+    ok, why = available(request.param)
+    if not ok:
+        pytest.skip(why)
+    lab = SlurmLab().start(mode=request.param, nodes=NODES, gpus_per_node=GPUS_PER_NODE)
+    yield lab
+    lab.stop()
+
+
+def submit(lab: SlurmLab, tmp_path: Path, template: str, *args: str, **env: str) -> int:
+    """sbatch ``template`` from the repository root (as the docs say); its job id.
+
+    The job finds ``traceml`` on the ``PATH`` of this test's Python environment (the
+    template's "activate your environment" step, done by the submitting shell).
+    """
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return lab.sbatch(
+        ROOT / template, *FIT_TO_LAB, "-o", str(tmp_path / "job-%j.out"),
+        env={"PATH": path, **env}, cwd=ROOT,
+        script_args=[f"--logs-dir={tmp_path / 'logs'}", f"--aggregator-port={free_port()}",
+                     *args],
+    )
+
+
+def job_output(tmp_path: Path, job: int) -> str:
+    return (tmp_path / f"job-{job}.out").read_text(errors="replace")
+
+
+def assert_trained_everywhere(run_dir: Path) -> None:
+    """4 ranks on the lab's two nodes, every step of every rank in the summary."""
+    summary = load_summary(run_dir)
+    assert summary["run"]["world_size"] == NODES * GPUS_PER_NODE
+    assert summary["run"]["complete"] is True and summary["run"]["missing_ranks"] == []
+    assert summary["run"]["nodes"] == [0, 1]
+    assert [
+        (r["rank"], r["node_rank"], r["hostname"], r["steps_completed"], r["end"]["state"])
+        for r in summary["ranks"]
+    ] == [
+        (0, 0, "node1", STEPS, "completed"),
+        (1, 0, "node1", STEPS, "completed"),
+        (2, 1, "node2", STEPS, "completed"),
+        (3, 1, "node2", STEPS, "completed"),
+    ]
+    assert [(n["node_rank"], n["hostname"], n["exit_code"]) for n in summary["nodes"]] == [
+        (0, "node1", 0),
+        (1, "node2", 0),
+    ]
+
+
+def test_template_with_the_wrapper(lab, tmp_path):
+    job = submit(lab, tmp_path, "examples/slurm/traceml_ddp.sbatch", "--steps", str(STEPS),
+                 MASTER_PORT=str(free_port()))
+    state, code = lab.wait(job, timeout=JOB_TIMEOUT_S)
+    out = job_output(tmp_path, job)
+    assert (state, code) == ("COMPLETED", 0), out
+    assert_trained_everywhere(tmp_path / "logs" / f"ddp-{job}")
+    assert f"traceml: summary: {tmp_path / 'logs' / f'ddp-{job}' / 'final_summary.json'}" in out
+
+
+def test_slurm_flag_instead_of_explicit_flags(lab, tmp_path):
+    job = submit(lab, tmp_path, "examples/slurm/traceml_ddp_auto.sbatch",
+                 f"--master-port={free_port()}", "--steps", str(STEPS))
+    state, code = lab.wait(job, timeout=JOB_TIMEOUT_S)
+    out = job_output(tmp_path, job)
+    assert (state, code) == ("COMPLETED", 0), out
+    assert_trained_everywhere(tmp_path / "logs" / f"slurm-{job}")
+    for node in (0, 1):
+        assert (
+            f"traceml: --slurm: --nnodes=2 (SLURM_STEP_NUM_NODES), --node-rank={node} "
+            f"(SLURM_NODEID), --nproc-per-node=2 (SLURM_GPUS_ON_NODE), --master-addr=node1 "
+            f"(first host of SLURM_STEP_NODELIST=node[1-2]), --run-name=slurm-{job} "
+            "(SLURM_JOB_ID)"
+        ) in out
+
+
+def test_wrong_template_fails_fast_naming_the_cause(lab, tmp_path):
+    """``srun traceml run ... --node-rank=$SLURM_NODEID`` inline: both nodes claim rank 0."""
+    started = time.monotonic()
+    job = submit(lab, tmp_path, "tests/scripts/wrong_inline.sbatch", "--steps", str(STEPS),
+                 MASTER_PORT=str(free_port()))
+    state, code = lab.wait(job, timeout=60)
+    elapsed_s = time.monotonic() - started
+    out = job_output(tmp_path, job)
+    assert state == "FAILED" and code != 0, out
+    assert elapsed_s < 60, out
+    # Node 2 refuses at once, naming the cause; node 1 (node 0 of the run) stops because of it.
+    assert (
+        f"traceml: error: this is node 1 of Slurm step {job}.0 (SLURM_NODEID=1), but "
+        "--node-rank is 0: $SLURM_NODEID was expanded once, by the batch shell, for every node"
+    ) in out
+    assert "the run stops there too" in out
+    assert "traceml: error: the run cannot rendezvous: the launcher on node2" in out
+    assert not (tmp_path / "logs" / f"ddp-{job}" / "final_summary.json").exists()

@@ -1,0 +1,90 @@
+"""The SQLite store: a batch is stored at most once per (sender, restart, seq), across reopens."""
+
+from __future__ import annotations
+
+import pytest
+
+from traceml import wire
+from traceml_aggregator.store import Store
+
+
+def batch(seq: int, steps: range, *, rank: int = 0, restart: int = 0, **fields) -> wire.Batch:
+    b = wire.Batch(run_name="r", rank=rank, restart_count=restart, seq=seq, **fields)
+    b.steps.extend(wire.StepRecord(step=i, end_us=i + 1, step_us=1) for i in steps)
+    return b
+
+
+def results(store: Store, *batches) -> list[tuple[int, bool]]:
+    return [(r.stored_seq, r.duplicate) for r in store.write_batches(list(batches), 0)]
+
+
+def rows(store: Store, sql: str) -> list[tuple]:
+    return [tuple(row) for row in store.query(sql)]
+
+
+def count(store: Store, sql: str) -> int:
+    return rows(store, sql)[0][0]
+
+
+def test_a_resent_batch_is_acknowledged_not_stored_again(tmp_path):
+    store = Store(tmp_path / "t.sqlite")
+    first = results(store, batch(1, range(0, 5)), batch(2, range(5, 10)))
+    assert first == [(1, False), (2, False)]
+    # The same seq again, even in the same transaction as a new one, is a duplicate.
+    again = results(store, batch(2, range(5, 10)), batch(3, range(10, 12)), batch(3, range(10, 12)))
+    assert again == [(2, True), (3, False), (3, True)]
+    # An older seq after a newer one: the ack names the highest stored seq.
+    assert results(store, batch(1, range(0, 5))) == [(3, True)]
+    assert count(store, "SELECT COUNT(*) FROM steps") == 12
+    assert rows(store, "SELECT * FROM streams") == [("rank", 0, 0, 3)]
+
+
+def test_the_key_is_sender_restart_and_seq(tmp_path):
+    store = Store(tmp_path / "t.sqlite")
+    stored = results(
+        store,
+        batch(1, range(3), rank=0),
+        batch(1, range(3), rank=1),  # another rank
+        batch(1, range(3), rank=0, restart=1),  # rank 0's next torchrun attempt
+    )
+    node = wire.Batch(run_name="r", node_rank=0, seq=1)  # node 0's sampler, not rank 0
+    node.system_samples.add(unix_us=1, node_rank=0, hostname="h")
+    stored += results(store, node)
+    assert stored == [(1, False)] * 4
+    assert count(store, "SELECT COUNT(*) FROM steps") == 9
+    assert count(store, "SELECT COUNT(*) FROM system_samples") == 1
+    assert count(store, "SELECT COUNT(*) FROM streams") == 4
+
+
+def test_idempotency_survives_a_reopen(tmp_path):
+    path = tmp_path / "t.sqlite"
+    store = Store(path)
+    results(store, batch(1, range(4)), batch(2, range(4, 8)))
+    store.close()
+
+    store = Store(path)  # a restarted aggregator on the same run directory
+    assert results(store, batch(2, range(4, 8)), batch(3, range(8, 9))) == [(2, True), (3, False)]
+    assert count(store, "SELECT COUNT(*) FROM steps") == 9
+
+
+def test_a_failed_transaction_stores_nothing_and_forgets_its_seqs(tmp_path):
+    store = Store(tmp_path / "t.sqlite")
+    good = batch(1, range(3), rank=0)
+    # 2**64 - 1 is a valid uint64 on the wire but not an SQLite integer: the insert fails.
+    bad = batch(1, range(0), rank=1)
+    bad.steps.add(step=0, end_us=2**64 - 1, step_us=1)
+    with pytest.raises(OverflowError):
+        store.write_batches([good, bad], 0)
+    assert count(store, "SELECT COUNT(*) FROM steps") == 0
+    # The good batch, resent, is stored: its seq was not remembered as stored.
+    assert results(store, good) == [(1, False)]
+    assert count(store, "SELECT COUNT(*) FROM steps") == 3
+
+
+def test_finish_marker_and_identity_are_stored_with_their_batch(tmp_path):
+    store = Store(tmp_path / "t.sqlite")
+    first = batch(1, range(2), identity=wire.RankIdentity(run_name="r", rank=0, world_size=2))
+    last = batch(2, range(2, 3), finish=wire.RankFinish(last_seq=2, steps_completed=3))
+    results(store, first, last)
+    assert rows(store, "SELECT rank, world_size FROM ranks") == [(0, 2)]
+    assert rows(store, "SELECT steps_completed, last_seq FROM rank_finish") == [(3, 2)]

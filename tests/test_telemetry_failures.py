@@ -1,0 +1,73 @@
+"""Telemetry failures after training started are warnings: the exit code stays torchrun's.
+
+Two failures: node 0's aggregator is killed in the middle of the run, and the summary cannot
+be written (``final_summary.json`` is a directory, which even root cannot replace with a file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from conftest import SCRIPTS, run_traceml, start_traceml
+
+SCRIPT = str(SCRIPTS / "faulty_ddp.py")
+
+
+def test_aggregator_killed_mid_run(tmp_path, port):
+    run_dir = tmp_path / "logs" / "agg-killed"
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "agg-killed",
+        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+        "--steps", "60", "--step-sleep", "0.2",
+    ]
+    env = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_FINISH_TIMEOUT_SEC": "2"}
+    launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=env)
+    stdout_log = run_dir / "nodes" / "node_0" / "training.stdout.log"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # until rank 0's first step began
+        if stdout_log.exists() and "faulty_ddp: training" in stdout_log.read_text():
+            break
+        assert launcher.poll() is None, (tmp_path / "launcher.err").read_text()
+        time.sleep(0.2)
+    time.sleep(2.0)  # some steps stream to the aggregator
+    pid = json.loads((run_dir / "manifest.json").read_text())["aggregator"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    code = launcher.wait(240)
+
+    err = (tmp_path / "launcher.err").read_text()
+    assert code == 0, err
+    assert "warning: the aggregator exited with code 137 during the run" in err
+    assert "faulty_ddp: rank 0 trained 60 steps" in (tmp_path / "launcher.out").read_text()
+    assert not (run_dir / "final_summary.json").exists()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and manifest["exit_code"] == 0
+    assert manifest["aggregator"] == {
+        "status": "failed",
+        "reason": "exited with code 137 during the run",
+        "pid": pid,
+        "exit_code": 137,
+    }
+    assert "aggregator_failed" in manifest["lifecycle"]
+    node = json.loads((run_dir / "nodes" / "node_0" / "manifest.json").read_text())
+    assert node["exit_code"] == 0 and node["telemetry_reported"] is False
+
+
+def test_unwritable_summary(tmp_path, port):
+    run_dir = tmp_path / "logs" / "no-summary"
+    (run_dir / "final_summary.json").mkdir(parents=True)
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "no-summary", "--steps", "4",
+        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+    ]
+    result = run_traceml(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warning: no final summary: IsADirectoryError" in result.stderr
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and manifest["exit_code"] == 0
+    assert manifest["aggregator"]["status"] == "failed"
+    assert "IsADirectoryError" in manifest["aggregator"]["reason"]
+    assert manifest["aggregator"]["exit_code"] == 0
+    assert "final_summary_json" not in manifest["artifacts"]

@@ -1,0 +1,104 @@
+"""A finding: one diagnosed fact about the run, with its evidence and what to do next.
+
+The primary diagnosis and every per-section finding of ``final_summary.json`` have this shape
+(see ``docs/reading-output.md`` for each ``kind``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Severities, mildest first: ``info`` needs no action, ``warning`` costs time or risks the
+#: run, ``critical`` dominates the step or lost a rank.
+SEVERITIES = ("info", "warning", "critical")
+
+#: Every kind of finding, by section of ``final_summary.json`` (``step_time`` kinds are also
+#: the possible primary diagnoses). docs/reading-output.md explains each one.
+KINDS = {
+    "step_time": (
+        "INPUT_BOUND",
+        "H2D_BOUND",
+        "COMPUTE_BOUND",
+        "RESIDUAL_HEAVY",
+        "INPUT_STRAGGLER",
+        "H2D_STRAGGLER",
+        "COMPUTE_STRAGGLER",
+        "STRAGGLER",
+        "NODE_STRAGGLER",
+        "INSUFFICIENT_DATA",
+    ),
+    "memory": ("MEMORY_PRESSURE", "MEMORY_IMBALANCE", "MEMORY_CREEP"),
+    "system": (
+        "LOW_GPU_UTILIZATION",
+        "MODERATE_GPU_UTILIZATION",
+        "HIGH_CPU",
+        "HIGH_RAM",
+        "HIGH_GPU_TEMPERATURE",
+    ),
+    "health": (
+        "RANK_CRASHED",
+        "RANK_TERMINATED",
+        "RANK_MISSING",
+        "RANK_NEVER_REPORTED",
+        "NODE_FAILED",
+        "RANK_WITHOUT_STEPS",
+        "TELEMETRY_DROPPED",
+        "GPU_TIMING_UNRESOLVED",
+        "RESTARTED",
+    ),
+}
+
+
+@dataclass
+class Finding:
+    """One diagnosis.
+
+    Attributes:
+        kind: upper-case name, e.g. ``INPUT_STRAGGLER`` (listed in docs/reading-output.md).
+        severity: one of :data:`SEVERITIES`.
+        summary: one sentence with the numbers that prove it.
+        action: what to try next.
+        evidence: named figures behind the summary (units in the names: ``_ms``, ``_pct``,
+            ``_bytes``).
+        ranks: global ranks involved (the slow ones for a straggler).
+        nodes: node ranks involved.
+        impact_ms: step time this finding costs every step, ms (step-time findings only;
+            the primary diagnosis is the one with the largest).
+    """
+
+    kind: str
+    severity: str
+    summary: str
+    action: str
+    evidence: dict = field(default_factory=dict)
+    ranks: list[int] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
+    impact_ms: float | None = None
+
+    def to_json(self) -> dict:
+        """The JSON object written to the summary."""
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "summary": self.summary,
+            "action": self.action,
+            "evidence": self.evidence,
+            "ranks": sorted(self.ranks),
+            "nodes": sorted(self.nodes),
+            "impact_ms": None if self.impact_ms is None else round(self.impact_ms, 3),
+        }
+
+
+def by_severity(findings: list[Finding]) -> list[Finding]:
+    """``findings`` most severe first (stable within a severity)."""
+    return sorted(findings, key=lambda f: -SEVERITIES.index(f.severity))
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``"rank 3"`` or ``"ranks 1, 4, 7"`` (at most 8 named, then a count)."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(str(r) for r in ranks[:8])
+    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    return f"ranks {shown}{more}"

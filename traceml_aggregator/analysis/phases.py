@@ -1,0 +1,198 @@
+"""Where each rank's step time goes: the clock, the parts of a step, per-rank profiles.
+
+A step (``step_us``: end of the previous step to the end of this one) is split into parts:
+input wait, host-to-device copies (H2D), forward, backward, optimizer, and the residual — the
+time inside the step outside every measured phase (loss outside the model, ``zero_grad``,
+logging, ``.item()`` syncs, ...).
+
+One clock per analysis. With CUDA, the CPU clock of a phase only measures kernel launches, so
+the GPU clock (CUDA events) is used for H2D, forward, backward and optimizer when enough steps
+of the window carry it on every rank (the SDK times one step in N on the GPU; the parts are then
+measured over those steps); otherwise the CPU clock is used for all ranks, and the summary says
+why. Input wait is always host time: the GPU has nothing to do while the host
+waits for data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from traceml_aggregator.analysis import thresholds as th
+from traceml_aggregator.analysis.stats import describe, median
+from traceml_aggregator.analysis.window import Window
+
+#: Measured phases: (summary name, CPU-clock field, GPU-clock field or None), all µs.
+PHASES = (
+    ("input_wait", "input_wait_us", None),
+    ("h2d", "h2d_us", "gpu_h2d_us"),
+    ("forward", "forward_us", "gpu_forward_us"),
+    ("backward", "backward_us", "gpu_backward_us"),
+    ("optimizer", "optimizer_us", "gpu_optimizer_us"),
+)
+#: Every part of a step in the reports: the phases, then the residual.
+PARTS = tuple(name for name, _, _ in PHASES) + ("residual",)
+#: Phases without which the residual is meaningless (it would absorb them).
+REQUIRED_PHASES = ("forward", "backward", "optimizer")
+#: GPU-clock fields that must be present on every window step for the GPU clock.
+_GPU_NEEDED = ("gpu_forward_us", "gpu_backward_us", "gpu_optimizer_us")
+
+CPU = "cpu"
+GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class Clock:
+    """The clock of one analysis.
+
+    Attributes:
+        name: ``"cpu"`` or ``"gpu"``.
+        reason: why this clock (for the summary).
+        steps: rank -> the window steps the parts of the step are measured over: every window
+            step on the CPU clock; on the GPU clock the GPU-timed ones (the SDK times one step
+            in ``TRACEML_GPU_TIMING_EVERY_N_STEPS`` on the GPU), the same indices on every rank.
+    """
+
+    name: str
+    reason: str
+    steps: dict[int, list[dict]] = field(default_factory=dict, compare=False)
+
+    def phase_field(self, cpu_field: str, gpu_field: str | None) -> str:
+        """The step field to read for a phase on this clock."""
+        return gpu_field if self.name == GPU and gpu_field else cpu_field
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "reason": self.reason,
+            "steps": len(next(iter(self.steps.values()), [])),
+        }
+
+
+def choose_clock(window: Window) -> Clock:
+    """GPU when at least MIN_GPU_TIMED_STEPS window steps are GPU-timed on every rank and
+    carry every needed GPU phase; else CPU, with the reason."""
+    if not window.steps:
+        return Clock(CPU, "no step data")
+    timed = set(window.indices)
+    for steps in window.steps.values():
+        timed &= {s["step"] for s in steps if s.get("gpu_step_us") is not None}
+    if not timed:
+        return Clock(
+            CPU,
+            "no CUDA event timings (CPU training, or GPU timing unavailable)",
+            dict(window.steps),
+        )
+    gpu_steps = {r: [s for s in steps if s["step"] in timed] for r, steps in window.steps.items()}
+    lacking = sorted(
+        r
+        for r, steps in gpu_steps.items()
+        if any(s.get(f) is None for s in steps for f in _GPU_NEEDED)
+    )
+    if lacking:
+        return Clock(
+            CPU,
+            f"GPU-timed steps of ranks {lacking} lack forward, backward or optimizer CUDA "
+            "timings; CPU clock for every rank",
+            dict(window.steps),
+        )
+    if len(timed) < th.MIN_GPU_TIMED_STEPS:
+        return Clock(
+            CPU,
+            f"only {len(timed)} GPU-timed steps in the window (MIN_GPU_TIMED_STEPS = "
+            f"{th.MIN_GPU_TIMED_STEPS}); CPU clock for every rank",
+            dict(window.steps),
+        )
+    return Clock(
+        GPU,
+        f"CUDA event timings on {len(timed)} GPU-timed steps of the window, common to every "
+        "rank; phases are measured over those steps",
+        gpu_steps,
+    )
+
+
+def step_parts(step: dict, clock: Clock) -> dict[str, int | None]:
+    """One step's parts in µs on ``clock`` (None: not measured). The residual is the step
+    minus the measured phases, at least 0 (phases timed on the GPU may overlap host time)."""
+    parts: dict[str, int | None] = {
+        name: step.get(clock.phase_field(cpu, gpu)) for name, cpu, gpu in PHASES
+    }
+    measured = [v for v in parts.values() if v is not None]
+    parts["residual"] = max(0, step["step_us"] - sum(measured)) if measured else None
+    return parts
+
+
+@dataclass
+class Profile:
+    """One rank's step time and its parts over a set of steps (ms unless named).
+
+    Attributes:
+        rank: global rank.
+        steps: number of window steps (``step_ms`` covers them all).
+        step_ms: ``describe`` of the step time (median, mean, p95, max, count).
+        median_ms: per part (:data:`PARTS`, plus ``dataloader_next``), the median over the
+            clock's steps where it was measured; None when never measured.
+        share_pct: per part, its total over the steps as a share of the total step time
+            (unmeasured steps count 0); None when never measured.
+        own_compute_ms: median of forward + optimizer per step: compute that never waits on
+            other ranks in DDP (backward holds the gradient all-reduce, so it absorbs every
+            rank's wait for the slowest); None when neither was measured.
+    """
+
+    rank: int
+    steps: int
+    step_ms: dict | None
+    median_ms: dict[str, float | None]
+    share_pct: dict[str, float | None]
+    own_compute_ms: float | None
+
+
+def _ms(us: float | None) -> float | None:
+    return None if us is None else us / 1000.0
+
+
+def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
+    """The :class:`Profile` of ``rank``: step time over its window steps, parts over the
+    clock's steps."""
+    steps = clock.steps[rank]
+    parts = [step_parts(s, clock) for s in steps]
+    total_us = sum(s["step_us"] for s in steps)
+    median_ms: dict[str, float | None] = {}
+    share_pct: dict[str, float | None] = {}
+    for name in PARTS:
+        values = [p[name] for p in parts]
+        median_ms[name] = _ms(median(values))
+        measured = [v for v in values if v is not None]
+        share_pct[name] = 100.0 * sum(measured) / total_us if measured and total_us else None
+    median_ms["dataloader_next"] = _ms(median(s.get("dataloader_next_us") for s in steps))
+    own = [
+        None
+        if p["forward"] is None and p["optimizer"] is None
+        else (p["forward"] or 0) + (p["optimizer"] or 0)
+        for p in parts
+    ]
+    return Profile(
+        rank=rank,
+        steps=len(window_steps),
+        step_ms=describe(_ms(s["step_us"]) for s in window_steps),
+        median_ms=median_ms,
+        share_pct=share_pct,
+        own_compute_ms=_ms(median(own)),
+    )
+
+
+def profiles(window: Window, clock: Clock) -> dict[int, Profile]:
+    """Profiles of every window rank over the window."""
+    return {rank: profile(rank, steps, clock) for rank, steps in window.steps.items()}
+
+
+def missing_phases(clock: Clock) -> dict[str, list[int]]:
+    """Required phases never measured on the clock's steps, each with the ranks lacking it."""
+    out: dict[str, list[int]] = {}
+    for name, cpu, gpu in PHASES:
+        if name not in REQUIRED_PHASES:
+            continue
+        key = clock.phase_field(cpu, gpu)
+        lacking = [r for r, steps in clock.steps.items() if all(s.get(key) is None for s in steps)]
+        if lacking:
+            out[name] = sorted(lacking)
+    return out

@@ -1,0 +1,81 @@
+"""Named thresholds of the diagnoses: one constant each, with its meaning and unit.
+
+Every constant is explained for users in ``docs/reading-output.md`` (a test keeps the two in
+step) and copied into ``final_summary.json`` under ``analysis.thresholds``, so a report always
+says which limits produced it. Percentages are 0-100.
+"""
+
+from __future__ import annotations
+
+# --- the analysis window ------------------------------------------------------------------------
+#: Steps at the start of the aligned window left out (process-group setup, first kernels,
+#: allocator warm-up); skipped only while at least MIN_WINDOW_STEPS steps remain.
+WARMUP_STEPS = 5
+#: Fewest aligned steps (common to every rank that reported steps) the step-time diagnosis
+#: needs; fewer gives INSUFFICIENT_DATA.
+MIN_WINDOW_STEPS = 10
+
+#: Fewest GPU-timed steps (common to every rank) in the window for the GPU clock; fewer gives
+#: the CPU clock. The SDK times one step in TRACEML_GPU_TIMING_EVERY_N_STEPS on the GPU.
+MIN_GPU_TIMED_STEPS = 3
+
+# --- step time: job-wide ------------------------------------------------------------------------
+#: INPUT_BOUND: the typical rank waits for its next batch at least this share of its step (%).
+INPUT_BOUND_PCT = 15.0
+#: H2D_BOUND: host-to-device copies take at least this share of the typical rank's step (%).
+H2D_BOUND_PCT = 15.0
+#: RESIDUAL_HEAVY: time inside the step outside every measured phase is at least this share
+#: of the typical rank's step (%).
+RESIDUAL_HEAVY_PCT = 25.0
+
+# --- step time: stragglers ----------------------------------------------------------------------
+#: A rank straggles when its own time in one part of the step (input wait, H2D, forward +
+#: optimizer, residual) exceeds the typical rank's by at least this share of the typical step
+#: time (%) ...
+STRAGGLER_GAP_PCT = 10.0
+#: ... and by at least this many milliseconds per step (sub-millisecond noise on tiny steps
+#: is not a straggler).
+STRAGGLER_MIN_GAP_MS = 1.0
+
+#: A step-time finding whose recoverable time is at least this share of the typical step is
+#: ``critical``; below it, ``warning``.
+CRITICAL_PCT = 40.0
+
+# --- memory -------------------------------------------------------------------------------------
+#: MEMORY_PRESSURE: a rank's peak reserved CUDA memory is at least this share of its GPU's
+#: total memory (%).
+MEMORY_PRESSURE_PCT = 90.0
+#: MEMORY_IMBALANCE: (highest - lowest) peak allocated memory across ranks is at least this
+#: share of the highest (%).
+MEMORY_IMBALANCE_PCT = 20.0
+#: Share of a rank's memory readings at the start of the run treated as the caching
+#: allocator's warm-up and left out of the creep test (fraction 0-1).
+MEMORY_WARMUP_FRACTION = 0.25
+#: MEMORY_CREEP: after warm-up, the median of the last third of peak-allocated readings
+#: exceeds the median of the first third by at least this share of the latter (%) ...
+MEMORY_CREEP_PCT = 5.0
+#: ... and by at least this many bytes (64 MiB).
+MEMORY_CREEP_MIN_BYTES = 64 * 1024 * 1024
+#: Fewest memory readings of a rank for the creep test; fewer gives a ``null`` trend.
+MEMORY_MIN_SAMPLES = 6
+
+# --- system and process -------------------------------------------------------------------------
+#: LOW_GPU_UTILIZATION: a rank's GPU is busy less than this share of the time, median (%).
+GPU_UTIL_LOW_PCT = 50.0
+#: MODERATE_GPU_UTILIZATION: below this share, median, but not low (%).
+GPU_UTIL_MODERATE_PCT = 80.0
+#: HIGH_CPU: a node's CPUs (all cores) are busy at least this share, median (%).
+CPU_HIGH_PCT = 90.0
+#: HIGH_RAM: a node's used RAM reaches this share of its total, maximum (%).
+RAM_HIGH_PCT = 90.0
+#: HIGH_GPU_TEMPERATURE: a GPU reaches this temperature, maximum (°C).
+GPU_TEMP_HIGH_C = 85.0
+
+
+def as_dict() -> dict[str, float | int]:
+    """Every threshold above by name (what ``analysis.thresholds`` in the summary holds)."""
+    return {
+        name: value
+        for name, value in globals().items()
+        if name.isupper() and isinstance(value, (int, float))
+    }

@@ -1,0 +1,67 @@
+"""The analysis window: the steps every rank completed, after warm-up, aligned by step index.
+
+Ranks are compared step for step (in DDP, step k of every rank ends with the same all-reduce),
+so the step-time analysis only looks at step indices that every rank with step data stored.
+The first :data:`~traceml_aggregator.analysis.thresholds.WARMUP_STEPS` of them are left out
+while enough remain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from traceml_aggregator.analysis import thresholds
+from traceml_aggregator.rundata import RunData
+
+
+@dataclass(frozen=True)
+class Window:
+    """Aligned steps of the ranks that reported steps.
+
+    Attributes:
+        steps: rank -> that rank's window steps (StepRecord dicts, µs), in step order; only
+            ranks with step data appear.
+        indices: the window's step indices (the same for every rank), ascending.
+        warmup_skipped: steps left out at the start.
+        ranks_without_steps: ranks of the world that stored no step at all.
+    """
+
+    steps: dict[int, list[dict]] = field(default_factory=dict)
+    indices: list[int] = field(default_factory=list)
+    warmup_skipped: int = 0
+    ranks_without_steps: list[int] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks in the window, ascending."""
+        return sorted(self.steps)
+
+    def to_json(self) -> dict:
+        """``analysis.window`` of the summary."""
+        return {
+            "first_step": self.indices[0] if self.indices else None,
+            "last_step": self.indices[-1] if self.indices else None,
+            "steps": len(self.indices),
+            "warmup_steps_skipped": self.warmup_skipped,
+            "ranks": self.ranks,
+            "ranks_without_steps": self.ranks_without_steps,
+        }
+
+
+def align(run: RunData) -> Window:
+    """The window of ``run``: step indices stored by every rank that has steps, minus warm-up."""
+    with_steps = {r: rd.steps for r, rd in run.ranks.items() if rd.steps}
+    without = sorted(r for r, rd in run.ranks.items() if not rd.steps)
+    if not with_steps:
+        return Window(ranks_without_steps=without)
+    common = set.intersection(*({s["step"] for s in steps} for steps in with_steps.values()))
+    indices = sorted(common)
+    skip = min(thresholds.WARMUP_STEPS, max(0, len(indices) - thresholds.MIN_WINDOW_STEPS))
+    indices = indices[skip:]
+    keep = set(indices)
+    return Window(
+        steps={r: [s for s in steps if s["step"] in keep] for r, steps in with_steps.items()},
+        indices=indices,
+        warmup_skipped=skip,
+        ranks_without_steps=without,
+    )

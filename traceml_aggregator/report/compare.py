@@ -1,0 +1,217 @@
+"""``traceml compare A B``: what changed from run A (baseline) to run B, and a verdict.
+
+Each metric of :func:`~traceml_aggregator.report.flat.flatten` present in either run gets its
+delta (B - A) and a status: ``improved``, ``regressed`` or ``unchanged`` (within
+:data:`EQUIVALENT_PCT`). Step parts are judged against A's step time (input wait going from
+0.4 to 0.6 ms is +50% of itself but noise for the step). The verdict comes from the key
+metrics (step time, peak allocated memory, GPU utilisation), so it also works for CPU-only
+runs, which only have step time:
+
+* IMPROVEMENT — some key metric improved, none regressed;
+* REGRESSION — some key metric regressed, none improved;
+* MIXED — some improved and some regressed;
+* EQUIVALENT — no key metric moved by more than :data:`EQUIVALENT_PCT`;
+* INCONCLUSIVE — a run has no step time (no step data, or too few steps).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+from traceml_aggregator.analysis.phases import PARTS
+from traceml_aggregator.report.flat import flatten
+from traceml_aggregator.report.fmt import num
+
+#: A change smaller than this share of the baseline is noise: ``unchanged`` (%).
+EQUIVALENT_PCT = 5.0
+#: Exit code of ``traceml compare --fail-on-regression`` when a key metric regressed by more
+#: than the given percentage (2 is for usage errors).
+REGRESSION_EXIT_CODE = 3
+#: Version of the compare document's layout (compare.json).
+COMPARE_VERSION = 1
+
+VERDICTS = ("IMPROVEMENT", "REGRESSION", "EQUIVALENT", "MIXED", "INCONCLUSIVE")
+
+
+@dataclass(frozen=True)
+class _Metric:
+    name: str
+    unit: str
+    lower_is_better: bool
+    key: bool
+    vs_step: bool = False  # judged as a share of A's step time
+
+
+METRICS = (
+    _Metric("step_time_ms", "ms", True, True),
+    _Metric("step_time_p95_ms", "ms", True, False),
+    *(_Metric(f"{p}_ms", "ms", True, False, vs_step=True) for p in PARTS),
+    _Metric("peak_allocated_bytes", "bytes", True, True),
+    _Metric("gpu_util_pct", "%", False, True),
+)
+
+
+def _metric_row(m: _Metric, a: dict, b: dict) -> dict | None:
+    va, vb = a.get(m.name), b.get(m.name)
+    if va is None and vb is None:
+        return None
+    row = {
+        "name": m.name,
+        "unit": m.unit,
+        "better": "lower" if m.lower_is_better else "higher",
+        "key": m.key,
+        "a": va,
+        "b": vb,
+        "delta": None,
+        "delta_pct": None,
+        "status": "not_comparable",
+    }
+    if va is None or vb is None:
+        return row
+    delta = vb - va
+    row["delta"] = round(delta, 3)
+    row["delta_pct"] = round(100.0 * delta / va, 1) if va else None
+    basis = a.get("step_time_ms") if m.vs_step else va
+    change_pct = 100.0 * delta / basis if basis else 0.0
+    if abs(change_pct) < EQUIVALENT_PCT or delta == 0:
+        row["status"] = "unchanged"
+    else:
+        row["status"] = "improved" if (delta < 0) == m.lower_is_better else "regressed"
+    row["change_pct"] = round(change_pct, 1)
+    return row
+
+
+def compare(a: dict, b: dict, *, a_path: str = "", b_path: str = "") -> dict:
+    """The compare document of summary documents ``a`` (baseline) and ``b``."""
+    (ma, la), (mb, lb) = flatten(a), flatten(b)
+    rows = [r for r in (_metric_row(m, ma, mb) for m in METRICS) if r is not None]
+    key = [r for r in rows if r["key"]]
+    improved = [r["name"] for r in key if r["status"] == "improved"]
+    regressed = [r["name"] for r in key if r["status"] == "regressed"]
+    step = next((r for r in rows if r["name"] == "step_time_ms"), None)
+    if step is None or step["status"] == "not_comparable":
+        which = [n for n, m in (("A", ma), ("B", mb)) if "step_time_ms" not in m]
+        verdict = "INCONCLUSIVE"
+        why = f"Run {' and '.join(which)} has no step time (no step data or too few steps)."
+    else:
+        if improved and regressed:
+            verdict = "MIXED"
+        elif improved:
+            verdict = "IMPROVEMENT"
+        elif regressed:
+            verdict = "REGRESSION"
+        else:
+            verdict = "EQUIVALENT"
+        why = (
+            f"Step time {step['a']:.2f} → {step['b']:.2f} ms "
+            f"({step['delta']:+.2f} ms, {step['delta_pct']:+.1f}%)"
+        )
+        why += (f"; improved: {', '.join(improved)}" if improved else "") + (
+            f"; regressed: {', '.join(regressed)}" if regressed else ""
+        )
+        if not improved and not regressed:
+            why += f"; no key metric moved by {EQUIVALENT_PCT:g}% or more"
+        why += "."
+    notes = []
+    if a["run"]["world_size"] != b["run"]["world_size"]:
+        notes.append(
+            f"World sizes differ (A {a['run']['world_size']}, B {b['run']['world_size']}): "
+            "per-step figures compare, throughput does not."
+        )
+    if la.get("clock") != lb.get("clock"):
+        notes.append(
+            f"Clocks differ (A {la.get('clock')}, B {lb.get('clock')}): phase times are not "
+            "measured the same way."
+        )
+    kind_a, kind_b = la["verdict"], lb["verdict"]
+    return {
+        "compare_version": COMPARE_VERSION,
+        "verdict": verdict,
+        "summary": why,
+        "a": _side(a, la, a_path),
+        "b": _side(b, lb, b_path),
+        "diagnosis_change": {
+            "a": kind_a,
+            "b": kind_b,
+            "changed": kind_a != kind_b,
+        },
+        "metrics": rows,
+        "notes": notes,
+        "equivalent_pct": EQUIVALENT_PCT,
+    }
+
+
+def _side(summary: dict, labels: dict, path: str) -> dict:
+    p = summary["primary_diagnosis"]
+    return {
+        "path": path,
+        "run_name": summary["run"]["run_name"],
+        "world_size": summary["run"]["world_size"],
+        "clock": labels.get("clock"),
+        "verdict": p["kind"],
+        "severity": p["severity"],
+        "ranks": p["ranks"],
+    }
+
+
+def regressions_beyond(document: dict, pct: float) -> list[dict]:
+    """Key metrics of a compare document that got worse by more than ``pct`` percent."""
+    return [
+        r
+        for r in document["metrics"]
+        if r["key"] and r["status"] == "regressed" and abs(r.get("change_pct") or 0.0) > pct
+    ]
+
+
+def _value(row: dict, side: str) -> str:
+    v = row[side]
+    if v is None:
+        return "-"
+    if row["unit"] == "bytes":
+        return f"{v / 2**20:.0f} MiB"
+    return num(v, 2 if row["unit"] == "ms" else 1)
+
+
+def render_compare_text(document: dict) -> str:
+    """The compare document for a human, verdict first, at most 80 columns."""
+    a, b = document["a"], document["b"]
+    width = 80
+    head = f"TraceML compare · A '{a['run_name']}' → B '{b['run_name']}'"
+    lines = [head if len(head) <= width else head[: width - 1] + "…", "=" * width]
+
+    def wrap(label: str, text: str) -> None:
+        lines.extend(
+            textwrap.wrap(text, width, initial_indent=f"{label:<10}", subsequent_indent=" " * 10)
+        )
+
+    wrap("VERDICT", document["verdict"])
+    wrap("WHY", document["summary"])
+    change = document["diagnosis_change"]
+    wrap(
+        "DIAGNOSIS",
+        f"{change['a']} ({a['severity']}) → {change['b']} ({b['severity']})"
+        + ("" if change["changed"] else " (unchanged)"),
+    )
+    for note in document["notes"]:
+        wrap("NOTE", note)
+    lines += ["", f"{'metric':<22}{'A':>11}{'B':>11}{'delta':>11}{'%':>8}  status"]
+    for r in document["metrics"]:
+        delta = (
+            "-"
+            if r["delta"] is None
+            else (
+                f"{r['delta'] / 2**20:+.0f} MiB" if r["unit"] == "bytes" else f"{r['delta']:+.2f}"
+            )
+        )
+        pct = "-" if r["delta_pct"] is None else f"{r['delta_pct']:+.1f}"
+        lines.append(
+            f"{r['name'] + (' *' if r['key'] else ''):<22}{_value(r, 'a'):>11}"
+            f"{_value(r, 'b'):>11}{delta:>11}{pct:>8}  {r['status']}"
+        )
+    lines += textwrap.wrap(
+        f"* key metric (decides the verdict). A change under {document['equivalent_pct']:g}% "
+        "of A's value (for step parts: of A's step time) is unchanged.",
+        width,
+    )
+    return "\n".join(lines) + "\n"
