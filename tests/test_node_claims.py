@@ -57,6 +57,7 @@ def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
          "runs"),
         (node_claim(1, nnodes=2), "the launcher on n1 (pid 100) runs with --nnodes 2, node 0 "
                                   "with 3"),
+        (node_claim(3), "the launcher on n1 (pid 100) claims node rank 3, outside 0..2"),
         (node_claim(2, refusal="SLURM_NODEID says 1"),
          "the launcher on n1 (pid 100) refused to start as node 2: SLURM_NODEID says 1"),
     ],

@@ -127,3 +127,16 @@ def test_wrong_template_fails_fast_naming_the_cause(lab, tmp_path):
     assert "the run stops there too" in out
     assert "traceml: error: the run cannot rendezvous: the launcher on node2" in out
     assert not (tmp_path / "logs" / f"ddp-{job}" / "final_summary.json").exists()
+
+
+def test_master_address_of_another_node_fails_fast_on_both(lab, tmp_path):
+    """``--master-addr=node2`` (given last, so it wins over the template's): node 0 is node1."""
+    job = submit(lab, tmp_path, "examples/slurm/traceml_ddp.sbatch", "--master-addr=node2",
+                 MASTER_PORT=str(free_port()))
+    state, code = lab.wait(job, timeout=60)
+    out = job_output(tmp_path, job)
+    assert (state, code) == ("FAILED", 2), out
+    assert ("traceml: error: --master-addr node2 is another host, but this host (node1) is node 0 "
+            "of the Slurm step") in out
+    assert ("traceml: error: --master-addr node2 is this host (node2), but this is node 1 of the "
+            "Slurm step") in out

@@ -20,7 +20,7 @@ fi
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
-  command -v chromium >/dev/null || missing+=(chromium)
+  command -v chromium >/dev/null || missing+=(chromium fonts-liberation)
   command -v ip >/dev/null || missing+=(iproute2)
   if [ ${#missing[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive

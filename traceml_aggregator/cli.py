@@ -3,7 +3,12 @@
 Usage::
 
     traceml-aggregator --run-dir logs/my-run --run-name my-run --world-size 8 \\
-        [--port 29765] [--bind-host 127.0.0.1] [--html-report] [--finalize-timeout-sec 300]
+        [--port 29765] [--bind-host 127.0.0.1] [--html-report] [--finalize-timeout-sec 300] \\
+        [--nnodes N]
+
+``--nnodes`` (set by ``traceml run``) makes finalization also wait, briefly, for each node
+launcher's report of its torchrun's exit; ranks under plain torchrun have no launcher, so a
+standalone aggregator leaves it out.
 
 It serves until SIGTERM or SIGINT. ``traceml run`` starts it on node 0; run it yourself to use
 the SDK under plain ``torchrun`` (export ``TRACEML_AGGREGATOR=host:port`` and

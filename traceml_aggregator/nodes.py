@@ -7,7 +7,7 @@ it. A claim is refused when
 
 * the launcher refused itself (it found, for example, that ``--node-rank`` is not its
   ``SLURM_NODEID``) and says why;
-* its ``--nnodes`` is not node 0's;
+* its ``--nnodes`` is not node 0's, or its rank is outside them;
 * it claims rank 0 from another host, or a rank that another launcher holds.
 
 A claim refused while some rank is still unclaimed means a node will never join torchrun's
@@ -52,6 +52,8 @@ class NodeRegistry:
             reason = f"{who} refused to start as node {rank}: {claim.refusal}"
         elif self.nnodes is not None and claim.nnodes != self.nnodes:
             reason = f"{who} runs with --nnodes {claim.nnodes}, node 0 with {self.nnodes}"
+        elif self.nnodes is not None and rank >= self.nnodes:
+            reason = f"{who} claims node rank {rank}, outside 0..{self.nnodes - 1}"
         elif rank == 0 and claim.hostname != self.own_host:
             reason = (
                 f"{who} claims node rank 0, but node 0 is {self.own_host}, where the "

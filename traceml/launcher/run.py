@@ -235,7 +235,7 @@ class Launch:
         self.run_failure = reply.run_failure or reply.reason
         if not self.run_failure:
             return
-        manifest.event("rendezvous_failed", reason=self.run_failure)
+        manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
         say(
             f"error: the run cannot rendezvous: {self.run_failure}; stopping training on this "
             "node (no summary: nothing ran)"

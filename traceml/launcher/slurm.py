@@ -38,10 +38,7 @@ import hostlist
 
 from traceml.launcher.config import LaunchConfig, LaunchError
 
-#: The launch fields ``--slurm`` may fill, by ``LaunchConfig`` field name.
-DERIVED_FIELDS = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "run_name")
-
-#: ``[type:]count`` of ``--gpus-per-node``: ``4``, ``a100:4``, ``gpu:a100:4``.
+#: ``type:count`` of ``--gpus-per-node``: ``a100:4``, ``gpu:a100:4``.
 _TYPED_COUNT = re.compile(r"^(?:[^:,()\s]+:)+(\d+)$")
 
 #: What to do about the per-node ``$SLURM_NODEID`` expansion, in every message about it.
@@ -149,16 +146,14 @@ class SlurmStep:
         Raises:
             LaunchError: none of them is set, or the first one set is malformed.
         """
-        if self.gpus_on_node is not None and self.gpus_on_node != "0":
-            return _count(self.gpus_on_node, "SLURM_GPUS_ON_NODE", 1, "--nproc-per-node"), (
-                "SLURM_GPUS_ON_NODE"
-            )
+        if self.gpus_on_node not in (None, "0"):
+            name = "SLURM_GPUS_ON_NODE"
+            return _count(self.gpus_on_node, name, 1, "--nproc-per-node"), name
         if self.gpus_per_node is not None:
             return gpus_per_node(self.gpus_per_node, node_rank), "SLURM_GPUS_PER_NODE"
         if self.ntasks_per_node is not None:
-            return _count(
-                self.ntasks_per_node, "SLURM_NTASKS_PER_NODE", 1, "--nproc-per-node"
-            ), "SLURM_NTASKS_PER_NODE"
+            name = "SLURM_NTASKS_PER_NODE"
+            return _count(self.ntasks_per_node, name, 1, "--nproc-per-node"), name
         raise LaunchError(
             "--slurm cannot tell how many workers to start on this node: none of "
             "SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE, SLURM_NTASKS_PER_NODE is set; "
@@ -174,7 +169,7 @@ def _count(raw: str | None, name: str, minimum: int, flag: str) -> int:
     """
     if raw is None:
         raise LaunchError(f"--slurm: {name} is not set; pass {flag}")
-    if not raw.isdigit() or int(raw) < minimum:
+    if not re.fullmatch(r"[0-9]+", raw) or int(raw) < minimum:
         raise LaunchError(
             f"--slurm: {name}={raw!r} is not a whole number >= {minimum}; pass {flag}"
         )
@@ -184,7 +179,7 @@ def _count(raw: str | None, name: str, minimum: int, flag: str) -> int:
 def gpus_per_node(value: str, node_rank: int) -> int:
     """The GPU count on node ``node_rank`` that a ``SLURM_GPUS_PER_NODE`` value gives.
 
-    Reads ``4``; ``[type:]count`` (``a100:4``), several of which add up (``a100:2,v100:1`` is
+    Reads ``4``; ``type:count`` (``a100:4``), several of which add up (``a100:2,v100:1`` is
     3 GPUs on every node); and a per-node list in ``SLURM_TASKS_PER_NODE``'s syntax
     (``4,2``: 4 on node 0 and 2 on node 1; ``2(x3)``: 2 on each of 3 nodes), parsed with
     python-hostlist. A single-entry list applies to every node.
@@ -227,7 +222,9 @@ def apply(config: LaunchConfig, explicit: set[str], step: SlurmStep | None) -> s
 
     Args:
         config: the launch, as the flags gave it; changed in place.
-        explicit: :data:`DERIVED_FIELDS` names the user gave on the command line (they win).
+        explicit: names of the ``LaunchConfig`` fields the user gave on the command line
+            (they win): ``nnodes``, ``node_rank``, ``nproc_per_node``, ``master_addr``,
+            ``run_name``.
         step: :meth:`SlurmStep.from_env` of the launcher's environment.
 
     Returns:

@@ -33,9 +33,9 @@ class RankDevice:
         """Called on the training thread: True once the rank's current device is in use.
 
         A device counts as in use when PyTorch's CUDA state is initialised and the current
-        device already has a primary context; polling never creates one. About 1 µs until the
-        device is found, one attribute read afterwards. Never raises: a CUDA error reads as
-        "not in use yet".
+        device already has a primary context; polling never creates one. A few C calls per step
+        until the device is found, one attribute read afterwards. Never raises: a CUDA error
+        reads as "not in use yet".
         """
         if self.index is not None:
             return True

@@ -39,7 +39,7 @@ from traceml.sdk.nvml import Nvml, NvmlUnavailable
 from traceml.sdk.session import warn
 
 # psutil and traceml.wire (which loads grpc) are imported where they are used, on the sampler
-# thread or in the launcher: a rank's init() must not pay ~0.2 s for them.
+# thread or in the launcher: a rank's init() must not pay for them (~0.2 s measured here).
 if TYPE_CHECKING:
     import psutil
 

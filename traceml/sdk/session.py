@@ -107,34 +107,48 @@ class Session:
     def attach_telemetry(self) -> None:
         """Add what goes beyond CPU step phases: with CUDA, the GPU clock, step memory peaks
         and H2D timing; the samplers (:func:`traceml.sdk.samplers.start_rank_samplers`).
-        See ``docs/telemetry.md`` for what each figure is and costs."""
+        See ``docs/telemetry.md`` for what each figure is and costs. Fail-open: a part that
+        cannot start is one warning, and the CPU step phases go on."""
+        try:
+            self._attach_cuda()
+        except Exception as exc:
+            fail_open("GPU telemetry setup", exc)
+        try:
+            from traceml.sdk import samplers
+
+            sampler = samplers.start_rank_samplers(self)
+            if sampler is not None:
+                self.extensions.append(sampler)
+        except Exception as exc:
+            fail_open("sampler setup", exc)
+
+    def _attach_cuda(self) -> None:
         import torch
 
-        from traceml.sdk import instrumentation, memory, samplers, timing
+        from traceml.sdk import instrumentation, memory, timing
         from traceml.sdk.device import RankDevice
 
-        if torch.cuda.is_available():
-            self.device = RankDevice()
-            tracer = self.tracer
+        if not torch.cuda.is_available():
+            return
+        device = RankDevice()
+        tracer = self.tracer
 
-            def on_device() -> None:
-                tracer.h2d_measured = True
+        def on_device() -> None:
+            tracer.h2d_measured = True
 
-            timer = timing.GpuTimer(
-                self.device,
-                settings.env_int(settings.GPU_TIMING_EVERY_N_STEPS),
-                on_device=on_device,
-                finish_wait_s=settings.env_float(settings.GPU_FINISH_WAIT_SEC),
-            )
-            tracer.gpu_step_factory = timer
-            tracer.memory_reader = memory.StepMemory(
-                self.device, settings.env_int(settings.MEMORY_EVERY_N_STEPS)
-            )
-            instrumentation.install_h2d()
-            self.extensions.append(timer)
-        sampler = samplers.start_rank_samplers(self)
-        if sampler is not None:
-            self.extensions.append(sampler)
+        timer = timing.GpuTimer(
+            device,
+            settings.env_int(settings.GPU_TIMING_EVERY_N_STEPS),
+            on_device=on_device,
+            finish_wait_s=settings.env_float(settings.GPU_FINISH_WAIT_SEC),
+        )
+        tracer.gpu_step_factory = timer
+        tracer.memory_reader = memory.StepMemory(
+            device, settings.env_int(settings.MEMORY_EVERY_N_STEPS)
+        )
+        instrumentation.install_h2d()
+        self.extensions.append(timer)
+        self.device = device
 
     def note_model(self, model) -> None:
         """Remember the process group's backend and the parallelism wrapper of the first

@@ -46,8 +46,9 @@ PHASE_FIELDS = ("gpu_h2d_us", "gpu_forward_us", "gpu_backward_us", "gpu_optimize
 #: Events kept for reuse; more are created when needed, surplus ones are left to the GC.
 POOL_MAX_EVENTS = 256
 
-# Private in torch but cheap (one C call, ~0.1 µs); absent in CPU builds. It lets the current
-# stream be reused across events instead of building a Stream object per event (~2 µs).
+# Private in torch; absent in CPU builds. One C call returning the current stream's handle, so
+# the Stream object is built only when the stream changes, not once per event (the per-event
+# cost of both paths is measured by benchmarks/gpu_check.py).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
