@@ -16,9 +16,11 @@ What it does:
      the H2D hook, and an empty ``trace_step``;
    * calibrates the batch size to a ~2 ms and a ~6 ms step (no telemetry);
    * measures ``trace_step`` overhead A/B interleaved: blocks of steps with and without
-     ``trace_step``, alternating ABBA, per-step wall time; the medians' ratio is the overhead;
-     ``torch.cuda.synchronize``/``Event.synchronize``/``Stream.synchronize`` calls are counted
-     while traced blocks run (the SDK must make none);
+     ``trace_step``, alternating ABBA, per-step wall time; the medians' ratio is the overhead.
+     Both variants run in the same process with TraceML initialised (outside a step its hooks
+     pass through; that cost is among the primitives). ``torch.cuda.synchronize``,
+     ``Event.synchronize`` and ``Stream.synchronize`` calls are counted while traced blocks
+     run (the SDK must make none);
    * runs a block of traced steps of the ~6 ms workload for the phase comparison.
 
 2. Reads the run's SQLite store and the child's report and checks: one step in N GPU-timed and

@@ -336,7 +336,7 @@ def test_a_rank_on_device_1_never_creates_a_context_on_device_0(tmp_path):
         assert traceml.init(sys.argv[1], "ctx")
         for _ in range(30):
             with traceml.trace_step(model):
-                model(torch.randn(32, 64).pin_memory().cuda(non_blocking=True)).sum().backward()
+                model(torch.randn(32, 64).cuda(non_blocking=True)).sum().backward()
                 opt.step()
         time.sleep(2.5)  # samplers tick, the sender resolves events
         traceml.shutdown()

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from conftest import SCRIPTS, query, run_traceml
+from live_aggregator import LiveAggregator
 from traceml.sdk.samplers import Workers
 
 # A "worker": torchrun's variables in its environment, and a forked child that inherits them.
@@ -70,7 +71,7 @@ def test_a_worker_is_recognised_once_it_has_exec_d():
     # torchrun forks, then exec()s the worker with RANK set: in between, the new process
     # still shows torchrun's environment. It must be looked at again later, not written off.
     code = textwrap.dedent(
-        f"""
+        """
         import os, sys, time
         print("ready", flush=True)
         time.sleep(0.5)
@@ -123,3 +124,32 @@ def test_nvml_unloadable_run_exits_0_with_gpu_fields_null_and_a_reason(tmp_path,
     info = [line for line in result.stderr.splitlines() if "GPU metrics are off" in line]
     expected = ["traceml: GPU metrics are off on node 0: " + reasons[0][0]]
     assert info == (expected if os.path.exists("/proc/driver/nvidia") else [])
+
+
+@pytest.mark.slow
+def test_without_the_launcher_local_rank_0_hosts_the_node_sampler(tmp_path):
+    """Plain torchrun and a standalone aggregator: rank 0's SDK samples the node and both
+    workers (its siblings under torchrun); rank 1 samples nothing of the node."""
+    aggregator = LiveAggregator(tmp_path / "run", "plain", world_size=2).start()
+    env = dict(
+        os.environ,
+        TRACEML_AGGREGATOR=aggregator.target,
+        TRACEML_RUN_NAME="plain",
+        TRACEML_SAMPLE_INTERVAL_SEC="0.2",
+    )
+    env.pop("TRACEML_LAUNCHED", None)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+             str(SCRIPTS / "planted_phases.py"), "--steps", "20"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        )
+    finally:
+        aggregator.stop()
+    assert result.returncode == 0, result.stderr
+    assert aggregator.query(
+        "SELECT sender, sender_id, restart FROM streams WHERE sender = 'node_rank'"
+    ) == [("node_rank", 0, 0)]
+    assert aggregator.query("SELECT COUNT(*) > 0 FROM system_samples") == [(1,)]
+    ranks = aggregator.query("SELECT DISTINCT rank FROM process_samples ORDER BY rank")
+    assert ranks == [(0,), (1,)]

@@ -30,7 +30,15 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
     """
     end = rd.end or {}
     finish = rd.finish or {}
-    if end.get("end_state") not in (None, COMPLETED):
+    # torchrun stopped as a whole (SIGTERM to the launcher) leaves no record of its ranks: the
+    # launcher can only say "terminated", which must not hide a rank's own completed finish.
+    bare_stop = (
+        end.get("end_state") == TERMINATED
+        and end.get("exit_code") is None
+        and end.get("signal") is None
+        and finish.get("end_state") == COMPLETED
+    )
+    if end.get("end_state") not in (None, COMPLETED) and not bare_stop:
         state = end["end_state"]  # the launcher saw a failure
     elif finish:
         state = finish["end_state"]  # the rank's own view (an exception it raised)
