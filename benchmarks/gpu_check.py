@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -50,6 +49,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from _common import free_port
 
 #: Overhead targets of ``trace_step`` (%), by nominal step time (ms).
 TARGETS_PCT = {2.0: 3.0, 6.0: 1.0}
@@ -184,7 +185,8 @@ def evaluate(run: dict, child: dict, enforce_overhead: bool = True) -> list[Chec
         and min(allocated) >= 3 * child["param_bytes"]
         and all(r >= a for a, r in zip(allocated, reserved)),
         f"M={m}: {len(peaks)} steps with peaks ({len(want)} expected); max allocated "
-        f"{max(allocated, default=0) / 2**20:.0f} MiB, params {child['param_bytes'] / 2**20:.0f} MiB")
+        f"{max(allocated, default=0) / 2**20:.0f} MiB, "
+        f"params {child['param_bytes'] / 2**20:.0f} MiB")
     alloc = [p["gpu_allocated_bytes"] for p in run["process"]
              if p["gpu_allocated_bytes"] is not None]
     add("allocator bytes in process samples", alloc and max(alloc) > 0,
@@ -195,10 +197,12 @@ def evaluate(run: dict, child: dict, enforce_overhead: bool = True) -> list[Chec
     def seen(field):
         return [g[field] for g in own if g[field] is not None]
 
-    add("NVML reports the rank's own GPU", own and seen("util_percent") and max(seen("util_percent")) > 0
+    add("NVML reports the rank's own GPU",
+        own and seen("util_percent") and max(seen("util_percent")) > 0
         and seen("memory_used_bytes") and seen("temperature_c") and seen("power_w")
         and max(seen("power_w")) > 0,
-        f"uuid {uuid or '-'}: {len(own)} samples; util max {max(seen('util_percent'), default=None)} %, "
+        f"uuid {uuid or '-'}: {len(own)} samples; "
+        f"util max {max(seen('util_percent'), default=None)} %, "
         f"mem max {max(seen('memory_used_bytes'), default=0) / 2**30:.1f} GiB, "
         f"temp max {max(seen('temperature_c'), default=None)} °C, "
         f"power max {max(seen('power_w'), default=None)} W")
@@ -251,6 +255,8 @@ def child(args) -> None:
     from traceml import settings
     from traceml.sdk import session as session_mod
 
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: this needs a CUDA GPU (torch.cuda.is_available() is False)")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     torch.manual_seed(0)
@@ -311,7 +317,8 @@ def child(args) -> None:
     plain_to = torch.Tensor.to.__traceml_original__
     index = device.index
     micro = {
-        "event_record_public_us": _per_call_us(lambda: torch.cuda.Event(enable_timing=True).record(), 200),
+        "event_record_public_us": _per_call_us(
+            lambda: torch.cuda.Event(enable_timing=True).record(), 200),
         "event_record_sdk_pooled_us": _per_call_us(lambda: timer.pool.give([timer.record()])),
         "event_query_us": _per_call_us(ev.query),
         "event_elapsed_time_us": _per_call_us(lambda: ev.elapsed_time(ev2)),
@@ -323,6 +330,7 @@ def child(args) -> None:
         "tensor_to_cuda_tensor_plain_us": _per_call_us(lambda: plain_to(on_gpu, device)),
     }
     model = probe.model
+
     def empty_step():
         with traceml.trace_step(model):
             pass
@@ -389,19 +397,13 @@ def load_run(run_dir: Path) -> dict:
         }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parent(args) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     report_path = out / "child.json"
     argv = [
         sys.executable, "-m", "traceml", "run", str(Path(__file__).resolve()),
-        "--aggregator-port", str(_free_port()), "--logs-dir", str(out / "logs"),
+        "--aggregator-port", str(free_port()), "--logs-dir", str(out / "logs"),
         "--run-name", RUN_NAME, "--", "--child", "--report", str(report_path),
     ] + (["--quick"] if args.quick else [])
     env = dict(os.environ, TRACEML_SAMPLE_INTERVAL_SEC="0.5")

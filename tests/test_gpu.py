@@ -25,13 +25,15 @@ from live_aggregator import LiveAggregator
 from traceml import wire
 from traceml.sdk import client as client_mod
 from traceml.sdk.device import RankDevice
-from traceml.sdk.step import StepTracer
+from traceml.sdk.memory import StepMemory
+from traceml.sdk.step import StepMeasurement, StepTracer
 from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER, PHASE_FIELDS, GpuTimer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _load_gpu_check():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # as when it runs: its helpers are beside it
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module
@@ -114,7 +116,9 @@ def test_one_step_in_n_is_gpu_timed():
 def test_device_callback_once_when_found():
     calls = []
     device = RankDevice()  # not found yet: no CUDA state in this process
-    timer = GpuTimer(device, 1, on_device=lambda: calls.append(1), cuda=lambda i: FakeCuda(FakeGpu()))
+    timer = GpuTimer(
+        device, 1, on_device=lambda: calls.append(1), cuda=lambda i: FakeCuda(FakeGpu())
+    )
     assert timer(0) is None and calls == []
     device.index = 0
     assert timer(1) is not None and timer(2) is not None
@@ -218,6 +222,20 @@ def test_unresolved_steps_are_counted_and_sent_without_gpu_fields(tmp_path):
     rows = aggregator.query("SELECT step, gpu_step_us FROM steps ORDER BY step")
     assert rows == [(0, 4000), (1, None), (2, 4000), (3, None), (4, None), (5, None)]
     assert aggregator.query("SELECT steps_gpu_unresolved FROM rank_finish") == [(1,)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
+def test_step_memory_fails_open_once(capsys):
+    """An allocator that cannot be read (here: no CUDA) costs one warning, not the step."""
+    device = RankDevice()
+    device.index = 0
+    reader = StepMemory(device, 1)
+    measurement = StepMeasurement()
+    for step in range(3):
+        measurement.step = step
+        reader(measurement)
+    assert measurement.peak_allocated_bytes is None
+    assert capsys.readouterr().err.count("reading step memory peaks failed") == 1
 
 
 # --- gpu_check's logic ---------------------------------------------------------------------------
@@ -345,7 +363,9 @@ def test_a_rank_on_device_1_never_creates_a_context_on_device_0(tmp_path):
     )
     aggregator = LiveAggregator(tmp_path / "run", "ctx", world_size=1).start()
     try:
-        env = dict(os.environ, TRACEML_SAMPLE_INTERVAL_SEC="0.2", TRACEML_GPU_TIMING_EVERY_N_STEPS="1")
+        env = dict(
+            os.environ, TRACEML_SAMPLE_INTERVAL_SEC="0.2", TRACEML_GPU_TIMING_EVERY_N_STEPS="1"
+        )
         env.pop("TRACEML_LAUNCHED", None)
         result = subprocess.run([sys.executable, "-c", code, aggregator.target], env=env,
                                 capture_output=True, text=True, timeout=300)

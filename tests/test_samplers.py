@@ -1,4 +1,5 @@
-"""Node and process samplers: finding torchrun's workers, and NVML missing.
+"""Node and process samplers: finding torchrun's workers, NVML missing, and who hosts the node
+sampler without the launcher.
 
 Workers are real processes (a parent with torchrun's variables and a forked child that inherits
 them, as a DataLoader worker does); NVML is made unloadable for real, by putting a file that is

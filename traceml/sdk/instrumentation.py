@@ -14,8 +14,9 @@ attribute check when no step is open. What is timed, on the CPU clock:
 * H2D — ``Tensor.to`` and ``Tensor.cuda`` calls that turn a host tensor into a CUDA tensor
   (``non_blocking=True`` and pinned memory included), made by the thread that called
   ``init()`` inside a step and outside the other phases (a copy inside the forward, backward,
-  optimizer step or DataLoader ``__next__`` is that phase's time, so phases never overlap). Installed by :func:`install_h2d` only when CUDA is available, and
-  reported once the rank uses a CUDA device; on CPU-only runs H2D is absent, never 0.
+  optimizer step or DataLoader ``__next__`` is that phase's time, so phases never overlap).
+  Installed by :func:`install_h2d` only when CUDA is available, and reported once the rank
+  uses a CUDA device; on CPU-only runs H2D is absent, never 0.
 
 On a GPU-timed step (:mod:`traceml.sdk.timing`) the same hooks also record CUDA events around
 each phase: the start event before the CPU clock starts and the end event after it stops, so

@@ -1,0 +1,128 @@
+"""Benchmarks (b) and (c): a 2-rank gloo DDP job under `traceml run` vs plain torchrun.
+
+The same job (``examples/ddp_minimal.py``) runs alternately both ways, in ABBA order so a
+drift of the machine's load hits both alike, ``--pairs`` times each:
+
+* A: ``traceml run examples/ddp_minimal.py --nproc-per-node=2 ... -- --steps N``;
+* B: ``python -m torch.distributed.run --nproc-per-node=2 examples/ddp_minimal.py --steps N``
+  (the script's ``traceml.init()`` warns and does nothing).
+
+(b) training-loop time: what rank 0 prints (``trained N steps in T s``), A/B ratio per pair
+and the median ratio (target <= 1.02).
+(c) whole-process wall time, start to exit: A − B per pair and the median (target <= +1.5 s),
+with where A's extra time goes, from the run manifest's lifecycle (Unix s of each event).
+
+Usage: ``python benchmarks/ddp_overhead.py [--pairs 5] [--steps 300]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT, free_port, median
+
+SCRIPT = ROOT / "examples" / "ddp_minimal.py"
+_TRAINED = re.compile(r"trained (\d+) steps in ([\d.]+) s")
+
+
+def env() -> dict:
+    clean = dict(os.environ)
+    for name in ("TRACEML_AGGREGATOR", "TRACEML_RUN_NAME", "TRACEML_LAUNCHED"):
+        clean.pop(name, None)
+    return clean
+
+
+def run(argv: list[str], cwd: Path) -> tuple[float, float]:
+    """(whole-process wall s, training-loop s) of one job."""
+    start = time.perf_counter()
+    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        sys.exit(f"job failed ({result.returncode}): {' '.join(argv)}\n{result.stderr[-2000:]}")
+    loop = float(_TRAINED.search(result.stdout).group(2))
+    return wall, loop
+
+
+def traceml_job(cwd: Path, name: str, steps: int) -> list[str]:
+    return [
+        sys.executable, "-m", "traceml", "run", str(SCRIPT), "--nproc-per-node=2",
+        "--run-name", name, "--aggregator-port", str(free_port()), "--logs-dir", str(cwd),
+        "--", "--steps", str(steps),
+    ]
+
+
+def plain_job(steps: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(SCRIPT),
+        "--steps", str(steps),
+    ]
+
+
+def phases(run_dir: Path, start_unix: float, end_unix: float) -> dict[str, float]:
+    """Seconds between the launcher's lifecycle events (from its manifests)."""
+    run = json.loads((run_dir / "manifest.json").read_text())["lifecycle"]
+    node = json.loads((run_dir / "nodes" / "node_0" / "manifest.json").read_text())["lifecycle"]
+    points = [
+        ("launch", start_unix), ("started", run["started"]),
+        ("aggregator_serving", run["aggregator_serving"]),
+        ("training_started", run["training_started"]),
+        ("training_ended", node["training_ended"]), ("finalized", run["finalized"]),
+        ("ended", run["ended"]), ("exit", end_unix),
+    ]
+    return {f"{a}->{b}": tb - ta for (a, ta), (b, tb) in zip(points, points[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    walls: dict[str, list[float]] = {"traceml": [], "plain": []}
+    loops: dict[str, list[float]] = {"traceml": [], "plain": []}
+    launcher: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = Path(tmp)
+        for i in range(args.pairs):
+            order = ("traceml", "plain") if i % 2 == 0 else ("plain", "traceml")
+            for kind in order:
+                if kind == "traceml":
+                    name = f"bench-{i}"
+                    start_unix = time.time()
+                    wall, loop = run(traceml_job(cwd, name, args.steps), cwd)
+                    launcher.append(phases(cwd / name, start_unix, start_unix + wall))
+                else:
+                    wall, loop = run(plain_job(args.steps), cwd)
+                walls[kind].append(wall)
+                loops[kind].append(loop)
+            print(f"  pair {i}: loop {loops['traceml'][-1]:.3f} s vs {loops['plain'][-1]:.3f} s, "
+                  f"wall {walls['traceml'][-1]:.2f} s vs {walls['plain'][-1]:.2f} s", flush=True)
+
+    ratios = [a / b for a, b in zip(loops["traceml"], loops["plain"])]
+    deltas = [a - b for a, b in zip(walls["traceml"], walls["plain"])]
+    print(f"(b) training loop, 2-rank gloo DDP, {args.steps} steps, {args.pairs} A/B pairs "
+          "(target ratio <= 1.02)")
+    print(f"  median loop: traceml run {median(loops['traceml']):.3f} s, "
+          f"plain torchrun {median(loops['plain']):.3f} s")
+    print(f"  ratio per pair: {', '.join(f'{r:.3f}' for r in ratios)}; "
+          f"median {median(ratios):.3f}; ratio of medians "
+          f"{median(loops['traceml']) / median(loops['plain']):.3f}")
+    print("(c) whole-process wall time (target <= +1.5 s)")
+    print(f"  median wall: traceml run {median(walls['traceml']):.2f} s, "
+          f"plain torchrun {median(walls['plain']):.2f} s")
+    print(f"  extra per pair: {', '.join(f'{d:+.2f}' for d in deltas)} s; "
+          f"median {median(deltas):+.2f} s")
+    print("  traceml run, median seconds between lifecycle events:")
+    for key in launcher[0]:
+        print(f"    {key:<40} {median([p[key] for p in launcher]):6.2f}")
+
+
+if __name__ == "__main__":
+    main()
