@@ -21,13 +21,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from traceml import wire
+from traceml.launcher.rundir import DATABASE_NAME
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
 
-#: Name of the run's database inside the run directory.
-DB_NAME = "telemetry.sqlite"
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
 #: How long a Summarize call lets queued batches reach the store before it reads it, s.
 SUMMARIZE_DRAIN_S = 2.0
@@ -140,7 +139,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     """
     from traceml_aggregator.report import write_reports
 
-    store = Store(config.run_dir / DB_NAME)
+    store = Store(config.run_dir / DATABASE_NAME)
     store.set_meta("run_name", config.run_name)
     if config.world_size:
         store.set_meta("world_size", str(config.world_size))

@@ -19,6 +19,7 @@ the WAL into the main file, so the database is one self-contained file afterward
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,47 @@ def _optional(message, names: tuple[str, ...]) -> tuple:
     return tuple(present.get(name) for name in names)
 
 
+#: StepRecord fields stored even when proto3 leaves them out of ``ListFields`` (value 0).
+_STEP_REQUIRED = ("step", "end_us", "step_us")
+_STEP_COLUMNS = frozenset(_STEP_REQUIRED + STEP_OPTIONAL_FIELDS)
+
+
+def _step_rows(rank: int, restart: int, records, into: dict[tuple, list[tuple]]) -> None:
+    """Add ``records`` (StepRecords) to ``into``, grouped by the fields each one has set.
+
+    Rows are ``(rank, restart, *values of the fields set)``: built in C (``ListFields``,
+    ``zip``), with no None to bind. Python's sqlite3 binds a None about ten times slower than
+    an integer (a failed adapter lookup each), and a CPU rank's record leaves 8 of its 13
+    optional fields unset: grouping doubles the store's throughput.
+    """
+    head = (rank, restart)
+    for rec in records:
+        fields = rec.ListFields()
+        fds, values = zip(*fields) if fields else ((), ())
+        rows = into.get(fds)
+        if rows is None:
+            rows = into[fds] = []
+        rows.append(head + values)
+
+
+@functools.lru_cache(maxsize=None)
+def _step_insert(fds: tuple) -> tuple[str, tuple[int, ...] | None]:
+    """The INSERT for step rows of fields ``fds``, and the indices of the row values to keep
+    (None: all; a field this store has no column for is dropped).
+
+    Unset optional fields stay NULL; unset required ones are 0 (proto3 does not send a 0).
+    ``ON CONFLICT DO NOTHING`` skips a step already stored, unlike ``OR IGNORE`` it does not
+    skip a row that breaks a NOT NULL constraint silently.
+    """
+    keep = [i for i, fd in enumerate(fds) if fd.name in _STEP_COLUMNS]
+    names = [fds[i].name for i in keep]
+    zeros = [name for name in _STEP_REQUIRED if name not in names]
+    columns = ", ".join(["rank", "restart", *names, *zeros])
+    values = ", ".join(["?"] * (2 + len(names)) + ["0"] * len(zeros))
+    sql = f"INSERT INTO steps ({columns}) VALUES ({values}) ON CONFLICT DO NOTHING"
+    return sql, None if len(keep) == len(fds) else tuple(keep)
+
+
 @dataclass
 class WriteResult:
     """Outcome of one stored batch: the sender's highest stored sequence number."""
@@ -147,7 +189,7 @@ class Store:
         Returns one :class:`WriteResult` per batch, in order. A batch whose sequence number
         was already stored is skipped (``duplicate=True``).
         """
-        steps: list[tuple] = []
+        steps: dict[tuple, list[tuple]] = {}  # fields set -> rows (see _step_rows)
         process: list[tuple] = []
         system: list[tuple] = []
         gpus: list[tuple] = []
@@ -170,11 +212,7 @@ class Store:
                 if batch.HasField("identity"):
                     self._write_identity(batch.identity)
                 rank = batch.rank
-                for rec in batch.steps:
-                    steps.append(
-                        (rank, restart, rec.step, rec.end_us, rec.step_us)
-                        + _optional(rec, STEP_OPTIONAL_FIELDS)
-                    )
+                _step_rows(rank, restart, batch.steps, steps)
                 for s in batch.process_samples:
                     # A node sampler reports for its local workers; a rank for itself.
                     owner = (s.rank, s.restart_count) if sender == "node_rank" else (rank, restart)
@@ -193,9 +231,11 @@ class Store:
                         )
                 if batch.HasField("finish"):
                     self._write_finish(rank, restart, batch.finish, received_unix_us)
-            if steps:
-                marks = ",".join("?" * (5 + len(STEP_OPTIONAL_FIELDS)))
-                db.executemany(f"INSERT OR IGNORE INTO steps VALUES ({marks})", steps)
+            for fds, rows in steps.items():
+                sql, keep = _step_insert(fds)
+                if keep is not None:
+                    rows = [row[:2] + tuple(row[2 + i] for i in keep) for row in rows]
+                db.executemany(sql, rows)
             if process:
                 db.executemany("INSERT INTO process_samples VALUES (?,?,?,?,?,?,?)", process)
             if system:

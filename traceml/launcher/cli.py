@@ -133,7 +133,8 @@ def view_command(
     html: Optional[Path] = typer.Option(None, help="write the HTML report to this file"),
 ) -> None:
     """Print a saved summary's text report, or render its HTML report with --html."""
-    from traceml_aggregator.report import SummaryFileError, read_summary, write_atomic
+    from traceml.launcher.rundir import write_atomic
+    from traceml_aggregator.report import SummaryFileError, read_summary
 
     try:
         document = read_summary(summary)
@@ -167,7 +168,8 @@ def compare_command(
     ),
 ) -> None:
     """Compare two runs: per-metric deltas, the change of diagnosis, and a verdict."""
-    from traceml_aggregator.report import SummaryFileError, read_summary, to_json, write_atomic
+    from traceml.launcher.rundir import write_atomic
+    from traceml_aggregator.report import SummaryFileError, read_summary, to_json
     from traceml_aggregator.report.compare import (
         REGRESSION_EXIT_CODE,
         compare,

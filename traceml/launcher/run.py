@@ -72,7 +72,7 @@ def preflight(config: LaunchConfig) -> None:
     """
     claim.check(config)
     if config.owns_aggregator:
-        if (config.run_dir / "telemetry.sqlite").exists():
+        if RunDir(config.run_dir, config.node_rank).database.exists():
             raise LaunchError(
                 f"{config.run_dir} already holds a run's telemetry; use another --run-name"
             )
@@ -325,11 +325,9 @@ class Launch:
         return True
 
     def _start_sampler(self) -> None:
-        """Start this node's system/process sampler (a no-op until samplers exist)."""
-        try:
-            from traceml.sdk.samplers import start_node_sampler
-        except ImportError:
-            return
+        """Start this node's system and process sampler (fail-open: a warning at most)."""
+        from traceml.sdk.samplers import start_node_sampler
+
         try:
             self.sampler = start_node_sampler(self.config)
         except Exception as exc:

@@ -21,6 +21,13 @@ import time
 from pathlib import Path
 
 
+#: Files the aggregator writes at the top of the run directory (also read by the launcher).
+DATABASE_NAME = "telemetry.sqlite"
+SUMMARY_JSON_NAME = "final_summary.json"
+SUMMARY_TEXT_NAME = "final_summary.txt"
+SUMMARY_HTML_NAME = "final_summary.html"
+
+
 class RunDir:
     """Paths of one run directory, seen from one node.
 
@@ -40,8 +47,8 @@ class RunDir:
         self.run_manifest = self.root / "manifest.json"
         self.aggregator_dir = self.root / "aggregator"
         self.aggregator_stderr = self.aggregator_dir / "process.stderr.log"
-        self.database = self.root / "telemetry.sqlite"
-        self.final_summary_json = self.root / "final_summary.json"
+        self.database = self.root / DATABASE_NAME
+        self.final_summary_json = self.root / SUMMARY_JSON_NAME
 
     def create(self, *, owner: bool) -> None:
         """Create the directories this node writes into."""
@@ -50,11 +57,21 @@ class RunDir:
             self.aggregator_dir.mkdir(parents=True, exist_ok=True)
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Write ``data`` as indented JSON through a temporary file and a rename."""
+def write_atomic(path: Path, content: str) -> None:
+    """Write ``content`` to ``path`` through a temporary file and a rename: a reader (or a
+    node sharing the directory) sees the old file or the new one, never half of one.
+
+    Raises:
+        OSError: the directory is not writable.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.write_text(content, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` as indented JSON with :func:`write_atomic`."""
+    write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 class Manifest:

@@ -27,14 +27,12 @@ from traceml.wire.v1.service_pb2_grpc import (
 from traceml.wire.v1.step_pb2 import StepRecord
 
 
-
 def end_state_name(value: int) -> str:
     """``EndState.END_STATE_SIGNALED`` -> ``"signaled"`` (the name used in reports)."""
     return EndState.Name(value).removeprefix("END_STATE_").lower()
 
 
 __all__ = [
-    "end_state_name",
     "Ack",
     "AggregatorServicer",
     "AggregatorStub",
@@ -43,6 +41,8 @@ __all__ = [
     "FinalizeReply",
     "FinalizeRequest",
     "GpuSample",
+    "NodeClaim",
+    "NodeClaimReply",
     "NodeExit",
     "NodeExitAck",
     "ProcessSample",
@@ -54,4 +54,5 @@ __all__ = [
     "SummarizeRequest",
     "SystemSample",
     "add_AggregatorServicer_to_server",
+    "end_state_name",
 ]

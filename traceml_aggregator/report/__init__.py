@@ -8,28 +8,23 @@ saved summary for ``traceml view`` and ``traceml compare``.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from traceml.launcher.rundir import (
+    SUMMARY_HTML_NAME,
+    SUMMARY_JSON_NAME,
+    SUMMARY_TEXT_NAME,
+    write_atomic,
+)
 from traceml_aggregator import rundata
 from traceml_aggregator.analysis.summary import SCHEMA_VERSION, build_summary
 from traceml_aggregator.finalize import Outcome
 from traceml_aggregator.report.text import render_text
 
-JSON_NAME = "final_summary.json"
-TEXT_NAME = "final_summary.txt"
-HTML_NAME = "final_summary.html"
 
 
 class SummaryFileError(ValueError):
     """A file is not a readable TraceML summary of a version this TraceML understands."""
-
-
-def write_atomic(path: Path, content: str) -> None:
-    """Write ``content`` to ``path`` through a temporary file and a rename (never half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(content, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def to_json(document: dict) -> str:
@@ -42,14 +37,14 @@ def write_reports(store, run_dir: Path, missing: list[int], *, html: bool) -> Ou
     summary = build_summary(rundata.load(store, missing))
     text = render_text(summary)
     outcome = Outcome(missing, text=text)
-    outcome.json_path = run_dir / JSON_NAME
+    outcome.json_path = run_dir / SUMMARY_JSON_NAME
     write_atomic(outcome.json_path, to_json(summary))
-    outcome.text_path = run_dir / TEXT_NAME
+    outcome.text_path = run_dir / SUMMARY_TEXT_NAME
     write_atomic(outcome.text_path, text)
     if html:
         from traceml_aggregator.report.html import render_html
 
-        outcome.html_path = run_dir / HTML_NAME
+        outcome.html_path = run_dir / SUMMARY_HTML_NAME
         write_atomic(outcome.html_path, render_html(summary))
     return outcome
 
@@ -69,7 +64,7 @@ def read_summary(path: str | Path) -> dict:
     """
     path = Path(path)
     if path.is_dir():
-        path = path / JSON_NAME
+        path = path / SUMMARY_JSON_NAME
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -1,0 +1,169 @@
+"""Benchmark (d): one aggregator ingesting batched step records from many simulated ranks.
+
+A real ``traceml-aggregator`` process; ``--procs`` client processes simulate the ranks, each
+rank with its own gRPC channel (its own TCP connection, as a rank in its own process has) on
+``grpc.aio``, so a few processes hold a thousand connections. A rank behaves like the SDK's
+client: its first batch carries its identity, then one batch in flight at a time, the next one
+sent when the previous one is acknowledged. Batches are encoded before the clock starts (the
+per-batch header is joined to a pre-encoded block of records: protobuf allows that), so the
+clients spend their CPU on gRPC, not on protobuf.
+
+Reported per rank count: time until every channel is connected (READY) and every rank's first
+batch acknowledged; records stored per second while all ranks stream (target >= 200k/s);
+aggregator RSS (peak, from /proc). Every record is checked in the store afterwards.
+
+Usage: ``python benchmarks/ingest.py [--ranks 256 1024] [--batches 20] [--records 100]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import LiveAggregator
+
+RUN = "ingest-bench"
+PUSH = "/traceml.wire.v1.Aggregator/Push"
+
+
+def step_blocks(batches: int, records: int) -> list[bytes]:
+    """Batch ``b``'s encoded steps field: records b*R .. b*R+R-1 of a plausible CPU rank."""
+    from traceml import wire
+
+    blocks = []
+    for b in range(batches):
+        batch = wire.Batch()
+        for i in range(b * records, (b + 1) * records):
+            batch.steps.add(
+                step=i, end_us=1_000_000 + 25_000 * i, step_us=25_000 + i % 997,
+                input_wait_us=600 + i % 50, dataloader_next_us=500 + i % 40, forward_us=800,
+                backward_us=13_000 + i % 300, optimizer_us=1_200,
+            )
+        blocks.append(batch.SerializeToString())
+    return blocks
+
+
+async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asyncio.Event,
+                    t: dict) -> None:
+    """One simulated rank: connect, identity batch, then its batches one by one."""
+    import grpc
+
+    from traceml import wire
+
+    push = channel.unary_unary(PUSH, response_deserializer=wire.Ack.FromString)
+    await channel.channel_ready()
+    t["ready"] = max(t["ready"], time.time())
+    first = wire.Batch(
+        run_name=RUN, rank=rank, seq=1,
+        identity=wire.RankIdentity(run_name=RUN, rank=rank, world_size=world, hostname="sim"),
+    )
+    ack = await push(first.SerializeToString(), timeout=120)
+    assert ack.stored_seq == 1, ack
+    t["first_acked"] = max(t["first_acked"], time.time())
+    await go.wait()
+    for seq, block in enumerate(blocks, start=2):
+        header = wire.Batch(run_name=RUN, rank=rank, seq=seq).SerializeToString()
+        ack = await push(header + block, timeout=120)
+        if ack.stored_seq != seq:
+            raise grpc.RpcError(f"rank {rank}: seq {seq} acknowledged as {ack.stored_seq}")
+    t["done"] = max(t["done"], time.time())
+
+
+async def client_main(target: str, ranks: list[int], world: int, batches: int,
+                      records: int) -> dict:
+    """A client process: its ranks' channels and tasks; the times it saw (Unix s)."""
+    import grpc
+
+    blocks = step_blocks(batches, records)
+    options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per rank
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent's "connect"
+    t = {"connect_start": time.time(), "ready": 0.0, "first_acked": 0.0, "done": 0.0}
+    go = asyncio.Event()
+    channels = [grpc.aio.insecure_channel(target, options=options) for _ in ranks]
+    tasks = [
+        asyncio.create_task(rank_task(ch, r, world, blocks, go, t))
+        for ch, r in zip(channels, ranks)
+    ]
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
+    t["go"] = time.time()
+    go.set()
+    await asyncio.gather(*tasks)
+    await asyncio.gather(*(ch.close() for ch in channels))
+    return t
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """VmHWM of a live process: its peak resident set."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def run_world(world: int, procs: int, batches: int, records: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        agg = LiveAggregator(Path(tmp) / "run", RUN, world_size=world).start()
+        rss_idle = peak_rss_bytes(agg.process.pid)
+        clients = []
+        for p in range(procs):
+            ranks = list(range(p, world, procs))
+            clients.append(subprocess.Popen(
+                [sys.executable, __file__, "--client", agg.target, json.dumps(ranks), str(world),
+                 str(batches), str(records)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            ))
+        for c in clients:
+            assert c.stdout.readline().strip() == "ready"
+        start = time.time()
+        for c in clients:
+            c.stdin.write("connect\n")
+            c.stdin.flush()
+        time.sleep(max(3.0, world / 200))  # every rank connected and identified, surely
+        for c in clients:
+            c.stdin.write("go\n")
+            c.stdin.flush()
+        times = [json.loads(c.communicate()[0].splitlines()[-1]) for c in clients]
+        assert all(c.returncode == 0 for c in clients)
+        rss_peak = peak_rss_bytes(agg.process.pid)
+        assert agg.stop() == 0
+        stored = agg.query("SELECT COUNT(*) FROM steps")[0][0]
+
+    connected = max(t["ready"] for t in times) - start
+    identified = max(t["first_acked"] for t in times) - start
+    go = min(t["go"] for t in times)
+    streaming = max(t["done"] for t in times) - go
+    total = world * batches * records
+    assert stored == total, (stored, total)
+    print(f"  {world:>5} ranks: all connected {connected:.2f} s, all identified {identified:.2f} s; "
+          f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s; "
+          f"aggregator RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--client"]:
+        target, ranks, world, batches, records = sys.argv[2:]
+        t = asyncio.run(client_main(target, json.loads(ranks), int(world), int(batches),
+                                    int(records)))
+        print(json.dumps(t))
+        return
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--batches", type=int, default=20, help="batches per rank (+ identity)")
+    parser.add_argument("--records", type=int, default=100, help="step records per batch")
+    parser.add_argument("--procs", type=int, default=2, help="client processes")
+    args = parser.parse_args()
+    print(f"(d) ingest on loopback, {args.batches} batches x {args.records} records per rank, "
+          f"{args.procs} client processes (targets: >= 200k records/s, 1,024 connected < 1 s)")
+    for world in args.ranks:
+        run_world(world, args.procs, args.batches, args.records)
+
+
+if __name__ == "__main__":
+    main()
