@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from _common import LiveAggregator
 
 RUN = "ingest-bench"
@@ -87,6 +88,7 @@ async def client_main(target: str, ranks: list[int], world: int, batches: int,
     t = {"connect_start": time.time(), "ready": 0.0, "first_acked": 0.0, "done": 0.0}
     go = asyncio.Event()
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in ranks]
+    t["created"] = time.time()
     tasks = [
         asyncio.create_task(rank_task(ch, r, world, blocks, go, t))
         for ch, r in zip(channels, ranks)
@@ -126,23 +128,30 @@ def run_world(world: int, procs: int, batches: int, records: int) -> None:
             c.stdin.write("connect\n")
             c.stdin.flush()
         time.sleep(max(3.0, world / 200))  # every rank connected and identified, surely
+        aggregator = psutil.Process(agg.process.pid)
+        cpu_before = sum(aggregator.cpu_times()[:2])
         for c in clients:
             c.stdin.write("go\n")
             c.stdin.flush()
         times = [json.loads(c.communicate()[0].splitlines()[-1]) for c in clients]
         assert all(c.returncode == 0 for c in clients)
+        cpu_s = sum(aggregator.cpu_times()[:2]) - cpu_before
         rss_peak = peak_rss_bytes(agg.process.pid)
         assert agg.stop() == 0
         stored = agg.query("SELECT COUNT(*) FROM steps")[0][0]
 
+    created = max(t["created"] for t in times) - start
     connected = max(t["ready"] for t in times) - start
     identified = max(t["first_acked"] for t in times) - start
     go = min(t["go"] for t in times)
     streaming = max(t["done"] for t in times) - go
     total = world * batches * records
     assert stored == total, (stored, total)
-    print(f"  {world:>5} ranks: all connected {connected:.2f} s, all identified {identified:.2f} s; "
-          f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s; "
+    print(f"  {world:>5} ranks: channels created {created:.2f} s, all connected {connected:.2f} s, "
+          f"all identified {identified:.2f} s; "
+          f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s "
+          f"(aggregator CPU {cpu_s / total * 1e6:.1f} µs a record, "
+          f"{cpu_s / streaming:.0%} of a core); "
           f"aggregator RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak")
 
 

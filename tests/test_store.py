@@ -88,3 +88,30 @@ def test_finish_marker_and_identity_are_stored_with_their_batch(tmp_path):
     results(store, first, last)
     assert rows(store, "SELECT rank, world_size FROM ranks") == [(0, 2)]
     assert rows(store, "SELECT steps_completed, last_seq FROM rank_finish") == [(3, 2)]
+
+
+def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
+    """Batches queued together share a transaction; one that fails it fails alone."""
+    import asyncio
+
+    from traceml_aggregator.writer import Writer
+
+    good = batch(1, range(3), rank=0)
+    bad = batch(1, range(0), rank=1)
+    bad.steps.add(step=0, end_us=2**64 - 1, step_us=1)
+    stored: list[int] = []
+
+    async def main():
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.rank))
+        futures = [asyncio.ensure_future(writer.store_batch(b)) for b in (good, bad)]
+        await asyncio.sleep(0)  # both queued before the writer takes them: one transaction
+        writer.start()
+        done = await asyncio.gather(*futures, return_exceptions=True)
+        steps = await writer.call(count, writer.store, "SELECT COUNT(*) FROM steps")
+        await writer.close()
+        return done, steps, writer.batches_stored
+
+    (good_result, bad_result), steps, batches_stored = asyncio.run(main())
+    assert (good_result.stored_seq, good_result.duplicate) == (1, False)
+    assert isinstance(bad_result, OverflowError)
+    assert (steps, batches_stored, stored) == (3, 1, [0])

@@ -66,35 +66,47 @@ class Writer:
         return True
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             items = [await self._queue.get()]
             while len(items) < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
                 items.append(self._queue.get_nowait())
             self._busy = True
-            batches = [batch for batch, _ in items]
-            try:
-                results = await loop.run_in_executor(
-                    self._pool, self.store.write_batches, batches, time.time_ns() // 1000
-                )
-            except Exception as exc:  # the store failed: every waiting handler learns why
-                for _, future in items:
-                    if not future.done():
-                        future.set_exception(exc)
-                self._busy = False
-                continue
-            for (batch, future), result in zip(items, results):
-                if result.duplicate:
-                    self.batches_duplicate += 1
-                else:
-                    self.batches_stored += 1
-                    self.records_stored += (
-                        len(batch.steps) + len(batch.process_samples) + len(batch.system_samples)
-                    )
-                    self._on_stored(batch)
-                if not future.done():
-                    future.set_result(result)
+            await self._write(items)
             self._busy = False
+
+    async def _write(self, items: list) -> None:
+        """Store ``items`` ((batch, future) pairs) in one transaction and resolve the futures.
+
+        When the transaction fails, each batch is tried again in a transaction of its own: a
+        batch the store cannot take (a value beyond SQLite's 64-bit integers, say) fails alone,
+        and the batches of other ranks that shared its transaction are stored.
+        """
+        loop = asyncio.get_running_loop()
+        batches = [batch for batch, _ in items]
+        try:
+            results = await loop.run_in_executor(
+                self._pool, self.store.write_batches, batches, time.time_ns() // 1000
+            )
+        except Exception as exc:
+            if len(items) > 1:
+                for item in items:
+                    await self._write([item])
+                return
+            _, future = items[0]
+            if not future.done():  # its handler learns why
+                future.set_exception(exc)
+            return
+        for (batch, future), result in zip(items, results):
+            if result.duplicate:
+                self.batches_duplicate += 1
+            else:
+                self.batches_stored += 1
+                self.records_stored += (
+                    len(batch.steps) + len(batch.process_samples) + len(batch.system_samples)
+                )
+                self._on_stored(batch)
+            if not future.done():
+                future.set_result(result)
 
     async def close(self) -> None:
         """Stop the task, checkpoint and close the store."""
