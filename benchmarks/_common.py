@@ -13,10 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import free_port  # noqa: E402
-from live_aggregator import LiveAggregator  # noqa: E402
+from conftest import free_port
+from live_aggregator import LiveAggregator
 
-from traceml_aggregator.analysis.stats import percentile  # noqa: E402
+from traceml_aggregator.analysis.stats import percentile
 
 __all__ = ["ROOT", "LiveAggregator", "free_port", "median", "p99"]
 

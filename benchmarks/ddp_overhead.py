@@ -18,6 +18,7 @@ Usage: ``python benchmarks/ddp_overhead.py [--pairs 5] [--steps 300]``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -43,7 +44,7 @@ def env() -> dict:
 def run(argv: list[str], cwd: Path) -> tuple[float, float]:
     """(whole-process wall s, training-loop s) of one job."""
     start = time.perf_counter()
-    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True)
+    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         sys.exit(f"job failed ({result.returncode}): {' '.join(argv)}\n{result.stderr[-2000:]}")
@@ -77,7 +78,7 @@ def phases(run_dir: Path, start_unix: float, end_unix: float) -> dict[str, float
         ("training_ended", node["training_ended"]), ("finalized", run["finalized"]),
         ("ended", run["ended"]), ("exit", end_unix),
     ]
-    return {f"{a}->{b}": tb - ta for (a, ta), (b, tb) in zip(points, points[1:])}
+    return {f"{a}->{b}": tb - ta for (a, ta), (b, tb) in itertools.pairwise(points)}
 
 
 def main() -> None:

@@ -109,8 +109,9 @@ class CountingProxy:
 
 def wire_bytes(per_batch: int, make) -> tuple[float, float]:
     """(bytes up, bytes down) per record delivered by a real client through the proxy."""
-    with tempfile.TemporaryDirectory() as tmp:
-        agg = LiveAggregator(Path(tmp) / "run", "run-20250101-120000-abcd").start()
+    with tempfile.TemporaryDirectory() as tmp, LiveAggregator(
+        Path(tmp) / "run", "run-20250101-120000-abcd"
+    ) as agg:
         proxy = CountingProxy(agg.port)
         config = ClientConfig(
             flush_interval_s=3600, batch_max_records=per_batch, buffer_max_records=65536

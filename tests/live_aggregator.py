@@ -3,6 +3,7 @@
 Tests that exercise the wire without the launcher (the client, resends, forks, fail-open) run
 the aggregator exactly as ``traceml run`` does, as a subprocess serving gRPC on a free port,
 and read the SQLite store once it has stopped (the store holds an exclusive lock while open).
+Also here: the records and the SDK client those tests send them with.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 
 from conftest import free_port, query
 
+from traceml import wire
 from traceml.launcher.aggregator import wait_serving
+from traceml.sdk.client import ClientConfig, TelemetryClient
 
 #: The aggregator's last log line (see traceml_aggregator.server.serve).
 _STORED_LINE = re.compile(
@@ -29,7 +32,8 @@ class LiveAggregator:
     """One aggregator of run ``run_name`` over ``run_dir`` on 127.0.0.1 (a free port).
 
     The same object can be started again after :meth:`stop` or :meth:`kill`: same run
-    directory, same port, so its clients reconnect to it.
+    directory, same port, so its clients reconnect to it. As a context manager it starts, and
+    kills on the way out whatever is still running.
     """
 
     def __init__(
@@ -59,7 +63,7 @@ class LiveAggregator:
         """stderr of every start of this aggregator, appended."""
         return self.run_dir.parent / f"{self.run_dir.name}.aggregator.log"
 
-    def start(self, timeout_s: float = 60.0) -> "LiveAggregator":
+    def start(self, timeout_s: float = 60.0) -> LiveAggregator:
         """Start the process and wait until its health service says SERVING."""
         argv = [
             sys.executable, "-m", "traceml_aggregator", "--run-dir", str(self.run_dir),
@@ -73,6 +77,15 @@ class LiveAggregator:
         self.starts += 1
         wait_serving(self.target, timeout_s, self.process)
         return self
+
+    def __enter__(self) -> LiveAggregator:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        """Kill the process if it still runs (a failed test or benchmark left it)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (a clean stop: drain, checkpoint); returns the exit code."""
@@ -103,3 +116,28 @@ class LiveAggregator:
         """Rows of ``sql`` on the store; the aggregator must be stopped."""
         assert self.process is None or self.process.poll() is not None, "stop it first"
         return query(self.run_dir, sql, params)
+
+
+def step(i: int) -> wire.StepRecord:
+    """A plausible step record (µs)."""
+    return wire.StepRecord(step=i, end_us=1000 * (i + 1), step_us=1000, forward_us=300)
+
+
+def finish(steps: int) -> wire.RankFinish:
+    """A completed rank's finish marker."""
+    return wire.RankFinish(steps_completed=steps, end_state=wire.EndState.END_STATE_COMPLETED)
+
+
+def make_client(target: str, run_name: str, warnings: list[str], **config) -> TelemetryClient:
+    """Rank 0's client, quick to flush (20 ms), its warnings appended to ``warnings``;
+    ``config`` overrides :class:`ClientConfig` fields."""
+    defaults = {
+        "flush_interval_s": 0.02,
+        "batch_max_records": 512,
+        "buffer_max_records": 65536,
+        "rpc_timeout_s": 2.0,
+    }
+    defaults.update(config)
+    return TelemetryClient(
+        target, run_name, rank=0, config=ClientConfig(**defaults), warn=warnings.append
+    )

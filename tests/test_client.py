@@ -11,33 +11,14 @@ import signal
 import time
 
 import pytest
-from live_aggregator import LiveAggregator
+from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
 from traceml.sdk import client as client_mod
-from traceml.sdk.client import ClientConfig, TelemetryClient
-
-
-def step(i: int) -> wire.StepRecord:
-    """A plausible step record (µs)."""
-    return wire.StepRecord(step=i, end_us=1000 * (i + 1), step_us=1000, forward_us=300)
-
-
-def finish(steps: int) -> wire.RankFinish:
-    return wire.RankFinish(steps_completed=steps, end_state=wire.EndState.END_STATE_COMPLETED)
-
-
-def make_client(target: str, run_name: str, warnings: list[str], **config) -> TelemetryClient:
-    defaults = dict(
-        flush_interval_s=0.02, batch_max_records=512, buffer_max_records=65536, rpc_timeout_s=2.0
-    )
-    defaults.update(config)
-    return TelemetryClient(
-        target, run_name, rank=0, config=ClientConfig(**defaults), warn=warnings.append
-    )
 
 
 def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    """Poll ``predicate`` every 10 ms until true; fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -46,11 +27,9 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture
 def aggregator(tmp_path):
-    agg = LiveAggregator(tmp_path / "run", "mine").start()
-    yield agg
-    if agg.process.poll() is None:
-        agg.process.kill()
-        agg.process.wait()
+    """A live aggregator of run "mine"."""
+    with LiveAggregator(tmp_path / "run", "mine") as agg:
+        yield agg
 
 
 def test_full_buffer_drops_are_counted_and_reported_in_the_finish_marker(aggregator):

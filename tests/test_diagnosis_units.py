@@ -302,7 +302,7 @@ def test_system_figures_cover_the_window_span():
 # --- health --------------------------------------------------------------------------------------
 def test_crash_terminated_missing_and_node_failure_are_named():
     ranks = [
-        rank(0, steps(), end="terminated", exit_code=None),
+        rank(0, steps(), end="terminated", exit_code=None, finish=False),
         rank(1, steps(), end="signaled", exit_code=None, signal=9, finish=False),
         rank(2, steps(), finish=False),
     ]
@@ -365,3 +365,22 @@ def test_every_kind_and_threshold_is_documented():
     assert set(thresholds.as_dict()) <= documented
     for name in thresholds.as_dict():
         assert f"| `{name}` |" in text, name
+
+
+def test_step_time_alone_names_no_straggler_under_ddp():
+    """Under DDP the all-reduce ends every step together; a rank's step time can still
+    differ by when it leaves the collective, which is noise, not a straggler."""
+    from traceml_aggregator.analysis.phases import Profile
+    from traceml_aggregator.analysis.step_time import _stragglers
+
+    def prof(rank, step_ms):
+        parts = {"input_wait": 1.0, "h2d": None, "forward": 2.0, "backward": 3.0,
+                 "optimizer": 1.0, "residual": 0.5}
+        return Profile(rank, 40, {"median": step_ms}, parts, {}, 3.0)
+
+    profiles = {0: prof(0, 7.5), 1: prof(1, 10.0)}
+    node_of = {0: 0, 1: 0}
+    assert [f.kind for f in _stragglers(profiles, node_of, 7.5, synchronized=False)] == [
+        "STRAGGLER"
+    ]
+    assert _stragglers(profiles, node_of, 7.5, synchronized=True) == []

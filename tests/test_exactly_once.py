@@ -14,15 +14,13 @@ primary key would hide a duplicate row.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
 from conftest import free_port
-from live_aggregator import LiveAggregator
-from test_client import finish, make_client, step
+from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
 from traceml.sdk import client as client_mod
@@ -52,8 +50,14 @@ class AckWithholdingProxy(wire.AggregatorServicer):
         return ack
 
 
-def test_withheld_acknowledgements_cause_resends_that_are_not_stored_again(tmp_path):
-    agg = LiveAggregator(tmp_path / "run", "once").start()
+@pytest.fixture
+def agg(tmp_path):
+    """A live aggregator of run "once" (killed at the end if a test left it running)."""
+    with LiveAggregator(tmp_path / "run", "once") as aggregator:
+        yield aggregator
+
+
+def test_withheld_acknowledgements_cause_resends_that_are_not_stored_again(agg):
     proxy = AckWithholdingProxy(agg.target, stale={2, 5}, lost={4})
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     wire.add_AggregatorServicer_to_server(proxy, server)
@@ -83,27 +87,25 @@ def test_withheld_acknowledgements_cause_resends_that_are_not_stored_again(tmp_p
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
-def test_client_reconnects_to_a_restarted_aggregator_and_each_step_is_stored_once(tmp_path, stop):
-    agg = LiveAggregator(tmp_path / "run", "once").start()
+def test_client_reconnects_to_a_restarted_aggregator_and_each_step_is_stored_once(agg, stop):
     warnings: list[str] = []
     client = make_client(agg.target, "once", warnings, batch_max_records=5, rpc_timeout_s=2.0)
     total = 300
 
-    def feed() -> None:  # the training loop: one record every millisecond, or so
-        for i in range(total):
+    def feed(steps: range) -> None:  # the training loop: a step every millisecond or so
+        for i in steps:
             client.submit(client_mod.STEPS, step(i))
             time.sleep(0.001)
 
-    feeder = threading.Thread(target=feed)
-    feeder.start()
+    feed(range(total // 2))
     deadline = time.monotonic() + 30
-    while client.stats.acked < 20:  # mid-stream: some stored, more coming
+    while client.stats.acked < 20:  # some stored; the rest may still be on its way
         assert time.monotonic() < deadline
         time.sleep(0.002)
     assert (agg.stop() if stop == "sigterm" else agg.kill()) in (0, -9)
+    feed(range(total // 2, total))  # while nothing listens: sends fail, records wait
     stored_before = agg.query("SELECT COUNT(*) FROM steps")[0][0]
     agg.start()  # same port, same run directory
-    feeder.join()
     assert client.close(finish(total), timeout_s=60) is True
     assert agg.stop() == 0
 
@@ -120,5 +122,5 @@ def test_client_reconnects_to_a_restarted_aggregator_and_each_step_is_stored_onc
         assert first["records"] == stored_before
     else:  # a killed aggregator says nothing; what it committed is what the store held
         (second,) = counters
-    assert stored_before >= 20
+    assert 20 <= stored_before <= total // 2
     assert second["records"] == total - stored_before

@@ -24,7 +24,7 @@ def run_script(args: list[str], env: dict, cwd) -> tuple[subprocess.CompletedPro
     """Run the script; returns the result and its exit delay after training (s)."""
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
-        env=traceml_env(env), cwd=cwd, capture_output=True, text=True, timeout=120,
+        env=traceml_env(env), cwd=cwd, capture_output=True, text=True, timeout=120, check=False,
     )
     ended = re.search(r"training ended at ([\d.]+)", result.stdout)
     delay = time.time() - float(ended.group(1)) if ended else float("inf")

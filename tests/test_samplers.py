@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, query, run_traceml
+from conftest import SCRIPTS, load_summary, query, run_traceml
 from live_aggregator import LiveAggregator
 from traceml.sdk.samplers import Workers
 
@@ -154,3 +154,7 @@ def test_without_the_launcher_local_rank_0_hosts_the_node_sampler(tmp_path):
     assert aggregator.query("SELECT COUNT(*) > 0 FROM system_samples") == [(1,)]
     ranks = aggregator.query("SELECT DISTINCT rank FROM process_samples ORDER BY rank")
     assert ranks == [(0,), (1,)]
+    # No launcher asked for the reports: the aggregator wrote them as it was stopped.
+    summary = load_summary(tmp_path / "run")
+    assert [(r["rank"], r["steps_completed"]) for r in summary["ranks"]] == [(0, 20), (1, 20)]
+    assert summary["run"]["complete"] is True

@@ -28,13 +28,13 @@ def count(store: Store, sql: str) -> int:
 
 def test_a_resent_batch_is_acknowledged_not_stored_again(tmp_path):
     store = Store(tmp_path / "t.sqlite")
-    first = results(store, batch(1, range(0, 5)), batch(2, range(5, 10)))
+    first = results(store, batch(1, range(5)), batch(2, range(5, 10)))
     assert first == [(1, False), (2, False)]
     # The same seq again, even in the same transaction as a new one, is a duplicate.
     again = results(store, batch(2, range(5, 10)), batch(3, range(10, 12)), batch(3, range(10, 12)))
     assert again == [(2, True), (3, False), (3, True)]
     # An older seq after a newer one: the ack names the highest stored seq.
-    assert results(store, batch(1, range(0, 5))) == [(3, True)]
+    assert results(store, batch(1, range(5))) == [(3, True)]
     assert count(store, "SELECT COUNT(*) FROM steps") == 12
     assert rows(store, "SELECT * FROM streams") == [("rank", 0, 0, 3)]
 

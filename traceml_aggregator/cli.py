@@ -12,7 +12,8 @@ standalone aggregator leaves it out.
 
 It serves until SIGTERM or SIGINT. ``traceml run`` starts it on node 0; run it yourself to use
 the SDK under plain ``torchrun`` (export ``TRACEML_AGGREGATOR=host:port`` and
-``TRACEML_RUN_NAME`` to the ranks), then ask for the summary with ``traceml finalize``.
+``TRACEML_RUN_NAME`` to the ranks), then stop it with Ctrl-C or SIGTERM: it writes
+``final_summary.*`` when it stops, unless a launcher already asked for them.
 Exit codes: 0 after a clean stop, 2 for bad options or a port that cannot be bound.
 """
 

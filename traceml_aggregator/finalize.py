@@ -151,6 +151,13 @@ class Finalizer:
             self.last = outcome
             return outcome
 
+    async def finalize_on_stop(self) -> Outcome | None:
+        """At shutdown: write the reports now, with what is stored, unless a finalization
+        already did (the standalone aggregator under plain torchrun is stopped this way)."""
+        if self.last is not None:
+            return None
+        return await self._write(self.state.missing(), time.monotonic() + 5.0)
+
     async def watchdog(self) -> None:
         """Write a partial summary if ranks are still missing a budget after the first end."""
         while self.state.first_end_monotonic is None:

@@ -186,6 +186,12 @@ async def serve(config: ServerConfig, ready=None) -> int:
     watchdog.cancel()
     await server.stop(grace=1.0)
     await writer.drain(5.0)
+    outcome = await finalizer.finalize_on_stop()
+    if outcome is not None:
+        print(
+            f"traceml-aggregator: summary written at stop: {outcome.json_path or outcome.error}",
+            file=sys.stderr,
+        )
     await writer.close()
     print(
         f"traceml-aggregator: stored {writer.records_stored} records in "

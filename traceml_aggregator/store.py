@@ -122,7 +122,7 @@ def _step_rows(rank: int, restart: int, records, into: dict[tuple, list[tuple]])
         rows.append(head + values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _step_insert(fds: tuple) -> tuple[str, tuple[int, ...] | None]:
     """The INSERT for step rows of fields ``fds``, and the indices of the row values to keep
     (None: all; a field this store has no column for is dropped).

@@ -95,8 +95,9 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
             Finding(
                 "RANK_TERMINATED",
                 "warning",
-                f"{ranks_text([r['rank'] for r in terminated]).capitalize()} were stopped by "
-                "torchrun after another rank failed.",
+                f"{ranks_text([r['rank'] for r in terminated]).capitalize()} "
+                f"{'was' if len(terminated) == 1 else 'were'} stopped by torchrun after another "
+                "rank failed or the launcher was interrupted.",
                 "These ranks are collateral; fix the rank that failed first.",
                 evidence={"ranks": [r["rank"] for r in terminated]},
                 ranks=[r["rank"] for r in terminated],

@@ -212,14 +212,20 @@ def _insufficient(window: Window, clock: Clock) -> Finding | None:
 
 
 def _stragglers(
-    profiles: dict[int, Profile], node_of: dict[int, int | None], step_ms: float
+    profiles: dict[int, Profile],
+    node_of: dict[int, int | None],
+    step_ms: float,
+    synchronized: bool,
 ) -> list[Finding]:
     if len(profiles) < 2:
         return []
     floor_ms = max(th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0)
     findings: list[Finding] = []
     named: set[int] = set()
-    for part in _STRAGGLER_PARTS + (_STEP_PART,):
+    # Under DDP/FSDP every step ends with a collective, so step times differ only by when
+    # each rank leaves it: noise, never a straggler. Only the ranks' own phases can tell.
+    parts = _STRAGGLER_PARTS if synchronized else _STRAGGLER_PARTS + (_STEP_PART,)
+    for part in parts:
         values = {r: part.value(p) for r, p in profiles.items()}
         values = {r: v for r, v in values.items() if v is not None}
         if len(values) < 2:
@@ -388,6 +394,8 @@ def diagnose(
     clock: Clock,
     profiles: dict[int, Profile],
     node_of: dict[int, int | None],
+    *,
+    synchronized: bool = False,
 ) -> tuple[Finding, list[Finding]]:
     """The primary diagnosis and the other step-time findings (largest impact first).
 
@@ -396,13 +404,17 @@ def diagnose(
         clock: the analysis clock.
         profiles: each window rank's profile over the window.
         node_of: node rank of each rank (None when unknown).
+        synchronized: the ranks meet in a collective every step (DDP, FSDP), so a
+            difference in step time alone names no straggler.
     """
     missing = _insufficient(window, clock)
     if missing is not None:
         return missing, []
     typ = typical(profiles)
     step_ms = typ["step_time_ms"]
-    candidates = _stragglers(profiles, node_of, step_ms) + _bounds(profiles, typ, step_ms)
+    candidates = _stragglers(profiles, node_of, step_ms, synchronized) + _bounds(
+        profiles, typ, step_ms
+    )
     if not candidates:
         return _compute_bound(profiles, typ, step_ms), []
     candidates.sort(key=lambda f: -f.impact_ms)

@@ -152,7 +152,12 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
     clock = choose_clock(window)
     profs = profiles(window, clock)
     node_of = {r: node_rank(rd) for r, rd in run.ranks.items()}
-    primary, step_findings = step_time.diagnose(window, clock, profs, node_of)
+    synchronized = any(
+        (rd.identity or {}).get("parallelism") in ("ddp", "fsdp") for rd in run.ranks.values()
+    )
+    primary, step_findings = step_time.diagnose(
+        window, clock, profs, node_of, synchronized=synchronized
+    )
     span = system.window_span_us(run, window)
     totals = memory.gpu_totals(run)
     ranks = [
