@@ -11,6 +11,7 @@ from conftest import run_traceml
 from planted import DELAY_MS, planted_run
 from traceml_aggregator.report.compare import (
     EQUIVALENT_PCT,
+    INCONCLUSIVE_EXIT_CODE,
     REGRESSION_EXIT_CODE,
     compare,
     render_compare_text,
@@ -89,7 +90,7 @@ def _summary(step_ms=40.0, peak=None, util=None, kind="COMPUTE_BOUND") -> dict:
         "residual": 1.0,
     }
     return {
-        "run": {"run_name": "x", "world_size": 2},
+        "run": {"run_name": "x", "world_size": 2, "missing_ranks": []},
         "primary_diagnosis": {
             "kind": kind,
             "severity": "info",
@@ -110,6 +111,8 @@ def _summary(step_ms=40.0, peak=None, util=None, kind="COMPUTE_BOUND") -> dict:
         },
         "ranks": [
             {
+                "rank": 0,
+                "end": {"state": "completed"},
                 "step_time_ms": {"p95": step_ms * 1.1} if step_ms else None,
                 "memory": {"peak_allocated_bytes": peak},
             }
@@ -156,3 +159,28 @@ def test_small_parts_are_judged_against_the_step():
     wait = next(m for m in doc["metrics"] if m["name"] == "input_wait_ms")
     assert (wait["delta_pct"], wait["status"]) == (50.0, "unchanged")
     assert doc["verdict"] == "EQUIVALENT"
+
+
+def _crashed(doc: dict) -> dict:
+    doc = copy.deepcopy(doc)
+    doc["ranks"][0]["end"] = {"state": "failed"}
+    return doc
+
+
+def test_a_crashed_or_partial_candidate_is_inconclusive_not_an_improvement():
+    # faster only because it died early
+    fast_crash = _crashed(_summary(10.0))
+    assert compare(_summary(), fast_crash)["verdict"] == "INCONCLUSIVE"
+    assert "did not complete on ranks [0]" in compare(_summary(), fast_crash)["summary"]
+    partial = _summary(10.0)
+    partial["run"]["missing_ranks"] = [1]
+    assert compare(_summary(), partial)["verdict"] == "INCONCLUSIVE"
+
+
+def test_an_inconclusive_compare_fails_the_gate(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(dict(_summary(), schema_version=1)))
+    b.write_text(json.dumps(dict(_crashed(_summary(10.0)), schema_version=1)))
+    proc = _compare(a, b, tmp_path, 10)
+    assert proc.returncode == INCONCLUSIVE_EXIT_CODE == 4
+    assert proc.stderr.startswith("traceml: error: cannot judge the candidate:")

@@ -164,13 +164,15 @@ def compare_command(
     fail_on_regression: Optional[float] = typer.Option(
         None,
         metavar="PCT",
-        help="exit with code 3 when a key metric got worse by more than PCT percent",
+        help="exit with code 3 when a key metric got worse by more than PCT percent, "
+        "and with 4 when the runs cannot be judged (INCONCLUSIVE)",
     ),
 ) -> None:
     """Compare two runs: per-metric deltas, the change of diagnosis, and a verdict."""
     from traceml.launcher.rundir import write_atomic
     from traceml_aggregator.report import SummaryFileError, read_summary, to_json
     from traceml_aggregator.report.compare import (
+        INCONCLUSIVE_EXIT_CODE,
         REGRESSION_EXIT_CODE,
         compare,
         regressions_beyond,
@@ -196,6 +198,9 @@ def compare_command(
         raise typer.Exit(2)
     sys.stdout.write(text)
     if fail_on_regression is not None:
+        if document["verdict"] == "INCONCLUSIVE":
+            _error(f"cannot judge the candidate: {document['summary']}")
+            raise typer.Exit(INCONCLUSIVE_EXIT_CODE)
         worse = regressions_beyond(document, fail_on_regression)
         if worse:
             names = ", ".join(f"{r['name']} {r['change_pct']:+.1f}%" for r in worse)

@@ -11,7 +11,9 @@ runs, which only have step time:
 * REGRESSION — some key metric regressed, none improved;
 * MIXED — some improved and some regressed;
 * EQUIVALENT — no key metric moved by more than :data:`EQUIVALENT_PCT`;
-* INCONCLUSIVE — a run has no step time (no step data, or too few steps).
+* INCONCLUSIVE — a run cannot stand for its configuration: it has no step time (no step
+  data, or too few steps), its verdict is INSUFFICIENT_DATA, a rank crashed or was stopped,
+  or its summary is partial.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ EQUIVALENT_PCT = 5.0
 #: Exit code of ``traceml compare --fail-on-regression`` when a key metric regressed by more
 #: than the given percentage (2 is for usage errors).
 REGRESSION_EXIT_CODE = 3
+#: Exit code of ``traceml compare --fail-on-regression`` when the verdict is INCONCLUSIVE: a
+#: gate must not pass a run it could not judge.
+INCONCLUSIVE_EXIT_CODE = 4
 #: Version of the compare document's layout (compare.json).
 COMPARE_VERSION = 1
 
@@ -82,6 +87,19 @@ def _metric_row(m: _Metric, a: dict, b: dict) -> dict | None:
     return row
 
 
+def _unfit(summary: dict, labels: dict) -> str:
+    """Why a run cannot be compared ("" when it can): insufficient data, a rank that did not
+    complete, or a partial summary."""
+    if labels.get("verdict") == "INSUFFICIENT_DATA":
+        return "has too little step data (INSUFFICIENT_DATA)"
+    if summary["run"].get("missing_ranks"):
+        return f"is partial (ranks {summary['run']['missing_ranks']} never finished)"
+    ended = [r["rank"] for r in summary["ranks"] if r["end"]["state"] != "completed"]
+    if ended:
+        return f"did not complete on ranks {ended}"
+    return ""
+
+
 def compare(a: dict, b: dict, *, a_path: str = "", b_path: str = "") -> dict:
     """The compare document of summary documents ``a`` (baseline) and ``b``."""
     (ma, la), (mb, lb) = flatten(a), flatten(b)
@@ -90,10 +108,15 @@ def compare(a: dict, b: dict, *, a_path: str = "", b_path: str = "") -> dict:
     improved = [r["name"] for r in key if r["status"] == "improved"]
     regressed = [r["name"] for r in key if r["status"] == "regressed"]
     step = next((r for r in rows if r["name"] == "step_time_ms"), None)
+    unfit = [f"run {n} {why}" for n, doc, labels in (("A", a, la), ("B", b, lb))
+             for why in [_unfit(doc, labels)] if why]
     if step is None or step["status"] == "not_comparable":
         which = [n for n, m in (("A", ma), ("B", mb)) if "step_time_ms" not in m]
         verdict = "INCONCLUSIVE"
         why = f"Run {' and '.join(which)} has no step time (no step data or too few steps)."
+    elif unfit:
+        verdict = "INCONCLUSIVE"
+        why = "; ".join(unfit).capitalize() + ": its figures do not stand for its setup."
     else:
         if improved and regressed:
             verdict = "MIXED"
