@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,3 +86,27 @@ def query(run_dir: Path, sql: str, params: tuple = ()) -> list[tuple]:
 def port() -> int:
     """A free aggregator port."""
     return free_port()
+
+
+def assert_rejected(tmp_path, args: list[str], expected: str, *, marker: str) -> None:
+    """Run ``traceml run ARGS`` in an empty ``tmp_path/cwd`` and check the refusal.
+
+    ``marker`` is a string only this invocation's processes would carry on their command line
+    (its run name or port): no process may carry it afterwards.
+    """
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = run_traceml(["run", *args], cwd, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("traceml: error: ") and expected in lines[0], lines[0]
+    assert result.stdout == ""
+    assert list(cwd.iterdir()) == []  # no logs dir, no run dir (not even ../<name>)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]
+    started = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if any(marker in part for part in (p.info["cmdline"] or []))
+    ]
+    assert started == []

@@ -4,35 +4,10 @@ from __future__ import annotations
 
 import socket
 
-import psutil
 import pytest
-from conftest import EXAMPLES, free_port, run_traceml
+from conftest import EXAMPLES, assert_rejected, free_port
 
 SCRIPT = str(EXAMPLES / "ddp_minimal.py")
-
-
-def assert_rejected(tmp_path, args: list[str], expected: str, *, marker: str) -> None:
-    """Run ``traceml run ARGS`` in an empty ``tmp_path/cwd`` and check the refusal.
-
-    ``marker`` is a string only this invocation's processes would carry on their command line
-    (its run name or port): no process may carry it afterwards.
-    """
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    result = run_traceml(["run", *args], cwd, timeout=60)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("traceml: error: ") and expected in lines[0], lines[0]
-    assert result.stdout == ""
-    assert list(cwd.iterdir()) == []  # no logs dir, no run dir (not even ../<name>)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]
-    started = [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any(marker in part for part in (p.info["cmdline"] or []))
-    ]
-    assert started == []
 
 
 def test_missing_script(tmp_path):
@@ -69,3 +44,33 @@ def test_aggregator_port_already_in_use(tmp_path):
             tmp_path, [SCRIPT, "--aggregator-port", port, "--run-name", "busy-port-run"],
             f"aggregator port 127.0.0.1:{port} is not available", marker="busy-port-run",
         )
+
+
+def test_a_directory_is_not_a_script(tmp_path):
+    port = str(free_port())
+    assert_rejected(
+        tmp_path, [str(EXAMPLES), "--aggregator-port", port], "is a directory", marker=port
+    )
+
+
+def test_an_unknown_option_before_the_script(tmp_path):
+    port = str(free_port())
+    assert_rejected(
+        tmp_path, ["--nproc_per_node=2", SCRIPT, "--aggregator-port", port],
+        "unknown option '--nproc_per_node=2'", marker=port,
+    )
+
+
+def test_an_empty_run_name(tmp_path):
+    port = str(free_port())
+    assert_rejected(
+        tmp_path, [SCRIPT, "--run-name", "", "--aggregator-port", port], "run name ''", marker=port
+    )
+
+
+def test_master_port_equal_to_the_aggregator_port(tmp_path):
+    port = str(free_port())
+    assert_rejected(
+        tmp_path, [SCRIPT, "--master-port", port, "--aggregator-port", port],
+        f"--master-port and --aggregator-port are both {port}", marker=port,
+    )

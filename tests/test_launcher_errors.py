@@ -11,9 +11,7 @@ import json
 import time
 
 import pytest
-from test_bad_input import assert_rejected
-
-from conftest import SCRIPTS, free_port, run_traceml
+from conftest import SCRIPTS, assert_rejected, free_port, run_traceml
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 

@@ -91,7 +91,7 @@ def run_command(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        run_name=run_name or session_id,
+        run_name=run_name if run_name is not None else session_id,
         aggregator_host=aggregator_host,
         aggregator_port=aggregator_port,
         aggregator_bind_host=aggregator_bind_host,

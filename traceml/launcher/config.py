@@ -124,6 +124,13 @@ class LaunchConfig:
             LaunchError: one of the flags is invalid (the message names it).
         """
         script = Path(self.script)
+        if self.script.startswith("-"):
+            raise LaunchError(
+                f"unknown option {self.script!r} before the script (see `traceml run --help`; "
+                "torchrun's underscore spellings are written with dashes here)"
+            )
+        if script.is_dir():
+            raise LaunchError(f"training script {self.script!r} is a directory, not a file")
         if not script.is_file():
             raise LaunchError(f"training script {self.script!r} not found")
         for name, value in (("--nproc-per-node", self.nproc_per_node), ("--nnodes", self.nnodes)):
@@ -165,6 +172,11 @@ class LaunchConfig:
             self.aggregator_host = self.master_addr
         if self.master_port is None and self.nnodes > 1:
             self.master_port = 29500
+        if self.owns_aggregator and self.master_port == self.aggregator_port:
+            raise LaunchError(
+                f"--master-port and --aggregator-port are both {self.aggregator_port}: node 0 "
+                "listens on each, so they must differ"
+            )
         return self
 
     def to_manifest(self) -> dict:
