@@ -10,7 +10,9 @@ drift of the machine's load hits both alike, ``--pairs`` times each:
 (b) training-loop time: what rank 0 prints (``trained N steps in T s``), A/B ratio per pair
 and the median ratio (target <= 1.02).
 (c) whole-process wall time, start to exit: A − B per pair and the median (target <= +1.5 s),
-with where A's extra time goes, from the run manifest's lifecycle (Unix s of each event).
+with where A's extra time goes, from the run manifest's lifecycle (Unix s of each event), and
+the CPU time of all the job's processes (launcher, aggregator, torchrun, ranks), which other
+load on the machine does not inflate the way it inflates wall time.
 
 Usage: ``python benchmarks/ddp_overhead.py [--pairs 5] [--steps 300]``.
 """
@@ -22,6 +24,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -41,15 +44,22 @@ def env() -> dict:
     return clean
 
 
-def run(argv: list[str], cwd: Path) -> tuple[float, float]:
-    """(whole-process wall s, training-loop s) of one job."""
+def run(argv: list[str], cwd: Path) -> tuple[float, float, float]:
+    """(whole-process wall s, training-loop s, CPU s of every process of the job)."""
+    cpu_before = _children_cpu_s()
     start = time.perf_counter()
     result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         sys.exit(f"job failed ({result.returncode}): {' '.join(argv)}\n{result.stderr[-2000:]}")
     loop = float(_TRAINED.search(result.stdout).group(2))
-    return wall, loop
+    return wall, loop, _children_cpu_s() - cpu_before
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU s of every waited-for descendant (each job waits for its own)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def traceml_job(cwd: Path, name: str, steps: int) -> list[str]:
@@ -88,6 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     walls: dict[str, list[float]] = {"traceml": [], "plain": []}
     loops: dict[str, list[float]] = {"traceml": [], "plain": []}
+    cpus: dict[str, list[float]] = {"traceml": [], "plain": []}
     launcher: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
@@ -97,12 +108,13 @@ def main() -> None:
                 if kind == "traceml":
                     name = f"bench-{i}"
                     start_unix = time.time()
-                    wall, loop = run(traceml_job(cwd, name, args.steps), cwd)
+                    wall, loop, cpu = run(traceml_job(cwd, name, args.steps), cwd)
                     launcher.append(phases(cwd / name, start_unix, start_unix + wall))
                 else:
-                    wall, loop = run(plain_job(args.steps), cwd)
+                    wall, loop, cpu = run(plain_job(args.steps), cwd)
                 walls[kind].append(wall)
                 loops[kind].append(loop)
+                cpus[kind].append(cpu)
             print(f"  pair {i}: loop {loops['traceml'][-1]:.3f} s vs {loops['plain'][-1]:.3f} s, "
                   f"wall {walls['traceml'][-1]:.2f} s vs {walls['plain'][-1]:.2f} s", flush=True)
 
@@ -120,6 +132,10 @@ def main() -> None:
           f"plain torchrun {median(walls['plain']):.2f} s")
     print(f"  extra per pair: {', '.join(f'{d:+.2f}' for d in deltas)} s; "
           f"median {median(deltas):+.2f} s")
+    print(f"  CPU of all the job's processes, median: traceml run {median(cpus['traceml']):.2f} s, "
+          f"plain torchrun {median(cpus['plain']):.2f} s "
+          f"(+{median(cpus['traceml']) - median(cpus['plain']):.2f} s: what a busy machine "
+          "turns into wall time)")
     print("  traceml run, median seconds between lifecycle events:")
     for key in launcher[0]:
         print(f"    {key:<40} {median([p[key] for p in launcher]):6.2f}")

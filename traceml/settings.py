@@ -39,6 +39,9 @@ AGGREGATOR_WAIT_SEC = Setting(
     "300",
     "How long a non-owner node waits for node 0's aggregator before giving up, seconds.",
 )
+LIVE_REFRESH_SEC = Setting(
+    "TRACEML_LIVE_REFRESH_SEC", "5", "Seconds between refreshes of --mode cli/dashboard views."
+)
 AGGREGATOR_START_SEC = Setting(
     "TRACEML_AGGREGATOR_START_SEC", "60", "How long node 0 waits for its aggregator to serve."
 )

@@ -106,6 +106,14 @@ def register_node(target: str, claim, timeout_s: float = 10.0):
         return wire.AggregatorStub(channel).RegisterNode(claim, timeout=timeout_s)
 
 
+def summarize(target: str, run_name: str, timeout_s: float):
+    """The verdict so far (a SummarizeReply), for the live views. Raises grpc.RpcError."""
+    with grpc.insecure_channel(target) as channel:
+        return wire.AggregatorStub(channel).Summarize(
+            wire.SummarizeRequest(run_name=run_name), timeout=timeout_s
+        )
+
+
 def finalize(target: str, run_name: str, budget_s: float):
     """Ask for the final summary; returns the FinalizeReply. Raises grpc.RpcError."""
     with grpc.insecure_channel(target) as channel:

@@ -33,6 +33,7 @@ import grpc
 from traceml import __version__, settings
 from traceml.launcher import aggregator, claim
 from traceml.launcher.config import LaunchConfig, LaunchError
+from traceml.launcher.live import LiveView
 from traceml.launcher.rundir import Manifest, RunDir
 from traceml.launcher.torchrun import TorchrunProcess, exit_code, install_signal_forwarding
 
@@ -171,10 +172,13 @@ class Launch:
             return torchrun.wait()
         started_unix_s = time.time()
         partial_seen = False
+        live = self._live_view()
         while True:
             returncode = torchrun.wait(WATCH_INTERVAL_S)
             if returncode is not None:
                 return returncode
+            if live is not None:
+                live.tick()
             try:
                 self._watch_aggregator(run_manifest)
                 partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
@@ -182,6 +186,16 @@ class Launch:
             except Exception as exc:
                 say(f"warning: stopped watching the aggregator ({type(exc).__name__}: {exc})")
                 return torchrun.wait()
+
+    def _live_view(self) -> LiveView | None:
+        """The ``--mode cli``/``dashboard`` view of a single-node run (None otherwise)."""
+        config = self.config
+        if config.mode == "summary":
+            return None
+        if config.nnodes > 1:
+            say(f"--mode {config.mode} is a single-node live view; this run shows the summary only")
+            return None
+        return LiveView(config.mode, config.launcher_target, str(config.run_name))
 
     def _watch_aggregator(self, manifest: Manifest) -> None:
         """Record and report (once) that node 0's aggregator process has exited; its exit

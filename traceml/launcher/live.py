@@ -1,0 +1,83 @@
+"""Live views of a single-node run: ``--mode cli`` and ``--mode dashboard``.
+
+While training runs, node 0's launcher asks its aggregator for the verdict so far (the
+``Summarize`` RPC that also serves ``traceml.summary()``) every ``TRACEML_LIVE_REFRESH_SEC``
+seconds (default 5) and shows it: ``cli`` prints two lines per refresh (good for logs and CI),
+``dashboard`` redraws them in place when stdout is a terminal (and prints like ``cli`` when it
+is not). Both
+end with the same final summary as ``--mode summary``. A view that cannot refresh shows
+nothing that time; it never touches training.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import grpc
+
+from traceml import settings
+from traceml.launcher import aggregator
+
+#: Step parts shown, as (flat metric prefix, label).
+_PARTS = (("input_wait", "input"), ("h2d", "h2d"), ("forward", "fwd"), ("backward", "bwd"),
+          ("optimizer", "opt"), ("residual", "other"))
+
+
+def render(metrics: dict[str, float], labels: dict[str, str], elapsed_s: float) -> list[str]:
+    """The view's lines for one :class:`~traceml.wire.SummarizeReply` (ms, %)."""
+    head = f"[traceml {elapsed_s:5.0f}s]"
+    if "step_time_ms" not in metrics:
+        return [f"{head} waiting for step data ({labels.get('verdict', 'no verdict yet')})"]
+    verdict = labels.get("verdict", "?")
+    who = f" ranks {labels['ranks']}" if labels.get("ranks") else ""
+    shares = " ".join(
+        f"{label} {metrics[f'{part}_pct']:.0f}%" for part, label in _PARTS
+        if f"{part}_pct" in metrics
+    )
+    return [
+        f"{head} {verdict} ({labels.get('severity', '?')}){who}",
+        f"  step {metrics['step_time_ms']:.1f} ms over {metrics.get('window_steps', 0):.0f} "
+        f"steps | {shares}",
+    ]
+
+
+class LiveView:
+    """Refreshes a live view for ``mode`` ("cli" or "dashboard") from ``target``.
+
+    Args:
+        mode: the launcher's ``--mode``.
+        target: ``host:port`` of the aggregator.
+        run_name: the run.
+        out: where the view is written (stdout).
+    """
+
+    def __init__(self, mode: str, target: str, run_name: str, out=None) -> None:
+        self.out = out or sys.stdout
+        self.mode = mode
+        self.target = target
+        self.run_name = run_name
+        self.in_place = mode == "dashboard" and self.out.isatty()
+        self.refresh_s = settings.env_float(settings.LIVE_REFRESH_SEC)
+        self._started = time.monotonic()
+        self._next = self._started + self.refresh_s
+        self._drawn = 0  # lines drawn last time (dashboard redraws over them)
+
+    def tick(self) -> None:
+        """Refresh if one is due (called about once a second by the launcher)."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.refresh_s
+        try:
+            reply = aggregator.summarize(self.target, self.run_name, timeout_s=self.refresh_s / 2)
+        except grpc.RpcError:
+            return
+        if reply.error:
+            return
+        lines = render(dict(reply.metrics), dict(reply.labels), now - self._started)
+        if self.in_place and self._drawn:
+            self.out.write(f"\x1b[{self._drawn}F\x1b[J")  # up N lines, clear to the end
+        self.out.write("\n".join(lines) + "\n")
+        self.out.flush()
+        self._drawn = len(lines)
