@@ -145,7 +145,9 @@ def run_world(world: int, procs: int, batches: int, records: int) -> None:
         assert all(c.returncode == 0 for c in clients)
         cpu_s = sum(aggregator.cpu_times()[:2]) - cpu_before
         rss_peak = peak_rss_bytes(agg.process.pid)
-        assert agg.stop() == 0
+        stop_start = time.perf_counter()
+        assert agg.stop(timeout_s=600) == 0
+        stop_s = time.perf_counter() - stop_start
         stored = agg.query("SELECT COUNT(*) FROM steps")[0][0]
 
     created = max(t["created"] for t in times) - start
@@ -165,7 +167,7 @@ def run_world(world: int, procs: int, batches: int, records: int) -> None:
           f"(aggregator CPU {cpu_s / total * 1e6:.1f} µs a record, "
           f"{cpu_s / streaming:.0%} of a core); "
           f"aggregator RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak; "
-          f"failed calls sent again: {errors or 0}")
+          f"failed calls sent again: {errors or 0}; aggregator stop (SIGTERM to exit) {stop_s:.1f} s")
 
 
 def main() -> None:
