@@ -4,7 +4,7 @@ Usage::
 
     traceml-aggregator --run-dir logs/my-run --run-name my-run --world-size 8 \\
         [--port 29765] [--bind-host 127.0.0.1] [--html-report] [--finalize-timeout-sec 300] \\
-        [--nnodes N]
+        [--nnodes N] [--no-summary-at-stop]
 
 ``--nnodes`` (set by ``traceml run``) makes finalization also wait, briefly, for each node
 launcher's report of its torchrun's exit; ranks under plain torchrun have no launcher, so a
@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--html-report", action="store_true", help="also write final_summary.html")
     p.add_argument(
+        "--no-summary-at-stop",
+        dest="summary_at_stop",
+        action="store_false",
+        help="do not write the reports when stopped without a Finalize (traceml run sets it)",
+    )
+    p.add_argument(
         "--finalize-timeout-sec",
         type=float,
         default=None,
@@ -86,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world_size,
         nnodes=args.nnodes,
         html_report=args.html_report,
+        summary_at_stop=args.summary_at_stop,
         finalize_timeout_s=timeout,
     )
 

@@ -45,6 +45,10 @@ class ServerConfig:
     nnodes: int | None = None
     html_report: bool = False
     finalize_timeout_s: float = 300.0
+    #: Write the reports when stopped if no Finalize asked for them (standalone use). The
+    #: launcher turns it off: it finalizes itself, and a run it stops on purpose (a refused
+    #: node claim) must leave no summary.
+    summary_at_stop: bool = True
 
 
 class AggregatorService(wire.AggregatorServicer):
@@ -186,7 +190,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     watchdog.cancel()
     await server.stop(grace=1.0)
     await writer.drain(5.0)
-    outcome = await finalizer.finalize_on_stop()
+    outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None
     if outcome is not None:
         print(
             f"traceml-aggregator: summary written at stop: {outcome.json_path or outcome.error}",
