@@ -115,3 +115,20 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     assert (good_result.stored_seq, good_result.duplicate) == (1, False)
     assert isinstance(bad_result, OverflowError)
     assert (steps, batches_stored, stored) == (3, 1, [0])
+
+
+def test_a_second_process_reusing_the_stream_is_refused_not_dropped(tmp_path):
+    """Another job with this run's name and rank starts again at seq 1: its batches must be
+    refused with a reason (the SDK then warns and stops), never acknowledged as duplicates."""
+    store = Store(tmp_path / "t.sqlite")
+    ident = wire.RankIdentity(run_name="r", rank=0, pid=100, hostname="h")
+    assert results(store, batch(1, range(3), identity=ident)) == [(1, False)]
+    # the same process resending its first batch: a duplicate
+    assert results(store, batch(1, range(3), identity=ident)) == [(1, True)]
+    other = wire.RankIdentity(run_name="r", rank=0, pid=200, hostname="h")
+    [refused] = store.write_batches([batch(1, range(3), identity=other)], 0)
+    assert (refused.duplicate, refused.rejected) == (
+        False,
+        "rank 0 (attempt 0) of this run already streamed from pid 100 on h: use a new run name",
+    )
+    assert count(store, "SELECT COUNT(*) FROM steps") == 3

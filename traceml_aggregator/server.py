@@ -76,6 +76,8 @@ class AggregatorService(wire.AggregatorServicer):
             result = await self.writer.store_batch(request)
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
+        if result.rejected:
+            return wire.Ack(rejected=True, reason=result.rejected)
         return wire.Ack(stored_seq=result.stored_seq)
 
     async def ReportNodeExit(self, request, context):

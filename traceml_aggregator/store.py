@@ -142,10 +142,12 @@ def _step_insert(fds: tuple) -> tuple[str, tuple[int, ...] | None]:
 
 @dataclass
 class WriteResult:
-    """Outcome of one stored batch: the sender's highest stored sequence number."""
+    """Outcome of one batch: the sender's highest stored sequence number, whether the batch
+    was already stored, and why it was refused ("" unless it was)."""
 
     stored_seq: int
     duplicate: bool
+    rejected: str = ""
 
 
 class Store:
@@ -204,7 +206,7 @@ class Store:
                 key = (sender, sender_id, batch.restart_count)
                 stored = self._seqs.get(key, 0)
                 if batch.seq <= stored:
-                    results.append(WriteResult(stored, True))
+                    results.append(self._seen_before(batch, stored))
                     continue
                 self._seqs[key] = touched[key] = batch.seq
                 results.append(WriteResult(batch.seq, False))
@@ -257,6 +259,25 @@ class Store:
             )
             raise
         return results
+
+    def _seen_before(self, batch, stored: int) -> WriteResult:
+        """A batch at or below the stored sequence number: a resend (a duplicate), or, when its
+        identity names another process than the stored one, a second job reusing this run's
+        name and rank, whose data would otherwise be dropped as duplicates without a word."""
+        if batch.HasField("identity"):
+            row = self._db.execute(
+                "SELECT pid, hostname FROM ranks WHERE rank = ? AND restart = ?",
+                (batch.rank, batch.restart_count),
+            ).fetchone()
+            ident = batch.identity
+            if row is not None and (row[0], row[1]) != (ident.pid, ident.hostname):
+                return WriteResult(
+                    stored,
+                    False,
+                    f"rank {batch.rank} (attempt {batch.restart_count}) of this run already "
+                    f"streamed from pid {row[0]} on {row[1]}: use a new run name",
+                )
+        return WriteResult(stored, True)
 
     def _write_identity(self, ident) -> None:
         self._db.execute(

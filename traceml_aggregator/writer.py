@@ -97,7 +97,9 @@ class Writer:
                 future.set_exception(exc)
             return
         for (batch, future), result in zip(items, results):
-            if result.duplicate:
+            if result.rejected:
+                pass
+            elif result.duplicate:
                 self.batches_duplicate += 1
             else:
                 self.batches_stored += 1
