@@ -187,6 +187,7 @@ class TelemetryClient:
         self._ever_acked = False
         self._rejected = False
         self._dead = False  # set in a forked child, or once the client is closed
+        self._closing = False  # set by close(): the sender thread finishes the stream
         self._unreachable_warned = False
         self._finish = None  # RankFinish to send last, set by close()
         self._rpc_lock = threading.Lock()
@@ -238,8 +239,6 @@ class TelemetryClient:
         self._dead = True
         self._wake.set()
         return self._delivered
-
-    _closing = False
 
     # --- caller's thread: flush and one-off calls ---------------------------------------------
     def flush(self, timeout_s: float) -> bool:
