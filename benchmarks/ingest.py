@@ -38,15 +38,17 @@ def step_blocks(batches: int, records: int) -> list[bytes]:
     """Batch ``b``'s encoded steps field: records b*R .. b*R+R-1 of a plausible CPU rank."""
     from traceml import wire
 
+    from traceml.wire.records import add_steps
+
     blocks = []
     for b in range(batches):
         batch = wire.Batch()
-        for i in range(b * records, (b + 1) * records):
-            batch.steps.add(
-                step=i, end_us=1_000_000 + 25_000 * i, step_us=25_000 + i % 997,
-                input_wait_us=600 + i % 50, dataloader_next_us=500 + i % 40, forward_us=800,
-                backward_us=13_000 + i % 300, optimizer_us=1_200,
-            )
+        add_steps(batch, (
+            {"step": i, "end_us": 1_000_000 + 25_000 * i, "step_us": 25_000 + i % 997,
+             "input_wait_us": 600 + i % 50, "dataloader_next_us": 500 + i % 40,
+             "forward_us": 800, "backward_us": 13_000 + i % 300, "optimizer_us": 1_200}
+            for i in range(b * records, (b + 1) * records)
+        ))
         blocks.append(batch.SerializeToString())
     return blocks
 

@@ -2,8 +2,9 @@
 
 Two figures:
 
-1. the protobuf encoding of one ``StepRecord`` inside a ``Batch`` (its bytes plus the field's
-   tag and length), for a CPU rank's record and for one with every GPU field set;
+1. the protobuf encoding of a step inside a ``Batch`` (the batch's ``step_groups`` columns,
+   divided by the steps they hold), for a CPU rank's steps and for steps with every GPU field
+   set;
 2. what really crosses the TCP connection, counted by a byte-counting proxy between the SDK's
    :class:`~traceml.sdk.client.TelemetryClient` and a real aggregator: protobuf, gRPC framing,
    HTTP/2 frames (HEADERS, DATA, WINDOW_UPDATE, PING), divided by the records delivered,
@@ -25,43 +26,45 @@ from _common import LiveAggregator, free_port
 from traceml import wire
 from traceml.sdk import client as client_mod
 from traceml.sdk.client import ClientConfig, TelemetryClient
+from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS, add_steps
 
 RECORDS = 5000
 STEP_US = 100_000  # a 100 ms step
 RUN_START_US = 2 * 3600 * 1_000_000  # records from the third hour of a run: end_us ~ 7e9
 
 
-def cpu_record(i: int) -> wire.StepRecord:
+def cpu_record(i: int) -> dict[str, int]:
     """What a CPU rank sends: step clock and the five CPU phases (µs)."""
-    return wire.StepRecord(
-        step=36_000 + i,
-        end_us=RUN_START_US + i * STEP_US + (i * 7919) % 997,
-        step_us=STEP_US + (i * 104_729) % 5_000,
-        input_wait_us=800 + i % 300,
-        dataloader_next_us=650 + i % 200,
-        forward_us=31_000 + i % 2_000,
-        backward_us=58_000 + i % 3_000,
-        optimizer_us=6_500 + i % 500,
-    )
+    return {
+        "step": 36_000 + i,
+        "end_us": RUN_START_US + i * STEP_US + (i * 7919) % 997,
+        "step_us": STEP_US + (i * 104_729) % 5_000,
+        "input_wait_us": 800 + i % 300,
+        "dataloader_next_us": 650 + i % 200,
+        "forward_us": 31_000 + i % 2_000,
+        "backward_us": 58_000 + i % 3_000,
+        "optimizer_us": 6_500 + i % 500,
+    }
 
 
-def gpu_record(i: int) -> wire.StepRecord:
+def gpu_record(i: int) -> dict[str, int]:
     """Every field set: a GPU-timed step that also read the allocator's peaks (bytes)."""
     rec = cpu_record(i)
-    rec.h2d_us = 1_200
-    rec.gpu_step_us, rec.gpu_h2d_us, rec.gpu_forward_us = 98_000, 1_100, 30_500
-    rec.gpu_backward_us, rec.gpu_optimizer_us = 57_000, 6_300
-    rec.peak_allocated_bytes, rec.peak_reserved_bytes = 61_000_000_000, 72_000_000_000
+    rec.update(h2d_us=1_200)
+    rec = {name: rec[name] for name in STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS if name in rec}
+    rec.update(gpu_step_us=98_000, gpu_h2d_us=1_100, gpu_forward_us=30_500,
+               gpu_backward_us=57_000, gpu_optimizer_us=6_300,
+               peak_allocated_bytes=61_000_000_000, peak_reserved_bytes=72_000_000_000)
     return rec
 
 
-def encoded_in_batch(make) -> float:
-    """Bytes one record adds to a Batch of 512 (tag + length + message)."""
+def encoded_in_batch(make, steps: int) -> float:
+    """Bytes one step adds to a Batch of ``steps`` steps (its share of the groups' columns)."""
     header = wire.Batch(run_name="run-20250101-120000-abcd", rank=1023, seq=123_456)
     full = wire.Batch()
     full.CopyFrom(header)
-    full.steps.extend(make(i) for i in range(512))
-    return (full.ByteSize() - header.ByteSize()) / 512
+    add_steps(full, (make(i) for i in range(steps)))
+    return (full.ByteSize() - header.ByteSize()) / steps
 
 
 class CountingProxy:
@@ -127,8 +130,10 @@ def wire_bytes(per_batch: int, make) -> tuple[float, float]:
 
 def main() -> None:
     print("(e) bytes on the wire per step record (target <= 60 B)")
-    print(f"  protobuf, CPU record in a batch:        {encoded_in_batch(cpu_record):6.1f} B")
-    print(f"  protobuf, every GPU field set:          {encoded_in_batch(gpu_record):6.1f} B")
+    for steps in (1, 10, 512):
+        print(f"  protobuf, {steps:>3} CPU steps in a batch:  "
+              f"{encoded_in_batch(cpu_record, steps):6.1f} B a step")
+    print(f"  protobuf, 512 steps, every field set:  {encoded_in_batch(gpu_record, 512):6.1f} B a step")
     print(f"  real TCP bytes, {RECORDS} CPU records through the SDK client:")
     print("    records/batch   up B/record   down B/record")
     for per_batch in (1, 10, 100, 512):

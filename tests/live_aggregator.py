@@ -118,9 +118,9 @@ class LiveAggregator:
         return query(self.run_dir, sql, params)
 
 
-def step(i: int) -> wire.StepRecord:
-    """A plausible step record (µs)."""
-    return wire.StepRecord(step=i, end_us=1000 * (i + 1), step_us=1000, forward_us=300)
+def step(i: int) -> dict[str, int]:
+    """A plausible step's wire fields (µs), as the client takes them."""
+    return {"step": i, "end_us": 1000 * (i + 1), "step_us": 1000, "forward_us": 300}
 
 
 def finish(steps: int) -> wire.RankFinish:

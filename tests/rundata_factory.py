@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from traceml_aggregator.rundata import RankData, RunData
-from traceml_aggregator.store import STEP_OPTIONAL_FIELDS
+from traceml.wire.records import STEP_OPTIONAL_FIELDS
 
 MIB = 1024 * 1024
 GPU_FIELDS = {

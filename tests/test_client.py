@@ -15,6 +15,7 @@ from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
 from traceml.sdk import client as client_mod
+from traceml.wire.records import add_steps
 
 
 def wait_for(predicate, timeout_s: float = 30.0) -> None:
@@ -80,7 +81,8 @@ def test_push_from_another_run_is_answered_rejected(aggregator):
 
     with grpc.insecure_channel(aggregator.target) as channel:
         stub = wire.AggregatorStub(channel)
-        batch = wire.Batch(run_name="other", rank=0, seq=1, steps=[step(0)])
+        batch = wire.Batch(run_name="other", rank=0, seq=1)
+        add_steps(batch, [step(0)])
         ack = stub.Push(batch, timeout=10)
         assert ack.rejected and ack.stored_seq == 0
         assert "'other'" in ack.reason

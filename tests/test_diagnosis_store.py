@@ -39,18 +39,18 @@ def identity(rank: int, restart: int = 0) -> wire.RankIdentity:
     )
 
 
-def steps(n: int, input_us: int = 1000) -> list[wire.StepRecord]:
+def steps(n: int, input_us: int = 1000) -> list[wire.StepColumns]:
+    """``n`` steps of 20 ms as the wire carries them: one group of columns (µs)."""
     return [
-        wire.StepRecord(
-            step=i,
-            end_us=(i + 1) * 20_000,
-            step_us=20_000,
-            input_wait_us=input_us,
-            forward_us=8000,
-            backward_us=9000,
-            optimizer_us=1000,
+        wire.StepColumns(
+            step=range(n),
+            end_us=[(i + 1) * 20_000 for i in range(n)],
+            step_us=[20_000] * n,
+            input_wait_us=[input_us] * n,
+            forward_us=[8000] * n,
+            backward_us=[9000] * n,
+            optimizer_us=[1000] * n,
         )
-        for i in range(n)
     ]
 
 
@@ -135,12 +135,12 @@ def test_partial_summary_names_the_missing_rank(store, tmp_path):
                 rank=0,
                 seq=1,
                 identity=identity(0),
-                steps=steps(30),
+                step_groups=steps(30),
                 finish=wire.RankFinish(
                     last_seq=1, steps_completed=30, end_state=wire.EndState.END_STATE_COMPLETED
                 ),
             ),
-            wire.Batch(run_name="r", rank=1, seq=1, identity=identity(1), steps=steps(30)),
+            wire.Batch(run_name="r", rank=1, seq=1, identity=identity(1), step_groups=steps(30)),
         ],
         T0,
     )
@@ -157,7 +157,7 @@ def test_partial_summary_names_the_missing_rank(store, tmp_path):
 def test_restarted_attempts_stay_apart(store, tmp_path):
     store.write_batches(
         [
-            wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), steps=steps(12, 9000))
+            wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), step_groups=steps(12, 9000))
             for r in range(2)
         ],
         T0,
@@ -170,7 +170,7 @@ def test_restarted_attempts_stay_apart(store, tmp_path):
                 restart_count=1,
                 seq=1,
                 identity=identity(r, 1),
-                steps=steps(30),
+                step_groups=steps(30),
             )
             for r in range(2)
         ],
@@ -188,7 +188,7 @@ def test_restarted_attempts_stay_apart(store, tmp_path):
 def test_failed_rank_end_state_in_reports(store, tmp_path):
     store.write_batches(
         [
-            wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), steps=steps(30))
+            wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), step_groups=steps(30))
             for r in range(2)
         ],
         T0,

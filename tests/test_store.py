@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from traceml import wire
+from traceml.wire.records import add_steps
 from traceml_aggregator.store import Store
 
 
 def batch(seq: int, steps: range, *, rank: int = 0, restart: int = 0, **fields) -> wire.Batch:
     b = wire.Batch(run_name="r", rank=rank, restart_count=restart, seq=seq, **fields)
-    b.steps.extend(wire.StepRecord(step=i, end_us=i + 1, step_us=1) for i in steps)
+    add_steps(b, ({"step": i, "end_us": i + 1, "step_us": 1} for i in steps))
     return b
 
 
@@ -72,13 +73,35 @@ def test_a_failed_transaction_stores_nothing_and_forgets_its_seqs(tmp_path):
     good = batch(1, range(3), rank=0)
     # 2**64 - 1 is a valid uint64 on the wire but not an SQLite integer: the insert fails.
     bad = batch(1, range(0), rank=1)
-    bad.steps.add(step=0, end_us=2**64 - 1, step_us=1)
+    add_steps(bad, [{"step": 0, "end_us": 2**64 - 1, "step_us": 1}])
     with pytest.raises(OverflowError):
         store.write_batches([good, bad], 0)
     assert count(store, "SELECT COUNT(*) FROM steps") == 0
     # The good batch, resent, is stored: its seq was not remembered as stored.
     assert results(store, good) == [(1, False)]
     assert count(store, "SELECT COUNT(*) FROM steps") == 3
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 95, 512])
+def test_every_step_of_a_group_is_stored_once_whatever_its_size(tmp_path, n):
+    """Groups go in multi-row INSERTs of 32, 16, ... 1 rows: every split must add up."""
+    store = Store(tmp_path / "t.sqlite")
+    assert results(store, batch(1, range(n), rank=5, restart=2)) == [(1, False)]
+    assert rows(store, "SELECT rank, restart, step, end_us, step_us FROM steps ORDER BY step") == [
+        (5, 2, i, i + 1, 1) for i in range(n)]
+
+
+def test_a_malformed_step_group_fails_its_transaction_before_any_row(tmp_path):
+    store = Store(tmp_path / "t.sqlite")
+    good = batch(1, range(3), rank=0)
+    bad = batch(1, range(2), rank=1)
+    bad.step_groups[0].forward_us.append(7)  # one value for two steps
+    with pytest.raises(ValueError, match="columns of another length: forward_us"):
+        store.write_batches([good, bad], 0)
+    assert count(store, "SELECT COUNT(*) FROM steps") == 0
+    assert results(store, good) == [(1, False)]
+    assert rows(store, "SELECT rank, step, end_us, step_us, forward_us FROM steps") == [
+        (0, 0, 1, 1, None), (0, 1, 2, 1, None), (0, 2, 3, 1, None)]
 
 
 def test_finish_marker_and_identity_are_stored_with_their_batch(tmp_path):
@@ -98,7 +121,7 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
 
     good = batch(1, range(3), rank=0)
     bad = batch(1, range(0), rank=1)
-    bad.steps.add(step=0, end_us=2**64 - 1, step_us=1)
+    add_steps(bad, [{"step": 0, "end_us": 2**64 - 1, "step_us": 1}])
     stored: list[int] = []
 
     async def main():

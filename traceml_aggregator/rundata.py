@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from traceml_aggregator.store import STEP_OPTIONAL_FIELDS, Store
+from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
+from traceml_aggregator.store import Store
 
 
 @dataclass
@@ -16,7 +17,7 @@ class RankData:
     """One rank (its latest attempt) as stored.
 
     ``steps`` holds one dict per stored step of that attempt, in step order, with the
-    :class:`~traceml.wire.StepRecord` fields (µs, bytes; None when not measured).
+    step fields of :mod:`traceml.wire.records` (µs, bytes; None when not measured).
     """
 
     rank: int
@@ -64,7 +65,7 @@ def load(store: Store, missing: list[int]) -> RunData:
         rd = rank_data(row["rank"])
         if row["restart"] == rd.restart:
             rd.identity = dict(row)
-    columns = ("step", "end_us", "step_us") + STEP_OPTIONAL_FIELDS
+    columns = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
     for row in store.query(f"SELECT rank, restart, {', '.join(columns)} FROM steps ORDER BY rank, restart, step"):
         rd = rank_data(row["rank"])
         if row["restart"] == rd.restart:

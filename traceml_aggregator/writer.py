@@ -15,6 +15,7 @@ import concurrent.futures
 import time
 from typing import Any, Callable
 
+from traceml.wire.records import record_count
 from traceml_aggregator.store import Store, WriteResult
 
 #: Upper bound of batches folded into one transaction (keeps a transaction under ~100 ms).
@@ -103,9 +104,7 @@ class Writer:
                 self.batches_duplicate += 1
             else:
                 self.batches_stored += 1
-                self.records_stored += (
-                    len(batch.steps) + len(batch.process_samples) + len(batch.system_samples)
-                )
+                self.records_stored += record_count(batch)
                 self._on_stored(batch)
             if not future.done():
                 future.set_result(result)

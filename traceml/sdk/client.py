@@ -43,18 +43,18 @@ from traceml import settings
 # data, process group) instead of blocking it, or landing in the first training steps.
 
 
-class PendingRecord(Protocol):
-    """A buffered item whose protobuf form may only be known later (CUDA events pending)."""
+class PendingStep(Protocol):
+    """A buffered step whose fields may only be known later (CUDA events pending)."""
 
     def ready(self) -> bool:
-        """True once :meth:`to_proto` can be called."""
+        """True once :meth:`fields` holds every measurement."""
 
-    def to_proto(self):
-        """The finished protobuf message."""
+    def fields(self) -> dict[str, int]:
+        """The step's fields (see :func:`traceml.wire.records.add_steps`)."""
 
 
-#: Batch field for each kind of record a client can carry.
-STEPS = "steps"
+#: Kinds of record a client can carry (the Batch fields they go to).
+STEPS = "step_groups"
 PROCESS_SAMPLES = "process_samples"
 SYSTEM_SAMPLES = "system_samples"
 
@@ -208,7 +208,8 @@ class TelemetryClient:
 
         Args:
             kind: :data:`STEPS`, :data:`PROCESS_SAMPLES` or :data:`SYSTEM_SAMPLES`.
-            item: a protobuf message of that kind, or a :class:`PendingRecord`.
+            item: for :data:`STEPS` a dict of the step's fields or a :class:`PendingStep`;
+                otherwise a protobuf message of that kind.
         """
         if self._dead:
             return
@@ -324,6 +325,7 @@ class TelemetryClient:
 
     def _take_batch(self):
         from traceml import wire
+        from traceml.wire.records import add_steps
 
         records = 0
         batch = wire.Batch(run_name=self.run_name, restart_count=self.restart_count)
@@ -331,17 +333,22 @@ class TelemetryClient:
             batch.rank = self.rank
         else:
             batch.node_rank = self.node_rank
+        steps = []
         while self._buffer and records < self.config.batch_max_records:
             kind, item = self._buffer[0]
-            if kind == STEPS and not isinstance(item, wire.StepRecord):
-                if not item.ready():
-                    if not self._closing:
-                        break  # keep step order; resolved on a later wake
-                    self.stats.unresolved += 1
-                item = item.to_proto()
-            getattr(batch, kind).append(item)
+            if kind == STEPS:
+                if not isinstance(item, dict):
+                    if not item.ready():
+                        if not self._closing:
+                            break  # keep step order; resolved on a later wake
+                        self.stats.unresolved += 1
+                    item = item.fields()
+                steps.append(item)
+            else:
+                getattr(batch, kind).append(item)
             self._buffer.popleft()
             records += 1
+        add_steps(batch, steps)
         last = not self._buffer and self._closing and self._finish is not None
         if records == 0 and not last:
             return None
@@ -361,6 +368,8 @@ class TelemetryClient:
         """One ``Push`` of ``batch``; True once an acknowledgement covers it (or the run was
         rejected), False when it must be sent again."""
         import grpc
+
+        from traceml.wire.records import record_count
 
         with self._rpc_lock:
             if self._dead:
@@ -390,7 +399,7 @@ class TelemetryClient:
             return False
         self._pending = None
         self.stats.batches_acked += 1
-        self.stats.acked += _record_count(batch)
+        self.stats.acked += record_count(batch)
         return True
 
     def _connect(self):
@@ -434,6 +443,3 @@ def _load_wire() -> None:
 
     from traceml import wire  # noqa: F401
 
-
-def _record_count(batch) -> int:
-    return len(batch.steps) + len(batch.process_samples) + len(batch.system_samples)

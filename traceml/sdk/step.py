@@ -3,8 +3,8 @@
 :class:`StepTracer` owns the per-rank step state. ``with tracer.step(model):`` times one step on
 the CPU clock (``time.perf_counter_ns``); the hooks in :mod:`traceml.sdk.instrumentation` add
 each phase's duration to the tracer while a step is open. At the end of a step the tracer hands
-one :class:`StepMeasurement` to the telemetry client, which converts it to a
-:class:`~traceml.wire.StepRecord` off the training thread.
+one :class:`StepMeasurement` to the telemetry client, which puts its fields on the wire off the
+training thread.
 
 Definitions (all durations per step, in ns here and µs on the wire):
 
@@ -58,33 +58,32 @@ class StepMeasurement:
         """True when no GPU timing is pending."""
         return self.gpu is None or self.gpu.ready()
 
-    def to_proto(self):
-        """The :class:`~traceml.wire.StepRecord` (µs, bytes); unmeasured phases stay absent."""
-        from traceml import wire
-
-        rec = wire.StepRecord(
-            step=self.step,
-            end_us=(self.end_ns - self.origin_ns) // 1000,
-            step_us=self.step_ns // 1000,
-        )
+    def fields(self) -> dict[str, int]:
+        """The step's fields for the wire (µs, bytes; see :mod:`traceml.wire.records`), in
+        column order; a phase that was not measured is left out, never sent as 0."""
+        fields = {
+            "step": self.step,
+            "end_us": (self.end_ns - self.origin_ns) // 1000,
+            "step_us": self.step_ns // 1000,
+        }
         if self.input_wait_ns is not None:
-            rec.input_wait_us = self.input_wait_ns // 1000
+            fields["input_wait_us"] = self.input_wait_ns // 1000
         if self.dataloader_ns is not None:
-            rec.dataloader_next_us = self.dataloader_ns // 1000
+            fields["dataloader_next_us"] = self.dataloader_ns // 1000
         if self.h2d_ns is not None:
-            rec.h2d_us = self.h2d_ns // 1000
+            fields["h2d_us"] = self.h2d_ns // 1000
         if self.forward_ns is not None:
-            rec.forward_us = self.forward_ns // 1000
+            fields["forward_us"] = self.forward_ns // 1000
         if self.backward_ns is not None:
-            rec.backward_us = self.backward_ns // 1000
+            fields["backward_us"] = self.backward_ns // 1000
         if self.optimizer_ns is not None:
-            rec.optimizer_us = self.optimizer_ns // 1000
+            fields["optimizer_us"] = self.optimizer_ns // 1000
         if self.gpu is not None:
-            self.gpu.fill(rec)
+            self.gpu.fill(fields)
         if self.peak_allocated_bytes is not None:
-            rec.peak_allocated_bytes = self.peak_allocated_bytes
-            rec.peak_reserved_bytes = self.peak_reserved_bytes
-        return rec
+            fields["peak_allocated_bytes"] = self.peak_allocated_bytes
+            fields["peak_reserved_bytes"] = self.peak_reserved_bytes
+        return fields
 
 
 class StepTracer:

@@ -39,7 +39,7 @@ import torch
 
 from traceml.sdk.device import RankDevice
 
-#: Phase indices of a GPU-timed step, and the StepRecord field each one fills (µs).
+#: Phase indices of a GPU-timed step, and the wire field each one fills (µs).
 H2D, FORWARD, BACKWARD, OPTIMIZER = range(4)
 PHASE_FIELDS = ("gpu_h2d_us", "gpu_forward_us", "gpu_backward_us", "gpu_optimizer_us")
 
@@ -181,8 +181,8 @@ class GpuStep:
         self._resolved = done
         return done
 
-    def fill(self, rec) -> None:
-        """Set the GPU fields of ``rec`` (a StepRecord) from the events, in µs.
+    def fill(self, fields: dict[str, int]) -> None:
+        """Add the GPU fields (µs) from the events to ``fields`` (a step's wire fields).
 
         Only when :meth:`ready` said so: a step converted before its events completed (the run
         ended first) keeps its GPU fields absent. The events then go back to the pool.
@@ -192,15 +192,15 @@ class GpuStep:
         totals = [None, None, None, None]
         try:
             with self._timer.cuda.device_guard():
-                rec.gpu_step_us = _us(self._start.elapsed_time(self._stop))
+                gpu_step_us = _us(self._start.elapsed_time(self._stop))
                 for phase, start, stop in self._intervals:
                     totals[phase] = (totals[phase] or 0.0) + start.elapsed_time(stop)
         except Exception:
-            rec.ClearField("gpu_step_us")
             return
+        fields["gpu_step_us"] = gpu_step_us
         for phase, total in enumerate(totals):
             if total is not None:
-                setattr(rec, PHASE_FIELDS[phase], _us(total))
+                fields[PHASE_FIELDS[phase]] = _us(total)
         events = [self._start, self._stop]
         for _, start, stop in self._intervals:
             events += (start, stop)

@@ -24,7 +24,7 @@ from traceml.wire.v1.service_pb2_grpc import (
     AggregatorStub,
     add_AggregatorServicer_to_server,
 )
-from traceml.wire.v1.step_pb2 import StepRecord
+from traceml.wire.v1.step_pb2 import StepColumns
 
 
 def end_state_name(value: int) -> str:
@@ -49,7 +49,7 @@ __all__ = [
     "RankEnd",
     "RankFinish",
     "RankIdentity",
-    "StepRecord",
+    "StepColumns",
     "SummarizeReply",
     "SummarizeRequest",
     "SystemSample",

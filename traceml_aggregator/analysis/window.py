@@ -19,7 +19,7 @@ class Window:
     """Aligned steps of the ranks that reported steps.
 
     Attributes:
-        steps: rank -> that rank's window steps (StepRecord dicts, µs), in step order; only
+        steps: rank -> that rank's window steps (step field dicts, µs), in step order; only
             ranks with step data appear.
         indices: the window's step indices (the same for every rank), ascending.
         warmup_skipped: steps left out at the start.
