@@ -158,3 +158,17 @@ def test_without_the_launcher_local_rank_0_hosts_the_node_sampler(tmp_path):
     summary = load_summary(tmp_path / "run")
     assert [(r["rank"], r["steps_completed"]) for r in summary["ranks"]] == [(0, 20), (1, 20)]
     assert summary["run"]["complete"] is True
+
+
+def test_children_from_the_kernel_lists_match_psutils_scan(worker):
+    """The node sampler's child lookup (per-thread /proc children lists) finds the same tree as
+    psutil's scan of every process on the host."""
+    from traceml.sdk.samplers import _children
+
+    me = psutil.Process()
+    psutil_tree = {p.pid for p in me.children(recursive=True)}
+    assert {worker.pid, psutil.Process(worker.pid).children()[0].pid} <= psutil_tree
+    assert {p.pid for p in _children(me, recursive=True)} == psutil_tree
+    assert {p.pid for p in _children(psutil.Process(worker.pid))} == {
+        p.pid for p in psutil.Process(worker.pid).children()
+    }

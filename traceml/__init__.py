@@ -48,22 +48,32 @@ def init(aggregator: str | None = None, run_name: str | None = None) -> bool:
 
 
 class _StepContext:
-    """The context manager returned by :func:`trace_step` (reused: no allocation per step)."""
+    """The context manager returned by :func:`trace_step` (reused: no allocation per step).
 
-    __slots__ = ("_session",)
+    ``forward`` times the forward of the model of the step being opened (a
+    :class:`~traceml.sdk.instrumentation.ForwardTimer`, None without a model); it is in place
+    only between ``__enter__`` and ``__exit__``.
+    """
+
+    __slots__ = ("_session", "forward")
 
     def __init__(self, session) -> None:
         self._session = session
+        self.forward = None
 
     def __enter__(self):
         try:
             self._session.tracer.begin()
+            if self.forward is not None:
+                self.forward.install()
         except Exception as exc:
             _fail(exc)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
+            if self.forward is not None:
+                self.forward.remove()
             if exc_type is None:
                 self._session.tracer.end()
             else:
@@ -101,14 +111,16 @@ def trace_step(model=None):
     ctx = session.step_context
     if ctx is None:
         ctx = session.step_context = _StepContext(session)
-    if model is not None and id(model) not in session.models_seen:
+    if model is None:
+        ctx.forward = None
+    elif ctx.forward is None or not ctx.forward.watches(model):  # a model new to this context
         try:
             from traceml.sdk import instrumentation
 
-            instrumentation.watch_model(model)
+            ctx.forward = instrumentation.ForwardTimer(model)
             session.note_model(model)
-            session.models_seen.add(id(model))
         except Exception as exc:
+            ctx.forward = None
             _fail(exc)
     return ctx
 

@@ -1,11 +1,13 @@
 """Automatic phase timing: hooks that attribute time inside a step to its phases.
 
 Installed once by :func:`install` (called from ``traceml.init()``); each hook costs one
-attribute check when no step is open. What is timed, on the CPU clock:
+attribute check when no step is open. The forward timer is the exception: it is in place only
+while a step of its model is open, so the model is untouched between steps. What is timed, on
+the CPU clock:
 
-* forward — the outermost call of each model passed to ``trace_step(model)`` (a forward
-  pre-hook and hook on that module only, not on its submodules; a DDP or FSDP wrapper is timed
-  as the call the user makes);
+* forward — the outermost call of the model passed to ``trace_step(model)``, during that step
+  (:class:`ForwardTimer`; not its submodules: a DDP or FSDP wrapper is timed as the call the
+  user makes);
 * backward — ``torch.autograd.backward``, which ``Tensor.backward`` also goes through;
 * optimizer — ``Optimizer.step`` of any ``torch.optim.Optimizer`` (fused and foreach included),
   through torch's global optimizer step hooks;
@@ -27,6 +29,7 @@ Code the automatic mode cannot see can be timed with :func:`traceml.phase`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import time
@@ -37,8 +40,8 @@ from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER
 
 _now_ns = time.perf_counter_ns
 _tracer: StepTracer | None = None
-_hooked_models: "weakref.WeakSet" = weakref.WeakSet()
 _installed = False
+_is_compiling = None  # torch.compiler.is_compiling, bound by install()
 _h2d_thread: int | None = None  # thread whose copies count as H2D (the one that called init())
 
 #: Phase names accepted by :func:`add_phase` (and ``traceml.phase``).
@@ -47,7 +50,7 @@ PHASES = ("forward", "backward", "optimizer", "h2d")
 
 def install(tracer: StepTracer) -> None:
     """Route phase timings to ``tracer`` and install the global hooks (once per process)."""
-    global _tracer, _installed
+    global _tracer, _installed, _is_compiling
     _tracer = tracer
     if _installed:
         return
@@ -58,6 +61,7 @@ def install(tracer: StepTracer) -> None:
     )
     from torch.utils.data import dataloader
 
+    _is_compiling = torch.compiler.is_compiling
     torch.autograd.backward = _timed_backward(torch.autograd.backward)
     register_optimizer_step_pre_hook(_optimizer_pre)
     register_optimizer_step_post_hook(_optimizer_post)
@@ -84,15 +88,6 @@ def uninstall() -> None:
     _tracer = None
 
 
-def watch_model(model) -> None:
-    """Time the outermost forward call of ``model`` (an ``nn.Module``); idempotent."""
-    if model is None or model in _hooked_models:
-        return
-    model.register_forward_pre_hook(_forward_pre)
-    model.register_forward_hook(_forward_post, always_call=True)
-    _hooked_models.add(model)
-
-
 def add_phase(name: str, elapsed_ns: int) -> None:
     """Add ``elapsed_ns`` to phase ``name`` (one of :data:`PHASES`) of the open step."""
     tr = _tracer
@@ -103,28 +98,94 @@ def add_phase(name: str, elapsed_ns: int) -> None:
 
 
 # --- hooks ---------------------------------------------------------------------------------------
-_forward_start_ns = 0
+class ForwardTimer:
+    """Times the forward phase of one model: its outermost call inside a step.
+
+    :meth:`install` (as a step of the model opens) puts this callable in the model instance's
+    ``__dict__`` under ``forward``, shadowing the class's method the way ``torch.compile``'s
+    ``OptimizedModule`` does; :meth:`remove` (as the step closes) restores what was there. The
+    model keeps torch's hook-free fast call path (module forward hooks made every call of the
+    traced model take the slow path: 4-8 µs per call, see benchmarks/hot_path.py), and between
+    steps it is exactly the user's model (calls outside a step cost nothing, ``state_dict``,
+    pickling and copies see no TraceML). A model pickled or deep-copied during a step gets its
+    own ``forward`` back (:meth:`__reduce_ex__`, :meth:`__deepcopy__`).
+
+    Args:
+        model: the ``torch.nn.Module`` passed to ``trace_step`` (held weakly).
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+    """
+
+    __slots__ = ("_model", "_forward", "_saved")
+
+    def __init__(self, model) -> None:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"trace_step(model) takes a torch.nn.Module, not {type(model).__name__}"
+            )
+        self._model = weakref.ref(model)
+        self._forward = None  # the model's own forward, while installed
+        self._saved = _ABSENT  # what the instance ``__dict__`` held under "forward"
+
+    def watches(self, model) -> bool:
+        """True when this timer is ``model``'s."""
+        return self._model() is model
+
+    def install(self) -> None:
+        """Time the model's forward from now on (a step of it opens)."""
+        model = self._model()
+        if model is None:
+            return
+        state = model.__dict__
+        self._forward = model.forward
+        self._saved = state.get("forward", _ABSENT)
+        state["forward"] = self
+
+    def remove(self) -> None:
+        """Give the model its own forward back (the step closes); a forward the step body
+        assigned itself is left in place."""
+        model = self._model()
+        if model is not None and model.__dict__.get("forward") is self:
+            if self._saved is _ABSENT:
+                del model.__dict__["forward"]
+            else:
+                model.__dict__["forward"] = self._saved
+        self._forward = None
+        self._saved = _ABSENT
+
+    def __call__(self, *args, **kwargs):
+        forward = self._forward
+        if forward is None:  # a reference kept from inside a step, called after it closed
+            forward = self._model().forward
+        if _is_compiling():  # first: a graph traced by torch.compile never sees the state below
+            return forward(*args, **kwargs)
+        tr = _tracer
+        if tr is None or not tr.in_step or tr.forward_depth:  # forward_depth: a nested call
+            return forward(*args, **kwargs)
+        gpu = tr.gpu_step
+        if gpu is not None:
+            gpu.begin(FORWARD)
+        tr.forward_depth = 1
+        start = _now_ns()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            tr.forward_ns = (tr.forward_ns or 0) + (_now_ns() - start)
+            tr.forward_depth = 0
+            if gpu is not None:
+                gpu.end(FORWARD)
+
+    def __reduce_ex__(self, protocol):
+        return self._forward.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self._forward, memo)
 
 
-def _forward_pre(module, args):
-    global _forward_start_ns
-    tr = _tracer
-    if tr is not None and tr.in_step:
-        if tr.forward_depth == 0:
-            if tr.gpu_step is not None:
-                tr.gpu_step.begin(FORWARD)
-            _forward_start_ns = _now_ns()
-        tr.forward_depth += 1
-
-
-def _forward_post(module, args, output):
-    tr = _tracer
-    if tr is not None and tr.in_step and tr.forward_depth > 0:
-        tr.forward_depth -= 1
-        if tr.forward_depth == 0:
-            tr.forward_ns = (tr.forward_ns or 0) + (_now_ns() - _forward_start_ns)
-            if tr.gpu_step is not None:
-                tr.gpu_step.end(FORWARD)
+_ABSENT = object()  # no instance attribute "forward" before install()
 
 
 _optimizer_start_ns = 0
@@ -195,13 +256,10 @@ def _timed_copy(original):
     an H2D copy. A call on a CUDA tensor passes through after one attribute check (the cost
     of the wrapper is measured by benchmarks/gpu_check.py); under ``torch.compile`` tracing
     the wrapper reads no TraceML state (no guards, no graph break)."""
-    import torch
-
-    is_compiling = torch.compiler.is_compiling
 
     @functools.wraps(original)
-    def copy(self, *args, **kwargs):
-        if self.is_cuda or is_compiling():  # first: a traced graph never sees the state below
+    def timed_copy(self, *args, **kwargs):
+        if self.is_cuda or _is_compiling():  # first: a traced graph never sees the state below
             return original(self, *args, **kwargs)
         tr = _tracer
         if (
@@ -231,5 +289,5 @@ def _timed_copy(original):
             gpu.cancel(H2D)
         return out
 
-    copy.__traceml_original__ = original
-    return copy
+    timed_copy.__traceml_original__ = original
+    return timed_copy

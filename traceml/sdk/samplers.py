@@ -303,7 +303,7 @@ def start_node_sampler(config) -> SamplerThread:
     client = client_mod.TelemetryClient(
         config.launcher_target, str(config.run_name), rank=None, node_rank=config.node_rank
     )
-    workers = Workers(lambda: psutil.Process().children(recursive=True))
+    workers = Workers(lambda: _children(psutil.Process(), recursive=True))
     return SamplerThread([NodeSampler(client, config.node_rank, workers)], _interval_s())
 
 
@@ -336,4 +336,49 @@ def _siblings() -> list[psutil.Process]:
     import psutil
 
     parent = psutil.Process().parent()
-    return parent.children() if parent is not None else []
+    return _children(parent) if parent is not None else []
+
+
+def _children(proc: psutil.Process, recursive: bool = False) -> list[psutil.Process]:
+    """``proc.children(recursive)``, read from ``/proc/<pid>/task/<tid>/children`` on Linux.
+
+    psutil finds children by reading the parent of every process on the host: 3.5 ms per call
+    with 80 processes (measured here), more on a busy node, once per sample. The kernel's
+    per-thread children lists cost a few reads per process of the tree. Without them (a kernel
+    built without ``CONFIG_PROC_CHILDREN``, another OS) psutil's scan is used.
+    """
+    import psutil
+
+    try:
+        pids = _child_pids(proc.pid)
+    except FileNotFoundError:
+        return proc.children(recursive=recursive)
+    out = []
+    while pids:
+        pid = pids.pop()
+        try:
+            out.append(psutil.Process(pid))
+            if recursive:
+                pids.extend(_child_pids(pid))
+        except (psutil.Error, FileNotFoundError):
+            continue  # exited since it was listed
+    return out
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Pids of the children of every thread of ``pid``.
+
+    Raises:
+        FileNotFoundError: ``pid`` is gone, or the kernel keeps no children lists.
+    """
+    task_dir = f"/proc/{pid}/task"
+    pids = []
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/children") as children:
+                pids.extend(int(child) for child in children.read().split())
+        except FileNotFoundError:
+            if not os.path.exists(f"{task_dir}/{tid}"):
+                continue  # the thread ended since it was listed
+            raise
+    return pids

@@ -53,7 +53,6 @@ class Session:
         self.extensions: list = []  # objects with close(): samplers, GPU timing
         #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.
         self.device = None
-        self.models_seen: set[int] = set()  # id() of models whose forward is hooked
         self.step_context = None  # the reusable context manager trace_step() returns
 
     def _emit_step(self, measurement) -> None:
@@ -152,7 +151,7 @@ class Session:
 
     def note_model(self, model) -> None:
         """Remember the process group's backend and the parallelism wrapper of the first
-        traced model (training thread, once per model)."""
+        traced model (training thread, as a step opens with a model other than the last's)."""
         if not self.backend:
             self.backend = _process_group_backend()
         if self.parallelism != "single" or model is None:
