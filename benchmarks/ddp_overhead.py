@@ -78,17 +78,19 @@ def plain_job(steps: int) -> list[str]:
 
 
 def phases(run_dir: Path, start_unix: float, end_unix: float) -> dict[str, float]:
-    """Seconds between the launcher's lifecycle events (from its manifests)."""
+    """Seconds between the launcher's lifecycle events (from its manifests), in order, then how
+    long its aggregator took to serve (which overlaps the start of training)."""
     run = json.loads((run_dir / "manifest.json").read_text())["lifecycle"]
     node = json.loads((run_dir / "nodes" / "node_0" / "manifest.json").read_text())["lifecycle"]
     points = [
         ("launch", start_unix), ("started", run["started"]),
-        ("aggregator_serving", run["aggregator_serving"]),
         ("training_started", run["training_started"]),
         ("training_ended", node["training_ended"]), ("finalized", run["finalized"]),
         ("ended", run["ended"]), ("exit", end_unix),
     ]
-    return {f"{a}->{b}": tb - ta for (a, ta), (b, tb) in itertools.pairwise(points)}
+    serial = {f"{a}->{b}": tb - ta for (a, ta), (b, tb) in itertools.pairwise(points)}
+    overlapped = run["aggregator_serving"] - run["started"]
+    return serial | {"started->aggregator_serving (overlaps)": overlapped}
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Telemetry failures after training started are warnings: the exit code stays torchrun's.
 
-Two failures: node 0's aggregator is killed in the middle of the run, and the summary cannot
-be written (``final_summary.json`` is a directory, which even root cannot replace with a file).
+Three failures: node 0's aggregator never serves (torchrun starts alongside it, so training is
+already under way), it is killed in the middle of the run, and the summary cannot be written
+(``final_summary.json`` is a directory, which even root cannot replace with a file).
 """
 
 from __future__ import annotations
@@ -14,6 +15,28 @@ import time
 from conftest import SCRIPTS, run_traceml, start_traceml
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
+
+
+def test_aggregator_that_never_serves_leaves_training_alone(tmp_path, port):
+    run_dir = tmp_path / "logs" / "agg-late"
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "agg-late",
+        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"), "--steps", "5",
+    ]
+    # No aggregator serves within 10 ms of being started.
+    result = run_traceml(args, tmp_path, env={"TRACEML_AGGREGATOR_START_SEC": "0.01"})
+    assert result.returncode == 0, result.stderr
+    launcher_lines = [line for line in result.stderr.splitlines() if "the aggregator" in line]
+    assert len(launcher_lines) == 1, result.stderr
+    assert launcher_lines[0].startswith("traceml: warning: the aggregator did not serve (")
+    assert "training continues without telemetry" in launcher_lines[0]
+    assert "faulty_ddp: rank 0 trained 5 steps" in result.stdout
+    assert not (run_dir / "final_summary.json").exists()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and manifest["exit_code"] == 0
+    assert manifest["aggregator"]["status"] == "failed"
+    assert manifest["aggregator"]["reason"].startswith("did not serve (")
+    assert "aggregator_failed" in manifest["lifecycle"]
 
 
 def test_aggregator_killed_mid_run(tmp_path, port):

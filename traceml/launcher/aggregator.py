@@ -2,6 +2,9 @@
 
 Readiness is the standard gRPC health check (``grpc.health.v1.Health/Check`` == SERVING),
 never a bare TCP connect.
+
+gRPC and the wire code are imported by the calls that use them: starting the aggregator and
+torchrun does not wait for their 0.2 s of imports.
 """
 
 from __future__ import annotations
@@ -12,10 +15,6 @@ import subprocess
 import sys
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from traceml import wire
 from traceml.launcher.config import LaunchConfig
 from traceml.launcher.rundir import RunDir
 
@@ -66,6 +65,9 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
     Raises:
         AggregatorUnavailable: not SERVING within ``timeout_s``, or ``process`` exited.
     """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     deadline = time.monotonic() + timeout_s
     # After a refused connection gRPC waits its reconnect backoff (1 s, then 1.6 s, ...) before
     # trying again, and every Check meanwhile fails at once: without short backoffs, an
@@ -95,33 +97,43 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
             time.sleep(0.05)
 
 
+def _call(target: str, method: str, request, timeout_s: float):
+    """One unary RPC ``method`` of the aggregator at ``target``, on a channel of its own.
+
+    Raises:
+        grpc.RpcError: the call failed or timed out.
+    """
+    import grpc
+
+    from traceml import wire
+
+    with grpc.insecure_channel(target) as channel:
+        return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)
+
+
 def report_node_exit(target: str, report, timeout_s: float = 10.0) -> None:
     """Send this node's NodeExit. Raises grpc.RpcError on failure."""
-    with grpc.insecure_channel(target) as channel:
-        wire.AggregatorStub(channel).ReportNodeExit(report, timeout=timeout_s)
+    _call(target, "ReportNodeExit", report, timeout_s)
 
 
 def register_node(target: str, claim, timeout_s: float = 10.0):
     """Send this node's NodeClaim; returns the NodeClaimReply. Raises grpc.RpcError."""
-    with grpc.insecure_channel(target) as channel:
-        return wire.AggregatorStub(channel).RegisterNode(claim, timeout=timeout_s)
+    return _call(target, "RegisterNode", claim, timeout_s)
 
 
 def summarize(target: str, run_name: str, timeout_s: float):
     """The verdict so far (a SummarizeReply), for the live views. Raises grpc.RpcError."""
-    with grpc.insecure_channel(target) as channel:
-        return wire.AggregatorStub(channel).Summarize(
-            wire.SummarizeRequest(run_name=run_name), timeout=timeout_s
-        )
+    from traceml import wire
+
+    return _call(target, "Summarize", wire.SummarizeRequest(run_name=run_name), timeout_s)
 
 
 def finalize(target: str, run_name: str, budget_s: float):
     """Ask for the final summary; returns the FinalizeReply. Raises grpc.RpcError."""
-    with grpc.insecure_channel(target) as channel:
-        return wire.AggregatorStub(channel).Finalize(
-            wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s),
-            timeout=budget_s + 30.0,
-        )
+    from traceml import wire
+
+    request = wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s)
+    return _call(target, "Finalize", request, budget_s + 30.0)
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 10.0) -> int:

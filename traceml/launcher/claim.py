@@ -27,11 +27,10 @@ import ipaddress
 import os
 import socket
 
-import grpc
-import psutil
-
 from traceml.launcher import aggregator, slurm
 from traceml.launcher.config import LaunchConfig, LaunchError
+
+# psutil and grpc are imported where they are used: node 0 starts torchrun before paying for them.
 
 
 class ClaimError(LaunchError):
@@ -54,6 +53,8 @@ def _addresses(host: str) -> set:
 
 def _local_addresses() -> set:
     """The IP addresses of this host's interfaces (in this network namespace)."""
+    import psutil
+
     found = set()
     for addrs in psutil.net_if_addrs().values():
         for addr in addrs:
@@ -193,6 +194,8 @@ def report_refusal(config: LaunchConfig, reason: str) -> str:
     Returns:
         One line for the user: what node 0 was told, or why it could not be.
     """
+    import grpc
+
     target = config.aggregator_target
     try:
         aggregator.wait_serving(target, float(config.aggregator_start_sec))

@@ -115,7 +115,22 @@ def run_command(
     except LaunchError as exc:
         _error(str(exc))
         raise typer.Exit(2)
-    raise typer.Exit(Launch(config).run())
+    _exit_now(Launch(config).run())
+
+
+def _exit_now(code: int) -> None:
+    """End ``traceml run`` with ``code`` at once: flush stdout and stderr, then ``os._exit``.
+
+    The launch has finished everything it owns (torchrun and the aggregator have exited, the
+    manifests are written); what is left is the interpreter's teardown of typer, pydantic and
+    gRPC, about 0.15 s of CPU at the end of every run.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 def _typed(ctx: typer.Context) -> set[str]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import sys
 import time
 
-import grpc
-
 from traceml import settings
 from traceml.launcher import aggregator
 
@@ -69,6 +67,8 @@ class LiveView:
         if now < self._next:
             return
         self._next = now + self.refresh_s
+        import grpc  # loaded by now: the launcher waited for its aggregator over gRPC
+
         try:
             reply = aggregator.summarize(self.target, self.run_name, timeout_s=self.refresh_s / 2)
         except grpc.RpcError:

@@ -2,7 +2,7 @@
 
 Node 0::
 
-    check claim, port -> run dir -> aggregator (wait SERVING) -> node sampler -> torchrun
+    check claim, port -> run dir -> start aggregator -> torchrun -> wait SERVING -> node sampler
     -> wait (watching the aggregator and the node claims) -> report node exit
     -> Finalize (bounded) -> print summary -> stop aggregator -> exit code
 
@@ -15,8 +15,16 @@ A node-rank claim that cannot be right (see :mod:`traceml.launcher.claim`) stops
 before torchrun on the node that makes it, and node 0 stops its torchrun once its aggregator
 says the run cannot rendezvous.
 
-The exit code is torchrun's, always. Once training has started, a telemetry failure is a
-warning on stderr and a field in the manifest, never a different exit code.
+Node 0 starts torchrun without waiting for its aggregator to serve: the aggregator is ready in
+well under a second, while each rank imports torch and joins the process group for longer than
+that before its first send (and the SDK keeps and resends what it could not send). The checks
+that can refuse a launch (flags, claim, port) all run before either process starts.
+
+The exit code is torchrun's, always. Once training has started, a telemetry failure (node 0's
+aggregator not serving, or dying) is a warning on stderr and a field in the manifest, never a
+different exit code.
+
+gRPC (about 0.2 s of imports) is imported where it is first used, after torchrun has started.
 """
 
 from __future__ import annotations
@@ -27,8 +35,6 @@ import signal
 import socket
 import sys
 import time
-
-import grpc
 
 from traceml import __version__, settings
 from traceml.launcher import aggregator, claim
@@ -130,9 +136,7 @@ class Launch:
                 },
             )
             run_manifest.event("started")
-            if not self._start_aggregator(run_manifest):
-                node_manifest.event("ended", status="aggregator_failed")
-                return 1
+            self._start_aggregator()
         elif not self._wait_for_owner():
             node_manifest.event("ended", status="aggregator_unreachable")
             return 1
@@ -140,13 +144,15 @@ class Launch:
             node_manifest.event("ended", status="claim_refused")
             return 2
 
-        self._start_sampler()
         torchrun = TorchrunProcess(config, run_dir)
         torchrun.start()
         install_signal_forwarding(torchrun)
         node_manifest.event("training_started", status="training", torchrun_pid=torchrun.process.pid)
         if run_manifest:
             run_manifest.event("training_started", status="training")
+            self._wait_aggregator_serving(run_manifest)
+        if self.health["status"] != "failed":  # node 0's sampler needs its own aggregator
+            self._start_sampler()
         returncode = self._wait_training(torchrun, run_manifest)
         code = exit_code(returncode)
         try:
@@ -204,14 +210,16 @@ class Launch:
         if returncode is None or self.health["status"] != "serving":
             return
         code = exit_code(returncode)
-        self.health.update(
-            status="failed", reason=f"exited with code {code} during the run", exit_code=code
-        )
+        self.health["exit_code"] = code
+        self._aggregator_lost(manifest, f"exited with code {code} during the run")
+
+    def _aggregator_lost(self, manifest: Manifest, reason: str) -> None:
+        """Node 0's aggregator is not serving (``reason``): record it and warn; training goes on."""
+        self.health.update(status="failed", reason=reason)
         manifest.event("aggregator_failed", aggregator=self.health)
         say(
-            f"warning: the aggregator exited with code {code} during the run; training "
-            f"continues without telemetry and no final summary will be written "
-            f"(see {self.run_dir.aggregator_stderr})"
+            f"warning: the aggregator {reason}; training continues without telemetry and no "
+            f"final summary will be written (see {self.run_dir.aggregator_stderr})"
         )
 
     def _watch_partial(self, manifest: Manifest, since_unix_s: float) -> bool:
@@ -242,6 +250,8 @@ class Launch:
         """
         if self.config.nnodes < 2 or self.run_failure:
             return
+        import grpc
+
         try:
             reply = claim.register(self.config, timeout_s=WATCH_INTERVAL_S)
         except grpc.RpcError:
@@ -275,7 +285,9 @@ class Launch:
             torchrun_exit_code=code,
             ranks=[_rank_end_json(r) for r in report.ranks],
         )
-        telemetry_ok = self._report_node_exit(report)
+        # Node 0 whose aggregator is lost has said so once; reporting to it would only fail.
+        own_aggregator_lost = run_manifest is not None and self.health["status"] == "failed"
+        telemetry_ok = not own_aggregator_lost and self._report_node_exit(report)
         if run_manifest is not None:
             try:
                 self._finalize(run_manifest)
@@ -285,25 +297,28 @@ class Launch:
         node_manifest.event("ended", status=status, exit_code=code, telemetry_reported=telemetry_ok)
 
     # --- steps -------------------------------------------------------------------------------
-    def _start_aggregator(self, manifest: Manifest) -> bool:
-        config = self.config
-        self.aggregator_process = aggregator.start(config, self.run_dir)
+    def _start_aggregator(self) -> None:
+        """Start node 0's aggregator process; :meth:`_wait_aggregator_serving` waits for it."""
+        self.aggregator_process = aggregator.start(self.config, self.run_dir)
         self.health.update(status="starting", pid=self.aggregator_process.pid)
+
+    def _wait_aggregator_serving(self, manifest: Manifest) -> None:
+        """Wait (at most ``TRACEML_AGGREGATOR_START_SEC``) until node 0's aggregator serves.
+
+        Training has already started: an aggregator that never serves is stopped, recorded
+        and reported, and the run goes on without telemetry.
+        """
+        config = self.config
         try:
             aggregator.wait_serving(
-                config.launcher_target,
-                config.aggregator_start_sec,
-                self.aggregator_process,
+                config.launcher_target, config.aggregator_start_sec, self.aggregator_process
             )
-        except aggregator.AggregatorUnavailable as exc:
-            self.health.update(status="failed", reason=str(exc))
+        except Exception as exc:  # fail-open: AggregatorUnavailable, or gRPC failing to load
             self._stop_aggregator()
-            manifest.event("ended", status="aggregator_failed", aggregator=self.health)
-            say(f"error: {exc}; see {self.run_dir.aggregator_stderr}")
-            return False
+            self._aggregator_lost(manifest, f"did not serve ({exc})")
+            return
         self.health.update(status="serving")
         manifest.event("aggregator_serving", aggregator=self.health)
-        return True
 
     def _register(self) -> bool:
         """Node r > 0: claim this node's rank at node 0's aggregator; False when refused.
@@ -311,6 +326,8 @@ class Launch:
         An aggregator that cannot take the claim (another run name, an old version) costs
         only the check: a warning, and the launch goes on.
         """
+        import grpc
+
         try:
             reply = claim.register(self.config)
         except grpc.RpcError as exc:
@@ -355,6 +372,8 @@ class Launch:
                 say(f"warning: node sampler did not stop cleanly ({exc})")
 
     def _report_node_exit(self, report) -> bool:
+        import grpc
+
         try:
             aggregator.report_node_exit(self.config.launcher_target, report)
             return True
@@ -372,7 +391,9 @@ class Launch:
         config = self.config
         self._watch_aggregator(manifest)
         if self.health["status"] != "serving" or self.run_failure:
-            return  # said by _watch_aggregator or _watch_claims
+            return  # said by _aggregator_lost or _watch_claims
+        import grpc
+
         try:
             reply = aggregator.finalize(
                 config.launcher_target, str(config.run_name), config.finalize_timeout_sec
