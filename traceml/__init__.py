@@ -92,6 +92,20 @@ def _fail(exc: BaseException) -> None:
 _NULL = contextlib.nullcontext()
 
 
+def _current_session():
+    """The process's session (``traceml.sdk.session.current``), imported on the first call.
+
+    The import is not at the top of this module: the launcher imports the package too, and does
+    not need the SDK. Nor is it in :func:`trace_step`: ``from package import module`` runs
+    importlib's Python-level ``_handle_fromlist`` on every call, ~1 µs a step.
+    """
+    global _current_session
+    from traceml.sdk.session import current
+
+    _current_session = current
+    return current()
+
+
 def trace_step(model=None):
     """Mark one optimizer step: ``with traceml.trace_step(model): ...``.
 
@@ -103,9 +117,7 @@ def trace_step(model=None):
         model: the ``torch.nn.Module`` the step runs (a DDP/FSDP wrapper is fine), or None
             to time the step without a forward phase.
     """
-    from traceml.sdk import session as session_mod
-
-    session = session_mod.current()
+    session = _current_session()
     if session is None:
         return _NULL
     ctx = session.step_context

@@ -8,6 +8,7 @@ no-op session, unless ``TRACEML_STRICT=1`` asks for it to raise.
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 import threading
 import time
@@ -49,14 +50,13 @@ class Session:
             restart_count=info.restart_count,
             identity=self._identity,
         )
-        self.tracer = StepTracer(self._emit_step, time.perf_counter_ns())
+        self.tracer = StepTracer(
+            functools.partial(self.client.submit, client_mod.STEPS), time.perf_counter_ns()
+        )
         self.extensions: list = []  # objects with close(): samplers, GPU timing
         #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.
         self.device = None
         self.step_context = None  # the reusable context manager trace_step() returns
-
-    def _emit_step(self, measurement) -> None:
-        self.client.submit(client_mod.STEPS, measurement)
 
     def _identity(self):
         """The RankIdentity, built when the first batch is sent (the traced model is known by
