@@ -89,11 +89,8 @@ def step_group_columns(group) -> tuple[tuple[str, ...], list[Sequence[int]]]:
     return names, columns
 
 
-def step_count(batch) -> int:
-    """Steps in ``batch`` (a Batch): the entries of its groups' ``step`` columns."""
-    return sum(len(group.step) for group in batch.step_groups)
-
-
 def record_count(batch) -> int:
-    """Records in ``batch`` (a Batch): steps, process samples and system samples."""
-    return step_count(batch) + len(batch.process_samples) + len(batch.system_samples)
+    """Records in ``batch`` (a Batch): steps (the entries of its groups' ``step`` columns),
+    process samples and system samples."""
+    steps = sum(len(group.step) for group in batch.step_groups)
+    return steps + len(batch.process_samples) + len(batch.system_samples)
