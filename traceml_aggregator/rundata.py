@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
@@ -43,6 +45,9 @@ class RunData:
     missing: list[int]
 
 
+_attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row
+
+
 def load(store: Store, missing: list[int]) -> RunData:
     """Read the run from ``store``; ``missing`` lists the ranks finalization gave up on."""
     meta = store.meta()
@@ -66,12 +71,15 @@ def load(store: Store, missing: list[int]) -> RunData:
         if row["restart"] == rd.restart:
             rd.identity = dict(row)
     columns = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
-    for row in store.query(f"SELECT rank, restart, {', '.join(columns)} FROM steps ORDER BY rank, restart, step"):
-        rd = rank_data(row["rank"])
-        if row["restart"] == rd.restart:
-            rd.steps.append({c: row[c] for c in columns})
+    # rank and restart last: zip(columns, row) stops before them, so each step's dict is built
+    # in C, with no Python code per step.
+    steps_sql = f"SELECT {', '.join(columns)}, rank, restart FROM steps ORDER BY rank, restart, step"
+    for (rank, restart), rows in itertools.groupby(store.query(steps_sql), _attempt):
+        rd = rank_data(rank)
+        if restart == rd.restart:
+            rd.steps = list(map(dict, map(zip, itertools.repeat(columns), rows)))
         else:
-            rd.earlier_attempts[row["restart"]] = rd.earlier_attempts.get(row["restart"], 0) + 1
+            rd.earlier_attempts[restart] = sum(1 for _ in rows)
     for row in store.query("SELECT * FROM rank_finish"):
         rd = rank_data(row["rank"])
         if row["restart"] == rd.restart:

@@ -15,6 +15,8 @@ waits for data.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 from traceml_aggregator.analysis import thresholds as th
@@ -59,6 +61,12 @@ class Clock:
     def phase_field(self, cpu_field: str, gpu_field: str | None) -> str:
         """The step field to read for a phase on this clock."""
         return gpu_field if self.name == GPU and gpu_field else cpu_field
+
+    @functools.cached_property
+    def phase_fields(self) -> tuple[tuple[str, str], ...]:
+        """(phase name, step field to read on this clock) of every phase, in :data:`PHASES`
+        order (worked out once, not once per step)."""
+        return tuple((name, self.phase_field(cpu, gpu)) for name, cpu, gpu in PHASES)
 
     def to_json(self) -> dict:
         return {
@@ -110,15 +118,18 @@ def choose_clock(window: Window) -> Clock:
     )
 
 
-def step_parts(step: dict, clock: Clock) -> dict[str, int | None]:
-    """One step's parts in µs on ``clock`` (None: not measured). The residual is the step
-    minus the measured phases, at least 0 (phases timed on the GPU may overlap host time)."""
-    parts: dict[str, int | None] = {
-        name: step.get(clock.phase_field(cpu, gpu)) for name, cpu, gpu in PHASES
-    }
-    measured = [v for v in parts.values() if v is not None]
-    parts["residual"] = max(0, step["step_us"] - sum(measured)) if measured else None
-    return parts
+def part_columns(steps: list[dict], clock: Clock) -> dict[str, list[int | None]]:
+    """Each part of ``steps`` on ``clock``, as a column: part name (:data:`PARTS`) -> one value
+    per step in µs (None: not measured). The residual is the step minus the measured phases, at
+    least 0 (phases timed on the GPU may overlap host time). Built column by column: the
+    analysis of a million steps must not build a dict per step."""
+    columns = {name: [s.get(key) for s in steps] for name, key in clock.phase_fields}
+    residual = []
+    for step_us, *phases in zip([s["step_us"] for s in steps], *columns.values()):
+        measured = [v for v in phases if v is not None]
+        residual.append(max(0, step_us - sum(measured)) if measured else None)
+    columns["residual"] = residual
+    return columns
 
 
 @dataclass
@@ -154,21 +165,19 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
     """The :class:`Profile` of ``rank``: step time over its window steps, parts over the
     clock's steps."""
     steps = clock.steps[rank]
-    parts = [step_parts(s, clock) for s in steps]
+    parts = part_columns(steps, clock)
     total_us = sum(s["step_us"] for s in steps)
     median_ms: dict[str, float | None] = {}
     share_pct: dict[str, float | None] = {}
     for name in PARTS:
-        values = [p[name] for p in parts]
+        values = parts[name]
         median_ms[name] = _ms(median(values))
         measured = [v for v in values if v is not None]
         share_pct[name] = 100.0 * sum(measured) / total_us if measured and total_us else None
     median_ms["dataloader_next"] = _ms(median(s.get("dataloader_next_us") for s in steps))
     own = [
-        None
-        if p["forward"] is None and p["optimizer"] is None
-        else (p["forward"] or 0) + (p["optimizer"] or 0)
-        for p in parts
+        None if forward is None and optimizer is None else (forward or 0) + (optimizer or 0)
+        for forward, optimizer in zip(parts["forward"], parts["optimizer"])
     ]
     return Profile(
         rank=rank,
