@@ -74,7 +74,9 @@ def load(store: Store, missing: list[int]) -> RunData:
     # rank and restart last: zip(columns, row) stops before them, so each step's dict is built
     # in C, with no Python code per step.
     steps_sql = f"SELECT {', '.join(columns)}, rank, restart FROM steps ORDER BY rank, restart, step"
-    for (rank, restart), rows in itertools.groupby(store.query(steps_sql), _attempt):
+    for (rank, restart), rows in itertools.groupby(
+        store.query(steps_sql, by_name=False), _attempt
+    ):
         rd = rank_data(rank)
         if restart == rd.restart:
             rd.steps = list(map(dict, map(zip, itertools.repeat(columns), rows)))

@@ -332,10 +332,12 @@ class Store:
         db.execute("COMMIT")
 
     # --- reads -----------------------------------------------------------------------------------
-    def query(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
-        """Rows of a read-only query, as :class:`sqlite3.Row` (access by column name)."""
+    def query(self, sql: str, params: tuple = (), *, by_name: bool = True) -> list:
+        """Rows of a read-only query: :class:`sqlite3.Row` (access by column name), or plain
+        tuples with ``by_name=False`` (no Row object per row: for the millions of steps)."""
         cur = self._db.cursor()
-        cur.row_factory = sqlite3.Row
+        if by_name:
+            cur.row_factory = sqlite3.Row
         return cur.execute(sql, params).fetchall()
 
     def checkpoint(self) -> None:
