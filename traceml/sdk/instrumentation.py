@@ -137,7 +137,7 @@ class ForwardTimer:
     def install(self) -> None:
         """Time the model's forward from now on (a step of it opens)."""
         model = self._model()
-        if model is None:
+        if model is None or model.__dict__.get("forward") is self:  # gone, or a nested step
             return
         state = model.__dict__
         self._forward = model.forward
