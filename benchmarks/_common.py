@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import free_port
 from live_aggregator import LiveAggregator
 
-from traceml_aggregator.analysis.stats import percentile
+from traceml.analysis.stats import percentile
 
 __all__ = ["ROOT", "LiveAggregator", "free_port", "median", "p99"]
 

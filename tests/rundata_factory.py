@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from traceml_aggregator.rundata import RankData, RunData
+from traceml.analysis.rundata import RankData, RunData
 from traceml.wire.records import STEP_OPTIONAL_FIELDS
 
 MIB = 1024 * 1024

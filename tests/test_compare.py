@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_traceml
 from planted import DELAY_MS, planted_run
-from traceml_aggregator.report.compare import (
+from traceml.report.compare import (
     EQUIVALENT_PCT,
     INCONCLUSIVE_EXIT_CODE,
     REGRESSION_EXIT_CODE,

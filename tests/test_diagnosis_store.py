@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 
 from traceml import wire
-from traceml_aggregator.report import read_summary, write_reports
+from traceml.report import read_summary
+from traceml_aggregator.reports import write_reports
 from traceml_aggregator.store import Store
 
 SCHEMA = json.loads(

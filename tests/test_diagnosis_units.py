@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from rundata_factory import MIB, gpu_sample, rank, run_of, step, steps, system_sample
-from traceml_aggregator.analysis import memory, thresholds
-from traceml_aggregator.analysis.findings import KINDS
-from traceml_aggregator.analysis.stats import bucket_medians, lower_median
-from traceml_aggregator.analysis.summary import build_summary
-from traceml_aggregator.rundata import RankData
+from traceml.analysis import memory, thresholds
+from traceml.analysis.findings import KINDS
+from traceml.analysis.stats import bucket_medians, lower_median
+from traceml.analysis.summary import build_summary
+from traceml.analysis.rundata import RankData
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reading-output.md"
 
@@ -370,8 +370,8 @@ def test_every_kind_and_threshold_is_documented():
 def test_step_time_alone_names_no_straggler_under_ddp():
     """Under DDP the all-reduce ends every step together; a rank's step time can still
     differ by when it leaves the collective, which is noise, not a straggler."""
-    from traceml_aggregator.analysis.phases import Profile
-    from traceml_aggregator.analysis.step_time import _stragglers
+    from traceml.analysis.phases import Profile
+    from traceml.analysis.step_time import _stragglers
 
     def prof(rank, step_ms):
         parts = {"input_wait": 1.0, "h2d": None, "forward": 2.0, "backward": 3.0,

@@ -1,7 +1,7 @@
 """How a rank's end state is decided from its two witnesses (launcher and finish marker)."""
 
-from traceml_aggregator.analysis.health import end_state
-from traceml_aggregator.rundata import RankData
+from traceml.analysis.health import end_state
+from traceml.analysis.rundata import RankData
 
 
 def _rank(end=None, finish=None) -> RankData:

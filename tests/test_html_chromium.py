@@ -21,8 +21,8 @@ import pytest
 
 from planted import planted_run
 from rundata_factory import rich_run
-from traceml_aggregator.analysis.summary import build_summary
-from traceml_aggregator.report.html import render_html
+from traceml.analysis.summary import build_summary
+from traceml.report.html import render_html
 
 CHROMIUM = next(
     (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p),

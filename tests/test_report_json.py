@@ -11,9 +11,9 @@ import pytest
 
 from planted import planted_run
 from rundata_factory import rank, rich_run, run_of, steps
-from traceml_aggregator.analysis import thresholds
-from traceml_aggregator.analysis.findings import KINDS
-from traceml_aggregator.analysis.summary import SCHEMA_VERSION, build_summary
+from traceml.analysis import thresholds
+from traceml.analysis.findings import KINDS
+from traceml.analysis.summary import SCHEMA_VERSION, build_summary
 
 SCHEMA = json.loads(
     (Path(__file__).resolve().parents[1] / "docs" / "final_summary.schema.json").read_text()

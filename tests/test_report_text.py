@@ -8,9 +8,9 @@ import pytest
 from conftest import run_traceml
 from planted import planted_run
 from rundata_factory import rank, rich_run, run_of, steps
-from traceml_aggregator.analysis.summary import build_summary
-from traceml_aggregator.report.fmt import MAX_RANK_ROWS
-from traceml_aggregator.report.text import WIDTH, render_text
+from traceml.analysis.summary import build_summary
+from traceml.report.fmt import MAX_RANK_ROWS
+from traceml.report.text import WIDTH, render_text
 
 
 def _verdict_first(text: str, kind: str) -> list[str]:

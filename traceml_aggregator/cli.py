@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from traceml import settings
-from traceml.launcher.config import validate_run_name
+from traceml.core.rundir import validate_run_name
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from traceml import wire
-from traceml.launcher.rundir import DATABASE_NAME
+from traceml.core.rundir import DATABASE_NAME
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.store import Store
@@ -107,7 +107,7 @@ class AggregatorService(wire.AggregatorServicer):
         reason = self._foreign(request.run_name)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        from traceml_aggregator.report import summarize_live
+        from traceml_aggregator.reports import summarize_live
 
         try:
             await self.writer.drain(SUMMARIZE_DRAIN_S)
@@ -151,7 +151,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     writer = Writer(store, state.on_batch)
 
     def reports(store_, missing):
-        from traceml_aggregator.report import write_reports
+        from traceml_aggregator.reports import write_reports
 
         return write_reports(store_, config.run_dir, missing, html=config.html_report)
 
@@ -183,7 +183,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         ready(port)
     # The analysis and report modules (~0.04 s) load once serving: neither on the way to
     # SERVING nor in the Finalize that the end of the run waits for.
-    import traceml_aggregator.report  # noqa: F401
+    import traceml.report  # noqa: F401
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -16,7 +16,7 @@ import sys
 import time
 
 from traceml.launcher.config import LaunchConfig
-from traceml.launcher.rundir import RunDir
+from traceml.core.rundir import RunDir
 
 
 class AggregatorUnavailable(RuntimeError):

@@ -148,8 +148,8 @@ def view_command(
     html: Optional[Path] = typer.Option(None, help="write the HTML report to this file"),
 ) -> None:
     """Print a saved summary's text report, or render its HTML report with --html."""
-    from traceml.launcher.rundir import write_atomic
-    from traceml_aggregator.report import SummaryFileError, read_summary
+    from traceml.core.rundir import write_atomic
+    from traceml.report import SummaryFileError, read_summary
 
     try:
         document = read_summary(summary)
@@ -157,11 +157,11 @@ def view_command(
         _error(str(exc))
         raise typer.Exit(2)
     if html is None:
-        from traceml_aggregator.report.text import render_text
+        from traceml.report.text import render_text
 
         sys.stdout.write(render_text(document))
         return
-    from traceml_aggregator.report.html import render_html
+    from traceml.report.html import render_html
 
     try:
         write_atomic(html, render_html(document))
@@ -184,9 +184,9 @@ def compare_command(
     ),
 ) -> None:
     """Compare two runs: per-metric deltas, the change of diagnosis, and a verdict."""
-    from traceml.launcher.rundir import write_atomic
-    from traceml_aggregator.report import SummaryFileError, read_summary, to_json
-    from traceml_aggregator.report.compare import (
+    from traceml.core.rundir import write_atomic
+    from traceml.report import SummaryFileError, read_summary, to_json
+    from traceml.report.compare import (
         INCONCLUSIVE_EXIT_CODE,
         REGRESSION_EXIT_CODE,
         compare,

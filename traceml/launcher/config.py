@@ -10,25 +10,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from traceml import settings
-
-#: A run name is one safe path segment: letters, digits, '.', '_' and '-', not '.' or '..'.
-_RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+from traceml.core.rundir import validate_run_name
 
 MODES = ("summary", "cli", "dashboard")
 
 
 class LaunchError(ValueError):
     """Bad input to ``traceml run``: reported as one line, exit code 2, nothing started."""
-
-
-def validate_run_name(name: str) -> str:
-    """An error message for an unsafe run name, or "" when ``name`` is fine."""
-    if not _RUN_NAME.match(name) or name in (".", ".."):
-        return (
-            f"run name {name!r} must be one path segment of letters, digits, '.', '_' or '-' "
-            "(at most 128 characters, not '.' or '..')"
-        )
-    return ""
 
 
 def generated_run_name() -> str:

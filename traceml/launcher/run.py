@@ -40,7 +40,7 @@ from traceml import __version__, settings
 from traceml.launcher import aggregator, claim
 from traceml.launcher.config import LaunchConfig, LaunchError
 from traceml.launcher.live import LiveView
-from traceml.launcher.rundir import Manifest, RunDir
+from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher.torchrun import TorchrunProcess, exit_code, install_signal_forwarding
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from traceml import settings
 from traceml.launcher.config import LaunchConfig
-from traceml.launcher.rundir import RunDir
+from traceml.core.rundir import RunDir
 from traceml.launcher.torchrun_main import RANK_ENDS_FILE_ENV
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import textwrap
 
-from traceml_aggregator.analysis.findings import ranks_text
-from traceml_aggregator.report.fmt import (
+from traceml.analysis.findings import ranks_text
+from traceml.report.fmt import (
     end_text,
     gpu_temp,
     gpu_util,
@@ -225,7 +225,7 @@ def _ends(summary: dict) -> list[str]:
 
 
 def render_text(summary: dict) -> str:
-    """The text report of a summary document (see :mod:`traceml_aggregator.analysis.summary`)."""
+    """The text report of a summary document (see :mod:`traceml.analysis.summary`)."""
     run = summary["run"]
     lines = header(summary) + ["=" * WIDTH]
     if run["missing_ranks"]:

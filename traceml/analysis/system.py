@@ -10,11 +10,11 @@ on a MIG slice.
 
 from __future__ import annotations
 
-from traceml_aggregator.analysis import thresholds as th
-from traceml_aggregator.analysis.findings import Finding, ranks_text
-from traceml_aggregator.analysis.stats import describe, median
-from traceml_aggregator.analysis.window import Window
-from traceml_aggregator.rundata import RankData, RunData
+from traceml.analysis import thresholds as th
+from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.stats import describe, median
+from traceml.analysis.window import Window
+from traceml.analysis.rundata import RankData, RunData
 
 
 def window_span_us(run: RunData, window: Window) -> tuple[int, int] | None:

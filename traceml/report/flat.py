@@ -7,10 +7,10 @@ Numbers go to ``metrics`` (``wandb.log``, ``mlflow.log_metrics``, TensorBoard sc
 
 from __future__ import annotations
 
-from traceml_aggregator.analysis.findings import SEVERITIES
-from traceml_aggregator.analysis.phases import PARTS
-from traceml_aggregator.analysis.stats import median
-from traceml_aggregator.report.fmt import gpu_util
+from traceml.analysis.findings import SEVERITIES
+from traceml.analysis.phases import PARTS
+from traceml.analysis.stats import median
+from traceml.report.fmt import gpu_util
 
 
 def flatten(summary: dict) -> tuple[dict[str, float], dict[str, str]]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import datetime
 from html import escape
 
-from traceml_aggregator.analysis.phases import PARTS
-from traceml_aggregator.report import svg
-from traceml_aggregator.report.fmt import (
+from traceml.analysis.phases import PARTS
+from traceml.report import svg
+from traceml.report.fmt import (
     MIB,
     NA,
     featured_ranks,

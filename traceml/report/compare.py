@@ -1,6 +1,6 @@
 """``traceml compare A B``: what changed from run A (baseline) to run B, and a verdict.
 
-Each metric of :func:`~traceml_aggregator.report.flat.flatten` present in either run gets its
+Each metric of :func:`~traceml.report.flat.flatten` present in either run gets its
 delta (B - A) and a status: ``improved``, ``regressed`` or ``unchanged`` (within
 :data:`EQUIVALENT_PCT`). Step parts are judged against A's step time (input wait going from
 0.4 to 0.6 ms is +50% of itself but noise for the step). The verdict comes from the key
@@ -21,9 +21,9 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
-from traceml_aggregator.analysis.phases import PARTS
-from traceml_aggregator.report.flat import flatten
-from traceml_aggregator.report.fmt import num
+from traceml.analysis.phases import PARTS
+from traceml.report.flat import flatten
+from traceml.report.fmt import num
 
 #: A change smaller than this share of the baseline is noise: ``unchanged`` (%).
 EQUIVALENT_PCT = 5.0

@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from traceml_aggregator.analysis import thresholds as th
-from traceml_aggregator.analysis.findings import Finding, ranks_text
-from traceml_aggregator.analysis.phases import Clock, Profile, missing_phases
-from traceml_aggregator.analysis.stats import lower_median
-from traceml_aggregator.analysis.window import Window
+from traceml.analysis import thresholds as th
+from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.phases import Clock, Profile, missing_phases
+from traceml.analysis.stats import lower_median
+from traceml.analysis.window import Window
 
 INSUFFICIENT_DATA = "INSUFFICIENT_DATA"
 COMPUTE_BOUND = "COMPUTE_BOUND"

@@ -2,7 +2,7 @@
 
 Ranks are compared step for step (in DDP, step k of every rank ends with the same all-reduce),
 so the step-time analysis only looks at step indices that every rank with step data stored.
-The first :data:`~traceml_aggregator.analysis.thresholds.WARMUP_STEPS` of them are left out
+The first :data:`~traceml.analysis.thresholds.WARMUP_STEPS` of them are left out
 while enough remain.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from traceml_aggregator.analysis import thresholds
-from traceml_aggregator.rundata import RunData
+from traceml.analysis import thresholds
+from traceml.analysis.rundata import RunData
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ A ``None`` figure (not measured) is shown as ``-``, never as 0.
 
 from __future__ import annotations
 
-from traceml_aggregator.analysis.stats import median
+from traceml.analysis.stats import median
 
 MIB = 1024 * 1024
 #: Most ranks listed row by row in a report's tables; the rest are counted (the JSON has all).

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from traceml_aggregator.analysis import thresholds as th
-from traceml_aggregator.analysis.findings import Finding, ranks_text
-from traceml_aggregator.analysis.stats import median
-from traceml_aggregator.rundata import RankData, RunData
+from traceml.analysis import thresholds as th
+from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.stats import median
+from traceml.analysis.rundata import RankData, RunData
 
 MIB = 1024 * 1024
 

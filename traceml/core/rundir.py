@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,20 @@ DATABASE_NAME = "telemetry.sqlite"
 SUMMARY_JSON_NAME = "final_summary.json"
 SUMMARY_TEXT_NAME = "final_summary.txt"
 SUMMARY_HTML_NAME = "final_summary.html"
+
+
+#: A run name is one safe path segment: letters, digits, '.', '_' and '-', not '.' or '..'.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def validate_run_name(name: str) -> str:
+    """An error message for an unsafe run name, or "" when ``name`` is fine."""
+    if not _RUN_NAME.match(name) or name in (".", ".."):
+        return (
+            f"run name {name!r} must be one path segment of letters, digits, '.', '_' or '-' "
+            "(at most 128 characters, not '.' or '..')"
+        )
+    return ""
 
 
 class RunDir:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-from traceml_aggregator.analysis import health, memory, step_time, system, thresholds
-from traceml_aggregator.analysis.phases import PARTS, Profile, choose_clock, profiles
-from traceml_aggregator.analysis.stats import bucket_medians, median
-from traceml_aggregator.analysis.window import align
-from traceml_aggregator.rundata import RankData, RunData
+from traceml.analysis import health, memory, step_time, system, thresholds
+from traceml.analysis.phases import PARTS, Profile, choose_clock, profiles
+from traceml.analysis.stats import bucket_medians, median
+from traceml.analysis.window import align
+from traceml.analysis.rundata import RankData, RunData
 
 #: Version of the summary document's layout; see docs/final_summary.schema.json.
 SCHEMA_VERSION = 1

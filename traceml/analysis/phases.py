@@ -19,9 +19,9 @@ import functools
 
 from dataclasses import dataclass, field
 
-from traceml_aggregator.analysis import thresholds as th
-from traceml_aggregator.analysis.stats import describe, median
-from traceml_aggregator.analysis.window import Window
+from traceml.analysis import thresholds as th
+from traceml.analysis.stats import describe, median
+from traceml.analysis.window import Window
 
 #: Measured phases: (summary name, CPU-clock field, GPU-clock field or None), all µs.
 PHASES = (

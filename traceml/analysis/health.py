@@ -8,8 +8,8 @@ wins.
 
 from __future__ import annotations
 
-from traceml_aggregator.analysis.findings import Finding, ranks_text
-from traceml_aggregator.rundata import RankData, RunData
+from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.rundata import RankData, RunData
 
 #: End states, as in ``ranks[].end.state``.
 COMPLETED = "completed"

@@ -1,48 +1,17 @@
 """Everything the analysis needs, read from the store in one pass (the only I/O before it).
 
-:func:`load` turns the SQLite tables into plain dataclasses; the functions in
-:mod:`traceml_aggregator.analysis` then work on :class:`RunData` alone and never touch the store.
+:func:`load` turns the SQLite tables into the plain dataclasses of
+:mod:`traceml.analysis.rundata`; the analysis then works on :class:`RunData` alone.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
 
+from traceml.analysis.rundata import RankData, RunData
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
 from traceml_aggregator.store import Store
-
-
-@dataclass
-class RankData:
-    """One rank (its latest attempt) as stored.
-
-    ``steps`` holds one dict per stored step of that attempt, in step order, with the
-    step fields of :mod:`traceml.wire.records` (µs, bytes; None when not measured).
-    """
-
-    rank: int
-    restart: int = 0
-    identity: dict | None = None
-    steps: list[dict] = field(default_factory=list)
-    finish: dict | None = None
-    end: dict | None = None  # from the node launcher's report, when any
-    process_samples: list[dict] = field(default_factory=list)
-    earlier_attempts: dict[int, int] = field(default_factory=dict)  # restart -> steps stored
-
-
-@dataclass
-class RunData:
-    """The whole run: ranks by global rank, node exits and system samples by node rank."""
-
-    run_name: str
-    world_size: int
-    ranks: dict[int, RankData]
-    node_exits: dict[int, dict]
-    system_samples: dict[int, list[dict]]
-    gpu_samples: dict[int, list[dict]]
-    missing: list[int]
 
 
 _attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row

@@ -1,0 +1,1 @@
+"""Pure functions from :class:`~traceml.analysis.rundata.RunData` to the summary's figures."""

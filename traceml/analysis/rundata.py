@@ -1,0 +1,40 @@
+"""The run as the analysis sees it: plain dataclasses, filled by the aggregator's loader.
+
+:func:`traceml_aggregator.load.load` turns the SQLite tables into these; the functions in
+:mod:`traceml.analysis` then work on :class:`RunData` alone and never touch the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankData:
+    """One rank (its latest attempt) as stored.
+
+    ``steps`` holds one dict per stored step of that attempt, in step order, with the
+    step fields of :mod:`traceml.wire.records` (µs, bytes; None when not measured).
+    """
+
+    rank: int
+    restart: int = 0
+    identity: dict | None = None
+    steps: list[dict] = field(default_factory=list)
+    finish: dict | None = None
+    end: dict | None = None  # from the node launcher's report, when any
+    process_samples: list[dict] = field(default_factory=list)
+    earlier_attempts: dict[int, int] = field(default_factory=dict)  # restart -> steps stored
+
+
+@dataclass
+class RunData:
+    """The whole run: ranks by global rank, node exits and system samples by node rank."""
+
+    run_name: str
+    world_size: int
+    ranks: dict[int, RankData]
+    node_exits: dict[int, dict]
+    system_samples: dict[int, list[dict]]
+    gpu_samples: dict[int, list[dict]]
+    missing: list[int]

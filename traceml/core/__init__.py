@@ -1,0 +1,1 @@
+"""What the SDK, the launcher and the aggregator share: run-directory layout and names."""

@@ -1,1 +1,0 @@
-"""Pure functions from :class:`~traceml_aggregator.rundata.RunData` to the summary's figures."""
