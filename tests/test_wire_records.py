@@ -59,6 +59,20 @@ def test_an_unmeasured_field_is_an_empty_column_never_zeros():
     assert len(batch.step_groups[0].h2d_us) == 0
 
 
+def test_steps_with_the_same_fields_in_another_order_join_one_group():
+    reordered = [dict(reversed(cpu_step(i).items())) for i in (1, 3)]
+    sent = [cpu_step(2), *reordered, cpu_step(4)]
+    batch = wire.Batch()
+    add_steps(batch, sent)
+    assert [list(g.step) for g in batch.step_groups] == [[2, 1, 3, 4]]
+    assert read_back(batch) == sorted(sent, key=lambda s: s["step"])
+
+
+def test_a_field_that_is_no_step_field_is_refused_by_name():
+    with pytest.raises(ValueError, match="^not a step field: loss_us, tokens$"):
+        add_steps(wire.Batch(), [{**cpu_step(1), "loss_us": 5, "tokens": 9}])
+
+
 def test_the_columns_name_every_field_of_the_schema():
     assert tuple(f.name for f in wire.StepColumns.DESCRIPTOR.fields) == (
         STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS

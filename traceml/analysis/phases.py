@@ -22,21 +22,17 @@ from dataclasses import dataclass, field
 from traceml.analysis import thresholds as th
 from traceml.analysis.stats import describe, median
 from traceml.analysis.window import Window
+from traceml.core import phases as table
 
-#: Measured phases: (summary name, CPU-clock field, GPU-clock field or None), all µs.
-PHASES = (
-    ("input_wait", "input_wait_us", None),
-    ("h2d", "h2d_us", "gpu_h2d_us"),
-    ("forward", "forward_us", "gpu_forward_us"),
-    ("backward", "backward_us", "gpu_backward_us"),
-    ("optimizer", "optimizer_us", "gpu_optimizer_us"),
-)
+#: Measured phases that are parts of the step: (summary name, CPU-clock field, GPU-clock field
+#: or None), all µs, in the order of :data:`traceml.core.phases.PHASES`.
+PHASES = tuple((p.name, p.cpu_field, p.gpu_field) for p in table.PHASES if p.part)
 #: Every part of a step in the reports: the phases, then the residual.
-PARTS = tuple(name for name, _, _ in PHASES) + ("residual",)
+PARTS = tuple(p.name for p in table.PARTS)
 #: Phases without which the residual is meaningless (it would absorb them).
-REQUIRED_PHASES = ("forward", "backward", "optimizer")
+REQUIRED_PHASES = tuple(p.name for p in table.PHASES if p.required)
 #: GPU-clock fields that must be present on every window step for the GPU clock.
-_GPU_NEEDED = ("gpu_forward_us", "gpu_backward_us", "gpu_optimizer_us")
+_GPU_NEEDED = tuple(p.gpu_field for p in table.PHASES if p.required and p.gpu_field)
 
 CPU = "cpu"
 GPU = "gpu"

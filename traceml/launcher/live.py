@@ -15,11 +15,11 @@ import sys
 import time
 
 from traceml import settings
+from traceml.core import phases
 from traceml.launcher import aggregator
 
-#: Step parts shown, as (flat metric prefix, label).
-_PARTS = (("input_wait", "input"), ("h2d", "h2d"), ("forward", "fwd"), ("backward", "bwd"),
-          ("optimizer", "opt"), ("residual", "other"))
+#: Step parts shown, as (flat metric prefix, label); the residual reads "other" here.
+_PARTS = tuple((p.name, "other" if p is phases.RESIDUAL else p.short) for p in phases.PARTS)
 
 
 def render(metrics: dict[str, float], labels: dict[str, str], elapsed_s: float) -> list[str]:

@@ -12,6 +12,7 @@ import datetime
 from html import escape
 
 from traceml.analysis.phases import PARTS
+from traceml.core import phases
 from traceml.report import svg
 from traceml.report.fmt import (
     MIB,
@@ -25,15 +26,8 @@ from traceml.report.fmt import (
 )
 
 #: Colour of each part of the step in the phase chart.
-PART_COLORS = {
-    "input_wait": "#e15759",
-    "h2d": "#f28e2b",
-    "forward": "#4e79a7",
-    "backward": "#76b7b2",
-    "optimizer": "#59a14f",
-    "residual": "#bab0ac",
-}
-_PART_LABELS = {"input_wait": "input wait", "h2d": "H2D"}
+PART_COLORS = {p.name: p.color for p in phases.PARTS}
+_PART_LABELS = {p.name: p.label for p in phases.PARTS}
 #: Most ranks drawn as lines in one chart (the palette's size).
 MAX_LINES = len(svg.PALETTE)
 
@@ -241,7 +235,7 @@ def _phase_chart(summary: dict) -> str:
     clock = summary["analysis"]["clock"]["name"].upper()
     chart = svg.stacked_bars(
         [(f"rank {r['rank']}", [r["phase_median_ms"][p] for p in PARTS]) for r in shown],
-        [(_PART_LABELS.get(p, p), PART_COLORS[p]) for p in PARTS],
+        [(_PART_LABELS[p], PART_COLORS[p]) for p in PARTS],
         unit=f"ms per step (median, {clock} clock)",
     )
     named = set(summary["primary_diagnosis"]["ranks"])
@@ -261,7 +255,7 @@ def _phase_chart(summary: dict) -> str:
         )
         hl.append(r["rank"] in named and len(named) < len(summary["ranks"]))
     table = _table(
-        ["rank", "node", "steps", "step", "p95"] + [_PART_LABELS.get(p, p) for p in PARTS],
+        ["rank", "node", "steps", "step", "p95"] + [_PART_LABELS[p] for p in PARTS],
         rows,
         hl,
     )

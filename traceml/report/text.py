@@ -10,6 +10,7 @@ from __future__ import annotations
 import textwrap
 
 from traceml.analysis.findings import ranks_text
+from traceml.core import phases
 from traceml.report.fmt import (
     end_text,
     gpu_temp,
@@ -109,18 +110,13 @@ def _step_table(summary: dict) -> list[str]:
                 str(r["records_received"]),
                 num(st.get("median")),
                 num(st.get("p95")),
-                num(ph["input_wait"]),
-                num(ph["h2d"]),
-                num(ph["forward"]),
-                num(ph["backward"]),
-                num(ph["optimizer"]),
-                num(ph["residual"]),
             ]
+            + [num(ph[p.name]) for p in phases.PARTS]
         )
     clock = summary["analysis"]["clock"]["name"].upper()
     lines = ["", f"Step time per rank (ms, medians over the window; {clock} clock)"]
     lines += _table(
-        ["rank", "node", "steps", "step", "p95", "input", "h2d", "fwd", "bwd", "opt", "resid"],
+        ["rank", "node", "steps", "step", "p95"] + [p.short for p in phases.PARTS],
         rows,
     )
     typ = summary["analysis"]["typical"]

@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 
+from traceml.core import phases
 from traceml.sdk.step import StepTracer
 from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER
 
@@ -44,8 +45,9 @@ _installed = False
 _is_compiling = None  # torch.compiler.is_compiling, bound by install()
 _h2d_thread: int | None = None  # thread whose copies count as H2D (the one that called init())
 
-#: Phase names accepted by :func:`add_phase` (and ``traceml.phase``).
-PHASES = ("forward", "backward", "optimizer", "h2d")
+#: Phase names accepted by :func:`add_phase` (and ``traceml.phase``): the phases the hooks time
+#: inside the step body (:data:`traceml.core.phases.GPU_PHASES`), in table order.
+PHASES = tuple(p.name for p in phases.GPU_PHASES)
 
 
 def install(tracer: StepTracer) -> None:

@@ -23,7 +23,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from traceml.core import phases
+
 _now_ns = time.perf_counter_ns
+
+#: (measurement slot, wire field) of every phase on the CPU clock, in table order: the slot
+#: holds ns, the field µs.
+_PHASE_SLOTS = tuple((f"{p.name}_ns", p.cpu_field) for p in phases.PHASES)
 
 
 class StepMeasurement:
@@ -34,19 +40,9 @@ class StepMeasurement:
     """
 
     __slots__ = (
-        "step",
-        "end_ns",
-        "step_ns",
-        "input_wait_ns",
-        "dataloader_ns",
-        "h2d_ns",
-        "forward_ns",
-        "backward_ns",
-        "optimizer_ns",
-        "gpu",
-        "peak_allocated_bytes",
-        "peak_reserved_bytes",
-        "origin_ns",
+        ("step", "end_ns", "step_ns")
+        + tuple(slot for slot, _ in _PHASE_SLOTS)
+        + ("gpu", "peak_allocated_bytes", "peak_reserved_bytes", "origin_ns")
     )
 
     def __init__(self) -> None:
@@ -60,24 +56,17 @@ class StepMeasurement:
 
     def fields(self) -> dict[str, int]:
         """The step's fields for the wire (µs, bytes; see :mod:`traceml.wire.records`), in
-        column order; a phase that was not measured is left out, never sent as 0."""
+        the canonical order of :data:`traceml.core.phases.STEP_FIELDS`; a phase that was not
+        measured is left out, never sent as 0."""
         fields = {
             "step": self.step,
             "end_us": (self.end_ns - self.origin_ns) // 1000,
             "step_us": self.step_ns // 1000,
         }
-        if self.input_wait_ns is not None:
-            fields["input_wait_us"] = self.input_wait_ns // 1000
-        if self.dataloader_ns is not None:
-            fields["dataloader_next_us"] = self.dataloader_ns // 1000
-        if self.h2d_ns is not None:
-            fields["h2d_us"] = self.h2d_ns // 1000
-        if self.forward_ns is not None:
-            fields["forward_us"] = self.forward_ns // 1000
-        if self.backward_ns is not None:
-            fields["backward_us"] = self.backward_ns // 1000
-        if self.optimizer_ns is not None:
-            fields["optimizer_us"] = self.optimizer_ns // 1000
+        for slot, field in _PHASE_SLOTS:
+            ns = getattr(self, slot, None)  # None also for a phase the tracer does not measure
+            if ns is not None:
+                fields[field] = ns // 1000
         if self.gpu is not None:
             self.gpu.fill(fields)
         if self.peak_allocated_bytes is not None:
@@ -176,7 +165,7 @@ class StepTracer:
         else:
             m.step_ns = end_ns - prev_end
             m.input_wait_ns = (self._start_ns - prev_end) + self.dataloader_in_step_ns
-        m.dataloader_ns = dataloader
+        m.dataloader_next_ns = dataloader
         m.h2d_ns = self.h2d_ns if self.h2d_measured else None
         m.forward_ns = self.forward_ns
         m.backward_ns = self.backward_ns

@@ -37,11 +37,16 @@ from typing import Callable
 
 import torch
 
+from traceml.core import phases
 from traceml.sdk.device import RankDevice
 
-#: Phase indices of a GPU-timed step, and the wire field each one fills (µs).
-H2D, FORWARD, BACKWARD, OPTIMIZER = range(4)
-PHASE_FIELDS = ("gpu_h2d_us", "gpu_forward_us", "gpu_backward_us", "gpu_optimizer_us")
+#: The wire field (µs) of each GPU-timed phase (:data:`traceml.core.phases.GPU_PHASES`), by
+#: phase index: the index the hooks pass to :meth:`GpuStep.begin`/:meth:`GpuStep.end`.
+PHASE_FIELDS = tuple(p.gpu_field for p in phases.GPU_PHASES)
+H2D, FORWARD, BACKWARD, OPTIMIZER = (
+    [p.name for p in phases.GPU_PHASES].index(name)
+    for name in ("h2d", "forward", "backward", "optimizer")
+)
 
 #: Events kept for reuse; more are created when needed, surplus ones are left to the GC.
 POOL_MAX_EVENTS = 256
@@ -132,7 +137,7 @@ class GpuStep:
         self._timer = timer
         self._start = start
         self._stop = None
-        self._open = [None, None, None, None]  # start event of the phase in progress
+        self._open = [None] * len(PHASE_FIELDS)  # start event of the phase in progress
         self._intervals: list = []  # (phase, start event, end event)
         self._resolved = False
 
@@ -157,7 +162,7 @@ class GpuStep:
     def close(self) -> None:
         """The step ends: record its end event."""
         self._stop = self._timer.record()
-        self._open = [None, None, None, None]
+        self._open = [None] * len(PHASE_FIELDS)
 
     # --- sender thread --------------------------------------------------------------------
     def ready(self) -> bool:
@@ -189,7 +194,7 @@ class GpuStep:
         """
         if not self._resolved:
             return
-        totals = [None, None, None, None]
+        totals = [None] * len(PHASE_FIELDS)
         try:
             with self._timer.cuda.device_guard():
                 gpu_step_us = _us(self._start.elapsed_time(self._stop))

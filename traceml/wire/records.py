@@ -13,51 +13,65 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from traceml.core import phases
+
 #: Fields every step has (a full column in every group), in column order.
-STEP_REQUIRED_FIELDS = ("step", "end_us", "step_us")
+STEP_REQUIRED_FIELDS = phases.STEP_REQUIRED_FIELDS
 
 #: Fields a step may lack (not measured), in column order: µs, or bytes for the peaks.
-STEP_OPTIONAL_FIELDS = (
-    "input_wait_us",
-    "dataloader_next_us",
-    "h2d_us",
-    "forward_us",
-    "backward_us",
-    "optimizer_us",
-    "gpu_step_us",
-    "gpu_h2d_us",
-    "gpu_forward_us",
-    "gpu_backward_us",
-    "gpu_optimizer_us",
-    "peak_allocated_bytes",
-    "peak_reserved_bytes",
-)
+STEP_OPTIONAL_FIELDS = phases.STEP_OPTIONAL_FIELDS
+
+#: Position of each step field in the canonical order (:data:`traceml.core.phases.STEP_FIELDS`).
+_FIELD_RANK = {name: i for i, name in enumerate(phases.STEP_FIELDS)}
 
 
 def add_steps(batch, steps: Iterable[Mapping[str, int]]) -> None:
     """Append ``steps`` to ``batch.step_groups``, one group per set of fields measured.
 
+    The order contract: steps with the same fields measured land in one group, whatever order
+    their mappings list the fields in. The SDK builds every step in the canonical order
+    (:data:`traceml.core.phases.STEP_FIELDS`; :meth:`traceml.sdk.step.StepMeasurement.fields`),
+    which is the fast path: one dict look-up per step. A step in another order is put in the
+    canonical order (its values reordered) and joins the same group; how a step's fields are
+    ordered is worked out once per distinct order in a call, not once per step.
+
     Args:
         batch: a :class:`~traceml.wire.Batch`.
         steps: one mapping per step, field name -> value (µs or bytes), holding the
-            :data:`STEP_REQUIRED_FIELDS` and the optional fields that were measured, in the
-            order of :data:`STEP_OPTIONAL_FIELDS` (steps whose fields come in another order
-            only land in a group of their own).
+            :data:`STEP_REQUIRED_FIELDS` and the optional fields that were measured.
 
     Raises:
-        ValueError: a value is negative or does not fit 64 bits (protobuf's own error).
+        ValueError: a field is not a step field, or a value is negative or does not fit 64
+            bits (protobuf's own error).
     """
-    groups: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
+    groups: dict[tuple[str, ...], list[tuple[int, ...]]] = {}  # canonical names -> rows
+    # names as the step lists them -> (rows of their group, None or the names in canonical order)
+    orders: dict[tuple[str, ...], tuple[list, tuple[str, ...] | None]] = {}
     for step in steps:
         names = tuple(step)
-        rows = groups.get(names)
-        if rows is None:
-            rows = groups[names] = []
-        rows.append(tuple(step.values()))
+        entry = orders.get(names)
+        if entry is None:
+            entry = orders[names] = _group_of(names, groups)
+        rows, reorder = entry
+        if reorder is None:
+            rows.append(tuple(step.values()))
+        else:
+            rows.append(tuple(map(step.__getitem__, reorder)))
     for names, rows in groups.items():
         group = batch.step_groups.add()
         for name, column in zip(names, zip(*rows)):
             getattr(group, name).extend(column)
+
+
+def _group_of(names: tuple[str, ...], groups: dict) -> tuple[list, tuple[str, ...] | None]:
+    """The rows of the group of steps with fields ``names`` (in ``groups``, made if new), and
+    the canonical order to read a step's values in, or None when ``names`` is already in it."""
+    unknown = [name for name in names if name not in _FIELD_RANK]
+    if unknown:
+        raise ValueError(f"not a step field: {', '.join(unknown)}")
+    canonical = tuple(sorted(names, key=_FIELD_RANK.__getitem__))
+    rows = groups.setdefault(canonical, [])
+    return rows, None if canonical == names else canonical
 
 
 def step_group_columns(group) -> tuple[tuple[str, ...], list[Sequence[int]]]:
