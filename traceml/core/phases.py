@@ -25,15 +25,20 @@ Adding a phase ``name`` takes:
 2. its fields in ``StepColumns``: ``<name>_us`` declared after the last CPU-clock phase field
    and, if it is timed on the GPU too, ``gpu_<name>_us`` after the last GPU-clock one, with
    the next free field numbers (a field number is never reused or changed); then regenerate
-   the Python code (``docs/wire.md``);
+   the Python code (``tools/gen_proto.sh``, see ``docs/wire.md``);
 3. its measurement in the SDK: a ``<name>_ns`` total on :class:`traceml.sdk.step.StepTracer`
-   (reset in ``begin``, copied in ``end``) and a slot of the same name on ``StepMeasurement``,
-   the hook that adds to it (:mod:`traceml.sdk.instrumentation`), and, if GPU-timed, the
-   hook's ``begin``/``end`` calls with its index in :data:`traceml.sdk.timing.PHASE_FIELDS`.
+   (reset in ``begin``, copied to the measurement in ``end``; the ``StepMeasurement`` slot of
+   that name and its conversion to the wire field follow from the row), the hook that adds to
+   it (:mod:`traceml.sdk.instrumentation`), and, if GPU-timed, the hook's
+   ``GpuStep.begin``/``end`` calls with the phase's index in
+   :data:`traceml.sdk.timing.PHASE_FIELDS` (a constant next to the other indices there).
 
 The store, the wire, the analysis (clock, parts, residual, shares), the JSON/text/HTML reports,
-``traceml compare``, ``traceml.summary()`` and the live view follow from the row. A finding rule
-about the new phase (``traceml.analysis``) is a separate change.
+``traceml compare``, ``traceml.summary()`` and the live view follow from the row. The summary's
+JSON Schema (``docs/final_summary.schema.json``: the keys of ``phase_median_ms`` and
+``phase_share_pct``) and the field tables of ``docs/telemetry.md`` and ``docs/wire.md`` are
+documents that must say so too; a finding rule about the new phase (``traceml.analysis``) is a
+separate change.
 """
 
 from __future__ import annotations
