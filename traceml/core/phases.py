@@ -26,10 +26,11 @@ Adding a phase ``name`` takes:
    and, if it is timed on the GPU too, ``gpu_<name>_us`` after the last GPU-clock one, with
    the next free field numbers (a field number is never reused or changed); then regenerate
    the Python code (``tools/gen_proto.sh``, see ``docs/wire.md``);
-3. its measurement in the SDK: a ``<name>_ns`` total on :class:`traceml.sdk.step.StepTracer`
-   (reset in ``begin``, copied to the measurement in ``end``; the ``StepMeasurement`` slot of
-   that name and its conversion to the wire field follow from the row), the hook that adds to
-   it (:mod:`traceml.sdk.instrumentation`), and, if GPU-timed, the hook's
+3. its measurement in the SDK (:mod:`traceml.sdk.step`): a ``<name>_ns`` total on
+   ``StepTracer`` (reset in ``begin``, copied to the measurement in ``end``), a ``<name>_ns``
+   slot on ``StepMeasurement`` and its line in ``StepMeasurement.fields`` (the conversion to
+   µs, kept explicit for the sender's CPU; the test above fails until it is there); the hook
+   that adds to the total (:mod:`traceml.sdk.instrumentation`); and, if GPU-timed, the hook's
    ``GpuStep.begin``/``end`` calls with the phase's index in
    :data:`traceml.sdk.timing.PHASE_FIELDS` (a constant next to the other indices there).
 

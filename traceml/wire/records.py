@@ -31,9 +31,10 @@ def add_steps(batch, steps: Iterable[Mapping[str, int]]) -> None:
     The order contract: steps with the same fields measured land in one group, whatever order
     their mappings list the fields in. The SDK builds every step in the canonical order
     (:data:`traceml.core.phases.STEP_FIELDS`; :meth:`traceml.sdk.step.StepMeasurement.fields`),
-    which is the fast path: one dict look-up per step. A step in another order is put in the
-    canonical order (its values reordered) and joins the same group; how a step's fields are
-    ordered is worked out once per distinct order in a call, not once per step.
+    which is the fast path: one dict look-up per step, as cheap as grouping by the order as
+    given. A step in another order has its values put in the canonical order and joins the
+    same group; how a step's fields are ordered is worked out once per distinct order in a
+    call, not once per step.
 
     Args:
         batch: a :class:`~traceml.wire.Batch`.
@@ -45,33 +46,47 @@ def add_steps(batch, steps: Iterable[Mapping[str, int]]) -> None:
             bits (protobuf's own error).
     """
     groups: dict[tuple[str, ...], list[tuple[int, ...]]] = {}  # canonical names -> rows
-    # names as the step lists them -> (rows of their group, None or the names in canonical order)
-    orders: dict[tuple[str, ...], tuple[list, tuple[str, ...] | None]] = {}
+    appenders: dict[tuple[str, ...], list | _Reordered] = {}  # names as a step lists them -> ...
     for step in steps:
         names = tuple(step)
-        entry = orders.get(names)
-        if entry is None:
-            entry = orders[names] = _group_of(names, groups)
-        rows, reorder = entry
-        if reorder is None:
-            rows.append(tuple(step.values()))
-        else:
-            rows.append(tuple(map(step.__getitem__, reorder)))
+        rows = appenders.get(names)
+        if rows is None:
+            rows = appenders[names] = _appender(names, groups)
+        rows.append(tuple(step.values()))
     for names, rows in groups.items():
         group = batch.step_groups.add()
         for name, column in zip(names, zip(*rows)):
             getattr(group, name).extend(column)
 
 
-def _group_of(names: tuple[str, ...], groups: dict) -> tuple[list, tuple[str, ...] | None]:
-    """The rows of the group of steps with fields ``names`` (in ``groups``, made if new), and
-    the canonical order to read a step's values in, or None when ``names`` is already in it."""
+class _Reordered:
+    """Appends the values of a step whose fields come in another order to its group's rows,
+    in the canonical order (``order``: the index of each canonical field in the step's)."""
+
+    __slots__ = ("rows", "order")
+
+    def __init__(self, rows: list, order: tuple[int, ...]) -> None:
+        self.rows = rows
+        self.order = order
+
+    def append(self, values: tuple[int, ...]) -> None:
+        self.rows.append(tuple(map(values.__getitem__, self.order)))
+
+
+def _appender(names: tuple[str, ...], groups: dict) -> list | _Reordered:
+    """Where the values of a step with fields ``names`` go: the rows of its group in
+    ``groups`` (made if new) when ``names`` is in the canonical order, else a
+    :class:`_Reordered` in front of them.
+
+    Raises:
+        ValueError: a name is not a step field.
+    """
     unknown = [name for name in names if name not in _FIELD_RANK]
     if unknown:
         raise ValueError(f"not a step field: {', '.join(unknown)}")
     canonical = tuple(sorted(names, key=_FIELD_RANK.__getitem__))
     rows = groups.setdefault(canonical, [])
-    return rows, None if canonical == names else canonical
+    return rows if canonical == names else _Reordered(rows, tuple(map(names.index, canonical)))
 
 
 def step_group_columns(group) -> tuple[tuple[str, ...], list[Sequence[int]]]:
