@@ -30,12 +30,12 @@ class Slow(nn.Module):
 
 
 @pytest.fixture
-def tracer():
+def tracer(monkeypatch):
     steps = []
     tracer = StepTracer(steps.append, time.perf_counter_ns())
+    monkeypatch.setattr(instrumentation, "_tracer", instrumentation._tracer)  # restored after
     instrumentation.install(tracer)
     yield tracer, steps
-    instrumentation.uninstall()
 
 
 def traced_step(tracer, timer, body):

@@ -7,6 +7,8 @@
 # - as root, the system packages some tests need when missing: chromium (HTML report check),
 #   iproute2 (network-namespace tests); the Slurm lab installs its own packages
 #   (tests/slurm_lab/lab.sh);
+# - the import contract (pyproject.toml's [tool.importlinter], see docs/architecture.md): a
+#   broken contract fails the script before any test runs;
 # - pytest; "no tests collected" (exit 5) is a failure, not a pass.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -28,6 +30,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
   fi
 fi
+
+.venv/bin/lint-imports --no-cache
 
 set +e
 .venv/bin/python -m pytest -q -ra "$@"

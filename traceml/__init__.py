@@ -38,12 +38,12 @@ def init(aggregator: str | None = None, run_name: str | None = None) -> bool:
         True when telemetry is on; False (after one warning line) when no aggregator is
         configured, ``TRACEML_DISABLE=1``, or the SDK could not start.
     """
-    from traceml.sdk import session
+    from traceml.sdk import failopen, session
 
     try:
         return session.start(aggregator, run_name) is not None
     except Exception as exc:
-        session.fail_open("traceml.init()", exc)
+        failopen.fail_open("traceml.init()", exc)
         return False
 
 
@@ -84,9 +84,9 @@ class _StepContext:
 
 
 def _fail(exc: BaseException) -> None:
-    from traceml.sdk import session
+    from traceml.sdk import failopen
 
-    session.fail_open("trace_step", exc)
+    failopen.fail_open("trace_step", exc)
 
 
 _NULL = contextlib.nullcontext()
@@ -180,12 +180,12 @@ def summary(prefix: str = "traceml/", timeout_s: float | None = None) -> dict:
         The dict; ``{}`` on ranks other than 0, and (after one warning) without a session or
         when the aggregator cannot answer. Never raises (unless ``TRACEML_STRICT=1``).
     """
-    from traceml.sdk import live_summary, session
+    from traceml.sdk import failopen, live_summary
 
     try:
         return live_summary.fetch(prefix, timeout_s)
     except Exception as exc:
-        session.fail_open("traceml.summary()", exc)
+        failopen.fail_open("traceml.summary()", exc)
         return {}
 
 

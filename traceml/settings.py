@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass
+
+from traceml.core import log
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ SUMMARY_TIMEOUT_SEC = Setting(
     "How long traceml.summary() waits for its steps to be stored and the verdict computed, s.",
 )
 
+#: Every setting above, in order (``traceml run --help`` lists them with their docs).
 ALL: tuple[Setting, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Setting))
 
 
@@ -100,10 +102,7 @@ def env_str(setting: Setting) -> str:
 
 
 def _warn_bad(setting: Setting, raw: str, why: str) -> None:
-    print(
-        f"traceml: ignoring {setting.name}={raw!r} ({why}); using {setting.default}",
-        file=sys.stderr,
-    )
+    log.get("settings").warning(f"ignoring {setting.name}={raw!r} ({why}); using {setting.default}")
 
 
 def env_float(setting: Setting, *, positive: bool = True, strict: bool = False) -> float:

@@ -1,4 +1,4 @@
-"""``traceml-aggregator``: the telemetry aggregator as a standalone command.
+"""``traceml-aggregator``: the telemetry aggregator as a standalone command (typer).
 
 Usage::
 
@@ -14,102 +14,107 @@ It serves until SIGTERM or SIGINT. ``traceml run`` starts it on node 0; run it y
 the SDK under plain ``torchrun`` (export ``TRACEML_AGGREGATOR=host:port`` and
 ``TRACEML_RUN_NAME`` to the ranks), then stop it with Ctrl-C or SIGTERM: it writes
 ``final_summary.*`` when it stops, unless a launcher already asked for them.
-Exit codes: 0 after a clean stop, 2 for bad options or a port that cannot be bound.
+Exit codes: 0 after a clean stop, 2 for bad options, a port that cannot be bound, or a store
+that cannot be opened (another TraceML version's, or not a database).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import math
-import sys
+import sqlite3
 from pathlib import Path
+from typing import Optional
+
+import typer
 
 from traceml import settings
+from traceml.core import endpoint, log
 from traceml.core.rundir import validate_run_name
 
+_log = log.get("aggregator")
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="traceml-aggregator", description="TraceML telemetry aggregator (gRPC + SQLite)."
-    )
-    p.add_argument("--run-dir", required=True, type=Path, help="directory of the run's files")
-    p.add_argument("--run-name", required=True, help="accept telemetry of this run only")
-    p.add_argument("--port", type=int, default=29765, help="gRPC port (default 29765)")
-    p.add_argument("--bind-host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--world-size", type=int, default=None, help="number of ranks expected")
-    p.add_argument(
-        "--nnodes",
-        type=int,
-        default=None,
-        help="node launchers that report their torchrun's exit (set by `traceml run`)",
-    )
-    p.add_argument("--html-report", action="store_true", help="also write final_summary.html")
-    p.add_argument(
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.command(help="TraceML telemetry aggregator (gRPC + SQLite).")
+def serve_command(
+    run_dir: Path = typer.Option(..., help="directory of the run's files"),
+    run_name: str = typer.Option(..., help="accept telemetry of this run only"),
+    port: int = typer.Option(endpoint.DEFAULT_PORT, help="gRPC port"),
+    bind_host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    world_size: Optional[int] = typer.Option(None, help="number of ranks expected"),
+    nnodes: Optional[int] = typer.Option(
+        None, help="node launchers that report their torchrun's exit (set by `traceml run`)"
+    ),
+    html_report: bool = typer.Option(False, "--html-report", help="also write final_summary.html"),
+    no_summary_at_stop: bool = typer.Option(
+        False,
         "--no-summary-at-stop",
-        dest="summary_at_stop",
-        action="store_false",
         help="do not write the reports when stopped without a Finalize (traceml run sets it)",
-    )
-    p.add_argument(
-        "--finalize-timeout-sec",
-        type=float,
-        default=None,
-        help=f"finalization budget, s (default ${settings.FINALIZE_TIMEOUT_SEC.name} or "
-        f"{settings.FINALIZE_TIMEOUT_SEC.default})",
-    )
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``traceml-aggregator``; returns the exit code."""
+    ),
+    finalize_timeout_sec: Optional[float] = typer.Option(
+        None,
+        help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or "
+        f"{settings.FINALIZE_TIMEOUT_SEC.default}]",
+    ),
+) -> int:
+    """Serve until SIGTERM/SIGINT; the exit code (see the module docstring)."""
     from traceml_aggregator.server import BindError, ServerConfig, serve
+    from traceml_aggregator.store import StoreVersionError
 
-    args = _parser().parse_args(argv)
-    error = validate_run_name(args.run_name)
-    if not error and not 0 < args.port < 65536:
-        error = f"--port {args.port} is not a TCP port (1-65535)"
-    if not error and args.world_size is not None and args.world_size < 1:
-        error = f"--world-size {args.world_size} must be >= 1"
-    if not error and args.nnodes is not None and args.nnodes < 1:
-        error = f"--nnodes {args.nnodes} must be >= 1"
-    timeout = args.finalize_timeout_sec
+    error = validate_run_name(run_name) or endpoint.port_error("--port", port)
+    if not error and world_size is not None and world_size < 1:
+        error = f"--world-size {world_size} must be >= 1"
+    if not error and nnodes is not None and nnodes < 1:
+        error = f"--nnodes {nnodes} must be >= 1"
+    timeout = finalize_timeout_sec
     if timeout is None:
         try:
             timeout = settings.env_float(settings.FINALIZE_TIMEOUT_SEC, strict=True)
         except ValueError as exc:
             error = error or str(exc)
-    elif not (math.isfinite(timeout) and timeout > 0):
-        error = error or f"--finalize-timeout-sec {timeout} must be a finite number > 0"
+    else:
+        error = error or endpoint.seconds_error("--finalize-timeout-sec", timeout)
     if error:
-        print(f"traceml-aggregator: error: {error}", file=sys.stderr)
+        _log.error(f"error: {error}")
         return 2
     config = ServerConfig(
-        run_dir=args.run_dir,
-        run_name=args.run_name,
-        port=args.port,
-        bind_host=args.bind_host,
-        world_size=args.world_size,
-        nnodes=args.nnodes,
-        html_report=args.html_report,
-        summary_at_stop=args.summary_at_stop,
+        run_dir=run_dir,
+        run_name=run_name,
+        port=port,
+        bind_host=bind_host,
+        world_size=world_size,
+        nnodes=nnodes,
+        html_report=html_report,
+        summary_at_stop=not no_summary_at_stop,
         finalize_timeout_s=timeout,
     )
 
-    def ready(port: int) -> None:
-        print(
-            f"traceml-aggregator: serving run {args.run_name!r} on "
-            f"{args.bind_host}:{port}, store {args.run_dir}",
-            file=sys.stderr,
-            flush=True,
-        )
+    def ready(bound: int) -> None:
+        _log.info(f"serving run {run_name!r} on {bind_host}:{bound}, store {run_dir}")
 
     try:
         return asyncio.run(serve(config, ready))
-    except BindError as exc:
-        print(f"traceml-aggregator: error: {exc}", file=sys.stderr)
-        return 2
+    except (BindError, StoreVersionError) as exc:
+        _log.error(f"error: {exc}")
+    except sqlite3.DatabaseError as exc:
+        _log.error(f"error: cannot open the store in {run_dir}: {exc}")
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``traceml-aggregator``; returns the exit code."""
+    from traceml.core.cli import run_app
+
+    return run_app(app, _log, "traceml-aggregator", argv)
 
 
 if __name__ == "__main__":
+    import sys
+
     sys.exit(main())

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from traceml import wire
+from traceml.core import endpoint, log
 from traceml.core.rundir import DATABASE_NAME
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
+
+_log = log.get("aggregator")
 
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
 #: How long a Summarize call lets queued batches reach the store before it reads it, s.
@@ -38,7 +40,7 @@ class ServerConfig:
 
     run_dir: Path
     run_name: str
-    port: int = 29765
+    port: int = endpoint.DEFAULT_PORT
     bind_host: str = "127.0.0.1"
     world_size: int | None = None
     #: Node launchers that will report their torchrun's exit (None: ranks under plain torchrun).
@@ -123,7 +125,7 @@ class AggregatorService(wire.AggregatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
         accepted, refusal = self.nodes.claim(request)
         if not accepted:
-            print(f"traceml-aggregator: refused a node claim: {refusal}", file=sys.stderr)
+            _log.warning(f"refused a node claim: {refusal}")
         return wire.NodeClaimReply(
             accepted=accepted, reason=refusal, run_failure=self.nodes.run_failure
         )
@@ -167,7 +169,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{_bracket(config.bind_host)}:{config.port}"
+    address = endpoint.target(config.bind_host, config.port)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
@@ -197,19 +199,10 @@ async def serve(config: ServerConfig, ready=None) -> int:
     await writer.drain(5.0)
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None
     if outcome is not None:
-        print(
-            f"traceml-aggregator: summary written at stop: {outcome.json_path or outcome.error}",
-            file=sys.stderr,
-        )
+        _log.info(f"summary written at stop: {outcome.json_path or outcome.error}")
     await writer.close()
-    print(
-        f"traceml-aggregator: stored {writer.records_stored} records in "
-        f"{writer.batches_stored} batches; {writer.batches_duplicate} resent batches "
-        "were already stored",
-        file=sys.stderr,
+    _log.info(
+        f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
+        f"{writer.batches_duplicate} resent batches were already stored"
     )
     return 0
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -138,6 +138,10 @@ class WriteResult:
     rejected: str = ""
 
 
+class StoreVersionError(RuntimeError):
+    """The database was written with another table layout (``meta.schema_version``)."""
+
+
 class Store:
     """The run's SQLite database (see the module docstring for the guarantees).
 
@@ -145,6 +149,7 @@ class Store:
         path: database file; created with its parent directory if missing.
 
     Raises:
+        StoreVersionError: the file holds another schema version than :data:`SCHEMA_VERSION`.
         sqlite3.Error: the file cannot be opened or is not a TraceML database.
     """
 
@@ -155,6 +160,7 @@ class Store:
         self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._check_version()
         self._db.executescript(_SCHEMA)
         self._db.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
@@ -162,6 +168,23 @@ class Store:
         self._seqs: dict[tuple[str, int, int], int] = {
             (s, i, r): q for s, i, r, q in self._db.execute("SELECT * FROM streams")
         }
+
+    def _check_version(self) -> None:
+        """Refuse a database whose ``schema_version`` is not :data:`SCHEMA_VERSION` (before
+        the layout below is applied to it); a new file, or one without the ``meta`` table, has
+        none yet."""
+        has_meta = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+        ).fetchone()
+        row = has_meta and self._db.execute(
+            "SELECT value FROM meta WHERE key = 'schema_version'"
+        ).fetchone()
+        if row and row[0] != str(SCHEMA_VERSION):
+            self._db.close()
+            raise StoreVersionError(
+                f"{self.path} has store schema version {row[0]}, this TraceML writes version "
+                f"{SCHEMA_VERSION}: use a new run directory (or the TraceML that wrote it)"
+            )
 
     # --- meta ------------------------------------------------------------------------------------
     def set_meta(self, key: str, value: str) -> None:

@@ -1,11 +1,13 @@
 """The single SQLite writer: batches from every stream, one transaction per drain.
 
-RPC handlers on the event loop hand batches to :meth:`Writer.store` and await the result. The
-writer task takes everything queued at that moment (up to :data:`MAX_BATCHES_PER_TRANSACTION`),
-stores it in one transaction on its own thread (the only thread that touches the
-:class:`~traceml_aggregator.store.Store`), and resolves each handler's future with the stored
-sequence number, which the handler returns as the acknowledgement. Because a batch is
-acknowledged only after its transaction committed, an acknowledged batch is durable.
+RPC handlers on the event loop hand batches to :meth:`Writer.store_batch` and await the result.
+The writer task takes everything queued at that moment (up to
+:data:`MAX_BATCHES_PER_TRANSACTION`), stores it in one transaction on its own thread (the only
+thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each handler's
+future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's highest
+stored sequence number, whether the batch was a duplicate or refused), from which the handler
+builds the acknowledgement. Because a batch is acknowledged only after its transaction
+committed, an acknowledged batch is durable.
 """
 
 from __future__ import annotations

@@ -89,11 +89,6 @@ class Finding:
         }
 
 
-def by_severity(findings: list[Finding]) -> list[Finding]:
-    """``findings`` most severe first (stable within a severity)."""
-    return sorted(findings, key=lambda f: -SEVERITIES.index(f.severity))
-
-
 def ranks_text(ranks: list[int]) -> str:
     """``"rank 3"`` or ``"ranks 1, 4, 7"`` (at most 8 named, then a count)."""
     ranks = sorted(ranks)

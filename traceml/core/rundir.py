@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
+
+from traceml.core import log
 
 
 #: Files the aggregator writes at the top of the run directory (also read by the launcher).
@@ -113,4 +114,4 @@ class Manifest:
         try:
             write_json(self.path, self.data)
         except OSError as exc:
-            print(f"traceml: cannot write {self.path}: {exc}", file=sys.stderr, flush=True)
+            log.get("core").warning(f"cannot write {self.path}: {exc}")

@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 
-from traceml.launcher.config import LaunchConfig
+from traceml.core import endpoint
 from traceml.core.rundir import RunDir
+from traceml.launcher.config import LaunchConfig
 
 
 class AggregatorUnavailable(RuntimeError):
@@ -97,35 +98,21 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
             time.sleep(0.05)
 
 
-def _call(target: str, method: str, request, timeout_s: float):
-    """One unary RPC ``method`` of the aggregator at ``target``, on a channel of its own.
-
-    Raises:
-        grpc.RpcError: the call failed or timed out.
-    """
-    import grpc
-
-    from traceml import wire
-
-    with grpc.insecure_channel(target) as channel:
-        return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)
-
-
 def report_node_exit(target: str, report, timeout_s: float = 10.0) -> None:
     """Send this node's NodeExit. Raises grpc.RpcError on failure."""
-    _call(target, "ReportNodeExit", report, timeout_s)
+    endpoint.call(target, "ReportNodeExit", report, timeout_s)
 
 
 def register_node(target: str, claim, timeout_s: float = 10.0):
     """Send this node's NodeClaim; returns the NodeClaimReply. Raises grpc.RpcError."""
-    return _call(target, "RegisterNode", claim, timeout_s)
+    return endpoint.call(target, "RegisterNode", claim, timeout_s)
 
 
 def summarize(target: str, run_name: str, timeout_s: float):
     """The verdict so far (a SummarizeReply), for the live views. Raises grpc.RpcError."""
     from traceml import wire
 
-    return _call(target, "Summarize", wire.SummarizeRequest(run_name=run_name), timeout_s)
+    return endpoint.call(target, "Summarize", wire.SummarizeRequest(run_name=run_name), timeout_s)
 
 
 def finalize(target: str, run_name: str, budget_s: float):
@@ -133,7 +120,7 @@ def finalize(target: str, run_name: str, budget_s: float):
     from traceml import wire
 
     request = wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s)
-    return _call(target, "Finalize", request, budget_s + 30.0)
+    return endpoint.call(target, "Finalize", request, budget_s + 30.0)
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 10.0) -> int:

@@ -15,6 +15,8 @@ from typing import Optional
 import typer
 
 from traceml import settings
+from traceml.core import log
+from traceml.core.endpoint import DEFAULT_PORT
 
 app = typer.Typer(
     name="traceml",
@@ -26,8 +28,12 @@ app = typer.Typer(
 )
 
 
+_log = log.get("launcher")
+
+
 def _error(message: str) -> None:
-    print(f"traceml: error: {message}", file=sys.stderr, flush=True)
+    """One ``traceml: error: <message>`` line (the ``traceml.launcher`` logger)."""
+    _log.error(f"error: {message}")
 
 
 @app.callback()
@@ -35,9 +41,20 @@ def _root() -> None:
     """Find out why PyTorch training is slow."""
 
 
+def _environment_help() -> str:
+    """The ``traceml run --help`` epilog: every ``TRACEML_*`` variable, its default and doc
+    (:data:`traceml.settings.ALL`), one paragraph each."""
+    lines = ["Environment variables [default]:"]
+    for setting in settings.ALL:
+        default = f" [{setting.default}]" if setting.default else ""
+        lines.append(f"{setting.name}{default}: {setting.doc}")
+    return "\n\n".join(lines)
+
+
 @app.command(
     "run",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    epilog=_environment_help(),
 )
 def run_command(
     ctx: typer.Context,
@@ -56,7 +73,7 @@ def run_command(
     aggregator_host: Optional[str] = typer.Option(
         None, help="address ranks use to reach the aggregator [default: --master-addr]"
     ),
-    aggregator_port: int = typer.Option(29765, help="aggregator port on node 0"),
+    aggregator_port: int = typer.Option(DEFAULT_PORT, help="aggregator port on node 0"),
     aggregator_bind_host: Optional[str] = typer.Option(
         None, help="address node 0's aggregator listens on [default: 127.0.0.1; 0.0.0.0 with --nnodes > 1]"
     ),
@@ -78,7 +95,7 @@ def run_command(
     """Run SCRIPT under torchrun with TraceML telemetry; exits with torchrun's exit code."""
     from traceml.launcher import claim, slurm
     from traceml.launcher.config import LaunchConfig, LaunchError
-    from traceml.launcher.run import Launch, preflight, say
+    from traceml.launcher.run import Launch, preflight
 
     if run_name and session_id and run_name != session_id:
         _error(f"--run-name {run_name!r} and --session-id {session_id!r} differ; give one")
@@ -105,12 +122,12 @@ def run_command(
         step = slurm.SlurmStep.from_env(os.environ)
         note = slurm.apply(config, _typed(ctx), step) if use_slurm else slurm.hint(config, step)
         if note:
-            say(note)
+            _log.info(note)
         config.resolve()
         preflight(config)
     except claim.ClaimError as exc:
         _error(str(exc))
-        say(claim.report_refusal(config, str(exc)))
+        _log.info(claim.report_refusal(config, str(exc)))
         raise typer.Exit(2)
     except LaunchError as exc:
         _error(str(exc))
@@ -168,7 +185,7 @@ def view_command(
     except OSError as exc:
         _error(f"cannot write {html}: {exc.strerror or exc}")
         raise typer.Exit(2)
-    print(f"traceml: wrote {html}", file=sys.stderr)
+    _log.info(f"wrote {html}")
 
 
 @app.command("compare")
@@ -225,17 +242,6 @@ def compare_command(
 
 def main() -> None:
     """Console entry point: usage errors become one ``traceml: error:`` line, exit code 2."""
-    try:
-        code = app(standalone_mode=False)
-    except typer.Abort:
-        code = 130
-    except Exception as exc:
-        # typer's usage errors (click's, vendored or not) carry format_message and exit_code.
-        format_message = getattr(exc, "format_message", None)
-        if format_message is None:
-            raise
-        message = format_message().replace("\n", " ").strip()
-        if message:
-            _error(message)
-        code = getattr(exc, "exit_code", 2)
-    sys.exit(code or 0)
+    from traceml.core.cli import run_app
+
+    sys.exit(run_app(app, _log))

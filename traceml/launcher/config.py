@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import secrets
 import time
@@ -10,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from traceml import settings
+from traceml.core import endpoint
 from traceml.core.rundir import validate_run_name
 
 MODES = ("summary", "cli", "dashboard")
@@ -35,8 +35,9 @@ def _seconds(value: float | None, setting: settings.Setting, flag: str = "") -> 
             return settings.env_float(setting, strict=True)
         except ValueError as exc:
             raise LaunchError(str(exc)) from None
-    if not (math.isfinite(value) and value > 0):
-        raise LaunchError(f"{flag} must be a finite number > 0 (got {value})")
+    error = endpoint.seconds_error(flag, value)
+    if error:
+        raise LaunchError(error)
     return value
 
 
@@ -60,7 +61,7 @@ class LaunchConfig:
     master_port: int | None = None
     run_name: str | None = None
     aggregator_host: str | None = None
-    aggregator_port: int = 29765
+    aggregator_port: int = endpoint.DEFAULT_PORT
     aggregator_bind_host: str | None = None
     mode: str = "summary"
     logs_dir: Path = Path("logs")
@@ -92,8 +93,7 @@ class LaunchConfig:
     @property
     def aggregator_target(self) -> str:
         """``host:port`` the ranks and launchers connect to."""
-        host = self.aggregator_host or self.master_addr
-        return f"[{host}]:{self.aggregator_port}" if ":" in host else f"{host}:{self.aggregator_port}"
+        return endpoint.target(self.aggregator_host or self.master_addr, self.aggregator_port)
 
     @property
     def launcher_target(self) -> str:
@@ -101,9 +101,7 @@ class LaunchConfig:
         (it may not be reachable from itself through the public address), others the target."""
         if not self.owns_aggregator:
             return self.aggregator_target
-        bind = self.aggregator_bind_host or "127.0.0.1"
-        host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
-        return f"[{host}]:{self.aggregator_port}" if ":" in host else f"{host}:{self.aggregator_port}"
+        return endpoint.local_target(self.aggregator_bind_host or "127.0.0.1", self.aggregator_port)
 
     def resolve(self) -> "LaunchConfig":
         """Validate and fill the defaults that depend on other flags.
@@ -132,8 +130,9 @@ class LaunchConfig:
             ("--master-port", self.master_port),
             ("--aggregator-port", self.aggregator_port),
         ):
-            if port is not None and not 0 < port < 65536:
-                raise LaunchError(f"{name} {port} is not a TCP port (1-65535)")
+            error = endpoint.port_error(name, port)
+            if error:
+                raise LaunchError(error)
         if self.mode not in MODES:
             raise LaunchError(f"--mode must be one of {', '.join(MODES)} (got {self.mode!r})")
         self.finalize_timeout_sec = _seconds(

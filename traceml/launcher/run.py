@@ -37,6 +37,7 @@ import sys
 import time
 
 from traceml import __version__, settings
+from traceml.core import log
 from traceml.launcher import aggregator, claim
 from traceml.launcher.config import LaunchConfig, LaunchError
 from traceml.launcher.live import LiveView
@@ -47,10 +48,7 @@ from traceml.launcher.torchrun import TorchrunProcess, exit_code, install_signal
 #: How often node 0's launcher looks at its aggregator while training runs, s.
 WATCH_INTERVAL_S = 1.0
 
-
-def say(message: str) -> None:
-    """One ``traceml:`` line on stderr."""
-    print(f"traceml: {message}", file=sys.stderr, flush=True)
+_log = log.get("launcher")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -158,7 +156,7 @@ class Launch:
         try:
             self._after_training(torchrun, returncode, node_manifest, run_manifest)
         except Exception as exc:  # fail-open: telemetry never changes the training's outcome
-            say(
+            _log.warning(
                 f"warning: TraceML failed after training ({type(exc).__name__}: {exc}); "
                 f"exit code {code} is torchrun's"
             )
@@ -190,7 +188,9 @@ class Launch:
                 partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
                 self._watch_claims(torchrun, run_manifest)
             except Exception as exc:
-                say(f"warning: stopped watching the aggregator ({type(exc).__name__}: {exc})")
+                _log.warning(
+                    f"warning: stopped watching the aggregator ({type(exc).__name__}: {exc})"
+                )
                 return torchrun.wait()
 
     def _live_view(self) -> LiveView | None:
@@ -199,7 +199,9 @@ class Launch:
         if config.mode == "summary":
             return None
         if config.nnodes > 1:
-            say(f"--mode {config.mode} is a single-node live view; this run shows the summary only")
+            _log.info(
+                f"--mode {config.mode} is a single-node live view; this run shows the summary only"
+            )
             return None
         return LiveView(config.mode, config.launcher_target, str(config.run_name))
 
@@ -217,7 +219,7 @@ class Launch:
         """Node 0's aggregator is not serving (``reason``): record it and warn; training goes on."""
         self.health.update(status="failed", reason=reason)
         manifest.event("aggregator_failed", aggregator=self.health)
-        say(
+        _log.warning(
             f"warning: the aggregator {reason}; training continues without telemetry and no "
             f"final summary will be written (see {self.run_dir.aggregator_stderr})"
         )
@@ -234,7 +236,7 @@ class Launch:
         if not missing:
             return False
         manifest.event("partial_summary", partial_summary={"path": str(path), "missing_ranks": missing})
-        say(
+        _log.info(
             f"partial summary written to {path}: ranks {missing} have not finished "
             f"{self.config.finalize_timeout_sec:g} s (--finalize-timeout-sec) after the first "
             "rank ended; training keeps running (TraceML never stops it; Ctrl-C does)"
@@ -260,7 +262,7 @@ class Launch:
         if not self.run_failure:
             return
         manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
-        say(
+        _log.error(
             f"error: the run cannot rendezvous: {self.run_failure}; stopping training on this "
             "node (no summary: nothing ran)"
         )
@@ -331,23 +333,26 @@ class Launch:
         try:
             reply = claim.register(self.config)
         except grpc.RpcError as exc:
-            say(
+            _log.warning(
                 f"warning: node 0's aggregator did not take this node's claim "
                 f"({exc.code().name}: {exc.details()})"
             )
             return True
         if not reply.accepted:
-            say(f"error: node 0 refused this node: {reply.reason}")
+            _log.error(f"error: node 0 refused this node: {reply.reason}")
         return reply.accepted
 
     def _wait_for_owner(self) -> bool:
         wait_s = self.config.aggregator_wait_sec
         target = self.config.aggregator_target
-        say(f"node {self.config.node_rank}: waiting up to {wait_s:g} s for node 0's aggregator at {target}")
+        _log.info(
+            f"node {self.config.node_rank}: waiting up to {wait_s:g} s for node 0's aggregator "
+            f"at {target}"
+        )
         try:
             aggregator.wait_serving(target, wait_s)
         except aggregator.AggregatorUnavailable as exc:
-            say(
+            _log.error(
                 f"error: {exc} (is node 0 running `traceml run` with the same --run-name, "
                 f"and is port {self.config.aggregator_port} reachable? raise the wait with "
                 f"{settings.AGGREGATOR_WAIT_SEC.name})"
@@ -362,14 +367,14 @@ class Launch:
         try:
             self.sampler = start_node_sampler(self.config)
         except Exception as exc:
-            say(f"warning: node sampler not started ({exc})")
+            _log.warning(f"warning: node sampler not started ({exc})")
 
     def _stop_sampler(self) -> None:
         if self.sampler is not None:
             try:
                 self.sampler.close()
             except Exception as exc:
-                say(f"warning: node sampler did not stop cleanly ({exc})")
+                _log.warning(f"warning: node sampler did not stop cleanly ({exc})")
 
     def _report_node_exit(self, report) -> bool:
         import grpc
@@ -378,7 +383,10 @@ class Launch:
             aggregator.report_node_exit(self.config.launcher_target, report)
             return True
         except grpc.RpcError as exc:
-            say(f"warning: could not report this node's exit to the aggregator ({exc.code().name})")
+            _log.warning(
+                "warning: could not report this node's exit to the aggregator "
+                f"({exc.code().name})"
+            )
             return False
 
     def _stop_aggregator(self) -> None:
@@ -401,17 +409,17 @@ class Launch:
         except grpc.RpcError as exc:
             self.health.update(status="failed", reason=f"finalize failed: {exc.code().name}")
             manifest.update(aggregator=self.health)
-            say(f"warning: no final summary: the aggregator failed ({exc.code().name})")
+            _log.warning(f"warning: no final summary: the aggregator failed ({exc.code().name})")
             return
         if reply.error:
             self.health.update(status="failed", reason=reply.error)
-            say(f"warning: no final summary: {reply.error}")
+            _log.warning(f"warning: no final summary: {reply.error}")
         else:
             sys.stdout.write(reply.summary_text)
             sys.stdout.flush()
             if reply.missing_ranks:
-                say(f"partial summary: ranks {list(reply.missing_ranks)} never finished")
-            say(f"summary: {reply.summary_json_path}")
+                _log.info(f"partial summary: ranks {list(reply.missing_ranks)} never finished")
+            _log.info(f"summary: {reply.summary_json_path}")
         artifacts = dict(manifest.data["artifacts"])
         for key, path in (
             ("final_summary_json", reply.summary_json_path),

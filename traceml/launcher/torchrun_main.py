@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from traceml.core import log
+
 #: Environment variable naming the JSON file this wrapper writes (set by the launcher).
 RANK_ENDS_FILE_ENV = "TRACEML_RANK_ENDS_FILE"
 
@@ -61,7 +63,7 @@ def main() -> None:
             try:
                 _write_failures(path, exc.failures)
             except OSError as err:
-                print(f"traceml: cannot record rank failures: {err}", file=sys.stderr)
+                log.get("launcher").warning(f"cannot record rank failures: {err}")
         raise
 
 

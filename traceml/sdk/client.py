@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 import threading
 import time
 import weakref
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from traceml import settings
+from traceml.sdk import failopen
 
 # grpc and the wire modules are imported by the sender thread as it starts, not by init(): they
 # cost ~0.2 s of CPU (most of it protobuf's), which then overlaps the script's set-up (model,
@@ -178,7 +178,7 @@ class TelemetryClient:
         self.identity = identity
         self.config = config or ClientConfig()
         self.stats = ClientStats()
-        self._warn = warn or (lambda msg: print(f"traceml: {msg}", file=sys.stderr, flush=True))
+        self._warn = warn or failopen.warn
         self._buffer: collections.deque = collections.deque()
         self._pending = None  # the Batch sent (or about to be) and not yet acknowledged
         self._sent_seq = 0  # highest sequence number ever put on the wire
@@ -269,12 +269,10 @@ class TelemetryClient:
         """
         if _in_forked_child:
             raise RuntimeError("no telemetry RPC from a forked child")
-        import grpc
+        from traceml.core import endpoint
 
-        from traceml import wire
-
-        with self._rpc_lock, grpc.insecure_channel(self.target) as channel:
-            return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)
+        with self._rpc_lock:
+            return endpoint.call(self.target, method, request, timeout_s)
 
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:

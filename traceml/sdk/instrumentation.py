@@ -84,12 +84,6 @@ def install_h2d() -> None:
         torch.Tensor.cuda = _timed_copy(torch.Tensor.cuda)
 
 
-def uninstall() -> None:
-    """Stop attributing time (hooks stay in place and pass through)."""
-    global _tracer
-    _tracer = None
-
-
 def add_phase(name: str, elapsed_ns: int) -> None:
     """Add ``elapsed_ns`` to phase ``name`` (one of :data:`PHASES`) of the open step."""
     tr = _tracer

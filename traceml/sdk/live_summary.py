@@ -13,6 +13,7 @@ import time
 
 from traceml import settings
 from traceml.sdk import session as session_mod
+from traceml.sdk.failopen import warn
 
 _warned = False
 
@@ -21,7 +22,7 @@ def _warn_once(message: str) -> None:
     global _warned
     if not _warned:
         _warned = True
-        session_mod.warn(f"traceml.summary(): {message}; returning {{}}")
+        warn(f"traceml.summary(): {message}; returning {{}}")
 
 
 def _number(name: str, value: float) -> float | int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from traceml.sdk.device import RankDevice
+from traceml.sdk.failopen import fail_open
 
 
 def _stats(index: int) -> dict:
@@ -60,8 +61,6 @@ class StepMemory:
         try:
             self._read(index, measurement)
         except Exception as exc:
-            from traceml.sdk.session import fail_open
-
             self._failed = True
             fail_open("reading step memory peaks", exc)
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from traceml import settings
 from traceml.sdk import client as client_mod
 from traceml.sdk.nvml import Nvml, NvmlUnavailable
-from traceml.sdk.session import warn
+from traceml.sdk.failopen import warn
 
 # psutil and traceml.wire (which loads grpc) are imported where they are used, on the sampler
 # thread or in the launcher: a rank's init() must not pay for them (~0.2 s measured here).

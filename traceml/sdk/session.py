@@ -15,13 +15,9 @@ import time
 
 from traceml import settings
 from traceml.sdk import client as client_mod
+from traceml.sdk.failopen import fail_open, warn
 from traceml.sdk.identity import RankInfo
 from traceml.sdk.step import StepTracer
-
-
-def warn(message: str) -> None:
-    """One ``traceml:``-prefixed line on stderr."""
-    print(f"traceml: {message}", file=sys.stderr, flush=True)
 
 
 class Session:
@@ -247,10 +243,3 @@ def _install_exit_hooks(session: Session) -> None:
 
     sys.excepthook = excepthook
     atexit.register(session.close)
-
-
-def fail_open(what: str, exc: BaseException) -> None:
-    """Report an SDK error as one warning, or raise it under ``TRACEML_STRICT=1``."""
-    if settings.env_bool(settings.STRICT):
-        raise exc
-    warn(f"{what} failed ({type(exc).__name__}: {exc}); training continues")

@@ -1,7 +1,8 @@
 """One training step: the clock around it and the phases measured inside it.
 
-:class:`StepTracer` owns the per-rank step state. ``with tracer.step(model):`` times one step on
-the CPU clock (``time.perf_counter_ns``); the hooks in :mod:`traceml.sdk.instrumentation` add
+:class:`StepTracer` owns the per-rank step state. :meth:`StepTracer.begin` and
+:meth:`StepTracer.end` (called by the ``with traceml.trace_step(model):`` context) time one step
+on the CPU clock (``time.perf_counter_ns``); the hooks in :mod:`traceml.sdk.instrumentation` add
 each phase's duration to the tracer while a step is open. At the end of a step the tracer hands
 one :class:`StepMeasurement` to the telemetry client, which puts its fields on the wire off the
 training thread.
