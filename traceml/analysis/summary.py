@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from traceml.analysis import health, memory, step_time, system, thresholds
+from traceml.analysis import health, memory, outside, step_time, system, thresholds
 from traceml.analysis.phases import PARTS, Profile, choose_clock, profiles
 from traceml.analysis.stats import bucket_medians, median
 from traceml.analysis.window import align
@@ -155,8 +155,10 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
     synchronized = any(
         (rd.identity or {}).get("parallelism") in ("ddp", "fsdp") for rd in run.ranks.values()
     )
+    outside_steps = outside.sections(window.steps, {r: rd.steps for r, rd in run.ranks.items()})
+    extra = [outside.finding(outside_steps, len(window.indices))]
     primary, step_findings = step_time.diagnose(
-        window, clock, profs, node_of, synchronized=synchronized
+        window, clock, profs, node_of, synchronized=synchronized, extra=[f for f in extra if f]
     )
     span = system.window_span_us(run, window)
     totals = memory.gpu_totals(run)
@@ -164,6 +166,8 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
         rank_summary(rd, profs.get(r), missing=missing, live=live, gpu_totals=totals, span=span)
         for r, rd in run.ranks.items()
     ]
+    for r in ranks:
+        r["outside_steps"] = outside_steps.get(r["rank"])
     nodes = node_summaries(run, ranks, span)
     gpu_ranks: dict[str, list[int]] = {}
     for r, rd in run.ranks.items():

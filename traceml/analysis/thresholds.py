@@ -37,6 +37,14 @@ STRAGGLER_GAP_PCT = 10.0
 #: is not a straggler).
 STRAGGLER_MIN_GAP_MS = 1.0
 
+# --- time outside the steps ---------------------------------------------------------------------
+#: OUTSIDE_STEP_TIME: the ranks spend at least this share of their wall time between steps,
+#: not waiting for the DataLoader (evaluation, checkpoints, logging between steps) (%).
+OUTSIDE_STEP_PCT = 20.0
+#: A gap between two steps counts as one outside-step pause when its outside-step time is at
+#: least this share of the rank's median step time (%) (and at least 1 ms).
+OUTSIDE_GAP_MIN_PCT = 50.0
+
 #: A step-time finding whose recoverable time is at least this share of the typical step is
 #: ``critical``; below it, ``warning``.
 CRITICAL_PCT = 40.0
