@@ -71,3 +71,41 @@ def test_periodic_evaluation_is_outside_step_time_not_input_wait():
     assert r0["phase_median_ms"]["input_wait"] == 2.0
     assert r0["step_time_ms"]["max"] == in_step_ms  # the pauses are not step time
     assert r0["outside_steps"]["first_gap_ms"] == 0.0
+
+
+def _ckpt_run(n=60, every=10, ckpt_ms=150, warmup=0):
+    """Rank 0 saves a checkpoint inside the step (its residual) every ``every`` steps; the
+    first ``warmup`` steps have a slow forward."""
+
+    def steps(r):
+        return [
+            step(
+                i,
+                residual=500 + (ckpt_ms * MS if r == 0 and i % every == every - 1 else 0),
+                forward=10 * MS + (60 * MS if i < warmup else 0),
+            )
+            for i in range(n)
+        ]
+
+    return run_of([rank(0, steps(0)), rank(1, steps(1))])
+
+
+def test_checkpoint_spikes_are_spikes_not_a_median():
+    s = build_summary(_ckpt_run())
+    p = s["primary_diagnosis"]
+    assert p["kind"] == "STEP_SPIKES"
+    assert p["ranks"] == [0]
+    assert [f["kind"] for f in s["findings"]["step_time"]] == []
+    ev = p["evidence"]
+    assert (ev["part"], ev["count"], ev["period_steps"]) == ("residual", 6, 10)
+    assert ev["steps"] == [9, 19, 29, 39, 49, 59]
+    assert (ev["size_ms"], ev["excess_ms"], ev["median_ms"]) == (150.5, 150.0, 0.5)
+    wall_ms = 55 * 33.5 + 6 * 150
+    assert ev["share_of_wall_pct"] == round(100 * 900 / wall_ms, 1)
+    assert "async_save" in p["action"]
+
+
+def test_slow_first_steps_are_warmup_not_spikes():
+    s = build_summary(_ckpt_run(ckpt_ms=0, warmup=15))
+    assert s["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"
+    assert s["findings"]["step_time"] == []

@@ -26,6 +26,7 @@ KINDS = {
         "STRAGGLER",
         "NODE_STRAGGLER",
         "OUTSIDE_STEP_TIME",
+        "STEP_SPIKES",
         "INSUFFICIENT_DATA",
     ),
     "memory": ("MEMORY_PRESSURE", "MEMORY_IMBALANCE", "MEMORY_CREEP"),

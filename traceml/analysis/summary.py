@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from traceml.analysis import health, memory, outside, step_time, system, thresholds
+from traceml.analysis import health, memory, outside, spikes, step_time, system, thresholds
 from traceml.analysis.phases import PARTS, Profile, choose_clock, profiles
 from traceml.analysis.stats import bucket_medians, median
 from traceml.analysis.window import align
@@ -157,6 +157,7 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
     )
     outside_steps = outside.sections(window.steps, {r: rd.steps for r, rd in run.ranks.items()})
     extra = [outside.finding(outside_steps, len(window.indices))]
+    extra += spikes.window_findings(clock, len(window.indices))
     primary, step_findings = step_time.diagnose(
         window, clock, profs, node_of, synchronized=synchronized, extra=[f for f in extra if f]
     )

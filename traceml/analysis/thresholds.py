@@ -45,6 +45,14 @@ OUTSIDE_STEP_PCT = 20.0
 #: least this share of the rank's median step time (%) (and at least 1 ms).
 OUTSIDE_GAP_MIN_PCT = 50.0
 
+# --- spikes, onsets, drift ---------------------------------------------------------------------
+#: A step is a spike of a part when the part exceeds its own median by at least this share of
+#: the rank's median step time (%) ...
+SPIKE_MIN_PCT = 100.0
+#: ... and the part spikes (STEP_SPIKES) when 2 or more spikes cost, summed, at least this
+#: share of the summed wall time of the window steps (%).
+SPIKE_SHARE_PCT = 10.0
+
 #: A step-time finding whose recoverable time is at least this share of the typical step is
 #: ``critical``; below it, ``warning``.
 CRITICAL_PCT = 40.0
