@@ -109,3 +109,71 @@ def test_slow_first_steps_are_warmup_not_spikes():
     s = build_summary(_ckpt_run(ckpt_ms=0, warmup=15))
     assert s["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"
     assert s["findings"]["step_time"] == []
+
+
+def test_straggler_from_step_32_has_its_onset_and_cost():
+    def steps(r):
+        return [step(i, forward=10 * MS + (30 * MS if r == 1 and i >= 32 else 0)) for i in range(80)]
+
+    s = build_summary(run_of([rank(0, steps(0)), rank(1, steps(1))]))
+    p = s["primary_diagnosis"]
+    assert (p["kind"], p["ranks"]) == ("COMPUTE_STRAGGLER", [1])
+    assert [f["kind"] for f in s["findings"]["step_time"]] == []  # no SLOWDOWN beside it
+    ev = p["evidence"]
+    assert (ev["onset_step"], ev["before_ms"], ev["after_ms"]) == (32, 0.0, 30.0)
+    assert "from step 32" in p["summary"]
+    assert (ev["wait_ms_per_step"], ev["cost_steps"]) == (30.0, 48)
+    assert ev["gpu_hours"] == round(2 * 30.0 * 48 / 3.6e6, 6)
+    scores = {r["rank"]: r["relative_score"] for r in s["ranks"]}
+    assert scores[0]["forward"] == 1.0 and scores[1]["forward"] == 0.25
+    assert scores[1]["backward"] == 1.0
+
+
+def test_straggler_from_the_start_has_no_onset():
+    def steps(r):
+        return [step(i, forward=10 * MS + (30 * MS if r == 1 else 0)) for i in range(60)]
+
+    ev = build_summary(run_of([rank(0, steps(0)), rank(1, steps(1))]))["primary_diagnosis"]
+    assert ev["evidence"]["onset_step"] is None
+    assert ev["evidence"]["cost_steps"] == 55
+
+
+def test_job_slowdown_and_drift():
+    def steps(extra):
+        return [step(i, residual=500 + extra(i)) for i in range(200)]
+
+    jump = build_summary(run_of([rank(0, steps(lambda i: 20 * MS if i >= 120 else 0))]))
+    p = jump["primary_diagnosis"]
+    assert (p["kind"], p["evidence"]["onset_step"]) == ("SLOWDOWN", 120)
+    assert (p["evidence"]["before_ms"], p["evidence"]["after_ms"]) == (33.5, 53.5)
+
+    creep = build_summary(run_of([rank(0, steps(lambda i: 100 * i))]))  # +0.1 ms per step
+    p = creep["primary_diagnosis"]
+    assert p["kind"] == "STEP_TIME_DRIFT"
+    assert p["evidence"]["rate_ms_per_1000_steps"] == pytest.approx(100.0, rel=0.01)
+
+
+def test_compare_interval_is_seeded_and_decides_the_gate():
+    import random
+
+    from traceml.report.compare import DEFAULT_GATE_PCT, change_interval, regressions_beyond
+
+    rng = random.Random(1)
+    a = [[20 + rng.gauss(0, 2) for _ in range(200)] for _ in range(2)]
+    same = [[20 + rng.gauss(0, 2) for _ in range(200)] for _ in range(2)]
+    slower = [[v * 1.1 for v in rank_steps] for rank_steps in a]
+    low, high = change_interval(a, same)
+    assert low < 0 < high and high - low < 8
+    assert change_interval(a, same) == (low, high)  # seeded: the same interval every time
+    low, high = change_interval(a, slower)
+    assert 5 < low < 10 < high < 15
+    assert change_interval(a, [[], []]) is None
+
+    def doc(change_pct, ci):
+        row = {"name": "step_time_ms", "key": True, "status": "regressed", "delta": 1.0,
+               "change_pct": change_pct, "change_ci_pct": ci}  # fmt: skip
+        return {"metrics": [row]}
+
+    assert regressions_beyond(doc(6.0, [-1.0, 13.0]), DEFAULT_GATE_PCT) == []  # noise
+    assert regressions_beyond(doc(4.0, [2.0, 6.0]), DEFAULT_GATE_PCT) == []  # small
+    assert len(regressions_beyond(doc(9.0, [2.0, 16.0]), DEFAULT_GATE_PCT)) == 1

@@ -27,6 +27,8 @@ KINDS = {
         "NODE_STRAGGLER",
         "OUTSIDE_STEP_TIME",
         "STEP_SPIKES",
+        "SLOWDOWN",
+        "STEP_TIME_DRIFT",
         "INSUFFICIENT_DATA",
     ),
     "memory": ("MEMORY_PRESSURE", "MEMORY_IMBALANCE", "MEMORY_CREEP"),

@@ -211,6 +211,12 @@ def _insufficient(window: Window, clock: Clock) -> Finding | None:
     return None
 
 
+def straggler_floor(step_ms: float) -> float:
+    """The smallest gap over the typical rank that makes a straggler (ms per step):
+    STRAGGLER_GAP_PCT of the typical step ``step_ms``, at least STRAGGLER_MIN_GAP_MS."""
+    return max(th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0)
+
+
 def _stragglers(
     profiles: dict[int, Profile],
     node_of: dict[int, int | None],
@@ -219,7 +225,7 @@ def _stragglers(
 ) -> list[Finding]:
     if len(profiles) < 2:
         return []
-    floor_ms = max(th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0)
+    floor_ms = straggler_floor(step_ms)
     findings: list[Finding] = []
     named: set[int] = set()
     # Under DDP/FSDP every step ends with a collective, so step times differ only by when
