@@ -10,6 +10,7 @@ import pytest
 from rundata_factory import rank, run_of, step
 from traceml.analysis.outside import split_gap
 from traceml.analysis.summary import build_summary
+from traceml.report.text import render_text
 from traceml.sdk.step import StepTracer
 
 MS = 1000  # µs
@@ -71,6 +72,10 @@ def test_periodic_evaluation_is_outside_step_time_not_input_wait():
     assert r0["phase_median_ms"]["input_wait"] == 2.0
     assert r0["step_time_ms"]["max"] == in_step_ms  # the pauses are not step time
     assert r0["outside_steps"]["first_gap_ms"] == 0.0
+    text = render_text(s)
+    assert "rank  wall %  pauses  median    max  every  first" in text
+    assert "   0      39       3   400.0  400.0     15    0.0" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
 
 
 def _ckpt_run(n=60, every=10, ckpt_ms=150, warmup=0):
@@ -113,7 +118,8 @@ def test_slow_first_steps_are_warmup_not_spikes():
 
 def test_straggler_from_step_32_has_its_onset_and_cost():
     def steps(r):
-        return [step(i, forward=10 * MS + (30 * MS if r == 1 and i >= 32 else 0)) for i in range(80)]
+        late = 30 * MS if r == 1 else 0
+        return [step(i, forward=10 * MS + (late if i >= 32 else 0)) for i in range(80)]
 
     s = build_summary(run_of([rank(0, steps(0)), rank(1, steps(1))]))
     p = s["primary_diagnosis"]

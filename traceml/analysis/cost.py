@@ -40,9 +40,10 @@ def annotate_straggler(
     ev = finding.evidence
     slow = clock.steps[ev["slow_rank"]]
     typical = clock.steps[ev["typical_rank"]]
+    slow_ms, typical_ms = part_ms(slow, clock, ev["part"]), part_ms(typical, clock, ev["part"])
     pairs = [
         (s["step"], a - b)
-        for s, a, b in zip(slow, part_ms(slow, clock, ev["part"]), part_ms(typical, clock, ev["part"]))
+        for s, a, b in zip(slow, slow_ms, typical_ms)
         if a is not None and b is not None
     ]
     onset.straggler_onset(finding, [g for _, g in pairs], [s for s, _ in pairs], floor_ms)

@@ -175,7 +175,9 @@ def sections(window_steps: dict[int, list[dict]], all_steps: dict[int, list[dict
         _, outside_us = split_gap(
             [s.get("input_wait_us") for s in steps], [s.get("dataloader_next_us") for s in steps]
         )
-        first = next((s for s in all_steps.get(rank, []) if s.get("input_wait_us") is not None), None)
+        first = next(
+            (s for s in all_steps.get(rank, []) if s.get("input_wait_us") is not None), None
+        )
         first_gap = (
             None
             if first is None

@@ -131,7 +131,8 @@ def part_columns(steps: list[dict], clock: Clock) -> dict[str, list[int | None]]
         columns["input_wait"], [s.get("dataloader_next_us") for s in steps]
     )
     residual = []
-    for step_us, outside, *phases in zip([s["step_us"] for s in steps], outside_us, *columns.values()):
+    step_column = [s["step_us"] for s in steps]
+    for step_us, outside, *phases in zip(step_column, outside_us, *columns.values()):
         measured = [v for v in phases if v is not None]
         residual.append(max(0, step_us - (outside or 0) - sum(measured)) if measured else None)
     columns["residual"] = residual

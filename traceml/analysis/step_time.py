@@ -390,8 +390,8 @@ def _compute_bound(profiles: dict[int, Profile], typ: dict, step_ms: float) -> F
         COMPUTE_BOUND,
         "info",
         f"Compute dominates: forward, backward and optimizer take {compute_ms:.1f} ms per "
-        f"step ({compute:.0f}% of the typical {step_ms:.1f} ms step; medians per step); no input, transfer, residual or straggler "
-        "bottleneck passed its threshold.",
+        f"step ({compute:.0f}% of the typical {step_ms:.1f} ms step; medians per step); no "
+        "input, transfer, residual or straggler bottleneck passed its threshold.",
         "To go faster, make the compute faster: mixed precision (bf16 autocast), "
         "torch.compile, fused optimizers, a larger batch per device if memory allows; on "
         "GPUs check the utilization figures.",
