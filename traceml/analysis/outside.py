@@ -82,7 +82,7 @@ def rank_outside(
         first_gap_us: outside-step time of the rank's first gap (before its step 1), µs.
 
     Returns:
-        ``{"share_of_wall_pct", "total_ms", "gaps", "gap_median_ms", "gap_max_ms",
+        ``{"share_of_wall_pct", "total_ms", "wall_ms", "gaps", "gap_median_ms", "gap_max_ms",
         "period_steps", "gap_steps", "first_gap_ms", "statistic"}``: the share is of the summed
         wall time of the window steps; ``gaps`` counts the long gaps (:func:`long_gaps`) and
         the median/max are over them. None when outside-step time is not separable (no
@@ -99,6 +99,7 @@ def rank_outside(
         "statistic": SUMMED,
         "share_of_wall_pct": round(100.0 * total_us / wall_us, 1) if wall_us else None,
         "total_ms": round(total_us / 1000.0, 3),
+        "wall_ms": round(wall_us / 1000.0, 3),
         "gaps": len(idx),
         "gap_median_ms": None if not sizes else round(median(sizes), 3),
         "gap_max_ms": None if not sizes else round(max(sizes), 3),

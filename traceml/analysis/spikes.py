@@ -51,7 +51,7 @@ def rank_spikes(steps: list[int], wall_us: list[int], part_us: list[int | None])
     Returns:
         ``{"statistic", "count", "size_ms" (median of the spiking steps' part time),
         "excess_ms" (median excess over the part's median), "median_ms", "period_steps",
-        "share_of_wall_pct" (summed excess / summed wall time), "steps" (at most 50),
+        "share_of_wall_pct" (100 x ``total_excess_ms`` / ``wall_ms``), "steps" (at most 50),
         "warmup_steps_left_out"}``.
     """
     med = median(part_us)
@@ -78,6 +78,7 @@ def rank_spikes(steps: list[int], wall_us: list[int], part_us: list[int | None])
         "period_steps": period([steps[i] for i in idx]),
         "share_of_wall_pct": round(share, 1),
         "total_excess_ms": round(sum(excess) / 1000.0, 3),
+        "wall_ms": round(sum(wall_us) / 1000.0, 3),
         "steps": [steps[i] for i in idx][:50],
         "warmup_steps_left_out": warmup,
     }

@@ -56,11 +56,12 @@ SPIKE_SHARE_PCT = 10.0
 #: Fewest steps on each side of a change point (onset of a straggler, SLOWDOWN).
 ONSET_MIN_STEPS = 5
 #: SLOWDOWN: the job's median step after the change point exceeds the median before by at
-#: least this share of it (%) (and 1 ms).
-SLOWDOWN_PCT = 20.0
+#: least this share of it (%) (and 1 ms). High: a busy shared host swings the step time of a
+#: whole job by 20 % for tens of steps.
+SLOWDOWN_PCT = 40.0
 #: STEP_TIME_DRIFT: a straight line fits the job's step time better than a change point and
 #: rises by at least this share of its median over the window (%) (and 1 ms).
-DRIFT_PCT = 20.0
+DRIFT_PCT = 40.0
 
 #: A step-time finding whose recoverable time is at least this share of the typical step is
 #: ``critical``; below it, ``warning``.
