@@ -15,16 +15,17 @@ from __future__ import annotations
 
 from traceml.analysis import onset
 from traceml.analysis.findings import Finding
-from traceml.analysis.phases import PARTS, Clock, Profile, in_step_us, part_columns
+from traceml.analysis.phases import PARTS, Clock, Profile, in_step_us
 
 _MS_PER_HOUR = 3_600_000.0
 
 
-def part_ms(steps: list[dict], clock: Clock, part: str) -> list[float | None]:
-    """One straggler part (``evidence.part``) of ``steps`` per step, in ms."""
+def part_ms(steps: list[dict], prof: Profile, part: str) -> list[float | None]:
+    """One straggler part (``evidence.part``) per step of ``steps`` (the clock's steps of
+    the rank of ``prof``), in ms."""
     if part == "step":
         return [v / 1000.0 for v in in_step_us(steps)]
-    columns = part_columns(steps, clock)
+    columns = prof.parts
     if part == "forward_optimizer":
         return [
             None if f is None and o is None else ((f or 0) + (o or 0)) / 1000.0
@@ -34,13 +35,18 @@ def part_ms(steps: list[dict], clock: Clock, part: str) -> list[float | None]:
 
 
 def annotate_straggler(
-    finding: Finding, clock: Clock, world_size: int, floor_ms: float
+    finding: Finding,
+    clock: Clock,
+    profiles: dict[int, Profile],
+    world_size: int,
+    floor_ms: float,
 ) -> None:
     """Add the onset (:func:`onset.straggler_onset`) and the cost to a straggler finding."""
     ev = finding.evidence
-    slow = clock.steps[ev["slow_rank"]]
-    typical = clock.steps[ev["typical_rank"]]
-    slow_ms, typical_ms = part_ms(slow, clock, ev["part"]), part_ms(typical, clock, ev["part"])
+    slow_rank, typical_rank = ev["slow_rank"], ev["typical_rank"]
+    slow = clock.steps[slow_rank]
+    slow_ms = part_ms(slow, profiles[slow_rank], ev["part"])
+    typical_ms = part_ms(clock.steps[typical_rank], profiles[typical_rank], ev["part"])
     pairs = [
         (s["step"], a - b)
         for s, a, b in zip(slow, slow_ms, typical_ms)

@@ -54,6 +54,13 @@ def split_gap(
     return wait, outside
 
 
+def outside_column(steps: list[dict]) -> list[int | None]:
+    """The outside-step time of each of ``steps`` (step field dicts), µs (:func:`split_gap`)."""
+    return split_gap(
+        [s.get("input_wait_us") for s in steps], [s.get("dataloader_next_us") for s in steps]
+    )[1]
+
+
 def long_gaps(steps: list[int], outside_us: list[int | None], step_ms: float) -> list[int]:
     """Indices into ``steps`` of the gaps that count as time outside the steps: at least
     OUTSIDE_GAP_MIN_PCT of the rank's median step time ``step_ms``, and at least 1 ms."""
@@ -173,18 +180,13 @@ def sections(window_steps: dict[int, list[dict]], all_steps: dict[int, list[dict
     gives the first gap, which lies before the window)."""
     out = {}
     for rank, steps in window_steps.items():
-        _, outside_us = split_gap(
-            [s.get("input_wait_us") for s in steps], [s.get("dataloader_next_us") for s in steps]
-        )
         first = next(
             (s for s in all_steps.get(rank, []) if s.get("input_wait_us") is not None), None
         )
-        first_gap = (
-            None
-            if first is None
-            else split_gap([first["input_wait_us"]], [first.get("dataloader_next_us")])[1][0]
-        )
         out[rank] = rank_outside(
-            [s["step"] for s in steps], [s["step_us"] for s in steps], outside_us, first_gap
+            [s["step"] for s in steps],
+            [s["step_us"] for s in steps],
+            outside_column(steps),
+            None if first is None else outside_column([first])[0],
         )
     return out

@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass, field
 
 from traceml.analysis import thresholds as th
-from traceml.analysis.outside import split_gap
+from traceml.analysis.outside import outside_column, split_gap
 from traceml.analysis.stats import describe, median
 from traceml.analysis.window import Window
 
@@ -157,6 +157,8 @@ class Profile:
         own_compute_ms: median of forward + optimizer per step: compute that never waits on
             other ranks in DDP (backward holds the gradient all-reduce, so it absorbs every
             rank's wait for the slowest); None when neither was measured.
+        parts: :func:`part_columns` of the clock's steps (µs), for the per-step analyses
+            (spikes, onsets) to reuse.
     """
 
     rank: int
@@ -165,6 +167,7 @@ class Profile:
     median_ms: dict[str, float | None]
     share_pct: dict[str, float | None]
     own_compute_ms: float | None
+    parts: dict[str, list[int | None]] = field(default_factory=dict, repr=False, compare=False)
 
 
 def _ms(us: float | None) -> float | None:
@@ -196,15 +199,13 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
         median_ms=median_ms,
         share_pct=share_pct,
         own_compute_ms=_ms(median(own)),
+        parts=parts,
     )
 
 
 def in_step_us(steps: list[dict]) -> list[int]:
     """Each step's time without its outside-step time (µs): input wait plus the step body."""
-    _, outside_us = split_gap(
-        [s.get("input_wait_us") for s in steps], [s.get("dataloader_next_us") for s in steps]
-    )
-    return [s["step_us"] - (o or 0) for s, o in zip(steps, outside_us)]
+    return [s["step_us"] - (o or 0) for s, o in zip(steps, outside_column(steps))]
 
 
 def profiles(window: Window, clock: Clock) -> dict[int, Profile]:

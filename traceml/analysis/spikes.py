@@ -16,7 +16,7 @@ from __future__ import annotations
 from traceml.analysis import thresholds as th
 from traceml.analysis.findings import SUMMED, Finding, ranks_text
 from traceml.analysis.outside import period
-from traceml.analysis.phases import Clock, part_columns
+from traceml.analysis.phases import Clock, Profile
 from traceml.analysis.stats import median
 
 STEP_SPIKES = "STEP_SPIKES"
@@ -114,11 +114,14 @@ def findings(per_rank: dict[int, dict[str, dict | None]], window_steps: int) -> 
     return out
 
 
-def window_findings(clock: Clock, window_steps: int) -> list[Finding]:
-    """:func:`findings` over every rank's steps on ``clock`` (its parts, its wall time)."""
+def window_findings(
+    clock: Clock, profiles: dict[int, Profile], window_steps: int
+) -> list[Finding]:
+    """:func:`findings` over every rank's steps on ``clock`` (the parts of its profile, its
+    wall time)."""
     per_rank = {}
     for rank, steps in clock.steps.items():
-        columns = part_columns(steps, clock)
+        columns = profiles[rank].parts
         index, wall = [s["step"] for s in steps], [s["step_us"] for s in steps]
         per_rank[rank] = {p: rank_spikes(index, wall, columns[p]) for p in SPIKE_PARTS}
     return findings(per_rank, window_steps)

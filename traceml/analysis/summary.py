@@ -151,28 +151,24 @@ def node_summaries(run: RunData, ranks: list[dict], span: tuple[int, int] | None
     return out
 
 
-def _sample(steps: list[dict]) -> list[float]:
+def _sample(values: list[int]) -> list[float]:
     """``ranks[].step_time_sample_ms``: the window's step times without time outside the
-    steps (ms), every k-th step so that at most STEP_SAMPLE_MAX remain; what ``traceml
-    compare`` bootstraps its interval from."""
-    values = in_step_us(steps)
+    steps (``values``, µs) in ms, every k-th step so that at most STEP_SAMPLE_MAX remain; what
+    ``traceml compare`` bootstraps its interval from."""
     stride = -(-len(values) // STEP_SAMPLE_MAX) if values else 1
     return [round(v / 1000.0, 3) for v in values[::stride]]
 
 
-def _onsets_and_costs(run, window, clock, primary, others):
+def _onsets_and_costs(run, clock, profs, in_step, primary, others):
     """Stragglers get their onset and cost; the job's SLOWDOWN or STEP_TIME_DRIFT joins the
     candidates (a straggler with an onset explains a slowdown); the largest impact leads."""
     found = [primary] + others
     for f in found:
         if f.kind.endswith("STRAGGLER"):
             floor = step_time.straggler_floor(f.evidence["step_time_ms"])
-            cost.annotate_straggler(f, clock, run.world_size, floor)
+            cost.annotate_straggler(f, clock, profs, run.world_size, floor)
     explained = any(f.evidence.get("onset_step") is not None for f in found)
-    series = {
-        r: ([s["step"] for s in steps], [v / 1000.0 for v in in_step_us(steps)])
-        for r, steps in window.steps.items()
-    }
+    series = {r: (steps, [v / 1000.0 for v in values]) for r, (steps, values) in in_step.items()}
     found = [f for f in found if f.kind != step_time.COMPUTE_BOUND] + onset.job_findings(
         series, explained
     )
@@ -198,14 +194,19 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
     synchronized = any(
         (rd.identity or {}).get("parallelism") in ("ddp", "fsdp") for rd in run.ranks.values()
     )
+    in_step = {  # rank -> (window steps, their time without time outside the steps, µs)
+        r: ([s["step"] for s in steps], in_step_us(steps)) for r, steps in window.steps.items()
+    }
     outside_steps = outside.sections(window.steps, {r: rd.steps for r, rd in run.ranks.items()})
     extra = [outside.finding(outside_steps, len(window.indices))]
-    extra += spikes.window_findings(clock, len(window.indices))
+    extra += spikes.window_findings(clock, profs, len(window.indices))
     primary, step_findings = step_time.diagnose(
         window, clock, profs, node_of, synchronized=synchronized, extra=[f for f in extra if f]
     )
     if primary.kind != step_time.INSUFFICIENT_DATA:
-        primary, step_findings = _onsets_and_costs(run, window, clock, primary, step_findings)
+        primary, step_findings = _onsets_and_costs(
+            run, clock, profs, in_step, primary, step_findings
+        )
     scores = cost.relative_scores(profs)
     span = system.window_span_us(run, window)
     totals = memory.gpu_totals(run)
@@ -216,7 +217,7 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
     for r in ranks:
         r["outside_steps"] = outside_steps.get(r["rank"])
         r["relative_score"] = scores.get(r["rank"])
-        r["step_time_sample_ms"] = _sample(window.steps.get(r["rank"], []))
+        r["step_time_sample_ms"] = _sample(in_step.get(r["rank"], ((), []))[1])
     nodes = node_summaries(run, ranks, span)
     gpu_ranks: dict[str, list[int]] = {}
     for r, rd in run.ranks.items():
