@@ -61,8 +61,8 @@ def outside_column(steps: list[dict]) -> list[int | None]:
     )[1]
 
 
-def long_gaps(steps: list[int], outside_us: list[int | None], step_ms: float) -> list[int]:
-    """Indices into ``steps`` of the gaps that count as time outside the steps: at least
+def long_gaps(outside_us: list[int | None], step_ms: float) -> list[int]:
+    """Indices into ``outside_us`` of the gaps that count as time outside the steps: at least
     OUTSIDE_GAP_MIN_PCT of the rank's median step time ``step_ms``, and at least 1 ms."""
     floor_us = max(1000.0, step_ms * 1000.0 * th.OUTSIDE_GAP_MIN_PCT / 100.0)
     return [i for i, v in enumerate(outside_us) if v is not None and v >= floor_us]
@@ -99,7 +99,7 @@ def rank_outside(
         return None
     wall_us = sum(step_us)
     in_step_ms = median(s - (o or 0) for s, o in zip(step_us, outside_us)) / 1000.0
-    idx = long_gaps(steps, outside_us, in_step_ms)
+    idx = long_gaps(outside_us, in_step_ms)
     sizes = [outside_us[i] / 1000.0 for i in idx]
     total_us = sum(v for v in outside_us if v is not None)
     return {
