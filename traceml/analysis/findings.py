@@ -25,6 +25,10 @@ KINDS = {
         "COMPUTE_STRAGGLER",
         "STRAGGLER",
         "NODE_STRAGGLER",
+        "OUTSIDE_STEP_TIME",
+        "STEP_SPIKES",
+        "SLOWDOWN",
+        "STEP_TIME_DRIFT",
         "INSUFFICIENT_DATA",
     ),
     "memory": ("MEMORY_PRESSURE", "MEMORY_IMBALANCE", "MEMORY_CREEP"),
@@ -47,6 +51,13 @@ KINDS = {
         "RESTARTED",
     ),
 }
+
+#: ``evidence.statistic`` of a step-time finding: its headline figure, its percentage and its
+#: evidence are all medians per step (the percentage is one median over another) ...
+MEDIAN = "median_per_step"
+#: ... or all totals over the window steps (the percentage is a share of the summed time:
+#: time outside the steps, spikes).
+SUMMED = "share_of_summed_time"
 
 
 @dataclass

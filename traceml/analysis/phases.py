@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass, field
 
 from traceml.analysis import thresholds as th
+from traceml.analysis.outside import outside_column, split_gap
 from traceml.analysis.stats import describe, median
 from traceml.analysis.window import Window
 from traceml.core import phases as table
@@ -116,15 +117,22 @@ def choose_clock(window: Window) -> Clock:
 
 def part_columns(steps: list[dict], clock: Clock) -> dict[str, list[int | None]]:
     """Each part of ``steps`` on ``clock``, as a column: part name (:data:`PARTS`) -> one value
-    per step in µs (None: not measured). The residual is the step minus the measured phases, at
-    least 0 (phases timed on the GPU may overlap host time). Built column by column: the
+    per step in µs (None: not measured), plus ``outside``: the time outside the step
+    (:func:`traceml.analysis.outside.split_gap`; input wait is then the DataLoader time alone).
+    The residual is the step minus its outside-step time and the measured phases, at least 0
+    (phases timed on the GPU may overlap host time). Built column by column: the
     analysis of a million steps must not build a dict per step."""
     columns = {name: [s.get(key) for s in steps] for name, key in clock.phase_fields}
+    columns["input_wait"], outside_us = split_gap(
+        columns["input_wait"], [s.get("dataloader_next_us") for s in steps]
+    )
     residual = []
-    for step_us, *phases in zip([s["step_us"] for s in steps], *columns.values()):
+    step_column = [s["step_us"] for s in steps]
+    for step_us, outside, *phases in zip(step_column, outside_us, *columns.values()):
         measured = [v for v in phases if v is not None]
-        residual.append(max(0, step_us - sum(measured)) if measured else None)
+        residual.append(max(0, step_us - (outside or 0) - sum(measured)) if measured else None)
     columns["residual"] = residual
+    columns["outside"] = outside_us
     return columns
 
 
@@ -135,14 +143,18 @@ class Profile:
     Attributes:
         rank: global rank.
         steps: number of window steps (``step_ms`` covers them all).
-        step_ms: ``describe`` of the step time (median, mean, p95, max, count).
+        step_ms: ``describe`` of the step time without time outside the steps (median, mean,
+            p95, max, count; :func:`in_step_us`).
         median_ms: per part (:data:`PARTS`, plus ``dataloader_next``), the median over the
             clock's steps where it was measured; None when never measured.
         share_pct: per part, its total over the steps as a share of the total step time
-            (unmeasured steps count 0); None when never measured.
+            without time outside the steps (unmeasured steps count 0); None when never
+            measured.
         own_compute_ms: median of forward + optimizer per step: compute that never waits on
             other ranks in DDP (backward holds the gradient all-reduce, so it absorbs every
             rank's wait for the slowest); None when neither was measured.
+        parts: :func:`part_columns` of the clock's steps (µs), for the per-step analyses
+            (spikes, onsets) to reuse.
     """
 
     rank: int
@@ -151,6 +163,7 @@ class Profile:
     median_ms: dict[str, float | None]
     share_pct: dict[str, float | None]
     own_compute_ms: float | None
+    parts: dict[str, list[int | None]] = field(default_factory=dict, repr=False, compare=False)
 
 
 def _ms(us: float | None) -> float | None:
@@ -162,7 +175,7 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
     clock's steps."""
     steps = clock.steps[rank]
     parts = part_columns(steps, clock)
-    total_us = sum(s["step_us"] for s in steps)
+    total_us = sum(s["step_us"] for s in steps) - sum(v or 0 for v in parts["outside"])
     median_ms: dict[str, float | None] = {}
     share_pct: dict[str, float | None] = {}
     for name in PARTS:
@@ -178,11 +191,17 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
     return Profile(
         rank=rank,
         steps=len(window_steps),
-        step_ms=describe(_ms(s["step_us"]) for s in window_steps),
+        step_ms=describe(_ms(v) for v in in_step_us(window_steps)),
         median_ms=median_ms,
         share_pct=share_pct,
         own_compute_ms=_ms(median(own)),
+        parts=parts,
     )
+
+
+def in_step_us(steps: list[dict]) -> list[int]:
+    """Each step's time without its outside-step time (µs): input wait plus the step body."""
+    return [s["step_us"] - (o or 0) for s, o in zip(steps, outside_column(steps))]
 
 
 def profiles(window: Window, clock: Clock) -> dict[int, Profile]:

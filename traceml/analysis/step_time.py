@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from traceml.analysis import thresholds as th
-from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.findings import MEDIAN, Finding, ranks_text
 from traceml.analysis.phases import Clock, Profile, missing_phases
 from traceml.analysis.stats import lower_median
 from traceml.analysis.window import Window
@@ -211,6 +211,12 @@ def _insufficient(window: Window, clock: Clock) -> Finding | None:
     return None
 
 
+def straggler_floor(step_ms: float) -> float:
+    """The smallest gap over the typical rank that makes a straggler (ms per step):
+    STRAGGLER_GAP_PCT of the typical step ``step_ms``, at least STRAGGLER_MIN_GAP_MS."""
+    return max(th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0)
+
+
 def _stragglers(
     profiles: dict[int, Profile],
     node_of: dict[int, int | None],
@@ -219,7 +225,7 @@ def _stragglers(
 ) -> list[Finding]:
     if len(profiles) < 2:
         return []
-    floor_ms = max(th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0)
+    floor_ms = straggler_floor(step_ms)
     findings: list[Finding] = []
     named: set[int] = set()
     # Under DDP/FSDP every step ends with a collective, so step times differ only by when
@@ -258,6 +264,7 @@ def _straggler_finding(
     worst = max(slow, key=lambda r: slow[r])
     gap = slow[worst]
     evidence = {
+        "statistic": MEDIAN,
         "part": part.name,
         "slow_rank": worst,
         "slow_ms": _round(values[worst]),
@@ -298,7 +305,7 @@ def _straggler_finding(
     summary = (
         f"{subject} {part.label}: {worst_ms} per step (typical {typical_where}: "
         f"{values[typical_rank]:.1f} ms); every step waits about {gap:.1f} ms for it "
-        f"({100.0 * gap / step_ms:.0f}% of the {step_ms:.1f} ms step)."
+        f"({100.0 * gap / step_ms:.0f}% of the {step_ms:.1f} ms step; medians per step)."
     )
     return Finding(
         kind,
@@ -338,20 +345,23 @@ def _bounds(profiles: dict[int, Profile], typ: dict, step_ms: float) -> list[Fin
     findings = []
     limits = th.as_dict()
     for bound in _BOUNDS:
-        share = typ["phase_share_pct"].get(bound.part)
         ms = typ["phase_median_ms"].get(bound.part)
+        if ms is None or not step_ms:
+            continue
+        # One statistic for the whole claim: the typical median per step, as a share of the
+        # typical median step (a few long steps move neither; they are spikes).
+        share = round(100.0 * ms / step_ms, 1)
         limit = limits[bound.threshold_name]
-        if share is None or ms is None or share < limit:
+        if share < limit:
             continue
         evidence = {
+            "statistic": MEDIAN,
             "part": bound.part,
             "typical_ms": ms,
             "typical_share_pct": share,
             "threshold_pct": limit,
             "step_time_ms": _round(step_ms),
-            "per_rank_share_pct": {
-                str(r): _round(p.share_pct[bound.part], 1) for r, p in profiles.items()
-            },
+            "per_rank_ms": {str(r): _round(p.median_ms[bound.part]) for r, p in profiles.items()},
         }
         if bound.part == "input_wait":
             evidence["dataloader_next_ms"] = typ["phase_median_ms"].get("dataloader_next")
@@ -360,7 +370,7 @@ def _bounds(profiles: dict[int, Profile], typ: dict, step_ms: float) -> list[Fin
                 bound.kind,
                 _severity(ms, step_ms),
                 f"The typical rank spends {ms:.1f} ms per step ({share:.0f}% of its "
-                f"{step_ms:.1f} ms step) {bound.words}; "
+                f"{step_ms:.1f} ms step; medians per step) {bound.words}; "
                 f"{'every rank' if len(profiles) > 1 else 'the rank'} is affected "
                 f"(threshold {bound.threshold_name} = {limit:g}%).",
                 bound.action,
@@ -373,18 +383,24 @@ def _bounds(profiles: dict[int, Profile], typ: dict, step_ms: float) -> list[Fin
 
 
 def _compute_bound(profiles: dict[int, Profile], typ: dict, step_ms: float) -> Finding:
-    shares = typ["phase_share_pct"]
-    compute = sum(shares.get(k) or 0.0 for k in ("forward", "backward", "optimizer"))
+    medians = typ["phase_median_ms"]
+    compute_ms = sum(medians.get(k) or 0.0 for k in ("forward", "backward", "optimizer"))
+    compute = 100.0 * compute_ms / step_ms if step_ms else 0.0
     return Finding(
         COMPUTE_BOUND,
         "info",
-        f"Compute dominates: forward, backward and optimizer take {compute:.0f}% of the "
-        f"typical {step_ms:.1f} ms step; no input, transfer, residual or straggler "
-        "bottleneck passed its threshold.",
+        f"Compute dominates: forward, backward and optimizer take {compute_ms:.1f} ms per "
+        f"step ({compute:.0f}% of the typical {step_ms:.1f} ms step; medians per step); no "
+        "input, transfer, residual or straggler bottleneck passed its threshold.",
         "To go faster, make the compute faster: mixed precision (bf16 autocast), "
         "torch.compile, fused optimizers, a larger batch per device if memory allows; on "
         "GPUs check the utilization figures.",
-        evidence={"compute_share_pct": round(compute, 1), "step_time_ms": _round(step_ms)},
+        evidence={
+            "statistic": MEDIAN,
+            "compute_ms": _round(compute_ms),
+            "compute_share_pct": round(compute, 1),
+            "step_time_ms": _round(step_ms),
+        },
         ranks=sorted(profiles),
     )
 
@@ -396,6 +412,7 @@ def diagnose(
     node_of: dict[int, int | None],
     *,
     synchronized: bool = False,
+    extra: list[Finding] = (),
 ) -> tuple[Finding, list[Finding]]:
     """The primary diagnosis and the other step-time findings (largest impact first).
 
@@ -406,14 +423,17 @@ def diagnose(
         node_of: node rank of each rank (None when unknown).
         synchronized: the ranks meet in a collective every step (DDP, FSDP), so a
             difference in step time alone names no straggler.
+        extra: further candidates with their ``impact_ms`` (outside-step time, spikes, ...).
     """
     missing = _insufficient(window, clock)
     if missing is not None:
         return missing, []
     typ = typical(profiles)
     step_ms = typ["step_time_ms"]
-    candidates = _stragglers(profiles, node_of, step_ms, synchronized) + _bounds(
-        profiles, typ, step_ms
+    candidates = (
+        _stragglers(profiles, node_of, step_ms, synchronized)
+        + _bounds(profiles, typ, step_ms)
+        + list(extra)
     )
     if not candidates:
         return _compute_bound(profiles, typ, step_ms), []

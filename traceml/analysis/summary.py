@@ -13,8 +13,18 @@ from __future__ import annotations
 
 import time
 
-from traceml.analysis import health, memory, step_time, system, thresholds
-from traceml.analysis.phases import PARTS, Profile, choose_clock, profiles
+from traceml.analysis import (
+    cost,
+    health,
+    memory,
+    onset,
+    outside,
+    spikes,
+    step_time,
+    system,
+    thresholds,
+)
+from traceml.analysis.phases import PARTS, Profile, choose_clock, in_step_us, profiles
 from traceml.analysis.stats import bucket_medians, median
 from traceml.analysis.window import align
 from traceml.analysis.rundata import RankData, RunData
@@ -23,6 +33,8 @@ from traceml.analysis.rundata import RankData, RunData
 SCHEMA_VERSION = 1
 #: Most points per rank in the charted series (``ranks[].series``); longer runs are bucketed.
 SERIES_MAX_POINTS = 400
+#: Most step times per rank in ``ranks[].step_time_sample_ms`` (the compare's bootstrap).
+STEP_SAMPLE_MAX = 500
 
 _EMPTY_PHASES = dict.fromkeys(PARTS + ("dataloader_next",))
 
@@ -139,6 +151,33 @@ def node_summaries(run: RunData, ranks: list[dict], span: tuple[int, int] | None
     return out
 
 
+def _sample(values: list[int]) -> list[float]:
+    """``ranks[].step_time_sample_ms``: the window's step times without time outside the
+    steps (``values``, µs) in ms, every k-th step so that at most STEP_SAMPLE_MAX remain; what
+    ``traceml compare`` bootstraps its interval from."""
+    stride = -(-len(values) // STEP_SAMPLE_MAX) if values else 1
+    return [round(v / 1000.0, 3) for v in values[::stride]]
+
+
+def _onsets_and_costs(run, clock, profs, in_step, primary, others):
+    """Stragglers get their onset and cost; the job's SLOWDOWN or STEP_TIME_DRIFT joins the
+    candidates (a straggler with an onset explains a slowdown); the largest impact leads."""
+    found = [primary] + others
+    for f in found:
+        if f.kind.endswith("STRAGGLER"):
+            floor = step_time.straggler_floor(f.evidence["step_time_ms"])
+            cost.annotate_straggler(f, clock, profs, run.world_size, floor)
+    explained = any(f.evidence.get("onset_step") is not None for f in found)
+    series = {r: (steps, [v / 1000.0 for v in values]) for r, (steps, values) in in_step.items()}
+    found = [f for f in found if f.kind != step_time.COMPUTE_BOUND] + onset.job_findings(
+        series, explained
+    )
+    if not found:
+        return primary, others
+    found.sort(key=lambda f: -f.impact_ms)
+    return found[0], found[1:]
+
+
 def build_summary(run: RunData, *, live: bool = False) -> dict:
     """The whole summary document for ``run``.
 
@@ -155,15 +194,30 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
     synchronized = any(
         (rd.identity or {}).get("parallelism") in ("ddp", "fsdp") for rd in run.ranks.values()
     )
+    in_step = {  # rank -> (window steps, their time without time outside the steps, µs)
+        r: ([s["step"] for s in steps], in_step_us(steps)) for r, steps in window.steps.items()
+    }
+    outside_steps = outside.sections(window.steps, {r: rd.steps for r, rd in run.ranks.items()})
+    extra = [outside.finding(outside_steps, len(window.indices))]
+    extra += spikes.window_findings(clock, profs, len(window.indices))
     primary, step_findings = step_time.diagnose(
-        window, clock, profs, node_of, synchronized=synchronized
+        window, clock, profs, node_of, synchronized=synchronized, extra=[f for f in extra if f]
     )
+    if primary.kind != step_time.INSUFFICIENT_DATA:
+        primary, step_findings = _onsets_and_costs(
+            run, clock, profs, in_step, primary, step_findings
+        )
+    scores = cost.relative_scores(profs)
     span = system.window_span_us(run, window)
     totals = memory.gpu_totals(run)
     ranks = [
         rank_summary(rd, profs.get(r), missing=missing, live=live, gpu_totals=totals, span=span)
         for r, rd in run.ranks.items()
     ]
+    for r in ranks:
+        r["outside_steps"] = outside_steps.get(r["rank"])
+        r["relative_score"] = scores.get(r["rank"])
+        r["step_time_sample_ms"] = _sample(in_step.get(r["rank"], ((), []))[1])
     nodes = node_summaries(run, ranks, span)
     gpu_ranks: dict[str, list[int]] = {}
     for r, rd in run.ranks.items():

@@ -37,6 +37,32 @@ STRAGGLER_GAP_PCT = 10.0
 #: is not a straggler).
 STRAGGLER_MIN_GAP_MS = 1.0
 
+# --- time outside the steps ---------------------------------------------------------------------
+#: OUTSIDE_STEP_TIME: the ranks spend at least this share of their wall time between steps,
+#: not waiting for the DataLoader (evaluation, checkpoints, logging between steps) (%).
+OUTSIDE_STEP_PCT = 20.0
+#: A gap between two steps counts as one outside-step pause when its outside-step time is at
+#: least this share of the rank's median step time (%) (and at least 1 ms).
+OUTSIDE_GAP_MIN_PCT = 50.0
+
+# --- spikes, onsets, drift ---------------------------------------------------------------------
+#: A step is a spike of a part when the part exceeds its own median by at least this share of
+#: the rank's median step time (%) ...
+SPIKE_MIN_PCT = 100.0
+#: ... and the part spikes (STEP_SPIKES) when 2 or more spikes cost, summed, at least this
+#: share of the summed wall time of the window steps (%).
+SPIKE_SHARE_PCT = 10.0
+
+#: Fewest steps on each side of a change point (onset of a straggler, SLOWDOWN).
+ONSET_MIN_STEPS = 5
+#: SLOWDOWN: the job's median step after the change point exceeds the median before by at
+#: least this share of it (%) (and 1 ms). High: a busy shared host swings the step time of a
+#: whole job by 20 % for tens of steps.
+SLOWDOWN_PCT = 40.0
+#: STEP_TIME_DRIFT: a straight line fits the job's step time better than a change point and
+#: rises by at least this share of its median over the window (%) (and 1 ms).
+DRIFT_PCT = 40.0
+
 #: A step-time finding whose recoverable time is at least this share of the typical step is
 #: ``critical``; below it, ``warning``.
 CRITICAL_PCT = 40.0

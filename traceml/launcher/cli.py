@@ -196,8 +196,9 @@ def compare_command(
     fail_on_regression: Optional[float] = typer.Option(
         None,
         metavar="PCT",
-        help="exit with code 3 when a key metric got worse by more than PCT percent, "
-        "and with 4 when the runs cannot be judged (INCONCLUSIVE)",
+        help="exit with code 3 when a key metric got worse by more than PCT percent (step "
+        "time: its 95% bootstrap interval above 0 and its estimate above PCT; 5 is the "
+        "documented CI default), and with 4 when the runs cannot be judged (INCONCLUSIVE)",
     ),
 ) -> None:
     """Compare two runs: per-metric deltas, the change of diagnosis, and a verdict."""
@@ -207,6 +208,7 @@ def compare_command(
         INCONCLUSIVE_EXIT_CODE,
         REGRESSION_EXIT_CODE,
         compare,
+        interval_text,
         regressions_beyond,
         render_compare_text,
     )
@@ -235,7 +237,11 @@ def compare_command(
             raise typer.Exit(INCONCLUSIVE_EXIT_CODE)
         worse = regressions_beyond(document, fail_on_regression)
         if worse:
-            names = ", ".join(f"{r['name']} {r['change_pct']:+.1f}%" for r in worse)
+            names = ", ".join(
+                f"{r['name']} {r['change_pct']:+.1f}%"
+                + (f" ({interval_text(r)})" if interval_text(r) else "")
+                for r in worse
+            )
             _error(f"regression beyond {fail_on_regression:g}%: {names}")
             raise typer.Exit(REGRESSION_EXIT_CODE)
 

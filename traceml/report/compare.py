@@ -18,15 +18,25 @@ runs, which only have step time:
 
 from __future__ import annotations
 
+import random
 import textwrap
 from dataclasses import dataclass
 
 from traceml.analysis.phases import PARTS
+from traceml.analysis.stats import lower_median, median, percentile
 from traceml.report.flat import flatten
 from traceml.report.fmt import num
 
 #: A change smaller than this share of the baseline is noise: ``unchanged`` (%).
 EQUIVALENT_PCT = 5.0
+#: The gate documented for CI (``--fail-on-regression 5``): a step-time regression fails it
+#: when its whole 95 % interval lies above 0 and its estimate exceeds 5 % (%).
+DEFAULT_GATE_PCT = 5.0
+#: Bootstrap of the step-time change: replicates, confidence level, RNG seed (a rerun of the
+#: same compare gives the same interval).
+BOOTSTRAP_REPLICATES = 1000
+BOOTSTRAP_CONFIDENCE = 95.0
+BOOTSTRAP_SEED = 0
 #: Exit code of ``traceml compare --fail-on-regression`` when a key metric regressed by more
 #: than the given percentage (2 is for usage errors).
 REGRESSION_EXIT_CODE = 3
@@ -87,6 +97,37 @@ def _metric_row(m: _Metric, a: dict, b: dict) -> dict | None:
     return row
 
 
+def _typical(samples: list[list[float]], rng: random.Random | None) -> float:
+    """The key step-time statistic of one run: the lower median across ranks of each rank's
+    median; with ``rng``, of one bootstrap resample (with replacement) of every rank."""
+    medians = []
+    for values in samples:
+        drawn = rng.choices(values, k=len(values)) if rng else values
+        medians.append(median(drawn))
+    return lower_median(medians)
+
+
+def change_interval(a: list[list[float]], b: list[list[float]]) -> tuple[float, float] | None:
+    """The :data:`BOOTSTRAP_CONFIDENCE` % interval of the step-time change from A to B (%).
+
+    Args:
+        a, b: each run's ``ranks[].step_time_sample_ms`` (one list per rank, ms).
+
+    Percentile bootstrap over steps, :data:`BOOTSTRAP_REPLICATES` replicates, seeded with
+    :data:`BOOTSTRAP_SEED`: each replicate resamples every rank's steps of both runs and takes
+    100 x (B's statistic / A's - 1). None when a run has no sample.
+    """
+    a, b = [v for v in a if v], [v for v in b if v]
+    if not a or not b:
+        return None
+    rng = random.Random(BOOTSTRAP_SEED)
+    changes = sorted(
+        100.0 * (_typical(b, rng) / _typical(a, rng) - 1.0) for _ in range(BOOTSTRAP_REPLICATES)
+    )
+    tail = (100.0 - BOOTSTRAP_CONFIDENCE) / 2.0
+    return (round(percentile(changes, tail), 1), round(percentile(changes, 100.0 - tail), 1))
+
+
 def _unfit(summary: dict, labels: dict) -> str:
     """Why a run cannot be compared ("" when it can): insufficient data, a rank that did not
     complete, or a partial summary."""
@@ -104,6 +145,12 @@ def compare(a: dict, b: dict, *, a_path: str = "", b_path: str = "") -> dict:
     """The compare document of summary documents ``a`` (baseline) and ``b``."""
     (ma, la), (mb, lb) = flatten(a), flatten(b)
     rows = [r for r in (_metric_row(m, ma, mb) for m in METRICS) if r is not None]
+    interval = change_interval(*(
+        [r.get("step_time_sample_ms") for r in doc["ranks"]] for doc in (a, b)
+    ))  # fmt: skip
+    for r in rows:
+        if r["name"] == "step_time_ms" and interval and r["status"] != "not_comparable":
+            r["change_ci_pct"] = list(interval)
     key = [r for r in rows if r["key"]]
     improved = [r["name"] for r in key if r["status"] == "improved"]
     regressed = [r["name"] for r in key if r["status"] == "regressed"]
@@ -179,12 +226,30 @@ def _side(summary: dict, labels: dict, path: str) -> dict:
 
 
 def regressions_beyond(document: dict, pct: float) -> list[dict]:
-    """Key metrics of a compare document that got worse by more than ``pct`` percent."""
-    return [
-        r
-        for r in document["metrics"]
-        if r["key"] and r["status"] == "regressed" and abs(r.get("change_pct") or 0.0) > pct
-    ]
+    """Key metrics of a compare document that got worse by more than ``pct`` percent.
+
+    Step time, when both runs carry a step-time sample, is judged on its interval
+    (``change_ci_pct``): it must lie wholly above 0 (B slower beyond the noise of its steps)
+    and the estimate must exceed ``pct``. Other metrics, one figure per run, on the estimate.
+    """
+    worse = []
+    for r in document["metrics"]:
+        if not r["key"] or abs(r.get("change_pct") or 0.0) <= pct:
+            continue
+        ci = r.get("change_ci_pct")
+        if ci is not None and ci[0] > 0 and r["delta"] > 0:
+            worse.append(r)
+        elif ci is None and r["status"] == "regressed":
+            worse.append(r)
+    return worse
+
+
+def interval_text(row: dict) -> str:
+    """``"95% interval +1.2% to +3.4%"`` of a metric row with ``change_ci_pct``, else ``""``."""
+    ci = row.get("change_ci_pct")
+    if ci is None:
+        return ""
+    return f"{BOOTSTRAP_CONFIDENCE:g}% interval {ci[0]:+.1f}% to {ci[1]:+.1f}%"
 
 
 def _value(row: dict, side: str) -> str:
@@ -232,6 +297,13 @@ def render_compare_text(document: dict) -> str:
             f"{r['name'] + (' *' if r['key'] else ''):<22}{_value(r, 'a'):>11}"
             f"{_value(r, 'b'):>11}{delta:>11}{pct:>8}  {r['status']}"
         )
+    for r in document["metrics"]:
+        if interval_text(r):
+            lines += textwrap.wrap(
+                f"{r['name']} change: {interval_text(r)} (bootstrap over steps, "
+                f"{BOOTSTRAP_REPLICATES} replicates, seed {BOOTSTRAP_SEED}).",
+                width,
+            )
     lines += textwrap.wrap(
         f"* key metric (decides the verdict). A change under {document['equivalent_pct']:g}% "
         "of A's value (for step parts: of A's step time) is unchanged.",

@@ -1,7 +1,8 @@
 """``final_summary.txt``: the summary for a human, verdict first, at most 80 columns wide.
 
 Order: a one-line header (run, topology, window, clock), the verdict (what, why, next), the
-other findings, then compact tables: step time per rank, memory, processes, nodes, rank ends.
+other findings, then compact tables: step time per rank, time outside the steps, memory,
+processes, nodes, rank ends.
 Everything comes from the summary document, so ``traceml view`` renders a saved JSON the same.
 """
 
@@ -134,6 +135,26 @@ def _step_table(summary: dict) -> list[str]:
     return lines
 
 
+def _outside_table(summary: dict) -> list[str]:
+    """Time outside the steps per rank (``ranks[].outside_steps``), when any rank paused."""
+    shown, _ = rank_rows(summary)
+    rows = [
+        [str(r["rank"]), num(o["share_of_wall_pct"], 0), str(o["gaps"]),
+         num(o["gap_median_ms"]), num(o["gap_max_ms"]), num(o["period_steps"], 0),
+         num(o["first_gap_ms"])]
+        for r in shown
+        for o in [r.get("outside_steps")]
+        if o and o["gaps"]
+    ]  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "",
+        "Time outside the steps (not DataLoader wait; % of wall time, pauses in ms;",
+        "first: the gap before step 1, start-up, left out of the share)",
+    ] + _table(["rank", "wall %", "pauses", "median", "max", "every", "first"], rows)
+
+
 def _memory_table(summary: dict) -> list[str]:
     shown, _ = rank_rows(summary)
     rows = [
@@ -232,6 +253,7 @@ def render_text(summary: dict) -> str:
     lines += _verdict(summary)
     lines += _findings(summary)
     lines += _step_table(summary)
+    lines += _outside_table(summary)
     lines += _memory_table(summary)
     lines += _process_table(summary)
     lines += _node_table(summary)

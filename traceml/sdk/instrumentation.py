@@ -240,7 +240,7 @@ def _timed_next(original):
         try:
             return original(self)
         finally:
-            tr.add_dataloader(_now_ns() - start)
+            tr.add_dataloader(_now_ns() - start, id(self))
             tr.phase_depth -= 1
 
     __next__.__traceml_original__ = original

@@ -11,10 +11,17 @@ Definitions (all durations per step, in ns here and µs on the wire):
 
 * step time: from the end of the previous step to the end of this one (for the first step, from
   its start), so it includes the input wait;
-* input wait: from the end of the previous step to the start of this one, plus DataLoader
-  ``__next__`` time spent inside the step body; absent for the first step;
-* DataLoader next: time inside ``__next__`` of any DataLoader iterator since the previous step
-  (supporting evidence: a loop without a DataLoader still has an input wait);
+* input wait (``input_wait_us`` on the wire): from the end of the previous step to the start
+  of this one, plus DataLoader ``__next__`` time spent inside the step body; absent for the
+  first step. It is the whole gap between two steps: the analysis
+  (:mod:`traceml.analysis.outside`) keeps only the DataLoader part as input wait when a
+  DataLoader fed the step, and calls the rest time outside the steps (evaluation,
+  checkpoints, logging between steps);
+* DataLoader next: time inside ``__next__`` of the DataLoader iterator that fed this step:
+  its calls since the previous step (only the last run of calls to one iterator: an
+  evaluation loader iterated between two steps is not this step's input) plus its calls
+  inside the step body. A loop without a DataLoader has no DataLoader next, and its whole gap
+  is its fetch;
 * forward, backward, optimizer, H2D: see :mod:`traceml.sdk.instrumentation`;
 * residual (computed by the analysis): step time minus the phases that were measured.
 """
@@ -123,8 +130,10 @@ class StepTracer:
         self.optimizer_ns: int | None = None
         self.h2d_ns = 0
         self.dataloader_in_step_ns = 0
-        #: DataLoader ``__next__`` time since the previous step ended (ns).
+        #: DataLoader ``__next__`` time since the previous step ended (ns), of the iterator
+        #: called last (``_pending_iterator``, its ``id()``).
         self.dataloader_pending_ns: int | None = None
+        self._pending_iterator: int | None = None
         self.forward_depth = 0
         #: Backward or optimizer calls in progress (a host-to-device copy inside one is its time).
         self.phase_depth = 0
@@ -136,12 +145,22 @@ class StepTracer:
         self.memory_reader = None
 
     # -- phases: called by the instrumentation hooks --------------------------------------------
-    def add_dataloader(self, elapsed_ns: int) -> None:
-        """Account one DataLoader ``__next__`` call (inside or between steps)."""
+    def add_dataloader(self, elapsed_ns: int, iterator: int = 0) -> None:
+        """Account one DataLoader ``__next__`` call (inside or between steps).
+
+        Args:
+            elapsed_ns: time inside the call.
+            iterator: ``id()`` of the DataLoader iterator. Between steps only the calls of the
+                iterator called last count (a call to another iterator starts over), so the
+                batches of an evaluation loader read between two steps are not input wait.
+        """
         if self.in_step:
             self.dataloader_in_step_ns += elapsed_ns
+        elif iterator == self._pending_iterator and self.dataloader_pending_ns is not None:
+            self.dataloader_pending_ns += elapsed_ns
         else:
-            self.dataloader_pending_ns = (self.dataloader_pending_ns or 0) + elapsed_ns
+            self._pending_iterator = iterator
+            self.dataloader_pending_ns = elapsed_ns
 
     # -- the step ---------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -189,7 +208,7 @@ class StepTracer:
         m.backward_ns = self.backward_ns
         m.optimizer_ns = self.optimizer_ns
         self._last_end_ns = end_ns
-        self.dataloader_pending_ns = None
+        self.dataloader_pending_ns = self._pending_iterator = None
         self.steps_completed += 1
         self._emit(m)
 
@@ -198,4 +217,4 @@ class StepTracer:
         self.in_step = False
         self.gpu_step = None
         self._last_end_ns = _now_ns()
-        self.dataloader_pending_ns = None
+        self.dataloader_pending_ns = self._pending_iterator = None
