@@ -30,7 +30,7 @@ def test_only_the_iterator_that_fed_the_step_is_its_input_wait():
     tracer.begin()
     tracer.add_dataloader(4_000_000, iterator=2)  # a micro-batch fetched inside the step
     tracer.end()
-    assert steps[1].dataloader_ns == 7_000_000
+    assert steps[1].dataloader_next_ns == 7_000_000
     assert steps[1].input_wait_ns >= 4_000_000  # the whole gap, plus the in-step fetch
 
 
