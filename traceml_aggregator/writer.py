@@ -4,8 +4,11 @@ RPC handlers on the event loop hand batches to :meth:`Writer.store` and await th
 writer task takes everything queued at that moment (up to :data:`MAX_BATCHES_PER_TRANSACTION`),
 stores it in one transaction on its own thread (the only thread that touches the
 :class:`~traceml_aggregator.store.Store`), and resolves each handler's future with the stored
-sequence number, which the handler returns as the acknowledgement. Because a batch is
-acknowledged only after its transaction committed, an acknowledged batch is durable.
+sequence number, which the handler returns as the acknowledgement. A batch is acknowledged only
+after its transaction committed, so an acknowledged batch survives the aggregator process dying
+in any way; a commit that fails (a full disk) acknowledges nothing, and its senders resend. The
+store commits with ``synchronous=NORMAL`` (see :mod:`traceml_aggregator.store` for why): an
+operating-system crash of node 0 can lose the last commits, a process crash cannot.
 """
 
 from __future__ import annotations
@@ -48,7 +51,13 @@ class Writer:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def store_batch(self, batch) -> WriteResult:
-        """Queue ``batch`` and wait until it is durably stored (or found to be a duplicate)."""
+        """Queue ``batch`` and wait until its transaction committed (or it was found to be a
+        duplicate).
+
+        Raises:
+            sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
+                was stored.
+        """
         future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((batch, future))
         return await future
