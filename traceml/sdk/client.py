@@ -13,7 +13,7 @@ never stored twice.
 
 What the client had to give up is counted, never silently lost: records refused because the
 buffer was full (``TRACEML_BUFFER_MAX_RECORDS``, the only bound: while the aggregator is out of
-reach, records accumulate there). The count travels in the rank's
+reach, records accumulate there), and steps holding a value the wire cannot carry. The count travels in the rank's
 :class:`~traceml.wire.RankFinish`; :class:`ClientStats` also counts failed calls and resends.
 
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
@@ -98,11 +98,14 @@ class ClientStats:
     #: Pending records converted at close before they were ready (steps whose CUDA events
     #: never completed: sent without GPU fields).
     unresolved: int = 0
+    #: Steps with a value the wire cannot carry (negative, or beyond 64 bits): a bug of the
+    #: measurement, never a reason to lose the rest of their batch.
+    dropped_invalid: int = 0
 
     @property
     def dropped(self) -> int:
         """All records this client could not deliver."""
-        return self.dropped_buffer_full
+        return self.dropped_buffer_full + self.dropped_invalid
 
 
 # --- fork hooks: shared by every client of the process ------------------------------------
@@ -348,7 +351,13 @@ class TelemetryClient:
                 getattr(batch, kind).append(item)
             self._buffer.popleft()
             records += 1
-        add_steps(batch, steps)
+        try:
+            add_steps(batch, steps)
+        except (ValueError, TypeError):  # a value the wire cannot carry: drop that step alone
+            del batch.step_groups[:]
+            valid = [step for step in steps if _fits_wire(step)]
+            self.stats.dropped_invalid += len(steps) - len(valid)
+            add_steps(batch, valid)
         last = not self._buffer and self._closing and self._finish is not None
         if records == 0 and not last:
             return None
@@ -435,6 +444,11 @@ class TelemetryClient:
                 pass
         self._channel = None
         self._stub = None
+
+
+def _fits_wire(step: dict) -> bool:
+    """Whether every field of ``step`` is an integer a uint64 column takes."""
+    return all(type(v) is int and 0 <= v < 1 << 64 for v in step.values())
 
 
 def _load_wire() -> None:

@@ -43,6 +43,7 @@ class Session:
         self.backend = ""  # process-group backend ("gloo", "nccl"), "" before one is seen
         self._exception: BaseException | None = None
         self._closed = False
+        self._nested_warned = False
         self.client = client_mod.TelemetryClient(
             target,
             run_name,
@@ -161,6 +162,15 @@ class Session:
             self.parallelism = "ddp"
         elif name in ("FullyShardedDataParallel", "FSDPModule") or "FSDP" in name:
             self.parallelism = "fsdp"
+
+    def note_nested_step(self) -> None:
+        """A ``trace_step`` opened inside an open step: warn once (it counts as the outer's)."""
+        if not self._nested_warned:
+            self._nested_warned = True
+            warn(
+                "trace_step() opened inside an open step; the inner block is timed as part of "
+                "the outer step"
+            )
 
     def record_exception(self, exc: BaseException) -> None:
         """Remember the exception that ends the process (reported in the finish marker)."""
