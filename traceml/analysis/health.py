@@ -54,6 +54,22 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
     }
 
 
+def last_seen_us(rd: RankData) -> float:
+    """When ``rd`` was last seen alive, Unix µs: its finish marker's arrival, else its last
+    process sample (the node sampler's, about one a second while the process lives), else the
+    end of its last stored step; +inf when nothing is known. A rank that failed because another
+    one had (a collective's peer vanished) was seen alive after that one, so the crashed ranks
+    sorted by it name the first failure first."""
+    if rd.finish and rd.finish.get("received_unix_us"):
+        return rd.finish["received_unix_us"]
+    if rd.process_samples:
+        return rd.process_samples[-1]["unix_us"]
+    start = (rd.identity or {}).get("start_unix_us")
+    if rd.steps and start is not None:
+        return start + rd.steps[-1]["end_us"]
+    return float("inf")
+
+
 def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
     """Health findings over the summary's ``ranks`` (each with ``end``) and the run.
 
@@ -65,7 +81,10 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
     for r in ranks:
         by_state.setdefault(r["end"]["state"], []).append(r)
 
-    crashed = by_state.get(FAILED, []) + by_state.get(SIGNALED, [])
+    crashed = sorted(
+        by_state.get(FAILED, []) + by_state.get(SIGNALED, []),
+        key=lambda r: (last_seen_us(run.ranks[r["rank"]]), r["rank"]),
+    )
     if crashed:
         first = crashed[0]["end"]
         how = (
