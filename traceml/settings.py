@@ -73,7 +73,7 @@ SAMPLE_INTERVAL_SEC = Setting(
 MEMORY_EVERY_N_STEPS = Setting(
     "TRACEML_MEMORY_EVERY_N_STEPS",
     "10",
-    "CUDA allocator peaks are read (and reset) once every N steps.",
+    "CUDA allocator peaks are read (never reset) once every N steps.",
 )
 GPU_TIMING_EVERY_N_STEPS = Setting(
     "TRACEML_GPU_TIMING_EVERY_N_STEPS",
