@@ -42,6 +42,11 @@ AGGREGATOR_WAIT_SEC = Setting(
 LIVE_REFRESH_SEC = Setting(
     "TRACEML_LIVE_REFRESH_SEC", "5", "Seconds between refreshes of --mode cli/dashboard views."
 )
+HANG_TIMEOUT_SEC = Setting(
+    "TRACEML_HANG_TIMEOUT_SEC",
+    "300",
+    "Seconds without a completed step before a live rank is reported as hung (> 0).",
+)
 AGGREGATOR_START_SEC = Setting(
     "TRACEML_AGGREGATOR_START_SEC", "60", "How long node 0 waits for its aggregator to serve."
 )
@@ -62,6 +67,12 @@ BUFFER_MAX_RECORDS = Setting(
     "65536",
     "Bound of the in-process buffer, records; it also holds what waits while the aggregator "
     "is out of reach. Records beyond it are dropped and counted.",
+)
+HEARTBEAT_SEC = Setting(
+    "TRACEML_HEARTBEAT_SEC",
+    "5",
+    "While a rank has nothing to send (no step completes: a hang, a long evaluation), its "
+    "sender still ships its progress (step count and phase) this often, s.",
 )
 RPC_TIMEOUT_SEC = Setting("TRACEML_RPC_TIMEOUT_SEC", "5", "Deadline of one Push RPC, s.")
 FINISH_TIMEOUT_SEC = Setting(

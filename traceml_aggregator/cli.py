@@ -58,7 +58,27 @@ def _parser() -> argparse.ArgumentParser:
         help=f"finalization budget, s (default ${settings.FINALIZE_TIMEOUT_SEC.name} or "
         f"{settings.FINALIZE_TIMEOUT_SEC.default})",
     )
+    p.add_argument(
+        "--hang-timeout-sec",
+        type=float,
+        default=None,
+        help="seconds without a completed step before a live rank is reported as hung "
+        f"(default ${settings.HANG_TIMEOUT_SEC.name} or {settings.HANG_TIMEOUT_SEC.default})",
+    )
     return p
+
+
+def _seconds(value: float | None, setting, flag: str) -> tuple[float, str]:
+    """``(seconds, "")`` from the flag, else the environment; ``(0, error)`` when either is
+    not a finite number > 0."""
+    if value is None:
+        try:
+            return settings.env_float(setting, strict=True), ""
+        except ValueError as exc:
+            return 0.0, str(exc)
+    if not (math.isfinite(value) and value > 0):
+        return 0.0, f"{flag} {value} must be a finite number > 0"
+    return value, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         error = f"--world-size {args.world_size} must be >= 1"
     if not error and args.nnodes is not None and args.nnodes < 1:
         error = f"--nnodes {args.nnodes} must be >= 1"
-    timeout = args.finalize_timeout_sec
-    if timeout is None:
-        try:
-            timeout = settings.env_float(settings.FINALIZE_TIMEOUT_SEC, strict=True)
-        except ValueError as exc:
-            error = error or str(exc)
-    elif not (math.isfinite(timeout) and timeout > 0):
-        error = error or f"--finalize-timeout-sec {timeout} must be a finite number > 0"
+    timeout, bad = _seconds(
+        args.finalize_timeout_sec, settings.FINALIZE_TIMEOUT_SEC, "--finalize-timeout-sec"
+    )
+    error = error or bad
+    hang_timeout, bad = _seconds(
+        args.hang_timeout_sec, settings.HANG_TIMEOUT_SEC, "--hang-timeout-sec"
+    )
+    error = error or bad
     if error:
         print(f"traceml-aggregator: error: {error}", file=sys.stderr)
         return 2
@@ -94,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         html_report=args.html_report,
         summary_at_stop=args.summary_at_stop,
         finalize_timeout_s=timeout,
+        hang_timeout_s=hang_timeout,
     )
 
     def ready(port: int) -> None:

@@ -177,6 +177,10 @@ class Store:
         """Store one run-level fact (run name, expected world size, ...)."""
         self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
+    def delete_meta(self, key: str) -> None:
+        """Forget one run-level fact (no error when absent)."""
+        self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
+
     def meta(self) -> dict[str, str]:
         """All run-level facts."""
         return dict(self._db.execute("SELECT key, value FROM meta"))

@@ -75,6 +75,9 @@ class ClientConfig:
     rpc_timeout_s: float = field(
         default_factory=lambda: settings.env_float(settings.RPC_TIMEOUT_SEC)
     )
+    #: Longest time without a batch while the client has a ``progress`` slot, seconds: a
+    #: progress-only batch goes out then (the aggregator's evidence that the rank lives).
+    heartbeat_s: float = field(default_factory=lambda: settings.env_float(settings.HEARTBEAT_SEC))
     #: Longest pause between reconnect attempts, seconds (backoff doubles from 0.2 s).
     max_backoff_s: float = 5.0
 
@@ -157,6 +160,10 @@ class TelemetryClient:
         restart_count: torchrun attempt (``TORCHELASTIC_RESTART_COUNT``); keeps attempts apart.
         identity: callable returning the :class:`~traceml.wire.RankIdentity` to send with the
             first batch (called on the sender thread when that batch is built), or None.
+        progress: callable returning ``(steps_completed, phase)`` (see ``Progress`` in
+            ``proto/traceml/wire/v1/step.proto``), read on the sender thread for every batch;
+            with it, a batch goes out at least every ``config.heartbeat_s`` even when nothing
+            else is buffered. None for a node sampler.
         config: tuning; defaults from the ``TRACEML_*`` environment.
         warn: where one-line warnings go (stderr by default).
     """
@@ -170,6 +177,7 @@ class TelemetryClient:
         node_rank: int = 0,
         restart_count: int = 0,
         identity=None,
+        progress: Callable[[], tuple[int, str]] | None = None,
         config: ClientConfig | None = None,
         warn: Callable[[str], None] | None = None,
     ) -> None:
@@ -179,6 +187,8 @@ class TelemetryClient:
         self.node_rank = node_rank
         self.restart_count = restart_count
         self.identity = identity
+        self.progress = progress
+        self._last_batch_at = time.monotonic()  # when the last batch was built (heartbeats)
         self.config = config or ClientConfig()
         self.stats = ClientStats()
         self._warn = warn or (lambda msg: print(f"traceml: {msg}", file=sys.stderr, flush=True))
@@ -359,8 +369,16 @@ class TelemetryClient:
             self.stats.dropped_invalid += len(steps) - len(valid)
             add_steps(batch, valid)
         last = not self._buffer and self._closing and self._finish is not None
-        if records == 0 and not last:
+        now = time.monotonic()
+        if records == 0 and not last and (
+            self.progress is None or now - self._last_batch_at < self.config.heartbeat_s
+        ):
             return None
+        self._last_batch_at = now
+        if self.progress is not None:
+            steps_completed, phase = self.progress()
+            batch.progress.steps_completed = steps_completed
+            batch.progress.phase = phase
         batch.seq = self._next_seq
         self._next_seq += 1
         if batch.seq == 1 and self.identity is not None:

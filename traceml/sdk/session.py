@@ -50,6 +50,7 @@ class Session:
             rank=info.rank,
             restart_count=info.restart_count,
             identity=self._identity,
+            progress=self._progress,
         )
         self.tracer = StepTracer(
             functools.partial(self.client.submit, client_mod.STEPS), time.perf_counter_ns()
@@ -58,6 +59,11 @@ class Session:
         #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.
         self.device = None
         self.step_context = None  # the reusable context manager trace_step() returns
+
+    def _progress(self) -> tuple[int, str]:
+        """``(steps_completed, phase)`` now, for the sender thread (two attribute reads)."""
+        tracer = self.tracer
+        return tracer.steps_completed, tracer.phase
 
     def _identity(self):
         """The RankIdentity, built when the first batch is sent (the traced model is known by
