@@ -154,7 +154,10 @@ def test_a_second_process_reusing_the_stream_is_refused_not_dropped(tmp_path):
     [refused] = store.write_batches([batch(1, range(3), identity=other)], 0)
     assert (refused.duplicate, refused.rejected) == (
         False,
-        "rank 0 (attempt 0) of this run already streamed from pid 100 on h: use a new run name",
+        "rank 0 (attempt 0) of this run already streamed from pid 100 on h, not from pid 200: "
+        "use a new run name, or, for processes the script starts itself "
+        "(torch.multiprocessing.spawn), call traceml.init() after init_process_group so that "
+        "each reports its own rank",
     )
     assert count(store, "SELECT COUNT(*) FROM steps") == 3
 

@@ -281,7 +281,10 @@ class Store:
                     stored,
                     False,
                     f"rank {batch.rank} (attempt {batch.restart_count}) of this run already "
-                    f"streamed from pid {row[0]} on {row[1]}: use a new run name",
+                    f"streamed from pid {row[0]} on {row[1]}, not from pid {ident.pid}: use a "
+                    "new run name, or, for processes the script starts itself "
+                    "(torch.multiprocessing.spawn), call traceml.init() after "
+                    "init_process_group so that each reports its own rank",
                 )
         return WriteResult(stored, True)
 

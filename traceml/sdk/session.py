@@ -243,7 +243,14 @@ def start(aggregator: str | None = None, run_name: str | None = None) -> Session
                 f"{settings.AGGREGATOR.name} and {settings.RUN_NAME.name}); telemetry is off"
             )
             return None
-        info = RankInfo.from_env()
+        env_info = RankInfo.from_env()
+        info = env_info.from_process_group()
+        if info is not env_info:
+            warn(
+                f"pid {info.pid} is rank {info.rank} of a process group of {info.world_size} "
+                f"that the script built itself (torchrun started it as rank {env_info.rank} of "
+                f"{env_info.world_size}); its telemetry is reported as rank {info.rank}"
+            )
         session = Session(info, name, target)
         from traceml.sdk import instrumentation
 
