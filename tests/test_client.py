@@ -187,6 +187,36 @@ def test_a_forked_child_never_sends(aggregator):
     assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
 
 
+def test_a_fork_during_an_outage_does_not_wait_for_the_rpc_deadline(aggregator):
+    """The aggregator is paused (SIGSTOP): a Push waits for its 20 s deadline. A fork() then
+    (a DataLoader starting workers) cancels that call instead of waiting for it; before the
+    fix it waited for the deadline. Once the aggregator resumes, every step is stored once."""
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings, batch_max_records=1,
+                         rpc_timeout_s=20.0)
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.acked == 1)
+    aggregator.process.send_signal(signal.SIGSTOP)
+    try:
+        client.submit(client_mod.STEPS, step(1))
+        time.sleep(1.0)  # the sender (20 ms interval) is in its Push, waiting on the aggregator
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        forked_in = time.monotonic() - started
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert forked_in < 2.0, forked_in
+    finally:
+        aggregator.process.send_signal(signal.SIGCONT)
+    client.submit(client_mod.STEPS, step(2))
+    assert client.close(finish(3), timeout_s=60) is True
+    assert client.stats.send_failures >= 1 and client.stats.dropped == 0
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,), (2,)]
+
+
 NESTED = """
 import torch, traceml
 traceml.init()

@@ -19,8 +19,10 @@ reach, records accumulate there), and steps holding a value the wire cannot carr
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
 flight; measured with grpcio 1.85, streaming during fork() killed children and broke the parent's
 stream, and ``GRPC_ENABLE_FORK_SUPPORT=1`` hung the parent. So every RPC runs under one lock,
-and an ``os.register_at_fork`` hook takes that lock before fork() (waiting at most one RPC
-deadline for a call in flight) and releases it after, in the parent. A forked child marks every
+and an ``os.register_at_fork`` hook takes that lock before fork() and releases it after, in the
+parent. A ``Push`` in flight is cancelled first (its batch is resent after the fork): during an
+outage a call waits for its whole deadline, and fork() (a DataLoader starting its workers) must
+not wait with it. A forked child marks every
 client dead and never touches gRPC: its copy of the sender thread does not exist, and
 :meth:`submit` becomes a no-op there.
 """
@@ -126,6 +128,9 @@ def in_forked_child() -> bool:
 
 def _before_fork() -> None:
     for client in list(_clients):
+        inflight = client._inflight
+        if inflight is not None:  # an outage must not hold fork() for the RPC deadline
+            inflight.cancel()
         client._rpc_lock.acquire()
 
 
@@ -204,6 +209,7 @@ class TelemetryClient:
         self._unreachable_warned = False
         self._finish = None  # RankFinish to send last, set by close()
         self._rpc_lock = threading.Lock()
+        self._inflight = None  # the Push call in flight (a grpc.Future), for the fork hook
         self._wake = threading.Event()
         self._done = threading.Event()  # set by the sender thread when closing is over
         self._delivered = False  # everything, finish marker included, was acknowledged
@@ -405,11 +411,18 @@ class TelemetryClient:
                 self.stats.resends += 1
             self._sent_seq = max(self._sent_seq, batch.seq)
             try:
-                ack = self._connect().Push(batch, timeout=self.config.rpc_timeout_s)
+                call = self._connect().Push.future(batch, timeout=self.config.rpc_timeout_s)
+                self._inflight = call
+                ack = call.result()
+            except grpc.FutureCancelledError:  # by the fork hook: resent after the fork
+                self.stats.send_failures += 1
+                return False
             except grpc.RpcError as exc:
                 self.stats.send_failures += 1
                 self._on_unreachable(exc)
                 return False
+            finally:
+                self._inflight = None
         self.stats.batches_sent += 1
         if ack.rejected:
             self._rejected = True
