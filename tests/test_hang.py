@@ -45,15 +45,22 @@ def read_json(path):
         return None
 
 
+def start_job(tmp_path, port, name: str, *script_args: str):
+    """``traceml run`` of the 2-rank faulty job named ``name``, hang timeout HANG_S."""
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", name,
+        "--hang-timeout-sec", str(HANG_S), "--aggregator-port", str(port),
+        "--logs-dir", str(tmp_path / "logs"), *script_args,
+    ]
+    return start_traceml(args, tmp_path, tmp_path / "launcher", env=FAST)
+
+
 def test_hung_rank_is_named_in_a_partial_summary(tmp_path, port):
     run_dir = tmp_path / "logs" / "hang"
-    args = [
-        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "hang",
-        "--finalize-timeout-sec", str(BUDGET_S), "--hang-timeout-sec", str(HANG_S),
-        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+    launcher = start_job(
+        tmp_path, port, "hang", "--finalize-timeout-sec", str(BUDGET_S),
         "--fail", "hang", "--fail-rank", "1", "--steps", "6",
-    ]
-    launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=FAST)
+    )
     try:
         partial = wait_for(lambda: read_json(run_dir / "final_summary.json"), 180, "the summary")
         seen_unix_s = time.time()
@@ -116,13 +123,10 @@ def finding(summary: dict, kind: str) -> dict:
 
 def test_a_rank_stuck_in_forward_is_the_suspect_of_a_hang_inside_training(tmp_path, port):
     run_dir = tmp_path / "logs" / "stall"
-    args = [
-        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "stall",
-        "--hang-timeout-sec", str(HANG_S), "--aggregator-port", str(port),
-        "--logs-dir", str(tmp_path / "logs"),
+    launcher = start_job(
+        tmp_path, port, "stall",
         "--fail", "stall", "--fail-rank", "1", "--fail-step", "3", "--steps", "10",
-    ]
-    launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=FAST)
+    )
     try:
         wait_for(lambda: "hang: ranks 0, 1 made no progress" in
                  (tmp_path / "launcher.err").read_text(), 180, "the hang line")
