@@ -54,6 +54,24 @@ def test_full_buffer_drops_are_counted_and_reported_in_the_finish_marker(aggrega
     assert warnings == []
 
 
+def test_a_step_the_wire_cannot_carry_is_dropped_alone_and_counted(aggregator):
+    """One step with a negative duration (a measurement bug, e.g. a nested step before it was
+    refused) in a batch of 512: before the fix the batch's conversion raised after the buffer
+    had given up its records, and all 512 were lost, uncounted."""
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings, flush_interval_s=3600)
+    for i in range(600):
+        client.submit(client_mod.STEPS, step(i) if i != 100 else {**step(i), "step_us": -5})
+    assert client.close(finish(600), timeout_s=30) is True
+    assert (client.stats.acked, client.stats.dropped_invalid, client.stats.dropped) == (599, 1, 1)
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [
+        (i,) for i in range(600) if i != 100]
+    assert aggregator.query("SELECT steps_completed, records_dropped FROM rank_finish") == [
+        (600, 1)]
+    assert warnings == []
+
+
 def test_rejected_run_name_stops_sending_and_nothing_is_stored(aggregator):
     warnings: list[str] = []
     client = make_client(aggregator.target, "theirs", warnings, batch_max_records=1)
@@ -167,3 +185,66 @@ def test_a_forked_child_never_sends(aggregator):
     assert client.close(finish(2), timeout_s=30) is True
     assert aggregator.stop() == 0
     assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
+
+
+def test_a_fork_during_an_outage_does_not_wait_for_the_rpc_deadline(aggregator):
+    """The aggregator is paused (SIGSTOP): a Push waits for its 20 s deadline. A fork() then
+    (a DataLoader starting workers) cancels that call instead of waiting for it; before the
+    fix it waited for the deadline. Once the aggregator resumes, every step is stored once."""
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings, batch_max_records=1,
+                         rpc_timeout_s=20.0)
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.acked == 1)
+    aggregator.process.send_signal(signal.SIGSTOP)
+    try:
+        client.submit(client_mod.STEPS, step(1))
+        time.sleep(1.0)  # the sender (20 ms interval) is in its Push, waiting on the aggregator
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        forked_in = time.monotonic() - started
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert forked_in < 2.0, forked_in
+    finally:
+        aggregator.process.send_signal(signal.SIGCONT)
+    client.submit(client_mod.STEPS, step(2))
+    assert client.close(finish(3), timeout_s=60) is True
+    assert client.stats.send_failures >= 1 and client.stats.dropped == 0
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,), (2,)]
+
+
+NESTED = """
+import torch, traceml
+traceml.init()
+model = torch.nn.Linear(4, 1)
+for _ in range(20):
+    with traceml.trace_step(model):
+        with traceml.trace_step(model):  # nested by mistake
+            model(torch.randn(2, 4)).sum().backward()
+"""
+
+
+def test_a_nested_trace_step_is_part_of_the_outer_step_and_loses_nothing(aggregator, tmp_path):
+    """Before the fix the inner step closed first and the outer one then carried a negative
+    input wait, which made the sender's conversion raise and lose the whole batch."""
+    import subprocess
+    import sys
+
+    from conftest import traceml_env
+
+    env = traceml_env({"TRACEML_AGGREGATOR": aggregator.target, "TRACEML_RUN_NAME": "mine"})
+    result = subprocess.run([sys.executable, "-c", NESTED], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith("traceml:")]
+    assert ours == ["traceml: trace_step() opened inside an open step; the inner block is "
+                    "timed as part of the outer step"]
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(i,) for i in range(20)]
+    assert aggregator.query("SELECT COUNT(*) FROM steps WHERE backward_us IS NULL") == [(0,)]
+    assert aggregator.query("SELECT steps_completed, records_dropped FROM rank_finish") == [
+        (20, 0)]

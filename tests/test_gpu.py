@@ -222,18 +222,95 @@ def test_unresolved_steps_are_counted_and_sent_without_gpu_fields(tmp_path):
     assert aggregator.query("SELECT steps_gpu_unresolved FROM rank_finish") == [(1,)]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
 def test_step_memory_fails_open_once(capsys):
-    """An allocator that cannot be read (here: no CUDA) costs one warning, not the step."""
+    """An allocator that cannot be read costs one warning, not the step."""
+
+    def broken(index: int) -> dict:
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
     device = RankDevice()
     device.index = 0
-    reader = StepMemory(device, 1)
+    reader = StepMemory(device, 1, stats=broken)
     measurement = StepMeasurement()
     for step in range(3):
         measurement.step = step
         reader(measurement)
     assert measurement.peak_allocated_bytes is None
     assert capsys.readouterr().err.count("reading step memory peaks failed") == 1
+
+
+def nested_stats(allocated_peak: int, reserved_peak: int) -> dict:
+    """The part of ``torch.cuda.memory_stats_as_nested_dict`` that StepMemory reads."""
+    return {
+        "allocated_bytes": {"all": {"peak": allocated_peak, "current": 1}},
+        "reserved_bytes": {"all": {"peak": reserved_peak, "current": 1}},
+    }
+
+
+def test_step_memory_reads_the_running_peaks_and_never_resets_them(monkeypatch):
+    """Every N-th step carries the allocator's own peaks as they stand; the user's
+    ``max_memory_allocated()`` is never reset (before the fix: at the first step and on every
+    read). A user's own reset shows as a drop."""
+
+    def no_reset(*args, **kwargs):
+        raise AssertionError("TraceML reset the user's peak memory statistics")
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", no_reset)
+    peaks = iter([(100, 200), (150, 260), (90, 260)])  # the user reset the peaks before step 20
+    reads: list[int] = []
+
+    def stats(index: int) -> dict:
+        reads.append(index)
+        return nested_stats(*next(peaks))
+
+    device = RankDevice()
+    device.index = 3
+    reader = StepMemory(device, 10, stats=stats)
+    got = {}
+    for step in range(25):
+        m = StepMeasurement()
+        m.step = step
+        reader(m)
+        if m.peak_allocated_bytes is not None:
+            got[step] = (m.peak_allocated_bytes, m.peak_reserved_bytes)
+    assert got == {0: (100, 200), 10: (150, 260), 20: (90, 260)}
+    assert reads == [3, 3, 3]
+
+
+@needs_cuda
+def test_the_users_max_memory_allocated_survives_traced_steps(tmp_path):
+    """On a real GPU: a 256 MiB tensor allocated and freed before training sets the user's
+    peak; 25 traced steps of a small model later, ``max_memory_allocated()`` still says so,
+    and the steps' readings carry that running peak."""
+    script = textwrap.dedent(
+        """
+        import torch, traceml
+        big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        del big
+        before = torch.cuda.max_memory_allocated()
+        traceml.init()
+        model = torch.nn.Linear(64, 64).cuda()
+        for _ in range(25):
+            with traceml.trace_step(model):
+                model(torch.randn(8, 64, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+        print("peaks", before, torch.cuda.max_memory_allocated())
+        """
+    )
+    with LiveAggregator(tmp_path / "run", "gpu-peaks") as agg:
+        env = {**os.environ, "TRACEML_AGGREGATOR": agg.target, "TRACEML_RUN_NAME": "gpu-peaks"}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        before, after = map(int, result.stdout.split("peaks")[1].split())
+        assert before >= 256 << 20 and after == before
+        assert agg.stop() == 0
+        readings = agg.query(
+            "SELECT step, peak_allocated_bytes FROM steps WHERE peak_allocated_bytes IS NOT NULL"
+            " ORDER BY step"
+        )
+    assert [s for s, _ in readings] == [0, 10, 20]
+    assert all(b == before for _, b in readings)
 
 
 # --- gpu_check's logic ---------------------------------------------------------------------------

@@ -37,3 +37,39 @@ def test_terminated_with_a_signal_stays_terminated():
 def test_no_witness_is_running_when_given_up_on_else_never_reported():
     assert end_state(_rank(), {1})["state"] == "running"
     assert end_state(_rank(), set())["state"] == "never_reported"
+
+
+def test_the_crash_headline_names_the_first_failure_in_time():
+    """Rank 2 (node 1) was killed by SIGSEGV; ranks 0 and 1 raised afterwards when their
+    all-reduce lost its peer. The headline names rank 2, not the lowest failed rank."""
+    from traceml.analysis.health import findings, last_seen_us
+    from traceml.analysis.rundata import RunData
+
+    def failed(r: int, finish_us: int) -> RankData:
+        return RankData(
+            rank=r,
+            end={"end_state": "failed", "exit_code": 1, "signal": None, "reason": "gloo: peer"},
+            finish={"end_state": "failed", "reason": "RuntimeError: peer closed",
+                    "received_unix_us": finish_us},
+        )
+
+    segv = RankData(
+        rank=2,
+        identity={"start_unix_us": 1_000_000_000},
+        steps=[{"step": 4, "end_us": 5_000_000}],
+        end={"end_state": "signaled", "exit_code": None, "signal": 11, "reason": None},
+        process_samples=[{"unix_us": 1_004_000_000}, {"unix_us": 1_005_200_000}],
+    )
+    ranks = {0: failed(0, 1_007_000_000), 1: failed(1, 1_006_500_000), 2: segv}
+    assert [last_seen_us(ranks[r]) for r in (0, 1, 2)] == [1_007_000_000, 1_006_500_000,
+                                                         1_005_200_000]
+    run = RunData("r", 3, ranks, {}, {}, {}, [])
+    summaries = [
+        {"rank": r, "node_rank": 0 if r < 2 else 1, "end": end_state(rd, set()),
+         "records_received": 5, "records_dropped": 0, "steps_completed": 5,
+         "steps_gpu_unresolved": 0}
+        for r, rd in ranks.items()
+    ]
+    crash = next(f for f in findings(run, summaries, live=False) if f.kind == "RANK_CRASHED")
+    assert crash.summary == "Ranks 0, 1, 2 failed; rank 2 ended with signal 11."
+    assert [r["rank"] for r in crash.evidence["ranks"]] == [2, 1, 0]

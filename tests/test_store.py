@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from traceml import wire
@@ -152,6 +154,51 @@ def test_a_second_process_reusing_the_stream_is_refused_not_dropped(tmp_path):
     [refused] = store.write_batches([batch(1, range(3), identity=other)], 0)
     assert (refused.duplicate, refused.rejected) == (
         False,
-        "rank 0 (attempt 0) of this run already streamed from pid 100 on h: use a new run name",
+        "rank 0 (attempt 0) of this run already streamed from pid 100 on h, not from pid 200: "
+        "use a new run name, or, for processes the script starts itself "
+        "(torch.multiprocessing.spawn), call traceml.init() after init_process_group so that "
+        "each reports its own rank",
     )
+    assert count(store, "SELECT COUNT(*) FROM steps") == 3
+
+
+def test_an_empty_step_group_stores_nothing_and_returns(tmp_path):
+    """A StepColumns with no column (a sender's bug, or a fuzzer's) is no step; before the fix
+    its insert zipped two endless repeats and the writer thread never came back. Run in a
+    child limited to 1 GiB and 60 s, so that a regression fails instead of eating the host."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_store import Store, batch, count, results
+store = Store({str(tmp_path / "t.sqlite")!r})
+empty = batch(1, range(2))
+empty.step_groups.add()  # no column at all
+print(results(store, empty), count(store, "SELECT COUNT(*) FROM steps"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert (result.returncode, result.stdout) == (0, "[(1, False)] 2\n"), result.stderr[-500:]
+
+
+def node_exit(end_state: int) -> wire.NodeExit:
+    report = wire.NodeExit(run_name="r", node_rank=0, hostname="h", exit_code=1)
+    report.ranks.add(rank=0, local_rank=0, end_state=end_state, exit_code=1)
+    return report
+
+
+def test_a_node_exit_that_fails_leaves_no_transaction_open(tmp_path):
+    """An end state this version does not know fails its report alone; before the fix the
+    transaction stayed open and every later write of the run failed with it."""
+    store = Store(tmp_path / "t.sqlite")
+    with pytest.raises(ValueError):
+        store.write_node_exit(node_exit(99), 0)
+    assert results(store, batch(1, range(3))) == [(1, False)]
+    store.write_node_exit(node_exit(wire.EndState.END_STATE_FAILED), 5)
+    assert rows(store, "SELECT node_rank, exit_code, received_unix_us FROM node_exits") == [
+        (0, 1, 5)]
+    assert rows(store, "SELECT rank, end_state FROM rank_ends") == [(0, "failed")]
     assert count(store, "SELECT COUNT(*) FROM steps") == 3

@@ -111,7 +111,8 @@ def trace_step(model=None):
 
     Measures the step time and, automatically, input wait, forward (the outermost call of
     ``model``), backward, optimizer step and DataLoader ``__next__`` time on the CPU clock (ms in
-    the reports, µs on the wire). Without an active session it is a no-op context.
+    the reports, µs on the wire). Without an active session it is a no-op context; so is a
+    ``trace_step`` opened inside an open step (its time is the outer step's, with one warning).
 
     Args:
         model: the ``torch.nn.Module`` the step runs (a DDP/FSDP wrapper is fine), or None
@@ -119,6 +120,9 @@ def trace_step(model=None):
     """
     session = _current_session()
     if session is None:
+        return _NULL
+    if session.tracer.in_step:  # nested by mistake: the inner block is part of the open step
+        session.note_nested_step()
         return _NULL
     ctx = session.step_context
     if ctx is None:

@@ -43,6 +43,11 @@ AGGREGATOR_WAIT_SEC = Setting(
 LIVE_REFRESH_SEC = Setting(
     "TRACEML_LIVE_REFRESH_SEC", "5", "Seconds between refreshes of --mode cli/dashboard views."
 )
+HANG_TIMEOUT_SEC = Setting(
+    "TRACEML_HANG_TIMEOUT_SEC",
+    "300",
+    "Seconds without a completed step before a live rank is reported as hung (> 0).",
+)
 AGGREGATOR_START_SEC = Setting(
     "TRACEML_AGGREGATOR_START_SEC", "60", "How long node 0 waits for its aggregator to serve."
 )
@@ -64,6 +69,12 @@ BUFFER_MAX_RECORDS = Setting(
     "Bound of the in-process buffer, records; it also holds what waits while the aggregator "
     "is out of reach. Records beyond it are dropped and counted.",
 )
+HEARTBEAT_SEC = Setting(
+    "TRACEML_HEARTBEAT_SEC",
+    "5",
+    "While a rank has nothing to send (no step completes: a hang, a long evaluation), its "
+    "sender still ships its progress (step count and phase) this often, s.",
+)
 RPC_TIMEOUT_SEC = Setting("TRACEML_RPC_TIMEOUT_SEC", "5", "Deadline of one Push RPC, s.")
 FINISH_TIMEOUT_SEC = Setting(
     "TRACEML_FINISH_TIMEOUT_SEC", "10", "How long a rank's exit waits to deliver its last batch."
@@ -74,7 +85,7 @@ SAMPLE_INTERVAL_SEC = Setting(
 MEMORY_EVERY_N_STEPS = Setting(
     "TRACEML_MEMORY_EVERY_N_STEPS",
     "10",
-    "CUDA allocator peaks are read (and reset) once every N steps.",
+    "CUDA allocator peaks are read (never reset) once every N steps.",
 )
 GPU_TIMING_EVERY_N_STEPS = Setting(
     "TRACEML_GPU_TIMING_EVERY_N_STEPS",

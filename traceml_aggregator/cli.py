@@ -41,6 +41,17 @@ app = typer.Typer(
 )
 
 
+def _seconds(value: float | None, setting: settings.Setting, flag: str) -> tuple[float, str]:
+    """``(seconds, "")`` from ``flag``'s ``value``, else from ``setting``'s environment
+    variable; ``(0.0, error)`` when that is not a finite number > 0."""
+    if value is None:
+        try:
+            return settings.env_float(setting, strict=True), ""
+        except ValueError as exc:
+            return 0.0, str(exc)
+    return value, endpoint.seconds_error(flag, value)
+
+
 @app.command(help="TraceML telemetry aggregator (gRPC + SQLite).")
 def serve_command(
     run_dir: Path = typer.Option(..., help="directory of the run's files"),
@@ -62,6 +73,11 @@ def serve_command(
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or "
         f"{settings.FINALIZE_TIMEOUT_SEC.default}]",
     ),
+    hang_timeout_sec: Optional[float] = typer.Option(
+        None,
+        help="seconds without a completed step before a live rank is reported as hung "
+        f"[default: ${settings.HANG_TIMEOUT_SEC.name} or {settings.HANG_TIMEOUT_SEC.default}]",
+    ),
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit code (see the module docstring)."""
     from traceml_aggregator.server import BindError, ServerConfig, serve
@@ -72,14 +88,12 @@ def serve_command(
         error = f"--world-size {world_size} must be >= 1"
     if not error and nnodes is not None and nnodes < 1:
         error = f"--nnodes {nnodes} must be >= 1"
-    timeout = finalize_timeout_sec
-    if timeout is None:
-        try:
-            timeout = settings.env_float(settings.FINALIZE_TIMEOUT_SEC, strict=True)
-        except ValueError as exc:
-            error = error or str(exc)
-    else:
-        error = error or endpoint.seconds_error("--finalize-timeout-sec", timeout)
+    timeout, bad = _seconds(
+        finalize_timeout_sec, settings.FINALIZE_TIMEOUT_SEC, "--finalize-timeout-sec"
+    )
+    error = error or bad
+    hang_timeout, bad = _seconds(hang_timeout_sec, settings.HANG_TIMEOUT_SEC, "--hang-timeout-sec")
+    error = error or bad
     if error:
         _log.error(f"error: {error}")
         return 2
@@ -93,6 +107,7 @@ def serve_command(
         html_report=html_report,
         summary_at_stop=not no_summary_at_stop,
         finalize_timeout_s=timeout,
+        hang_timeout_s=hang_timeout,
     )
 
     def ready(bound: int) -> None:

@@ -60,6 +60,10 @@ class RunState:
             self.first_end_monotonic = time.monotonic()
         self.changed.set()
 
+    def is_done(self, rank: int) -> bool:
+        """The rank finished, or its node's torchrun exited."""
+        return rank in self.finished or any(rank in r for r in self.exited_nodes.values())
+
     def expected(self) -> set[int]:
         """Ranks 0..world_size-1 (empty while the world size is unknown)."""
         return set(range(self.world_size or 0))

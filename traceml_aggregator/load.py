@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import operator
 
+from traceml.analysis.hang import STALL_META_KEY
 from traceml.analysis.rundata import RankData, RunData
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
 from traceml_aggregator.store import Store
@@ -81,4 +83,5 @@ def load(store: Store, missing: list[int]) -> RunData:
         system_samples=system,
         gpu_samples=gpus,
         missing=list(missing),
+        stall=json.loads(meta[STALL_META_KEY]) if meta.get(STALL_META_KEY) else None,
     )

@@ -10,6 +10,7 @@ what the launcher waits for.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import time
@@ -20,9 +21,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from traceml import wire
+from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log
-from traceml.core.rundir import DATABASE_NAME
+from traceml.core.rundir import DATABASE_NAME, RunDir
 from traceml_aggregator.finalize import Finalizer, RunState
+from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
@@ -47,6 +50,8 @@ class ServerConfig:
     nnodes: int | None = None
     html_report: bool = False
     finalize_timeout_s: float = 300.0
+    #: Seconds without a completed step before a live rank has stalled (a hang).
+    hang_timeout_s: float = 300.0
     #: Write the reports when stopped if no Finalize asked for them (standalone use). The
     #: launcher turns it off: it finalizes itself, and a run it stops on purpose (a refused
     #: node claim) must leave no summary.
@@ -150,7 +155,21 @@ async def serve(config: ServerConfig, ready=None) -> int:
     if config.world_size:
         store.set_meta("world_size", str(config.world_size))
     state = RunState(world_size=config.world_size, nnodes=config.nnodes)
-    writer = Writer(store, state.on_batch)
+    hangs = HangWatch(
+        config.hang_timeout_s, state.is_done, RunDir(config.run_dir, 0).stall_file
+    )
+
+    def on_stored(batch) -> None:
+        state.on_batch(batch)
+        hangs.on_batch(batch)
+
+    writer = Writer(store, on_stored)
+
+    async def persist_stall(record: dict | None) -> None:
+        if record is None:
+            await writer.call(store.delete_meta, STALL_META_KEY)
+        else:
+            await writer.call(store.set_meta, STALL_META_KEY, json.dumps(record))
 
     def reports(store_, missing):
         from traceml_aggregator.reports import write_reports
@@ -181,6 +200,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
+    hang_watch = asyncio.get_running_loop().create_task(hangs.run(persist_stall, _log.warning))
     if ready is not None:
         ready(port)
     # The analysis and report modules (~0.04 s) load once serving: neither on the way to
@@ -195,6 +215,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     watchdog.cancel()
+    hang_watch.cancel()
     await server.stop(grace=1.0)
     await writer.drain(5.0)
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None

@@ -6,8 +6,11 @@ The writer task takes everything queued at that moment (up to
 thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each handler's
 future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's highest
 stored sequence number, whether the batch was a duplicate or refused), from which the handler
-builds the acknowledgement. Because a batch is acknowledged only after its transaction
-committed, an acknowledged batch is durable.
+builds the acknowledgement. A batch is acknowledged only after its transaction committed, so
+an acknowledged batch survives the aggregator process dying in any way; a commit that fails (a
+full disk) acknowledges nothing, and its senders resend. The store commits with
+``synchronous=NORMAL`` (see :mod:`traceml_aggregator.store` for why): an operating-system crash
+of node 0 can lose the last commits, a process crash cannot.
 """
 
 from __future__ import annotations
@@ -50,7 +53,13 @@ class Writer:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def store_batch(self, batch) -> WriteResult:
-        """Queue ``batch`` and wait until it is durably stored (or found to be a duplicate)."""
+        """Queue ``batch`` and wait until its transaction committed (or it was found to be a
+        duplicate).
+
+        Raises:
+            sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
+                was stored.
+        """
         future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((batch, future))
         return await future

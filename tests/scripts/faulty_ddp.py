@@ -10,6 +10,8 @@ model (one all-reduce per step). Rank ``--fail-rank`` ends itself at the start o
     sysexit7  sys.exit(7) (normal Python shutdown, exit code 7)
     raise     an uncaught RuntimeError
     hang      after all steps, sleeps forever instead of exiting (its peers exit normally)
+    stall     in the forward of step ``--fail-step``, sleeps forever (its peers then wait in
+              backward's all-reduce of that step: a hang inside training)
     none      no failure
 
 ``--step-sleep`` adds a planted sleep to every step (s), to make a run last without CPU work.
@@ -42,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=5)
     p.add_argument(
         "--fail",
-        choices=("segv", "exit3", "sysexit7", "raise", "hang", "none"),
+        choices=("segv", "exit3", "sysexit7", "raise", "hang", "stall", "none"),
         default="none",
     )
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -70,6 +72,17 @@ def die(rank: int, how: str, settle_s: float, mark: str) -> None:
             time.sleep(3600)
 
 
+class Stallable(nn.Linear):
+    """A linear layer whose forward sleeps forever once ``stall`` is set."""
+
+    stall = False
+
+    def forward(self, x):
+        while self.stall:
+            time.sleep(3600)
+        return super().forward(x)
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -78,11 +91,15 @@ def main() -> None:
     failing = rank == args.fail_rank and args.fail != "none"
 
     torch.manual_seed(rank)
-    model = DDP(nn.Linear(16, 1))
+    layer = Stallable(16, 1)
+    model = DDP(layer)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(args.steps):
-        if failing and args.fail != "hang" and step == args.fail_step:
+        if failing and args.fail not in ("hang", "stall") and step == args.fail_step:
             die(rank, args.fail, args.settle_sec, args.mark)
+        if failing and args.fail == "stall" and step == args.fail_step:
+            print(f"faulty_ddp: rank {rank} stalls in forward now", file=sys.stderr, flush=True)
+            layer.stall = True
         if rank == 0 and step == 0:
             print("faulty_ddp: training", flush=True)
         with traceml.trace_step(model):

@@ -8,6 +8,8 @@ wins.
 
 from __future__ import annotations
 
+import time
+
 from traceml.analysis.findings import Finding, ranks_text
 from traceml.analysis.rundata import RankData, RunData
 
@@ -54,10 +56,27 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
     }
 
 
+def last_seen_us(rd: RankData) -> float:
+    """When ``rd`` was last seen alive, Unix µs: its finish marker's arrival, else its last
+    process sample (the node sampler's, about one a second while the process lives), else the
+    end of its last stored step; +inf when nothing is known. A rank that failed because another
+    one had (a collective's peer vanished) was seen alive after that one, so the crashed ranks
+    sorted by it name the first failure first."""
+    if rd.finish and rd.finish.get("received_unix_us"):
+        return rd.finish["received_unix_us"]
+    if rd.process_samples:
+        return rd.process_samples[-1]["unix_us"]
+    start = (rd.identity or {}).get("start_unix_us")
+    if rd.steps and start is not None:
+        return start + rd.steps[-1]["end_us"]
+    return float("inf")
+
+
 def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
     """Health findings over the summary's ``ranks`` (each with ``end``) and the run.
 
-    Kinds: RANK_CRASHED, RANK_TERMINATED, RANK_MISSING, RANK_NEVER_REPORTED, NODE_FAILED,
+    Kinds: RANK_CRASHED, RANK_HUNG, RANK_TERMINATED (ranks stopped after another failed, the
+    hung ones left out: RANK_HUNG says when they stopped), RANK_MISSING, RANK_NEVER_REPORTED, NODE_FAILED,
     RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED.
     """
     out: list[Finding] = []
@@ -65,7 +84,10 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
     for r in ranks:
         by_state.setdefault(r["end"]["state"], []).append(r)
 
-    crashed = by_state.get(FAILED, []) + by_state.get(SIGNALED, [])
+    crashed = sorted(
+        by_state.get(FAILED, []) + by_state.get(SIGNALED, []),
+        key=lambda r: (last_seen_us(run.ranks[r["rank"]]), r["rank"]),
+    )
     if crashed:
         first = crashed[0]["end"]
         how = (
@@ -89,7 +111,11 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
                 nodes=sorted({r["node_rank"] for r in crashed if r["node_rank"] is not None}),
             )
         )
-    terminated = by_state.get(TERMINATED, [])
+    hung = run.stall["ranks"] if run.stall else []
+    if hung:
+        out.append(_hang_finding(run.stall))
+    hung_ranks = {e["rank"] for e in hung}
+    terminated = [r for r in by_state.get(TERMINATED, []) if r["rank"] not in hung_ranks]
     if terminated:
         out.append(
             Finding(
@@ -149,6 +175,43 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
             )
         )
     return out + _data_findings(run, ranks)
+
+
+def _hang_finding(stall: dict) -> Finding:
+    """RANK_HUNG from the aggregator's stall record (:mod:`traceml.analysis.hang`)."""
+    entries = stall["ranks"]
+    stalled = [e["rank"] for e in entries]
+    since = min(e["last_progress_unix_s"] for e in entries)
+    when = time.strftime("%H:%M:%S UTC", time.gmtime(since))
+    where = "; ".join(
+        f"rank {e['rank']} after {e['steps_completed']} steps, in {e['phase']}, silent "
+        f"{e['silent_s']:.0f} s{'' if e['alive'] else ', no sign of life'}"
+        for e in entries
+    )
+    suspect = stall["suspects"]
+    if suspect:
+        look = (
+            f"Look at {ranks_text(suspect)} first: the others wait for it. Its stack "
+            "(py-spy dump --pid, or faulthandler) shows where it is stuck."
+        )
+    else:
+        look = (
+            "Every stalled rank stopped at the same place: a collective that cannot complete "
+            "(the network, or ranks calling different collectives); see each rank's stack."
+        )
+    return Finding(
+        "RANK_HUNG",
+        "critical",
+        f"{ranks_text(stalled).capitalize()} stopped making progress at {when} ({where}).",
+        look,
+        evidence={
+            "ranks": entries,
+            "suspects": suspect,
+            "hang_timeout_s": stall["hang_timeout_s"],
+            "detected_unix_s": stall["detected_unix_s"],
+        },
+        ranks=suspect or stalled,
+    )
 
 
 def _data_findings(run: RunData, ranks: list[dict]) -> list[Finding]:

@@ -38,3 +38,6 @@ class RunData:
     system_samples: dict[int, list[dict]]
     gpu_samples: dict[int, list[dict]]
     missing: list[int]
+    #: The aggregator's stall record when ranks stopped making progress (a hang; see
+    #: :mod:`traceml.analysis.hang` for its fields), else None.
+    stall: dict | None = None

@@ -8,6 +8,7 @@ other)::
     nodes/node_<r>/manifest.json      node r: its launch, status, torchrun and rank exit codes
     nodes/node_<r>/training.stdout.log, training.stderr.log   node r's torchrun output
     aggregator/process.stderr.log     node 0: the aggregator's own log
+    aggregator/stall.json             node 0's aggregator: the current hang, while there is one
     telemetry.sqlite                  node 0's aggregator: the telemetry store
     final_summary.json/.txt/.html     node 0's aggregator: the reports
 """
@@ -28,6 +29,9 @@ DATABASE_NAME = "telemetry.sqlite"
 SUMMARY_JSON_NAME = "final_summary.json"
 SUMMARY_TEXT_NAME = "final_summary.txt"
 SUMMARY_HTML_NAME = "final_summary.html"
+#: The aggregator's current stall record (a hang), under ``aggregator/``; node 0's launcher
+#: prints one line when it appears.
+STALL_NAME = "stall.json"
 
 
 #: A run name is one safe path segment: letters, digits, '.', '_' and '-', not '.' or '..'.
@@ -63,6 +67,7 @@ class RunDir:
         self.run_manifest = self.root / "manifest.json"
         self.aggregator_dir = self.root / "aggregator"
         self.aggregator_stderr = self.aggregator_dir / "process.stderr.log"
+        self.stall_file = self.aggregator_dir / STALL_NAME
         self.database = self.root / DATABASE_NAME
         self.final_summary_json = self.root / SUMMARY_JSON_NAME
 

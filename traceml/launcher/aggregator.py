@@ -47,6 +47,8 @@ def start(config: LaunchConfig, run_dir: RunDir) -> subprocess.Popen:
         str(config.nnodes),
         "--finalize-timeout-sec",
         str(config.finalize_timeout_sec),
+        "--hang-timeout-sec",
+        str(config.hang_timeout_sec),
         "--no-summary-at-stop",  # this launcher asks for the summary (Finalize) itself
     ]
     if config.html_report:

@@ -84,6 +84,11 @@ def run_command(
         None,
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or 300]",
     ),
+    hang_timeout_sec: Optional[float] = typer.Option(
+        None,
+        help="seconds without a completed step before a live rank is reported as hung "
+        f"[default: ${settings.HANG_TIMEOUT_SEC.name} or {settings.HANG_TIMEOUT_SEC.default}]",
+    ),
     max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
     use_slurm: bool = typer.Option(
         False,
@@ -116,6 +121,7 @@ def run_command(
         logs_dir=logs_dir,
         html_report=html_report,
         finalize_timeout_sec=finalize_timeout_sec,
+        hang_timeout_sec=hang_timeout_sec,
         max_restarts=max_restarts,
     )
     try:

@@ -68,6 +68,8 @@ class LaunchConfig:
     html_report: bool = False
     #: Budget of node 0's finalization, s (``--finalize-timeout-sec``, wins over the env).
     finalize_timeout_sec: float | None = None
+    #: A live rank without a completed step this long is hung, s (``--hang-timeout-sec``).
+    hang_timeout_sec: float | None = None
     #: How long node r > 0 waits for node 0's aggregator, s (env only).
     aggregator_wait_sec: float | None = None
     #: How long node 0 waits for its own aggregator to serve, s (env only).
@@ -137,6 +139,9 @@ class LaunchConfig:
             raise LaunchError(f"--mode must be one of {', '.join(MODES)} (got {self.mode!r})")
         self.finalize_timeout_sec = _seconds(
             self.finalize_timeout_sec, settings.FINALIZE_TIMEOUT_SEC, "--finalize-timeout-sec"
+        )
+        self.hang_timeout_sec = _seconds(
+            self.hang_timeout_sec, settings.HANG_TIMEOUT_SEC, "--hang-timeout-sec"
         )
         self.aggregator_wait_sec = _seconds(self.aggregator_wait_sec, settings.AGGREGATOR_WAIT_SEC)
         self.aggregator_start_sec = _seconds(

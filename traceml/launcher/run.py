@@ -41,6 +41,7 @@ from traceml.core import log
 from traceml.launcher import aggregator, claim
 from traceml.launcher.config import LaunchConfig, LaunchError
 from traceml.launcher.live import LiveView
+from traceml.launcher.stall import StallNotice
 from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher.torchrun import TorchrunProcess, exit_code, install_signal_forwarding
 
@@ -176,6 +177,7 @@ class Launch:
             return torchrun.wait()
         started_unix_s = time.time()
         partial_seen = False
+        stall = StallNotice(self.run_dir.stall_file)
         live = self._live_view()
         while True:
             returncode = torchrun.wait(WATCH_INTERVAL_S)
@@ -186,6 +188,7 @@ class Launch:
             try:
                 self._watch_aggregator(run_manifest)
                 partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
+                stall.poll(say)
                 self._watch_claims(torchrun, run_manifest)
             except Exception as exc:
                 _log.warning(

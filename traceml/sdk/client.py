@@ -13,14 +13,16 @@ never stored twice.
 
 What the client had to give up is counted, never silently lost: records refused because the
 buffer was full (``TRACEML_BUFFER_MAX_RECORDS``, the only bound: while the aggregator is out of
-reach, records accumulate there). The count travels in the rank's
+reach, records accumulate there), and steps holding a value the wire cannot carry. The count travels in the rank's
 :class:`~traceml.wire.RankFinish`; :class:`ClientStats` also counts failed calls and resends.
 
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
 flight; measured with grpcio 1.85, streaming during fork() killed children and broke the parent's
 stream, and ``GRPC_ENABLE_FORK_SUPPORT=1`` hung the parent. So every RPC runs under one lock,
-and an ``os.register_at_fork`` hook takes that lock before fork() (waiting at most one RPC
-deadline for a call in flight) and releases it after, in the parent. A forked child marks every
+and an ``os.register_at_fork`` hook takes that lock before fork() and releases it after, in the
+parent. A ``Push`` in flight is cancelled first (its batch is resent after the fork): during an
+outage a call waits for its whole deadline, and fork() (a DataLoader starting its workers) must
+not wait with it. A forked child marks every
 client dead and never touches gRPC: its copy of the sender thread does not exist, and
 :meth:`submit` becomes a no-op there.
 """
@@ -75,6 +77,9 @@ class ClientConfig:
     rpc_timeout_s: float = field(
         default_factory=lambda: settings.env_float(settings.RPC_TIMEOUT_SEC)
     )
+    #: Longest time without a batch while the client has a ``progress`` slot, seconds: a
+    #: progress-only batch goes out then (the aggregator's evidence that the rank lives).
+    heartbeat_s: float = field(default_factory=lambda: settings.env_float(settings.HEARTBEAT_SEC))
     #: Longest pause between reconnect attempts, seconds (backoff doubles from 0.2 s).
     max_backoff_s: float = 5.0
 
@@ -98,11 +103,14 @@ class ClientStats:
     #: Pending records converted at close before they were ready (steps whose CUDA events
     #: never completed: sent without GPU fields).
     unresolved: int = 0
+    #: Steps with a value the wire cannot carry (negative, or beyond 64 bits): a bug of the
+    #: measurement, never a reason to lose the rest of their batch.
+    dropped_invalid: int = 0
 
     @property
     def dropped(self) -> int:
         """All records this client could not deliver."""
-        return self.dropped_buffer_full
+        return self.dropped_buffer_full + self.dropped_invalid
 
 
 # --- fork hooks: shared by every client of the process ------------------------------------
@@ -120,6 +128,9 @@ def in_forked_child() -> bool:
 
 def _before_fork() -> None:
     for client in list(_clients):
+        inflight = client._inflight
+        if inflight is not None:  # an outage must not hold fork() for the RPC deadline
+            inflight.cancel()
         client._rpc_lock.acquire()
 
 
@@ -154,6 +165,10 @@ class TelemetryClient:
         restart_count: torchrun attempt (``TORCHELASTIC_RESTART_COUNT``); keeps attempts apart.
         identity: callable returning the :class:`~traceml.wire.RankIdentity` to send with the
             first batch (called on the sender thread when that batch is built), or None.
+        progress: callable returning ``(steps_completed, phase)`` (see ``Progress`` in
+            ``proto/traceml/wire/v1/step.proto``), read on the sender thread for every batch;
+            with it, a batch goes out at least every ``config.heartbeat_s`` even when nothing
+            else is buffered. None for a node sampler.
         config: tuning; defaults from the ``TRACEML_*`` environment.
         warn: where one-line warnings go (stderr by default).
     """
@@ -167,6 +182,7 @@ class TelemetryClient:
         node_rank: int = 0,
         restart_count: int = 0,
         identity=None,
+        progress: Callable[[], tuple[int, str]] | None = None,
         config: ClientConfig | None = None,
         warn: Callable[[str], None] | None = None,
     ) -> None:
@@ -176,6 +192,8 @@ class TelemetryClient:
         self.node_rank = node_rank
         self.restart_count = restart_count
         self.identity = identity
+        self.progress = progress
+        self._last_batch_at = time.monotonic()  # when the last batch was built (heartbeats)
         self.config = config or ClientConfig()
         self.stats = ClientStats()
         self._warn = warn or failopen.warn
@@ -191,6 +209,7 @@ class TelemetryClient:
         self._unreachable_warned = False
         self._finish = None  # RankFinish to send last, set by close()
         self._rpc_lock = threading.Lock()
+        self._inflight = None  # the Push call in flight (a grpc.Future), for the fork hook
         self._wake = threading.Event()
         self._done = threading.Event()  # set by the sender thread when closing is over
         self._delivered = False  # everything, finish marker included, was acknowledged
@@ -346,10 +365,24 @@ class TelemetryClient:
                 getattr(batch, kind).append(item)
             self._buffer.popleft()
             records += 1
-        add_steps(batch, steps)
+        try:
+            add_steps(batch, steps)
+        except (ValueError, TypeError):  # a value the wire cannot carry: drop that step alone
+            del batch.step_groups[:]
+            valid = [step for step in steps if _fits_wire(step)]
+            self.stats.dropped_invalid += len(steps) - len(valid)
+            add_steps(batch, valid)
         last = not self._buffer and self._closing and self._finish is not None
-        if records == 0 and not last:
+        now = time.monotonic()
+        if records == 0 and not last and (
+            self.progress is None or now - self._last_batch_at < self.config.heartbeat_s
+        ):
             return None
+        self._last_batch_at = now
+        if self.progress is not None:
+            steps_completed, phase = self.progress()
+            batch.progress.steps_completed = steps_completed
+            batch.progress.phase = phase
         batch.seq = self._next_seq
         self._next_seq += 1
         if batch.seq == 1 and self.identity is not None:
@@ -376,11 +409,18 @@ class TelemetryClient:
                 self.stats.resends += 1
             self._sent_seq = max(self._sent_seq, batch.seq)
             try:
-                ack = self._connect().Push(batch, timeout=self.config.rpc_timeout_s)
+                call = self._connect().Push.future(batch, timeout=self.config.rpc_timeout_s)
+                self._inflight = call
+                ack = call.result()
+            except grpc.FutureCancelledError:  # by the fork hook: resent after the fork
+                self.stats.send_failures += 1
+                return False
             except grpc.RpcError as exc:
                 self.stats.send_failures += 1
                 self._on_unreachable(exc)
                 return False
+            finally:
+                self._inflight = None
         self.stats.batches_sent += 1
         if ack.rejected:
             self._rejected = True
@@ -433,6 +473,11 @@ class TelemetryClient:
                 pass
         self._channel = None
         self._stub = None
+
+
+def _fits_wire(step: dict) -> bool:
+    """Whether every field of ``step`` is an integer a uint64 column takes."""
+    return all(type(v) is int and 0 <= v < 1 << 64 for v in step.values())
 
 
 def _load_wire() -> None:

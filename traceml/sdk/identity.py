@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -55,4 +56,28 @@ class RankInfo:
             restart_count=_int_env(env, "TORCHELASTIC_RESTART_COUNT", 0),
             hostname=socket.gethostname(),
             pid=os.getpid(),
+        )
+
+    def from_process_group(self) -> "RankInfo":
+        """This identity, or the rank and world size of the default process group when one is
+        initialised and disagrees with torchrun's variables.
+
+        That happens in processes the script starts itself (``torch.multiprocessing.spawn``
+        under ``traceml run --nproc-per-node=1``): every child inherits torchrun's ``RANK=0``
+        and builds its own group, so the group's rank is the one that tells the children
+        apart. Their local rank and local world size become the group's too (spawned
+        children share the node).
+        """
+        try:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return self
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        except Exception:
+            return self
+        if (rank, world_size) == (self.rank, self.world_size):
+            return self
+        return dataclasses.replace(
+            self, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size
         )

@@ -25,6 +25,11 @@ each phase: the start event before the CPU clock starts and the end event after 
 recording them (µs each) is not counted in the CPU phases.
 
 Code the automatic mode cannot see can be timed with :func:`traceml.phase`.
+
+Each hook also stores the phase it opens in :attr:`StepTracer.phase` and puts the outer one
+back as it closes (one attribute store each way, no lock): the sender thread reads that slot
+for the ``Progress`` it ships, which is how a hang is localised (the rank still in forward while
+the others wait in backward's all-reduce).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import time
 import weakref
 
 from traceml.core import phases
+from traceml.sdk import step as step_mod
 from traceml.sdk.step import StepTracer
 from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER
 
@@ -165,12 +171,14 @@ class ForwardTimer:
         if gpu is not None:
             gpu.begin(FORWARD)
         tr.forward_depth = 1
+        outer, tr.phase = tr.phase, step_mod.FORWARD
         start = _now_ns()
         try:
             return forward(*args, **kwargs)
         finally:
             tr.forward_ns = (tr.forward_ns or 0) + (_now_ns() - start)
             tr.forward_depth = 0
+            tr.phase = outer
             if gpu is not None:
                 gpu.end(FORWARD)
 
@@ -192,6 +200,7 @@ def _optimizer_pre(optimizer, args, kwargs):
     tr = _tracer
     if tr is not None and tr.in_step:
         tr.phase_depth += 1
+        tr.phase = step_mod.OPTIMIZER
         if tr.gpu_step is not None:
             tr.gpu_step.begin(OPTIMIZER)
     _optimizer_start_ns = _now_ns()
@@ -202,6 +211,7 @@ def _optimizer_post(optimizer, args, kwargs):
     if tr is not None and tr.in_step:
         tr.optimizer_ns = (tr.optimizer_ns or 0) + (_now_ns() - _optimizer_start_ns)
         tr.phase_depth = max(0, tr.phase_depth - 1)
+        tr.phase = step_mod.STEP
         if tr.gpu_step is not None:
             tr.gpu_step.end(OPTIMIZER)
 
@@ -216,12 +226,14 @@ def _timed_backward(original):
         if gpu is not None:
             gpu.begin(BACKWARD)
         tr.phase_depth += 1
+        outer, tr.phase = tr.phase, step_mod.BACKWARD
         start = _now_ns()
         try:
             return original(*args, **kwargs)
         finally:
             tr.backward_ns = (tr.backward_ns or 0) + (_now_ns() - start)
             tr.phase_depth -= 1
+            tr.phase = outer
             if gpu is not None:
                 gpu.end(BACKWARD)
 
@@ -236,12 +248,14 @@ def _timed_next(original):
         if tr is None:
             return original(self)
         tr.phase_depth += 1  # a copy made by the loader (collate_fn) is input time, not H2D
+        outer, tr.phase = tr.phase, step_mod.DATALOADER
         start = _now_ns()
         try:
             return original(self)
         finally:
             tr.add_dataloader(_now_ns() - start, id(self))
             tr.phase_depth -= 1
+            tr.phase = outer
 
     __next__.__traceml_original__ = original
     return __next__
@@ -269,6 +283,7 @@ def _timed_copy(original):
         gpu = tr.gpu_step
         if gpu is not None:
             gpu.begin(H2D)
+        tr.phase = step_mod.H2D
         start = _now_ns()
         try:
             out = original(self, *args, **kwargs)
@@ -276,6 +291,8 @@ def _timed_copy(original):
             if gpu is not None:
                 gpu.cancel(H2D)
             raise
+        finally:
+            tr.phase = step_mod.STEP  # an H2D copy is counted only outside the other phases
         elapsed = _now_ns() - start
         if out.is_cuda:
             tr.h2d_ns += elapsed

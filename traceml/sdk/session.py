@@ -39,12 +39,14 @@ class Session:
         self.backend = ""  # process-group backend ("gloo", "nccl"), "" before one is seen
         self._exception: BaseException | None = None
         self._closed = False
+        self._nested_warned = False
         self.client = client_mod.TelemetryClient(
             target,
             run_name,
             rank=info.rank,
             restart_count=info.restart_count,
             identity=self._identity,
+            progress=self._progress,
         )
         self.tracer = StepTracer(
             functools.partial(self.client.submit, client_mod.STEPS), time.perf_counter_ns()
@@ -53,6 +55,11 @@ class Session:
         #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.
         self.device = None
         self.step_context = None  # the reusable context manager trace_step() returns
+
+    def _progress(self) -> tuple[int, str]:
+        """``(steps_completed, phase)`` now, for the sender thread (two attribute reads)."""
+        tracer = self.tracer
+        return tracer.steps_completed, tracer.phase
 
     def _identity(self):
         """The RankIdentity, built when the first batch is sent (the traced model is known by
@@ -158,6 +165,15 @@ class Session:
         elif name in ("FullyShardedDataParallel", "FSDPModule") or "FSDP" in name:
             self.parallelism = "fsdp"
 
+    def note_nested_step(self) -> None:
+        """A ``trace_step`` opened inside an open step: warn once (it counts as the outer's)."""
+        if not self._nested_warned:
+            self._nested_warned = True
+            warn(
+                "trace_step() opened inside an open step; the inner block is timed as part of "
+                "the outer step"
+            )
+
     def record_exception(self, exc: BaseException) -> None:
         """Remember the exception that ends the process (reported in the finish marker)."""
         self._exception = exc
@@ -223,7 +239,14 @@ def start(aggregator: str | None = None, run_name: str | None = None) -> Session
                 f"{settings.AGGREGATOR.name} and {settings.RUN_NAME.name}); telemetry is off"
             )
             return None
-        info = RankInfo.from_env()
+        env_info = RankInfo.from_env()
+        info = env_info.from_process_group()
+        if info is not env_info:
+            warn(
+                f"pid {info.pid} is rank {info.rank} of a process group of {info.world_size} "
+                f"that the script built itself (torchrun started it as rank {env_info.rank} of "
+                f"{env_info.world_size}); its telemetry is reported as rank {info.rank}"
+            )
         session = Session(info, name, target)
         from traceml.sdk import instrumentation
 

@@ -33,6 +33,16 @@ from typing import Callable
 
 _now_ns = time.perf_counter_ns
 
+#: What a rank is doing now (:attr:`StepTracer.phase`, sent as ``Progress.phase``): between
+#: steps, inside a step but outside the phases below, or in one of them.
+IDLE = "idle"
+STEP = "step"
+DATALOADER = "dataloader"
+H2D = "h2d"
+FORWARD = "forward"
+BACKWARD = "backward"
+OPTIMIZER = "optimizer"
+
 
 class StepMeasurement:
     """One finished step as measured on the training thread (ns), awaiting conversion.
@@ -122,6 +132,10 @@ class StepTracer:
         self.h2d_measured = h2d_measured
         self.steps_completed = 0
         self.in_step = False
+        #: The phase the training thread is in now (:data:`IDLE`, :data:`STEP`, ...): one
+        #: attribute store as a phase opens and closes, read without a lock by the sender
+        #: thread, which ships it with ``steps_completed`` in every batch (hang localisation).
+        self.phase = IDLE
         self._last_end_ns: int | None = None
         self._start_ns = 0
         # Phase totals of the open step (ns); None until a phase is seen.
@@ -167,6 +181,7 @@ class StepTracer:
         """Open a step (the ``with`` block is entered)."""
         self._start_ns = _now_ns()
         self.in_step = True
+        self.phase = STEP
         self.forward_ns = self.backward_ns = self.optimizer_ns = None
         self.h2d_ns = 0
         self.dataloader_in_step_ns = 0
@@ -190,6 +205,7 @@ class StepTracer:
             self.memory_reader(m)
         end_ns = _now_ns()
         self.in_step = False
+        self.phase = IDLE
         m.origin_ns = self.origin_ns
         m.end_ns = end_ns
         prev_end = self._last_end_ns
@@ -215,6 +231,7 @@ class StepTracer:
     def abandon(self) -> None:
         """Close a step whose body raised: nothing is emitted, the counter does not move."""
         self.in_step = False
+        self.phase = IDLE
         self.gpu_step = None
         self._last_end_ns = _now_ns()
         self.dataloader_pending_ns = self._pending_iterator = None

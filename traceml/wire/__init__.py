@@ -24,7 +24,7 @@ from traceml.wire.v1.service_pb2_grpc import (
     AggregatorStub,
     add_AggregatorServicer_to_server,
 )
-from traceml.wire.v1.step_pb2 import StepColumns
+from traceml.wire.v1.step_pb2 import Progress, StepColumns
 
 
 def end_state_name(value: int) -> str:
@@ -46,6 +46,7 @@ __all__ = [
     "NodeExit",
     "NodeExitAck",
     "ProcessSample",
+    "Progress",
     "RankEnd",
     "RankFinish",
     "RankIdentity",

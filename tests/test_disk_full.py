@@ -1,0 +1,100 @@
+"""The store on a full disk (a small tmpfs): nothing acknowledged that was not committed.
+
+SQLite rolls a transaction back by itself when the disk is full. Before the fix the store's own
+ROLLBACK then raised "no transaction is active", the stored sequence numbers kept the values of
+the batches that were rolled back, and the writer's one-by-one retry acknowledged those batches
+as duplicates: lost without a word. Needs root (``mount -t tmpfs``); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import subprocess
+
+import pytest
+
+from traceml import wire
+from traceml.wire.records import add_steps
+from traceml_aggregator.store import Store
+from traceml_aggregator.writer import Writer
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs at ``tmp_path/fs``, unmounted afterwards."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(directory) -> None:
+    """Take every free byte of ``directory``'s filesystem (file ``filler``)."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def batch(seq: int, rank: int, steps: int = 200) -> wire.Batch:
+    b = wire.Batch(run_name="r", rank=rank, seq=seq)
+    add_steps(b, ({"step": i, "end_us": i + 1, "step_us": 1000 + i} for i in range(steps)))
+    return b
+
+
+def stored_steps(store: Store) -> dict[int, int]:
+    return dict(store.query("SELECT rank, COUNT(*) FROM steps GROUP BY rank", by_name=False))
+
+
+def test_a_full_disk_fails_the_transaction_and_forgets_its_seqs(small_fs):
+    store = Store(small_fs / "t.sqlite")
+    assert [r.stored_seq for r in store.write_batches([batch(1, 0)], 0)] == [1]
+    fill(small_fs)
+    with pytest.raises(sqlite3.OperationalError, match="full"):
+        store.write_batches([batch(2, 0), batch(1, 1)], 0)
+    (small_fs / "filler").unlink()
+    # Resent after space came back: stored, not taken for duplicates of what was rolled back.
+    results = store.write_batches([batch(2, 0), batch(1, 1)], 0)
+    assert [(r.stored_seq, r.duplicate) for r in results] == [(2, False), (1, False)]
+    assert stored_steps(store) == {0: 400, 1: 200}
+    store.close()
+
+
+def test_the_writer_acknowledges_nothing_on_a_full_disk_and_everything_after(small_fs):
+    """Batches of three ranks share a transaction that the full disk fails; the writer's retry
+    one by one fails too, so every handler learns of the error (the rank resends) and none is
+    acknowledged; resent once the disk has room, each is stored exactly once."""
+    acked: list[int] = []
+
+    async def main():
+        writer = Writer(Store(small_fs / "t.sqlite"), lambda b: acked.append(b.rank))
+        writer.start()
+        first = await writer.store_batch(batch(1, 0))
+        fill(small_fs)
+        full = await asyncio.gather(
+            *(writer.store_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1))),
+            return_exceptions=True,
+        )
+        (small_fs / "filler").unlink()
+        again = await asyncio.gather(
+            *(writer.store_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1)))
+        )
+        steps = await writer.call(stored_steps, writer.store)
+        await writer.close()
+        return first, full, again, steps
+
+    first, full, again, steps = asyncio.run(main())
+    assert (first.stored_seq, first.duplicate) == (1, False)
+    assert [type(e) for e in full] == [sqlite3.OperationalError] * 3
+    assert [(r.stored_seq, r.duplicate) for r in again] == [(2, False), (1, False), (1, False)]
+    assert steps == {0: 400, 1: 200, 2: 200}
+    assert sorted(acked) == [0, 0, 1, 2]

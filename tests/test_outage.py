@@ -1,0 +1,85 @@
+"""A paused aggregator (SIGSTOP for OUTAGE_S) in the middle of a real 2-rank job.
+
+Training must not notice: the steps taken while the aggregator was stopped are as long as the
+others (within 5 %), every step is stored exactly once after it resumes (received + dropped =
+produced, with nothing dropped: the outage fits the buffer), and the job ends as usual. The
+time from the last step to the launcher's return is printed (the benchmark figure).
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+
+import psutil
+import pytest
+from conftest import SCRIPTS, load_summary, query, start_traceml
+
+pytestmark = pytest.mark.slow
+
+OUTAGE_S = 30.0
+STEP_SLEEP_S = 0.05
+STEPS = 1000  # about 50 s of training: the outage falls inside it
+
+
+def aggregator_of(launcher) -> psutil.Process:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            if "traceml_aggregator" in " ".join(child.cmdline()):
+                return child
+        time.sleep(0.2)
+    raise AssertionError("no aggregator process")
+
+
+def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, port):
+    run_dir = tmp_path / "logs" / "outage"
+    args = [
+        "run", str(SCRIPTS / "faulty_ddp.py"), "--nproc-per-node=2", "--run-name", "outage",
+        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+        "--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP_S),
+    ]
+    launcher = start_traceml(args, tmp_path, tmp_path / "launcher")
+    try:
+        aggregator = aggregator_of(launcher)
+        out = run_dir / "nodes" / "node_0" / "training.stdout.log"
+        deadline = time.monotonic() + 120
+        while "faulty_ddp: training" not in (out.read_text() if out.exists() else ""):
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        time.sleep(5.0)
+        paused_at = time.time()
+        aggregator.send_signal(signal.SIGSTOP)
+        time.sleep(OUTAGE_S)
+        aggregator.send_signal(signal.SIGCONT)
+        resumed_at = time.time()
+        code = launcher.wait(240)
+        returned_at = time.time()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 0, (tmp_path / "launcher.err").read_text()[-2000:]
+    summary = load_summary(run_dir)
+    for r in summary["ranks"]:
+        # received + dropped = produced, exactly, and nothing dropped
+        assert (r["steps_completed"], r["records_received"], r["records_dropped"]) == (
+            STEPS, STEPS, 0)
+    rows = query(
+        run_dir,
+        "SELECT s.rank, r.start_unix_us + s.end_us, s.step_us FROM steps s JOIN ranks r "
+        "ON r.rank = s.rank AND r.restart = s.restart WHERE s.step > 0",
+    )
+    during = [us for _, end, us in rows if paused_at * 1e6 < end < resumed_at * 1e6]
+    margin_us = 2e6  # leave out the steps around the pause's edges
+    outside = [
+        us for _, end, us in rows
+        if not paused_at * 1e6 - margin_us < end < resumed_at * 1e6 + margin_us
+    ]
+    # Stored once the aggregator came back: at least one rank's worth of the paused steps.
+    assert len(during) >= OUTAGE_S / STEP_SLEEP_S, len(during)
+    ratio = statistics.median(during) / statistics.median(outside)
+    assert abs(ratio - 1) < 0.05, ratio
+    last_step_unix_s = max(end for _, end, _ in rows) / 1e6
+    print(f"\noutage benchmark: step time during/outside the pause {ratio:.3f}; "
+          f"last step -> launcher returned {returned_at - last_step_unix_s:.2f} s")
