@@ -15,6 +15,12 @@ the SDK under plain ``torchrun`` (export ``TRACEML_AGGREGATOR=host:port`` and
 ``TRACEML_RUN_NAME`` to the ranks), then stop it with Ctrl-C or SIGTERM: it writes
 ``final_summary.*`` when it stops, unless a launcher already asked for them.
 Exit codes: 0 after a clean stop, 2 for bad options or a port that cannot be bound.
+
+``--owned`` is how ``traceml run`` starts it: the launcher owns its lifetime (it stops when
+its standard input, the launcher's pipe, closes; SIGTERM and SIGINT are noted, not obeyed).
+``--restart-reason``/``--down-since-unix-s`` mark a restart on the same store after the
+previous aggregator died; ``--finalize-only`` writes the summary from the store without
+serving (exit code 1 if it cannot).
 """
 
 from __future__ import annotations
@@ -52,6 +58,34 @@ def _parser() -> argparse.ArgumentParser:
         help="do not write the reports when stopped without a Finalize (traceml run sets it)",
     )
     p.add_argument(
+        "--owned",
+        action="store_true",
+        help="a launcher owns this process (traceml run sets it): stop at end of file on "
+        "stdin, note SIGTERM/SIGINT instead of stopping",
+    )
+    p.add_argument(
+        "--restart-reason",
+        default="",
+        help="this aggregator replaces one that died for this reason (recorded in the store)",
+    )
+    p.add_argument(
+        "--down-since-unix-s",
+        type=float,
+        default=None,
+        help="with --restart-reason: when the run lost its aggregator (Unix s)",
+    )
+    p.add_argument(
+        "--finalize-only",
+        action="store_true",
+        help="do not serve: write final_summary.* from the store in --run-dir, then exit",
+    )
+    p.add_argument(
+        "--node-exit-file",
+        type=Path,
+        default=None,
+        help="with --finalize-only: a serialized NodeExit to store first (the launcher's)",
+    )
+    p.add_argument(
         "--finalize-timeout-sec",
         type=float,
         default=None,
@@ -63,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``traceml-aggregator``; returns the exit code."""
-    from traceml_aggregator.server import BindError, ServerConfig, serve
+    from traceml_aggregator.server import BindError, ServerConfig, finalize_offline, serve
 
     args = _parser().parse_args(argv)
     error = validate_run_name(args.run_name)
@@ -94,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         html_report=args.html_report,
         summary_at_stop=args.summary_at_stop,
         finalize_timeout_s=timeout,
+        owned=args.owned,
+        restart_reason=args.restart_reason,
+        down_since_unix_s=args.down_since_unix_s,
     )
+    if args.finalize_only:
+        return finalize_offline(config, args.node_exit_file)
 
     def ready(port: int) -> None:
         print(

@@ -10,9 +10,11 @@ what the launcher waits for.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from traceml import wire
 from traceml.core.rundir import DATABASE_NAME
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.store import Store
+from traceml_aggregator.store import RESTARTS_META_KEY, Store
 from traceml_aggregator.writer import Writer
 
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
@@ -49,6 +51,30 @@ class ServerConfig:
     #: launcher turns it off: it finalizes itself, and a run it stops on purpose (a refused
     #: node claim) must leave no summary.
     summary_at_stop: bool = True
+    #: A launcher owns this process (``--owned``): it stops when its standard input reaches
+    #: end of file (the launcher closed its end of the pipe, or died in any way), and SIGTERM
+    #: and SIGINT are noted, not obeyed, so that an scancel that signals every process of the
+    #: job leaves it serving until the launcher has finalized.
+    owned: bool = False
+    #: This aggregator replaces one that died (``--restart-reason``): why, and since when
+    #: (Unix s) the run had none. Recorded in the store's ``aggregator_restarts`` meta entry.
+    restart_reason: str = ""
+    down_since_unix_s: float | None = None
+
+
+def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
+    """Append one restart to the store's :data:`~traceml_aggregator.store.RESTARTS_META_KEY`
+    entry, a JSON list of ``{"reason": str, "gap_s": float, "restarted_unix_s": float}`` (gap:
+    s from the death the launcher saw to this replacement serving); returns the entry."""
+    now = time.time()
+    entry = {
+        "reason": reason,
+        "gap_s": round(max(0.0, now - down_since_unix_s), 3),
+        "restarted_unix_s": round(now, 3),
+    }
+    restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
+    store.set_meta(RESTARTS_META_KEY, json.dumps(restarts + [entry]))
+    return entry
 
 
 class AggregatorService(wire.AggregatorServicer):
@@ -148,6 +174,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     if config.world_size:
         store.set_meta("world_size", str(config.world_size))
     state = RunState(world_size=config.world_size, nnodes=config.nnodes)
+    state.restore(store)  # what an aggregator of this run stored before this one
     writer = Writer(store, state.on_batch)
 
     def reports(store_, missing):
@@ -176,6 +203,15 @@ async def serve(config: ServerConfig, ready=None) -> int:
         raise BindError(f"cannot listen on {address} (port in use or address not local)")
     writer.start()
     await server.start()
+    if config.restart_reason:
+        down_since = config.down_since_unix_s if config.down_since_unix_s is not None else time.time()
+        entry = await writer.call(record_restart, store, config.restart_reason, down_since)
+        print(
+            f"traceml-aggregator: restarted on the run's store after {entry['gap_s']:g} s "
+            f"without an aggregator ({config.restart_reason})",
+            file=sys.stderr,
+            flush=True,
+        )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
@@ -187,8 +223,13 @@ async def serve(config: ServerConfig, ready=None) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if config.owned:
+        _stop_at_stdin_eof(loop, stop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _note_signal, sig)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -208,6 +249,65 @@ async def serve(config: ServerConfig, ready=None) -> int:
         "were already stored",
         file=sys.stderr,
     )
+    return 0
+
+
+def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Set ``stop`` once standard input (the owning launcher's pipe) reaches end of file.
+
+    The kernel closes the launcher's end when it exits, however it exits (SIGKILL included),
+    so an owned aggregator never outlives its launcher.
+    """
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(65536):
+                pass
+        except (OSError, ValueError):
+            pass
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=watch, name="traceml-owner-watch", daemon=True).start()
+
+
+def _note_signal(signum: int) -> None:
+    """An owned aggregator's SIGTERM/SIGINT: said, not obeyed (its launcher stops it)."""
+    print(
+        f"traceml-aggregator: got {signal.Signals(signum).name}; serving on until the "
+        "launcher that owns this process has finalized the run",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -> int:
+    """Write ``final_summary.*`` from the run's store alone, without serving (``--finalize-only``).
+
+    The launcher runs this when its aggregator died and could not be restarted: everything
+    acknowledged is in the store. ``node_exit_path`` holds the launcher's serialized
+    :class:`~traceml.wire.NodeExit` (its ranks' end states), stored first. Ranks that neither
+    finished nor belong to a reported node are the summary's missing ranks.
+
+    Returns:
+        0 once the reports are written (their paths on stderr), 1 when they cannot be.
+    """
+    from traceml_aggregator.reports import write_reports
+
+    store = Store(config.run_dir / DATABASE_NAME)
+    try:
+        if node_exit_path is not None:
+            report = wire.NodeExit.FromString(node_exit_path.read_bytes())
+            store.write_node_exit(report, time.time_ns() // 1000)
+        state = RunState(world_size=config.world_size, nnodes=config.nnodes)
+        state.restore(store)
+        store.checkpoint()
+        outcome = write_reports(store, config.run_dir, state.missing(), html=config.html_report)
+    except Exception as exc:
+        print(f"traceml-aggregator: error: no summary: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    print(f"traceml-aggregator: summary written from the store: {outcome.json_path}", file=sys.stderr)
     return 0
 
 

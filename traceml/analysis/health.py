@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from traceml.analysis.findings import Finding, ranks_text
 from traceml.analysis.rundata import RankData, RunData
+from traceml.core.ends import is_interrupted
 
 #: End states, as in ``ranks[].end.state``.
 COMPLETED = "completed"
@@ -54,11 +55,29 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
     }
 
 
+def run_status(ranks: list[dict], missing: list[int], *, live: bool) -> str:
+    """``run.status``: ``running`` (live), ``failed`` (a rank failed or died of a signal),
+    ``interrupted`` (ranks stopped by their launcher's SIGTERM/SIGINT, none failed),
+    ``incomplete`` (ranks missing, never reported, or stopped without a known cause), else
+    ``completed``."""
+    if live:
+        return RUNNING
+    states = [r["end"]["state"] for r in ranks]
+    if FAILED in states or SIGNALED in states:
+        return FAILED
+    if any(r["end"]["state"] == TERMINATED and is_interrupted(r["end"]["reason"]) for r in ranks):
+        return "interrupted"
+    if missing or any(state != COMPLETED for state in states):
+        return "incomplete"
+    return COMPLETED
+
+
 def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
     """Health findings over the summary's ``ranks`` (each with ``end``) and the run.
 
-    Kinds: RANK_CRASHED, RANK_TERMINATED, RANK_MISSING, RANK_NEVER_REPORTED, NODE_FAILED,
-    RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED.
+    Kinds: RANK_CRASHED, RUN_INTERRUPTED, RANK_TERMINATED, RANK_MISSING, RANK_NEVER_REPORTED,
+    NODE_FAILED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED,
+    AGGREGATOR_RESTARTED.
     """
     out: list[Finding] = []
     by_state: dict[str, list[dict]] = {}
@@ -89,7 +108,28 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
                 nodes=sorted({r["node_rank"] for r in crashed if r["node_rank"] is not None}),
             )
         )
-    terminated = by_state.get(TERMINATED, [])
+    interrupted = [r for r in by_state.get(TERMINATED, []) if is_interrupted(r["end"]["reason"])]
+    if interrupted:
+        signals = sorted({r["end"]["signal"] for r in interrupted if r["end"]["signal"]})
+        out.append(
+            Finding(
+                "RUN_INTERRUPTED",
+                "warning",
+                f"The run was interrupted: {ranks_text([r['rank'] for r in interrupted])} "
+                f"stopped when the launcher got signal {', '.join(map(str, signals)) or '?'} "
+                "(scancel, preemption or Ctrl-C); the figures cover the steps before it.",
+                "Nothing failed; resubmit or resume from the last checkpoint.",
+                evidence={
+                    "ranks": [
+                        {"rank": r["rank"], "signal": r["end"]["signal"],
+                         "steps_completed": r["steps_completed"]}
+                        for r in interrupted
+                    ]
+                },
+                ranks=[r["rank"] for r in interrupted],
+            )
+        )
+    terminated = [r for r in by_state.get(TERMINATED, []) if r not in interrupted]
     if terminated:
         out.append(
             Finding(
@@ -152,8 +192,22 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
 
 
 def _data_findings(run: RunData, ranks: list[dict]) -> list[Finding]:
-    """RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED."""
+    """RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED,
+    AGGREGATOR_RESTARTED."""
     out: list[Finding] = []
+    if run.aggregator_restarts:
+        gaps = [r["gap_s"] for r in run.aggregator_restarts]
+        out.append(
+            Finding(
+                "AGGREGATOR_RESTARTED",
+                "info",
+                f"The aggregator died and was restarted {len(gaps)} time(s) on the run's store "
+                f"({run.aggregator_restarts[-1]['reason']}; {sum(gaps):.1f} s without one); "
+                "the ranks resent what it had not stored.",
+                "Nothing to do if no telemetry was lost; see aggregator/process.stderr.log.",
+                evidence={"restarts": run.aggregator_restarts},
+            )
+        )
     stepped = [r for r in ranks if r["records_received"]]
     stepless = [r["rank"] for r in ranks if not r["records_received"]]
     if stepped and stepless:

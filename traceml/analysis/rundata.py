@@ -38,3 +38,6 @@ class RunData:
     system_samples: dict[int, list[dict]]
     gpu_samples: dict[int, list[dict]]
     missing: list[int]
+    #: Node 0's aggregator restarts on this run's store, in order: ``{"reason": str,
+    #: "gap_s": float (s without an aggregator), "restarted_unix_s": float}``.
+    aggregator_restarts: list[dict] = field(default_factory=list)

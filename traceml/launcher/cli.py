@@ -68,6 +68,17 @@ def run_command(
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or 300]",
     ),
     max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
+    aggregator_max_restarts: Optional[int] = typer.Option(
+        None,
+        help="times node 0 restarts an aggregator that died during the run "
+        f"[default: ${settings.AGGREGATOR_MAX_RESTARTS.name} or 3]",
+    ),
+    save_training_output: Optional[bool] = typer.Option(
+        None,
+        "--save-training-output/--no-save-training-output",
+        help="also write torchrun's output to nodes/node_<r>/training.*.log "
+        f"[default: ${settings.SAVE_TRAINING_OUTPUT.name} or on]",
+    ),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -100,6 +111,8 @@ def run_command(
         html_report=html_report,
         finalize_timeout_sec=finalize_timeout_sec,
         max_restarts=max_restarts,
+        aggregator_max_restarts=aggregator_max_restarts,
+        save_training_output=save_training_output,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)
