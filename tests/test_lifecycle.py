@@ -190,3 +190,32 @@ def test_finalize_only_writes_the_summary_from_the_store(tmp_path):
     summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert summary["run"]["complete"] is True and summary["run"]["status"] == "completed"
     assert "summary written from the store" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_tee_drains_the_pipe_when_the_log_disk_is_full(tmp_path):
+    """4 MiB through a pipe whose log lives on a 1 MiB tmpfs: the writer (a rank's print)
+    never blocks, the console gets every byte, the log stops at the full disk and the rest is
+    counted."""
+    from traceml.launcher.torchrun import Tee
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        read_end, write_end = os.pipe()
+        console_path = tmp_path / "console"
+        with open(read_end, "rb") as source, open(console_path, "wb") as console:
+            tee = Tee(source, console, disk / "training.stdout.log")
+            chunk = b"y" * 65536
+            with open(write_end, "wb", buffering=0) as sink:
+                for _ in range(64):  # a blocked pipe (64 KiB) would stop this loop
+                    sink.write(chunk)
+            tee.join(30)
+        assert console_path.stat().st_size == 64 * 65536
+        saved = (disk / "training.stdout.log").stat().st_size
+        assert 0 < saved <= 1024 * 1024
+        assert tee.bytes_not_saved == 64 * 65536 - saved  # every byte: saved or counted
+        assert tee.log_error == "No space left on device"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -63,16 +63,27 @@ def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):
 
 
 def test_second_sigterm_ends_at_once(tmp_path, port):
-    args = run_args(tmp_path, "twice", port) + ["--", "--steps", "100000", "--step-sleep", "0.05"]
+    """The ranks ignore SIGTERM, so torchrun would wait its grace period for them: the second
+    SIGTERM to the launcher SIGKILLs them all and ends it at once, without a summary."""
+    args = run_args(tmp_path, "twice", port) + [
+        "--", "--steps", "100000", "--step-sleep", "0.05", "--ignore-sigterm"
+    ]
     launcher = start_traceml(args, tmp_path, tmp_path / "twice", env=ENV)
     wait_training(tmp_path, "twice", launcher)
     processes = family(launcher.pid)
+    err_path = tmp_path / "twice.err"
     launcher.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while "got SIGTERM: stopping training" not in err_path.read_text():
+        assert time.monotonic() < deadline and launcher.poll() is None, err_path.read_text()
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert launcher.poll() is None  # torchrun waits for ranks that ignore SIGTERM
     launcher.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     code = launcher.wait(60)
     took = time.monotonic() - sent
-    err = (tmp_path / "twice.err").read_text()
+    err = err_path.read_text()
     assert code == 128 + signal.SIGTERM, err
     assert took < 10, err
     assert_all_gone(processes, 10)

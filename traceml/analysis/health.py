@@ -32,14 +32,16 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
     end = rd.end or {}
     finish = rd.finish or {}
     # torchrun stopped as a whole (SIGTERM to the launcher) leaves no record of its ranks: the
-    # launcher can only say "terminated", which must not hide a rank's own completed finish.
-    bare_stop = (
+    # launcher can only say "terminated" (interrupted, when it got the signal), which must not
+    # hide a rank's own completed finish: that rank had ended before the stop.
+    if (
         end.get("end_state") == TERMINATED
         and end.get("exit_code") is None
-        and end.get("signal") is None
+        and (end.get("signal") is None or is_interrupted(end.get("reason")))
         and finish.get("end_state") == COMPLETED
-    )
-    if end.get("end_state") not in (None, COMPLETED) and not bare_stop:
+    ):
+        return {"state": COMPLETED, "exit_code": None, "signal": None, "reason": finish.get("reason")}
+    if end.get("end_state") not in (None, COMPLETED):
         state = end["end_state"]  # the launcher saw a failure
     elif finish:
         state = finish["end_state"]  # the rank's own view (an exception it raised)

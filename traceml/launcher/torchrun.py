@@ -132,14 +132,15 @@ class Tee:
             if self.log_error:
                 self.bytes_failed += len(chunk)
                 continue
+            view = memoryview(chunk)
             try:
                 if log is None:
-                    log = open(self.log_path, "ab")
-                log.write(chunk)
-                log.flush()
+                    log = open(self.log_path, "ab", buffering=0)
+                while view:  # unbuffered: a full disk takes part of a chunk, then fails
+                    view = view[log.write(view):]
             except OSError as exc:
                 self.log_error = f"{exc.strerror or exc}"
-                self.bytes_failed += len(chunk)
+                self.bytes_failed += len(view)
                 print(
                     f"traceml: warning: cannot save training output to {self.log_path} "
                     f"({self.log_error}); it still reaches the console",
