@@ -26,7 +26,17 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, free_port, load_summary, query, start_traceml, traceml_env
+from conftest import (
+    SCRIPTS,
+    assert_all_gone,
+    free_port,
+    load_summary,
+    process_family as family,
+    query,
+    start_traceml,
+    traceml_env,
+    wait_training_started,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,24 +60,7 @@ def launch(tmp_path, name: str, port: int, script_args: list[str]) -> subprocess
 
 
 def wait_training(tmp_path, name: str, launcher: subprocess.Popen) -> None:
-    """Until rank 0's first step began (it prints a line to the node's training log)."""
-    log = tmp_path / "logs" / name / "nodes" / "node_0" / "training.stdout.log"
-    deadline = time.monotonic() + 240
-    while not (log.exists() and "faulty_ddp: training" in log.read_text()):
-        assert launcher.poll() is None, (tmp_path / f"{name}.err").read_text()
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.1)
-
-
-def family(pid: int) -> list[psutil.Process]:
-    """``pid`` and every process under it."""
-    root = psutil.Process(pid)
-    return [root] + root.children(recursive=True)
-
-
-def assert_all_gone(processes: list[psutil.Process]) -> None:
-    _, alive = psutil.wait_procs(processes, timeout=30)
-    assert alive == [], [p.pid for p in alive]
+    wait_training_started(tmp_path / "logs" / name, launcher, tmp_path / f"{name}.err")
 
 
 def steps_per_rank(run_dir) -> list[tuple]:

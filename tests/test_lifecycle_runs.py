@@ -11,10 +11,19 @@ import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 
-from conftest import SCRIPTS, load_summary, query, start_traceml, traceml_cmd, traceml_env
+from conftest import (
+    SCRIPTS,
+    assert_all_gone,
+    load_summary,
+    process_family as family,
+    query,
+    start_traceml,
+    traceml_cmd,
+    traceml_env,
+    wait_training_started,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +40,7 @@ def run_args(tmp_path, name: str, port: int, script: str = SCRIPT, nproc: int = 
 
 
 def wait_training(tmp_path, name: str, launcher: subprocess.Popen) -> None:
-    log = tmp_path / "logs" / name / "nodes" / "node_0" / "training.stdout.log"
-    deadline = time.monotonic() + 240
-    while not (log.exists() and "faulty_ddp: training" in log.read_text()):
-        assert launcher.poll() is None, (tmp_path / f"{name}.err").read_text()
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.1)
-
-
-def family(pid: int) -> list[psutil.Process]:
-    root = psutil.Process(pid)
-    return [root] + root.children(recursive=True)
-
-
-def assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> None:
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    assert alive == [], [(p.pid, p.cmdline()) for p in alive]
+    wait_training_started(tmp_path / "logs" / name, launcher, tmp_path / f"{name}.err")
 
 
 def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):

@@ -152,18 +152,18 @@ class LaunchConfig:
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
         if self.aggregator_max_restarts is None:
-            raw = settings.env_str(settings.AGGREGATOR_MAX_RESTARTS)
+            setting = settings.AGGREGATOR_MAX_RESTARTS
+            raw = settings.env_str(setting)
             try:
                 self.aggregator_max_restarts = int(raw)
             except ValueError:
-                raise LaunchError(
-                    f"{settings.AGGREGATOR_MAX_RESTARTS.name}={raw!r}: not an integer"
-                ) from None
-            flag = settings.AGGREGATOR_MAX_RESTARTS.name
-        else:
-            flag = "--aggregator-max-restarts"
-        if self.aggregator_max_restarts < 0:
-            raise LaunchError(f"{flag} must be >= 0 (got {self.aggregator_max_restarts})")
+                raise LaunchError(f"{setting.name}={raw!r}: not an integer") from None
+            if self.aggregator_max_restarts < 0:
+                raise LaunchError(f"{setting.name}={raw!r}: must be an integer >= 0")
+        elif self.aggregator_max_restarts < 0:
+            raise LaunchError(
+                f"--aggregator-max-restarts must be >= 0 (got {self.aggregator_max_restarts})"
+            )
         if self.save_training_output is None:
             self.save_training_output = settings.env_bool(settings.SAVE_TRAINING_OUTPUT)
         if self.run_name is None:

@@ -3,8 +3,9 @@
 Node 0::
 
     check claim, port -> run dir -> start aggregator -> torchrun -> wait SERVING -> node sampler
-    -> wait (watching the aggregator and the node claims) -> report node exit
-    -> Finalize (bounded) -> print summary -> stop aggregator -> exit code
+    -> wait (watching the aggregator: restart it on the store if it died; the node claims)
+    -> report node exit -> Finalize (bounded; from the store if the aggregator is lost)
+    -> print summary -> stop aggregator -> exit code
 
 Node r > 0::
 
@@ -20,9 +21,12 @@ well under a second, while each rank imports torch and joins the process group f
 that before its first send (and the SDK keeps and resends what it could not send). The checks
 that can refuse a launch (flags, claim, port) all run before either process starts.
 
-The exit code is torchrun's, always. Once training has started, a telemetry failure (node 0's
+The exit code is torchrun's, except after a second SIGTERM/SIGINT, which ends the launch at
+once (128 + the signal). The first one is passed on to torchrun, and the summary of the steps
+so far follows (status interrupted). Once training has started, a telemetry failure (node 0's
 aggregator not serving, or dying) is a warning on stderr and a field in the manifest, never a
-different exit code.
+different exit code. The launcher owns its processes: the aggregator ends when the launcher's
+pipe to it closes and torchrun gets SIGTERM when the launcher dies, however it dies.
 
 gRPC (about 0.2 s of imports) is imported where it is first used, after torchrun has started.
 """
@@ -570,10 +574,11 @@ class Launch:
             if reply is None:  # a signal during the wait: now, with what is stored
                 reply = aggregator.finalize(config.launcher_target, str(config.run_name), 0.01)
         except grpc.RpcError as exc:
-            self._watch_aggregator(manifest)
-            if self.aggregator_process.poll() is not None:
-                self.health.update(status="failed", reason=f"died during finalization ({exc.code().name})")
-                manifest.update(aggregator=self.health)
+            if self.aggregator_process.poll() is not None:  # it died while finalizing
+                restarts = len(self.health["restarts"])
+                self._watch_aggregator(manifest)
+                if len(self.health["restarts"]) > restarts and self.health["status"] == "serving":
+                    return self._finalize(manifest)  # a replacement serves: ask it
                 return False
             self.health.update(status="failed", reason=f"finalize failed: {exc.code().name}")
             manifest.update(aggregator=self.health)
