@@ -110,3 +110,29 @@ def assert_rejected(tmp_path, args: list[str], expected: str, *, marker: str) ->
         if any(marker in part for part in (p.info["cmdline"] or []))
     ]
     assert started == []
+
+
+def wait_training_started(run_dir: Path, launcher: subprocess.Popen, err_path: Path,
+                          timeout_s: float = 240) -> None:
+    """Wait until rank 0 of ``tests/scripts/faulty_ddp.py`` began its first step (its line
+    in node 0's training log); fails if the launcher exits first (with its stderr)."""
+    import time
+
+    log = run_dir / "nodes" / "node_0" / "training.stdout.log"
+    deadline = time.monotonic() + timeout_s
+    while not (log.exists() and "faulty_ddp: training" in log.read_text()):
+        assert launcher.poll() is None, err_path.read_text()
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.1)
+
+
+def process_family(pid: int) -> list[psutil.Process]:
+    """``pid`` and every process under it (torchrun's ranks, node 0's aggregator)."""
+    root = psutil.Process(pid)
+    return [root] + root.children(recursive=True)
+
+
+def assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> None:
+    """Every one of ``processes`` exits within ``timeout_s``."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    assert alive == [], [p.pid for p in alive]

@@ -28,6 +28,7 @@ BAD_FLAGS = [
     (["--finalize-timeout-sec", "nan"], "--finalize-timeout-sec must be a finite number > 0 (got nan)"),
     (["--finalize-timeout-sec", "inf"], "--finalize-timeout-sec must be a finite number > 0 (got inf)"),
     (["--finalize-timeout-sec", "soon"], "Invalid value for '--finalize-timeout-sec'"),
+    (["--aggregator-max-restarts", "-1"], "--aggregator-max-restarts must be >= 0 (got -1)"),
 ]
 
 
@@ -45,6 +46,8 @@ BAD_ENV = [
     ("TRACEML_FINALIZE_TIMEOUT_SEC", "inf", "must be a finite number > 0"),
     ("TRACEML_AGGREGATOR_WAIT_SEC", "forever", "not a number"),
     ("TRACEML_AGGREGATOR_START_SEC", "-1", "must be a finite number > 0"),
+    ("TRACEML_AGGREGATOR_MAX_RESTARTS", "many", "not an integer"),
+    ("TRACEML_AGGREGATOR_MAX_RESTARTS", "-1", "must be an integer >= 0"),
 ]
 
 

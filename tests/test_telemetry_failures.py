@@ -39,14 +39,21 @@ def test_aggregator_that_never_serves_leaves_training_alone(tmp_path, port):
     assert "aggregator_failed" in manifest["lifecycle"]
 
 
-def test_aggregator_killed_mid_run(tmp_path, port):
+def test_aggregator_killed_mid_run_without_restarts_left(tmp_path, port):
+    """With no restart allowed (TRACEML_AGGREGATOR_MAX_RESTARTS=0) training goes on without
+    telemetry, and the launcher writes the summary from the store at the end: what was
+    acknowledged before the kill, and the ranks' end states from this node's report."""
     run_dir = tmp_path / "logs" / "agg-killed"
     args = [
         "run", SCRIPT, "--nproc-per-node=2", "--run-name", "agg-killed",
         "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
         "--steps", "60", "--step-sleep", "0.2",
     ]
-    env = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_FINISH_TIMEOUT_SEC": "2"}
+    env = {
+        "TRACEML_FLUSH_INTERVAL_SEC": "0.2",
+        "TRACEML_FINISH_TIMEOUT_SEC": "2",
+        "TRACEML_AGGREGATOR_MAX_RESTARTS": "0",
+    }
     launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=env)
     stdout_log = run_dir / "nodes" / "node_0" / "training.stdout.log"
     deadline = time.monotonic() + 180
@@ -62,9 +69,14 @@ def test_aggregator_killed_mid_run(tmp_path, port):
 
     err = (tmp_path / "launcher.err").read_text()
     assert code == 0, err
-    assert "warning: the aggregator exited with code 137 during the run" in err
+    assert "warning: the aggregator exited with code 137 during the run; training continues" in err
+    assert "summary (written from the store: the aggregator was lost)" in err
     assert "faulty_ddp: rank 0 trained 60 steps" in (tmp_path / "launcher.out").read_text()
-    assert not (run_dir / "final_summary.json").exists()
+    summary = json.loads((run_dir / "final_summary.json").read_text())
+    assert summary["run"]["complete"] is True and summary["run"]["status"] == "completed"
+    for rank in summary["ranks"]:
+        assert rank["end"]["state"] == "completed"
+        assert 0 < rank["records_received"] < 60  # the steps stored before the kill
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "completed" and manifest["exit_code"] == 0
     assert manifest["aggregator"] == {
@@ -72,8 +84,10 @@ def test_aggregator_killed_mid_run(tmp_path, port):
         "reason": "exited with code 137 during the run",
         "pid": pid,
         "exit_code": 137,
+        "restarts": [],
     }
     assert "aggregator_failed" in manifest["lifecycle"]
+    assert manifest["artifacts"]["final_summary_json"] == str(run_dir / "final_summary.json")
     node = json.loads((run_dir / "nodes" / "node_0" / "manifest.json").read_text())
     assert node["exit_code"] == 0 and node["telemetry_reported"] is False
 

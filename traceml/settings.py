@@ -48,6 +48,17 @@ HANG_TIMEOUT_SEC = Setting(
     "300",
     "Seconds without a completed step before a live rank is reported as hung (> 0).",
 )
+SAVE_TRAINING_OUTPUT = Setting(
+    "TRACEML_SAVE_TRAINING_OUTPUT",
+    "1",
+    "1 (default): each node also writes torchrun's output to nodes/node_<r>/training.*.log; "
+    "0: console only (--save-training-output/--no-save-training-output win).",
+)
+AGGREGATOR_MAX_RESTARTS = Setting(
+    "TRACEML_AGGREGATOR_MAX_RESTARTS",
+    "3",
+    "How many times node 0 restarts an aggregator that died during the run (>= 0).",
+)
 AGGREGATOR_START_SEC = Setting(
     "TRACEML_AGGREGATOR_START_SEC", "60", "How long node 0 waits for its aggregator to serve."
 )

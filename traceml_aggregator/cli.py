@@ -16,6 +16,12 @@ the SDK under plain ``torchrun`` (export ``TRACEML_AGGREGATOR=host:port`` and
 ``final_summary.*`` when it stops, unless a launcher already asked for them.
 Exit codes: 0 after a clean stop, 2 for bad options, a port that cannot be bound, or a store
 that cannot be opened (another TraceML version's, or not a database).
+
+``--owned`` is how ``traceml run`` starts it: the launcher owns its lifetime (it stops when
+its standard input, the launcher's pipe, closes; SIGTERM and SIGINT are noted, not obeyed).
+``--restart-reason``/``--down-since-unix-s`` mark a restart on the same store after the
+previous aggregator died; ``--finalize-only`` writes the summary from the store without
+serving (exit code 1 if it cannot).
 """
 
 from __future__ import annotations
@@ -78,9 +84,29 @@ def serve_command(
         help="seconds without a completed step before a live rank is reported as hung "
         f"[default: ${settings.HANG_TIMEOUT_SEC.name} or {settings.HANG_TIMEOUT_SEC.default}]",
     ),
+    owned: bool = typer.Option(
+        False,
+        "--owned",
+        help="a launcher owns this process (traceml run sets it): stop at end of file on "
+        "stdin, note SIGTERM/SIGINT instead of stopping",
+    ),
+    restart_reason: str = typer.Option(
+        "", help="this aggregator replaces one that died for this reason (recorded in the store)"
+    ),
+    down_since_unix_s: Optional[float] = typer.Option(
+        None, help="with --restart-reason: when the run lost its aggregator (Unix s)"
+    ),
+    finalize_only: bool = typer.Option(
+        False,
+        "--finalize-only",
+        help="do not serve: write final_summary.* from the store in --run-dir, then exit",
+    ),
+    node_exit_file: Optional[Path] = typer.Option(
+        None, help="with --finalize-only: a serialized NodeExit to store first (the launcher's)"
+    ),
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit code (see the module docstring)."""
-    from traceml_aggregator.server import BindError, ServerConfig, serve
+    from traceml_aggregator.server import BindError, ServerConfig, finalize_offline, serve
     from traceml_aggregator.store import StoreVersionError
 
     error = validate_run_name(run_name) or endpoint.port_error("--port", port)
@@ -108,7 +134,12 @@ def serve_command(
         summary_at_stop=not no_summary_at_stop,
         finalize_timeout_s=timeout,
         hang_timeout_s=hang_timeout,
+        owned=owned,
+        restart_reason=restart_reason,
+        down_since_unix_s=down_since_unix_s,
     )
+    if finalize_only:
+        return finalize_offline(config, node_exit_file)
 
     def ready(bound: int) -> None:
         _log.info(f"serving run {run_name!r} on {bind_host}:{bound}, store {run_dir}")

@@ -42,6 +42,20 @@ class RunState:
     first_end_monotonic: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def restore(self, store) -> None:
+        """Take what an earlier aggregator of this run stored (a restart on the same store):
+        the ranks that finished, the nodes whose exit was reported, and the world size."""
+        if self.world_size is None:
+            known = store.meta().get("world_size")
+            self.world_size = int(known) if known else None
+        self.finished |= {row[0] for row in store.query("SELECT rank FROM rank_finish", by_name=False)}
+        for (node_rank,) in store.query("SELECT node_rank FROM node_exits", by_name=False):
+            self.exited_nodes.setdefault(node_rank, set())
+        for node_rank, rank in store.query("SELECT node_rank, rank FROM rank_ends", by_name=False):
+            self.exited_nodes.setdefault(node_rank, set()).add(rank)
+        if self.finished or self.exited_nodes:
+            self._mark_end()
+
     def on_batch(self, batch) -> None:
         """Account a stored batch (identity and finish marker)."""
         if batch.HasField("identity") and self.world_size is None:

@@ -13,6 +13,8 @@ import asyncio
 import json
 import signal
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ from traceml.core.rundir import DATABASE_NAME, RunDir
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.store import Store
+from traceml_aggregator.store import RESTARTS_META_KEY, Store
 from traceml_aggregator.writer import Writer
 
 _log = log.get("aggregator")
@@ -56,6 +58,30 @@ class ServerConfig:
     #: launcher turns it off: it finalizes itself, and a run it stops on purpose (a refused
     #: node claim) must leave no summary.
     summary_at_stop: bool = True
+    #: A launcher owns this process (``--owned``): it stops when its standard input reaches
+    #: end of file (the launcher closed its end of the pipe, or died in any way), and SIGTERM
+    #: and SIGINT are noted, not obeyed, so that an scancel that signals every process of the
+    #: job leaves it serving until the launcher has finalized.
+    owned: bool = False
+    #: This aggregator replaces one that died (``--restart-reason``): why, and since when
+    #: (Unix s) the run had none. Recorded in the store's ``aggregator_restarts`` meta entry.
+    restart_reason: str = ""
+    down_since_unix_s: float | None = None
+
+
+def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
+    """Append one restart to the store's :data:`~traceml_aggregator.store.RESTARTS_META_KEY`
+    entry, a JSON list of ``{"reason": str, "gap_s": float, "restarted_unix_s": float}`` (gap:
+    s from the death the launcher saw to this replacement serving); returns the entry."""
+    now = time.time()
+    entry = {
+        "reason": reason,
+        "gap_s": round(max(0.0, now - down_since_unix_s), 3),
+        "restarted_unix_s": round(now, 3),
+    }
+    restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
+    store.set_meta(RESTARTS_META_KEY, json.dumps(restarts + [entry]))
+    return entry
 
 
 class AggregatorService(wire.AggregatorServicer):
@@ -155,6 +181,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     if config.world_size:
         store.set_meta("world_size", str(config.world_size))
     state = RunState(world_size=config.world_size, nnodes=config.nnodes)
+    state.restore(store)  # what an aggregator of this run stored before this one
     hangs = HangWatch(
         config.hang_timeout_s, state.is_done, RunDir(config.run_dir, 0).stall_file
     )
@@ -197,6 +224,13 @@ async def serve(config: ServerConfig, ready=None) -> int:
         raise BindError(f"cannot listen on {address} (port in use or address not local)")
     writer.start()
     await server.start()
+    if config.restart_reason:
+        down_since = config.down_since_unix_s if config.down_since_unix_s is not None else time.time()
+        entry = await writer.call(record_restart, store, config.restart_reason, down_since)
+        _log.info(
+            f"restarted on the run's store after {entry['gap_s']:g} s "
+            f"without an aggregator ({config.restart_reason})"
+        )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
@@ -209,8 +243,13 @@ async def serve(config: ServerConfig, ready=None) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if config.owned:
+        _stop_at_stdin_eof(loop, stop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _note_signal, sig)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -226,4 +265,61 @@ async def serve(config: ServerConfig, ready=None) -> int:
         f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
         f"{writer.batches_duplicate} resent batches were already stored"
     )
+    return 0
+
+
+def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Set ``stop`` once standard input (the owning launcher's pipe) reaches end of file.
+
+    The kernel closes the launcher's end when it exits, however it exits (SIGKILL included),
+    so an owned aggregator never outlives its launcher.
+    """
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(65536):
+                pass
+        except (OSError, ValueError):
+            pass
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=watch, name="traceml-owner-watch", daemon=True).start()
+
+
+def _note_signal(signum: int) -> None:
+    """An owned aggregator's SIGTERM/SIGINT: said, not obeyed (its launcher stops it)."""
+    _log.info(
+        f"got {signal.Signals(signum).name}; serving on until the "
+        "launcher that owns this process has finalized the run"
+    )
+
+
+def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -> int:
+    """Write ``final_summary.*`` from the run's store alone, without serving (``--finalize-only``).
+
+    The launcher runs this when its aggregator died and could not be restarted: everything
+    acknowledged is in the store. ``node_exit_path`` holds the launcher's serialized
+    :class:`~traceml.wire.NodeExit` (its ranks' end states), stored first. Ranks that neither
+    finished nor belong to a reported node are the summary's missing ranks.
+
+    Returns:
+        0 once the reports are written (their paths on stderr), 1 when they cannot be.
+    """
+    from traceml_aggregator.reports import write_reports
+
+    store = Store(config.run_dir / DATABASE_NAME)
+    try:
+        if node_exit_path is not None:
+            report = wire.NodeExit.FromString(node_exit_path.read_bytes())
+            store.write_node_exit(report, time.time_ns() // 1000)
+        state = RunState(world_size=config.world_size, nnodes=config.nnodes)
+        state.restore(store)
+        store.checkpoint()
+        outcome = write_reports(store, config.run_dir, state.missing(), html=config.html_report)
+    except Exception as exc:
+        _log.error(f"error: no summary: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        store.close()
+    _log.info(f"summary written from the store: {outcome.json_path}")
     return 0

@@ -86,6 +86,11 @@ _SYSTEM_FIELDS = ("cpu_percent", "ram_used_bytes", "ram_total_bytes")
 _GPU_FIELDS = ("util_percent", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
 
 
+#: ``meta`` key of the run's aggregator restarts: a JSON list, one entry per replacement
+#: aggregator (see :func:`traceml_aggregator.server.record_restart`).
+RESTARTS_META_KEY = "aggregator_restarts"
+
+
 def _optional(message, names: tuple[str, ...]) -> tuple:
     """Values of ``names`` in ``message``, None where the optional field is absent."""
     present = {fd.name: value for fd, value in message.ListFields()}

@@ -15,6 +15,8 @@ model (one all-reduce per step). Rank ``--fail-rank`` ends itself at the start o
     none      no failure
 
 ``--step-sleep`` adds a planted sleep to every step (s), to make a run last without CPU work.
+``--ignore-sigterm`` makes every rank ignore SIGTERM (a rank stuck in I/O that torchrun cannot
+stop in its grace period).
 Rank 0 prints ``faulty_ddp: training`` once its first step begins.
 
 Before a failure it waits ``--settle-sec`` (default 1.5 s) so that every rank's telemetry of
@@ -50,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--settle-sec", type=float, default=1.5)
     p.add_argument("--mark", default="")
+    p.add_argument("--ignore-sigterm", action="store_true")
     return p.parse_args()
 
 
@@ -85,6 +88,8 @@ class Stallable(nn.Linear):
 
 def main() -> None:
     args = parse_args()
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     traceml.init()

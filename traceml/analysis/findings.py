@@ -41,6 +41,7 @@ KINDS = {
     ),
     "health": (
         "RANK_CRASHED",
+        "RUN_INTERRUPTED",
         "RANK_TERMINATED",
         "RANK_MISSING",
         "RANK_NEVER_REPORTED",
@@ -49,6 +50,7 @@ KINDS = {
         "TELEMETRY_DROPPED",
         "GPU_TIMING_UNRESOLVED",
         "RESTARTED",
+        "AGGREGATOR_RESTARTED",
     ),
 }
 

@@ -12,6 +12,7 @@ import time
 
 from traceml.analysis.findings import Finding, ranks_text
 from traceml.analysis.rundata import RankData, RunData
+from traceml.core.ends import is_interrupted
 
 #: End states, as in ``ranks[].end.state``.
 COMPLETED = "completed"
@@ -33,14 +34,16 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
     end = rd.end or {}
     finish = rd.finish or {}
     # torchrun stopped as a whole (SIGTERM to the launcher) leaves no record of its ranks: the
-    # launcher can only say "terminated", which must not hide a rank's own completed finish.
-    bare_stop = (
+    # launcher can only say "terminated" (interrupted, when it got the signal), which must not
+    # hide a rank's own completed finish: that rank had ended before the stop.
+    if (
         end.get("end_state") == TERMINATED
         and end.get("exit_code") is None
-        and end.get("signal") is None
+        and (end.get("signal") is None or is_interrupted(end.get("reason")))
         and finish.get("end_state") == COMPLETED
-    )
-    if end.get("end_state") not in (None, COMPLETED) and not bare_stop:
+    ):
+        return {"state": COMPLETED, "exit_code": None, "signal": None, "reason": finish.get("reason")}
+    if end.get("end_state") not in (None, COMPLETED):
         state = end["end_state"]  # the launcher saw a failure
     elif finish:
         state = finish["end_state"]  # the rank's own view (an exception it raised)
@@ -72,12 +75,30 @@ def last_seen_us(rd: RankData) -> float:
     return float("inf")
 
 
+def run_status(ranks: list[dict], missing: list[int], *, live: bool) -> str:
+    """``run.status``: ``running`` (live), ``failed`` (a rank failed or died of a signal),
+    ``interrupted`` (ranks stopped by their launcher's SIGTERM/SIGINT, none failed),
+    ``incomplete`` (ranks missing, never reported, or stopped without a known cause), else
+    ``completed``."""
+    if live:
+        return RUNNING
+    states = [r["end"]["state"] for r in ranks]
+    if FAILED in states or SIGNALED in states:
+        return FAILED
+    if any(r["end"]["state"] == TERMINATED and is_interrupted(r["end"]["reason"]) for r in ranks):
+        return "interrupted"
+    if missing or any(state != COMPLETED for state in states):
+        return "incomplete"
+    return COMPLETED
+
+
 def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
     """Health findings over the summary's ``ranks`` (each with ``end``) and the run.
 
-    Kinds: RANK_CRASHED, RANK_HUNG, RANK_TERMINATED (ranks stopped after another failed, the
-    hung ones left out: RANK_HUNG says when they stopped), RANK_MISSING, RANK_NEVER_REPORTED, NODE_FAILED,
-    RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED.
+    Kinds: RANK_CRASHED, RANK_HUNG, RUN_INTERRUPTED, RANK_TERMINATED (ranks stopped after
+    another failed; hung and interrupted ranks are left out), RANK_MISSING, RANK_NEVER_REPORTED,
+    NODE_FAILED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED,
+    AGGREGATOR_RESTARTED.
     """
     out: list[Finding] = []
     by_state: dict[str, list[dict]] = {}
@@ -115,7 +136,36 @@ def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
     if hung:
         out.append(_hang_finding(run.stall))
     hung_ranks = {e["rank"] for e in hung}
-    terminated = [r for r in by_state.get(TERMINATED, []) if r["rank"] not in hung_ranks]
+    interrupted = [
+        r
+        for r in by_state.get(TERMINATED, [])
+        if r["rank"] not in hung_ranks and is_interrupted(r["end"]["reason"])
+    ]
+    if interrupted:
+        signals = sorted({r["end"]["signal"] for r in interrupted if r["end"]["signal"]})
+        out.append(
+            Finding(
+                "RUN_INTERRUPTED",
+                "warning",
+                f"The run was interrupted: {ranks_text([r['rank'] for r in interrupted])} "
+                f"stopped when the launcher got signal {', '.join(map(str, signals)) or '?'} "
+                "(scancel, preemption or Ctrl-C); the figures cover the steps before it.",
+                "Nothing failed; resubmit or resume from the last checkpoint.",
+                evidence={
+                    "ranks": [
+                        {"rank": r["rank"], "signal": r["end"]["signal"],
+                         "steps_completed": r["steps_completed"]}
+                        for r in interrupted
+                    ]
+                },
+                ranks=[r["rank"] for r in interrupted],
+            )
+        )
+    terminated = [
+        r
+        for r in by_state.get(TERMINATED, [])
+        if r["rank"] not in hung_ranks and r not in interrupted
+    ]
     if terminated:
         out.append(
             Finding(
@@ -215,8 +265,22 @@ def _hang_finding(stall: dict) -> Finding:
 
 
 def _data_findings(run: RunData, ranks: list[dict]) -> list[Finding]:
-    """RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED."""
+    """RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED,
+    AGGREGATOR_RESTARTED."""
     out: list[Finding] = []
+    if run.aggregator_restarts:
+        gaps = [r["gap_s"] for r in run.aggregator_restarts]
+        out.append(
+            Finding(
+                "AGGREGATOR_RESTARTED",
+                "info",
+                f"The aggregator died and was restarted {len(gaps)} time(s) on the run's store "
+                f"({run.aggregator_restarts[-1]['reason']}; {sum(gaps):.1f} s without one); "
+                "the ranks resent what it had not stored.",
+                "Nothing to do if no telemetry was lost; see aggregator/process.stderr.log.",
+                evidence={"restarts": run.aggregator_restarts},
+            )
+        )
     stepped = [r for r in ranks if r["records_received"]]
     stepless = [r["rank"] for r in ranks if not r["records_received"]]
     if stepped and stepless:

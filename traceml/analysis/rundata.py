@@ -41,3 +41,6 @@ class RunData:
     #: The aggregator's stall record when ranks stopped making progress (a hang; see
     #: :mod:`traceml.analysis.hang` for its fields), else None.
     stall: dict | None = None
+    #: Node 0's aggregator restarts on this run's store, in order: ``{"reason": str,
+    #: "gap_s": float (s without an aggregator), "restarted_unix_s": float}``.
+    aggregator_restarts: list[dict] = field(default_factory=list)

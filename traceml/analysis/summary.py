@@ -235,6 +235,11 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
             "complete": not missing and not live,
             "missing_ranks": sorted(missing),
             "attempt": max((rd.restart for rd in run.ranks.values()), default=0),
+            "status": health.run_status(ranks, sorted(missing), live=live),
+            "telemetry_health": {
+                "aggregator_restarts": len(run.aggregator_restarts),
+                "aggregator_outages": run.aggregator_restarts,
+            },
         },
         "primary_diagnosis": primary.to_json(),
         "findings": {

@@ -24,11 +24,31 @@ class AggregatorUnavailable(RuntimeError):
     """The aggregator did not answer its health check within the allowed time."""
 
 
-def start(config: LaunchConfig, run_dir: RunDir) -> subprocess.Popen:
-    """Start ``traceml-aggregator`` for this run in its own process group (node 0 only).
+def start(
+    config: LaunchConfig, run_dir: RunDir, *, restart_reason: str = "", down_since_unix_s: float = 0.0
+) -> subprocess.Popen:
+    """Start ``traceml-aggregator --owned`` for this run in its own session (node 0 only).
 
-    Its stdout and stderr go to ``aggregator/process.stderr.log``.
+    The launcher owns its lifetime: its standard input is a pipe from the launcher, and it
+    stops when that pipe closes (:func:`stop`, or the launcher dying in any way); SIGTERM and
+    SIGINT (an scancel signals every process of the job) leave it serving until then. Its
+    stdout and stderr go to ``aggregator/process.stderr.log``. ``restart_reason`` (with the
+    Unix time the run lost its aggregator) starts a replacement on the same store.
     """
+    argv = aggregator_argv(config, run_dir) + ["--owned", "--no-summary-at-stop"]
+    if restart_reason:
+        argv += ["--restart-reason", restart_reason, "--down-since-unix-s", f"{down_since_unix_s:.3f}"]
+    log = open(run_dir.aggregator_stderr, "ab")
+    try:
+        return subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True
+        )
+    finally:
+        log.close()
+
+
+def aggregator_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
+    """``python -m traceml_aggregator`` with this run's store, name, address and sizes."""
     argv = [
         sys.executable,
         "-m",
@@ -49,17 +69,26 @@ def start(config: LaunchConfig, run_dir: RunDir) -> subprocess.Popen:
         str(config.finalize_timeout_sec),
         "--hang-timeout-sec",
         str(config.hang_timeout_sec),
-        "--no-summary-at-stop",  # this launcher asks for the summary (Finalize) itself
     ]
     if config.html_report:
         argv.append("--html-report")
-    log = open(run_dir.aggregator_stderr, "ab")
-    try:
-        return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-        )
-    finally:
-        log.close()
+    return argv
+
+
+def finalize_offline(
+    config: LaunchConfig, run_dir: RunDir, node_exit_file, timeout_s: float = 120.0
+) -> int:
+    """Write the summary from the store with ``traceml-aggregator --finalize-only`` (the run's
+    aggregator is dead and may not be restarted); its exit code (0: written).
+
+    Raises:
+        subprocess.TimeoutExpired: it ran longer than ``timeout_s`` (it is killed first).
+    """
+    argv = aggregator_argv(config, run_dir) + ["--finalize-only", "--node-exit-file", str(node_exit_file)]
+    with open(run_dir.aggregator_stderr, "ab") as log:
+        return subprocess.run(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=timeout_s
+        ).returncode
 
 
 def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
@@ -117,24 +146,44 @@ def summarize(target: str, run_name: str, timeout_s: float):
     return endpoint.call(target, "Summarize", wire.SummarizeRequest(run_name=run_name), timeout_s)
 
 
-def finalize(target: str, run_name: str, budget_s: float):
-    """Ask for the final summary; returns the FinalizeReply. Raises grpc.RpcError."""
+def finalize(target: str, run_name: str, budget_s: float, cancelled=None):
+    """Ask for the final summary; returns the FinalizeReply, or None once ``cancelled()``
+    (checked every 0.2 s: a signal to the launcher is handled within that time, never held
+    up by the whole budget) returned True; the call is then cancelled.
+
+    Raises:
+        grpc.RpcError: the call failed or timed out.
+    """
+    import grpc
+
     from traceml import wire
 
     request = wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s)
-    return endpoint.call(target, "Finalize", request, budget_s + 30.0)
+    with grpc.insecure_channel(target) as channel:
+        future = wire.AggregatorStub(channel).Finalize.future(request, timeout=budget_s + 30.0)
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except grpc.FutureTimeoutError:
+                if cancelled is not None and cancelled():
+                    future.cancel()
+                    return None
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 10.0) -> int:
-    """SIGTERM the aggregator, SIGKILL it after ``timeout_s``; its exit code."""
-    if process.poll() is None:
+    """Close the aggregator's pipe (it drains and stops), SIGKILL it after ``timeout_s``;
+    its exit code."""
+    if process.stdin is not None and not process.stdin.closed:
         try:
-            os.killpg(process.pid, signal.SIGTERM)
+            process.stdin.close()
+        except OSError:  # it died first: the pipe is broken
+            pass
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        process.wait()
     return process.returncode

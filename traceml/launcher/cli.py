@@ -90,6 +90,17 @@ def run_command(
         f"[default: ${settings.HANG_TIMEOUT_SEC.name} or {settings.HANG_TIMEOUT_SEC.default}]",
     ),
     max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
+    aggregator_max_restarts: Optional[int] = typer.Option(
+        None,
+        help="times node 0 restarts an aggregator that died during the run "
+        f"[default: ${settings.AGGREGATOR_MAX_RESTARTS.name} or 3]",
+    ),
+    save_training_output: Optional[bool] = typer.Option(
+        None,
+        "--save-training-output/--no-save-training-output",
+        help="also write torchrun's output to nodes/node_<r>/training.*.log "
+        f"[default: ${settings.SAVE_TRAINING_OUTPUT.name} or on]",
+    ),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -123,6 +134,8 @@ def run_command(
         finalize_timeout_sec=finalize_timeout_sec,
         hang_timeout_sec=hang_timeout_sec,
         max_restarts=max_restarts,
+        aggregator_max_restarts=aggregator_max_restarts,
+        save_training_output=save_training_output,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)

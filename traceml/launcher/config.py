@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -75,6 +74,12 @@ class LaunchConfig:
     #: How long node 0 waits for its own aggregator to serve, s (env only).
     aggregator_start_sec: float | None = None
     max_restarts: int = 0
+    #: Times node 0 restarts an aggregator that died during the run
+    #: (``--aggregator-max-restarts``, else ``TRACEML_AGGREGATOR_MAX_RESTARTS``, else 3).
+    aggregator_max_restarts: int | None = None
+    #: Also write torchrun's output to ``nodes/node_<r>/training.*.log``
+    #: (``--[no-]save-training-output``, else ``TRACEML_SAVE_TRAINING_OUTPUT``, else on).
+    save_training_output: bool | None = None
     torchrun_args: list[str] = field(default_factory=list)
 
     @property
@@ -149,6 +154,21 @@ class LaunchConfig:
         )
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+        if self.aggregator_max_restarts is None:
+            setting = settings.AGGREGATOR_MAX_RESTARTS
+            raw = settings.env_str(setting)
+            try:
+                self.aggregator_max_restarts = int(raw)
+            except ValueError:
+                raise LaunchError(f"{setting.name}={raw!r}: not an integer") from None
+            if self.aggregator_max_restarts < 0:
+                raise LaunchError(f"{setting.name}={raw!r}: must be an integer >= 0")
+        elif self.aggregator_max_restarts < 0:
+            raise LaunchError(
+                f"--aggregator-max-restarts must be >= 0 (got {self.aggregator_max_restarts})"
+            )
+        if self.save_training_output is None:
+            self.save_training_output = settings.env_bool(settings.SAVE_TRAINING_OUTPUT)
         if self.run_name is None:
             if self.nnodes > 1:
                 raise LaunchError(

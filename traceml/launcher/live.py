@@ -15,11 +15,13 @@ import sys
 import time
 
 from traceml import settings
-from traceml.core import phases
+from traceml.core import log, phases
 from traceml.launcher import aggregator
 
 #: Step parts shown, as (flat metric prefix, label); the residual reads "other" here.
 _PARTS = tuple((p.name, "other" if p is phases.RESIDUAL else p.short) for p in phases.PARTS)
+
+_log = log.get("launcher")
 
 
 def render(metrics: dict[str, float], labels: dict[str, str], elapsed_s: float) -> list[str]:
@@ -61,23 +63,36 @@ class LiveView:
         self._next = self._started + self.refresh_s
         self._drawn = 0  # lines drawn last time (dashboard redraws over them)
 
-    def tick(self) -> None:
-        """Refresh if one is due (called about once a second by the launcher)."""
+    def tick(self) -> bool:
+        """Refresh if one is due (called about once a second by the launcher).
+
+        Returns:
+            False once the view cannot be shown any more: its stream is closed (``--mode cli
+            | head`` after head exited); the launcher then stops calling it, and training,
+            its output and the summary files go on as before.
+        """
         now = time.monotonic()
         if now < self._next:
-            return
+            return True
         self._next = now + self.refresh_s
         import grpc  # loaded by now: the launcher waited for its aggregator over gRPC
 
         try:
             reply = aggregator.summarize(self.target, self.run_name, timeout_s=self.refresh_s / 2)
         except grpc.RpcError:
-            return
+            return True
         if reply.error:
-            return
+            return True
         lines = render(dict(reply.metrics), dict(reply.labels), now - self._started)
-        if self.in_place and self._drawn:
-            self.out.write(f"\x1b[{self._drawn}F\x1b[J")  # up N lines, clear to the end
-        self.out.write("\n".join(lines) + "\n")
-        self.out.flush()
+        try:
+            if self.in_place and self._drawn:
+                self.out.write(f"\x1b[{self._drawn}F\x1b[J")  # up N lines, clear to the end
+            self.out.write("\n".join(lines) + "\n")
+            self.out.flush()
+        except (OSError, ValueError) as exc:
+            _log.warning(
+                f"warning: the live view stopped: stdout is closed ({exc}); training goes on"
+            )
+            return False
         self._drawn = len(lines)
+        return True

@@ -3,8 +3,9 @@
 Node 0::
 
     check claim, port -> run dir -> start aggregator -> torchrun -> wait SERVING -> node sampler
-    -> wait (watching the aggregator and the node claims) -> report node exit
-    -> Finalize (bounded) -> print summary -> stop aggregator -> exit code
+    -> wait (watching the aggregator: restart it on the store if it died; the node claims)
+    -> report node exit -> Finalize (bounded; from the store if the aggregator is lost)
+    -> print summary -> stop aggregator -> exit code
 
 Node r > 0::
 
@@ -20,9 +21,12 @@ well under a second, while each rank imports torch and joins the process group f
 that before its first send (and the SDK keeps and resends what it could not send). The checks
 that can refuse a launch (flags, claim, port) all run before either process starts.
 
-The exit code is torchrun's, always. Once training has started, a telemetry failure (node 0's
+The exit code is torchrun's, except after a second SIGTERM/SIGINT, which ends the launch at
+once (128 + the signal). The first one is passed on to torchrun, and the summary of the steps
+so far follows (status interrupted). Once training has started, a telemetry failure (node 0's
 aggregator not serving, or dying) is a warning on stderr and a field in the manifest, never a
-different exit code.
+different exit code. The launcher owns its processes: the aggregator ends when the launcher's
+pipe to it closes and torchrun gets SIGTERM when the launcher dies, however it dies.
 
 gRPC (about 0.2 s of imports) is imported where it is first used, after torchrun has started.
 """
@@ -43,21 +47,45 @@ from traceml.launcher.config import LaunchConfig, LaunchError
 from traceml.launcher.live import LiveView
 from traceml.launcher.stall import StallNotice
 from traceml.core.rundir import Manifest, RunDir
-from traceml.launcher.torchrun import TorchrunProcess, exit_code, install_signal_forwarding
+from traceml.launcher.torchrun import TorchrunProcess, exit_code
 
 
-#: How often node 0's launcher looks at its aggregator while training runs, s.
+#: How often node 0's launcher renews its claim and looks for a partial summary while
+#: training runs, s.
 WATCH_INTERVAL_S = 1.0
+#: How often node 0's launcher checks that its aggregator process is alive, s (a waitpid: a
+#: dead one is restarted this long after it died, at most).
+AGGREGATOR_POLL_S = 0.2
+#: Longest finalization after the launcher was interrupted (SIGTERM, SIGINT), s: Slurm sends
+#: SIGKILL 30 s after its SIGTERM (KillWait), and the summary must be written before.
+INTERRUPTED_FINALIZE_BUDGET_S = 10.0
+
+
+class Abandon(BaseException):
+    """A second SIGTERM/SIGINT: the launcher ends at once (raised by its signal handler)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 _log = log.get("launcher")
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raise :class:`LaunchError` when ``host:port`` cannot be bound right now."""
+    """Raise :class:`LaunchError` when a socket listens on ``host:port`` right now.
+
+    The probe binds with ``SO_REUSEADDR`` and listens, as the aggregator's gRPC server does:
+    TIME_WAIT sockets (left by an aggregator that was killed while ranks were connected, for
+    60 s) never block it, while any listener does, including one that set ``SO_REUSEPORT``
+    (gRPC's default), with which a second server would otherwise share the port silently;
+    the probe itself never sets ``SO_REUSEPORT``.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+            sock.listen(1)
         except OSError as exc:
             why = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
             raise LaunchError(
@@ -92,10 +120,26 @@ class Launch:
         self.config = config
         self.run_dir = RunDir(config.run_dir, config.node_rank)
         self.aggregator_process = None
-        self.health = {"status": "not_started", "reason": None, "pid": None, "exit_code": None}
+        #: Node 0's aggregator, as the run manifest records it; ``restarts`` lists each
+        #: replacement: ``{"reason", "gap_s"}`` (s from the death seen to serving again).
+        self.health = {
+            "status": "not_started",
+            "reason": None,
+            "pid": None,
+            "exit_code": None,
+            "restarts": [],
+        }
         self.sampler = None
         #: Why the run cannot rendezvous, once node 0's aggregator says so ("" until then).
         self.run_failure = ""
+        self.torchrun: TorchrunProcess | None = None
+        #: The first SIGTERM/SIGINT the launcher got (None: not interrupted), and how many.
+        self.interrupted: int | None = None
+        self._signals = 0
+        #: True once training ended: a signal then cuts finalization short.
+        self._finalizing = False
+        #: True once node 0's aggregator served (there is a store to summarize).
+        self._served = False
 
     def run(self) -> int:
         """Launch, wait, finish; returns the exit code for the launcher."""
@@ -110,10 +154,14 @@ class Launch:
                 "hostname": socket.gethostname(),
                 "launch": config.to_manifest(),
                 "status": "starting",
-                "artifacts": {
-                    "training_stdout": str(run_dir.training_stdout),
-                    "training_stderr": str(run_dir.training_stderr),
-                },
+                "artifacts": (
+                    {
+                        "training_stdout": str(run_dir.training_stdout),
+                        "training_stderr": str(run_dir.training_stderr),
+                    }
+                    if config.save_training_output
+                    else {}
+                ),
             },
         )
         node_manifest.event("started")
@@ -143,24 +191,75 @@ class Launch:
             node_manifest.event("ended", status="claim_refused")
             return 2
 
-        torchrun = TorchrunProcess(config, run_dir)
-        torchrun.start()
-        install_signal_forwarding(torchrun)
-        node_manifest.event("training_started", status="training", torchrun_pid=torchrun.process.pid)
-        if run_manifest:
-            run_manifest.event("training_started", status="training")
-            self._wait_aggregator_serving(run_manifest)
-        if self.health["status"] != "failed":  # node 0's sampler needs its own aggregator
-            self._start_sampler()
-        returncode = self._wait_training(torchrun, run_manifest)
-        code = exit_code(returncode)
+        torchrun = self.torchrun = TorchrunProcess(config, run_dir)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        returncode = None
         try:
+            torchrun.start()
+            if self.interrupted:  # signalled while torchrun was starting
+                torchrun.forward_signal(self.interrupted)
+            node_manifest.event(
+                "training_started", status="training", torchrun_pid=torchrun.process.pid
+            )
+            if run_manifest:
+                run_manifest.event("training_started", status="training")
+                self._wait_aggregator_serving(run_manifest)
+            if self.health["status"] != "failed":  # node 0's sampler needs its own aggregator
+                self._start_sampler()
+            returncode = self._wait_training(torchrun, run_manifest)
+            self._finalizing = True
             self._after_training(torchrun, returncode, node_manifest, run_manifest)
+        except Abandon as abandon:
+            return self._abandon(abandon.signum, returncode, node_manifest, run_manifest)
         except Exception as exc:  # fail-open: telemetry never changes the training's outcome
+            if returncode is None:
+                raise
             _log.warning(
                 f"warning: TraceML failed after training ({type(exc).__name__}: {exc}); "
-                f"exit code {code} is torchrun's"
+                f"exit code {exit_code(returncode)} is torchrun's"
             )
+        return exit_code(returncode)
+
+    def _on_signal(self, signum: int, _frame=None) -> None:
+        """SIGTERM/SIGINT: the first stops training (passed on to torchrun, which stops the
+        ranks) or, once training ended, cuts finalization short; the summary follows. A
+        second one ends the launcher at once (:class:`Abandon`)."""
+        self._signals += 1
+        if self._signals > 1:
+            raise Abandon(signum)
+        self.interrupted = signum
+        name = signal.Signals(signum).name
+        if self._finalizing:
+            _log.info(f"got {name}: writing the summary with what is stored now (again: end at once)")
+        else:
+            _log.info(f"got {name}: stopping training; the summary follows (again: end at once)")
+            self.torchrun.forward_signal(signum)
+
+    def _abandon(
+        self,
+        signum: int,
+        returncode: int | None,
+        node_manifest: Manifest,
+        run_manifest: Manifest | None,
+    ) -> int:
+        """End at once after a second signal: SIGKILL torchrun's process group if it still
+        runs, stop the aggregator without a summary. The exit code is torchrun's if it had
+        exited, else a shell's for the signal (128 + N)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # the end is under way: a third one is moot
+        _log.info(f"got {signal.Signals(signum).name} again: ending now, without a summary")
+        if returncode is None and self.torchrun.process is not None:
+            self.torchrun.kill()
+            self.torchrun.wait(5.0)
+        code = exit_code(returncode) if returncode is not None else 128 + signum
+        self._stop_sampler()
+        if self.aggregator_process is not None:
+            self.health["exit_code"] = exit_code(aggregator.stop(self.aggregator_process, 2.0))
+            self.health["status"] = "stopped"
+        for manifest in (run_manifest, node_manifest):
+            if manifest is not None:
+                manifest.event("ended", status="abandoned", exit_code=code, signal=signum)
         return code
 
     def _wait_training(self, torchrun: TorchrunProcess, run_manifest: Manifest | None) -> int:
@@ -179,16 +278,20 @@ class Launch:
         partial_seen = False
         stall = StallNotice(self.run_dir.stall_file)
         live = self._live_view()
+        next_watch = time.monotonic() + WATCH_INTERVAL_S
         while True:
-            returncode = torchrun.wait(WATCH_INTERVAL_S)
+            returncode = torchrun.wait(AGGREGATOR_POLL_S)
             if returncode is not None:
                 return returncode
-            if live is not None:
-                live.tick()
             try:
                 self._watch_aggregator(run_manifest)
+                if time.monotonic() < next_watch:
+                    continue
+                next_watch = time.monotonic() + WATCH_INTERVAL_S
+                if live is not None and not live.tick():
+                    live = None
                 partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
-                stall.poll(say)
+                stall.poll(_log.warning)
                 self._watch_claims(torchrun, run_manifest)
             except Exception as exc:
                 _log.warning(
@@ -209,22 +312,59 @@ class Launch:
         return LiveView(config.mode, config.launcher_target, str(config.run_name))
 
     def _watch_aggregator(self, manifest: Manifest) -> None:
-        """Record and report (once) that node 0's aggregator process has exited; its exit
-        code is a shell's (137: killed by SIGKILL)."""
+        """Restart node 0's aggregator on the run's store when its process has exited, up to
+        ``--aggregator-max-restarts`` times (the ranks and samplers resend what it had not
+        acknowledged); past that, record and report (once) that it is lost. Its exit code is
+        a shell's (137: killed by SIGKILL)."""
         returncode = self.aggregator_process.poll()
         if returncode is None or self.health["status"] != "serving":
             return
+        down_since = time.time()
         code = exit_code(returncode)
         self.health["exit_code"] = code
-        self._aggregator_lost(manifest, f"exited with code {code} during the run")
+        reason = f"exited with code {code} during the run"
+        while len(self.health["restarts"]) < self.config.aggregator_max_restarts:
+            if self._restart_aggregator(manifest, reason, down_since):
+                return
+            reason = self.health["reason"]
+        self._aggregator_lost(manifest, reason)
+
+    def _restart_aggregator(self, manifest: Manifest, reason: str, down_since: float) -> bool:
+        """Start a replacement aggregator on the same store; True once it serves."""
+        config = self.config
+        restarts = self.health["restarts"]
+        self.aggregator_process = aggregator.start(
+            config, self.run_dir, restart_reason=reason, down_since_unix_s=down_since
+        )
+        restarts.append({"reason": reason, "gap_s": None})
+        self.health.update(status="starting", pid=self.aggregator_process.pid, exit_code=None)
+        try:
+            aggregator.wait_serving(
+                config.launcher_target, config.aggregator_start_sec, self.aggregator_process
+            )
+        except Exception as exc:  # fail-open: AggregatorUnavailable, or gRPC failing
+            self.health["exit_code"] = exit_code(aggregator.stop(self.aggregator_process, 2.0))
+            self.health.update(status="failed", reason=f"restart did not serve ({exc})")
+            return False
+        gap_s = round(time.time() - down_since, 3)
+        restarts[-1]["gap_s"] = gap_s
+        self.health.update(status="serving", reason=None)
+        manifest.event("aggregator_restarted", aggregator=self.health)
+        _log.warning(
+            f"warning: the aggregator {reason}; restarted it on the run's store after "
+            f"{gap_s:.1f} s (restart {len(restarts)} of {config.aggregator_max_restarts}, "
+            f"--aggregator-max-restarts); the ranks resend what it had not stored"
+        )
+        return True
 
     def _aggregator_lost(self, manifest: Manifest, reason: str) -> None:
-        """Node 0's aggregator is not serving (``reason``): record it and warn; training goes on."""
+        """Node 0's aggregator is not serving (``reason``) and will not be restarted: record
+        it and warn; training goes on, and the summary is written from the store at the end."""
         self.health.update(status="failed", reason=reason)
         manifest.event("aggregator_failed", aggregator=self.health)
         _log.warning(
-            f"warning: the aggregator {reason}; training continues without telemetry and no "
-            f"final summary will be written (see {self.run_dir.aggregator_stderr})"
+            f"warning: the aggregator {reason}; training continues without telemetry; the "
+            f"summary will hold what was stored until now (see {self.run_dir.aggregator_stderr})"
         )
 
     def _watch_partial(self, manifest: Manifest, since_unix_s: float) -> bool:
@@ -281,25 +421,38 @@ class Launch:
         """Stop the sampler, report this node's exit, finalize and stop the aggregator (node
         0), and record the end in the manifests."""
         code = exit_code(returncode)
-        status = "completed" if code == 0 else "failed"
+        status = "interrupted" if self.interrupted else "completed" if code == 0 else "failed"
         self._stop_sampler()
-        report = torchrun.node_exit(returncode)
+        report = torchrun.node_exit(returncode, self.interrupted)
+        self._say_output_not_saved(torchrun)
         node_manifest.event(
             "training_ended",
             status="reporting" if run_manifest is None else "finalizing",
             torchrun_exit_code=code,
             ranks=[_rank_end_json(r) for r in report.ranks],
         )
+        if run_manifest is not None:
+            self._watch_aggregator(run_manifest)  # a dead one is restarted before the report
         # Node 0 whose aggregator is lost has said so once; reporting to it would only fail.
         own_aggregator_lost = run_manifest is not None and self.health["status"] == "failed"
         telemetry_ok = not own_aggregator_lost and self._report_node_exit(report)
         if run_manifest is not None:
             try:
-                self._finalize(run_manifest)
+                if not self._finalize(run_manifest):
+                    self._finalize_from_store(run_manifest, report)
             finally:
                 self._stop_aggregator()
             run_manifest.event("ended", status=status, exit_code=code, aggregator=self.health)
         node_manifest.event("ended", status=status, exit_code=code, telemetry_reported=telemetry_ok)
+
+    def _say_output_not_saved(self, torchrun: TorchrunProcess) -> None:
+        """Say how much training output reached the console but not its log (once per log)."""
+        for tee in torchrun.tees:
+            if tee.bytes_not_saved:
+                _log.warning(
+                    f"warning: {tee.bytes_not_saved} bytes of training output are missing from "
+                    f"{tee.log_path} ({tee.log_error or 'the log fell behind'})"
+                )
 
     # --- steps -------------------------------------------------------------------------------
     def _start_aggregator(self) -> None:
@@ -323,6 +476,7 @@ class Launch:
             self._aggregator_lost(manifest, f"did not serve ({exc})")
             return
         self.health.update(status="serving")
+        self._served = True
         manifest.event("aggregator_serving", aggregator=self.health)
 
     def _register(self) -> bool:
@@ -398,47 +552,118 @@ class Launch:
         if self.health["status"] == "serving":
             self.health["status"] = "stopped"
 
-    def _finalize(self, manifest: Manifest) -> None:
+    def _finalize(self, manifest: Manifest) -> bool:
+        """Ask node 0's aggregator for the final summary and print it.
+
+        The budget is ``--finalize-timeout-sec``, at most :data:`INTERRUPTED_FINALIZE_BUDGET_S`
+        once the launcher was interrupted. A signal during finalization cuts it short: the
+        summary is written at once with what is stored (a second signal abandons it).
+
+        Returns:
+            False when the aggregator could not finalize because it is gone (the caller
+            writes the summary from the store), True otherwise.
+        """
         config = self.config
         self._watch_aggregator(manifest)
-        if self.health["status"] != "serving" or self.run_failure:
-            return  # said by _aggregator_lost or _watch_claims
+        if self.run_failure:
+            return True  # said by _watch_claims: nothing ran, no summary
+        if self.health["status"] != "serving":
+            return not self._served  # lost (said by _aggregator_lost), or never served
         import grpc
 
+        budget = config.finalize_timeout_sec
+        if self.interrupted:
+            budget = min(budget, INTERRUPTED_FINALIZE_BUDGET_S)
+        signals_before = self._signals
         try:
             reply = aggregator.finalize(
-                config.launcher_target, str(config.run_name), config.finalize_timeout_sec
+                config.launcher_target,
+                str(config.run_name),
+                budget,
+                cancelled=lambda: self._signals != signals_before,
             )
+            if reply is None:  # a signal during the wait: now, with what is stored
+                reply = aggregator.finalize(config.launcher_target, str(config.run_name), 0.01)
         except grpc.RpcError as exc:
+            if self.aggregator_process.poll() is not None:  # it died while finalizing
+                restarts = len(self.health["restarts"])
+                self._watch_aggregator(manifest)
+                if len(self.health["restarts"]) > restarts and self.health["status"] == "serving":
+                    return self._finalize(manifest)  # a replacement serves: ask it
+                return False
             self.health.update(status="failed", reason=f"finalize failed: {exc.code().name}")
             manifest.update(aggregator=self.health)
             _log.warning(f"warning: no final summary: the aggregator failed ({exc.code().name})")
-            return
+            return True
         if reply.error:
             self.health.update(status="failed", reason=reply.error)
             _log.warning(f"warning: no final summary: {reply.error}")
         else:
-            sys.stdout.write(reply.summary_text)
-            sys.stdout.flush()
+            self._print_summary(reply.summary_text)
             if reply.missing_ranks:
                 _log.info(f"partial summary: ranks {list(reply.missing_ranks)} never finished")
             _log.info(f"summary: {reply.summary_json_path}")
-        artifacts = dict(manifest.data["artifacts"])
-        for key, path in (
-            ("final_summary_json", reply.summary_json_path),
-            ("final_summary_txt", reply.summary_text_path),
-            ("final_summary_html", reply.summary_html_path),
-        ):
-            if path:
-                artifacts[key] = path
-        manifest.event(
-            "finalized",
+        self._record_summary(
+            manifest,
+            {
+                "final_summary_json": reply.summary_json_path,
+                "final_summary_txt": reply.summary_text_path,
+                "final_summary_html": reply.summary_html_path,
+            },
             status="finalize_failed" if reply.error else "finalized",
-            aggregator=self.health,
-            artifacts=artifacts,
             complete=reply.complete,
             missing_ranks=list(reply.missing_ranks),
         )
+        return True
+
+    def _finalize_from_store(self, manifest: Manifest, report) -> None:
+        """Node 0's aggregator is gone for good: write the summary from the run's store with
+        ``traceml-aggregator --finalize-only`` (this node's exit report included) and print it."""
+        from traceml.core.rundir import SUMMARY_HTML_NAME, SUMMARY_JSON_NAME, SUMMARY_TEXT_NAME
+
+        aggregator.stop(self.aggregator_process, 2.0)  # its store lock must be released
+        node_exit_file = self.run_dir.node_dir / "node_exit.pb"
+        node_exit_file.write_bytes(report.SerializeToString())
+        root = self.run_dir.root
+        try:
+            code = aggregator.finalize_offline(self.config, self.run_dir, node_exit_file)
+        except Exception as exc:  # fail-open: a timeout, or no python to run
+            code = f"{type(exc).__name__}: {exc}"
+        if code != 0:
+            _log.warning(f"warning: no final summary: writing it from the store failed ({code}; see "
+                f"{self.run_dir.aggregator_stderr})")
+            manifest.event("finalized", status="finalize_failed", aggregator=self.health)
+            return
+        text = (root / SUMMARY_TEXT_NAME).read_text(encoding="utf-8")
+        self._print_summary(text)
+        _log.info(f"summary (written from the store: the aggregator was lost): {root / SUMMARY_JSON_NAME}")
+        summary = json.loads((root / SUMMARY_JSON_NAME).read_text(encoding="utf-8"))
+        html = root / SUMMARY_HTML_NAME
+        self._record_summary(
+            manifest,
+            {
+                "final_summary_json": str(root / SUMMARY_JSON_NAME),
+                "final_summary_txt": str(root / SUMMARY_TEXT_NAME),
+                "final_summary_html": str(html) if html.exists() else "",
+            },
+            status="finalized_from_store",
+            complete=summary["run"]["complete"],
+            missing_ranks=summary["run"]["missing_ranks"],
+        )
+
+    def _print_summary(self, text: str) -> None:
+        """The summary text on stdout; a closed stdout (``| head``) costs only the text."""
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            _log.warning("warning: stdout is closed; the summary is only in the files")
+
+    def _record_summary(self, manifest: Manifest, paths: dict[str, str], **fields) -> None:
+        """The ``finalized`` event: the summary's paths (those written) in the artifacts."""
+        artifacts = dict(manifest.data["artifacts"])
+        artifacts.update({key: path for key, path in paths.items() if path})
+        manifest.event("finalized", aggregator=self.health, artifacts=artifacts, **fields)
 
 
 def _rank_end_json(end) -> dict:

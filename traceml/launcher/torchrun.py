@@ -2,26 +2,33 @@
 
 torchrun (``torch.distributed.run``) is the engine; this module never re-implements
 rendezvous. It runs ``python -m traceml.launcher.torchrun_main`` (torchrun's own ``main``, plus
-a record of failed ranks) in a new session, copies its stdout and stderr to the console and to
-``nodes/node_<r>/training.*.log``, forwards SIGINT and SIGTERM to it, and turns its exit into a
-:class:`~traceml.wire.NodeExit` for the aggregator.
+a record of failed ranks) in a new session, bound to die with the launcher, copies its stdout
+and stderr to the console and (training-output saving on, the default) to
+``nodes/node_<r>/training.*.log`` (:class:`Tee`), forwards SIGINT and SIGTERM to it, and
+turns its exit into a :class:`~traceml.wire.NodeExit` for the aggregator.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import queue
 import sys
 import threading
 from pathlib import Path
 
 from traceml import settings
+from traceml.core import log
 from traceml.launcher.config import LaunchConfig
+from traceml.core.ends import interrupted_reason
 from traceml.core.rundir import RunDir
 from traceml.launcher.torchrun_main import RANK_ENDS_FILE_ENV
+
+_log = log.get("launcher")
 
 
 def torchrun_argv(config: LaunchConfig) -> list[str]:
@@ -63,23 +70,116 @@ def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
     return env
 
 
-def _tee(source, console, log_path: Path) -> threading.Thread:
-    """Copy ``source`` to ``console`` and ``log_path`` as bytes arrive."""
+#: Chunks (each at most 64 KiB) a training-output log may fall behind the console before
+#: further chunks skip the log (counted): a log on a slow or stalled filesystem never holds
+#: the pipe that the ranks print into.
+LOG_QUEUE_CHUNKS = 256
 
-    def pump() -> None:
-        with open(log_path, "ab") as log:
-            for chunk in iter(lambda: source.read1(65536), b""):
-                log.write(chunk)
-                log.flush()
+
+class Tee:
+    """Copies one of torchrun's output pipes to the console and, optionally, to a log file.
+
+    The pump thread reads the pipe as bytes arrive and writes them to ``console`` at once; it
+    never touches the file. A second thread writes the log from a bounded queue, so a log
+    that fails (a full disk: ENOSPC) or blocks (a stalled network filesystem) can cost only
+    the log, never the pipe the ranks print into: the first failure is said once on stderr,
+    and the log stops; chunks the queue cannot take are skipped and counted.
+
+    Args:
+        source: the pipe (binary, with ``read1``).
+        console: binary stream of the launcher's stdout or stderr.
+        log_path: ``nodes/node_<r>/training.*.log``, or None when training-output saving is
+            off.
+    """
+
+    def __init__(self, source, console, log_path: Path | None) -> None:
+        self.log_path = log_path
+        #: Bytes of output the log skipped: the queue was full, or the log had failed (each
+        #: counter has one writer thread).
+        self.bytes_skipped = 0
+        self.bytes_failed = 0
+        #: Why the log stopped ("" while it is written, or when there is none).
+        self.log_error = ""
+        self._console = console
+        self._source = source
+        self._queue: queue.Queue | None = None
+        self._threads = [threading.Thread(target=self._pump, name="traceml-tee", daemon=True)]
+        if log_path is not None:
+            self._queue = queue.Queue(LOG_QUEUE_CHUNKS)
+            self._threads.append(
+                threading.Thread(target=self._save, name=f"traceml-log-{log_path.name}", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+
+    def _pump(self) -> None:
+        console = self._console
+        for chunk in iter(lambda: self._source.read1(65536), b""):
+            try:
+                console.write(chunk)
+                console.flush()
+            except (OSError, ValueError):  # a closed or broken console: the log still gets it
+                pass
+            if self._queue is not None:
                 try:
-                    console.write(chunk)
-                    console.flush()
-                except (OSError, ValueError):
-                    pass
+                    self._queue.put_nowait(chunk)
+                except queue.Full:
+                    self.bytes_skipped += len(chunk)
+        if self._queue is not None:
+            self._queue.put(None)  # the writer drains what it took, then ends
 
-    thread = threading.Thread(target=pump, name=f"tee-{log_path.name}", daemon=True)
-    thread.start()
-    return thread
+    def _save(self) -> None:
+        assert self._queue is not None and self.log_path is not None
+        log = None
+        while (chunk := self._queue.get()) is not None:
+            if self.log_error:
+                self.bytes_failed += len(chunk)
+                continue
+            view = memoryview(chunk)
+            try:
+                if log is None:
+                    log = open(self.log_path, "ab", buffering=0)
+                while view:  # unbuffered: a full disk takes part of a chunk, then fails
+                    view = view[log.write(view):]
+            except OSError as exc:
+                self.log_error = f"{exc.strerror or exc}"
+                self.bytes_failed += len(view)
+                _log.warning(
+                    f"warning: cannot save training output to {self.log_path} "
+                    f"({self.log_error}); it still reaches the console"
+                )
+        if log is not None:
+            try:
+                log.close()
+            except OSError:
+                pass
+
+    @property
+    def bytes_not_saved(self) -> int:
+        """Bytes of output that reached the console but not the log."""
+        return self.bytes_skipped + self.bytes_failed
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` per thread) until the pipe is drained and the log written."""
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """``preexec_fn`` of torchrun: SIGTERM it when the launcher's thread dies, however the
+    launcher dies (``PR_SET_PDEATHSIG``); torchrun then stops its ranks as on any SIGTERM."""
+    if _libc is not None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the launcher died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+#: ``prctl`` option from <linux/prctl.h>.
+PR_SET_PDEATHSIG = 1
+try:  # loaded before any fork: the preexec_fn must not load libraries
+    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _libc = None
 
 
 class TorchrunProcess:
@@ -89,11 +189,13 @@ class TorchrunProcess:
         self.config = config
         self.run_dir = run_dir
         self.process: subprocess.Popen | None = None
-        self._tees: list[threading.Thread] = []
+        self.tees: list[Tee] = []
 
     def start(self) -> None:
-        """Start torchrun in its own session (signals reach it only through the launcher)."""
+        """Start torchrun in its own session (signals reach it only through the launcher),
+        bound to die with the launcher (:func:`_die_with_parent`)."""
         self.run_dir.rank_ends.unlink(missing_ok=True)
+        parent = os.getpid()
         self.process = subprocess.Popen(
             torchrun_argv(self.config),
             env=worker_env(self.config, self.run_dir),
@@ -101,10 +203,12 @@ class TorchrunProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=lambda: _die_with_parent(parent),
         )
-        self._tees = [
-            _tee(self.process.stdout, sys.stdout.buffer, self.run_dir.training_stdout),
-            _tee(self.process.stderr, sys.stderr.buffer, self.run_dir.training_stderr),
+        save = self.config.save_training_output
+        self.tees = [
+            Tee(self.process.stdout, sys.stdout.buffer, self.run_dir.training_stdout if save else None),
+            Tee(self.process.stderr, sys.stderr.buffer, self.run_dir.training_stderr if save else None),
         ]
 
     def forward_signal(self, signum: int, _frame=None) -> None:
@@ -115,6 +219,24 @@ class TorchrunProcess:
             except ProcessLookupError:
                 pass
 
+    def kill(self) -> None:
+        """SIGKILL torchrun and every process under it at once (a second signal to the
+        launcher). torchrun starts each rank in a session of its own, so its process group
+        does not hold them: the ranks are found as its descendants, before it dies."""
+        import psutil
+
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            victims = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            victims = []
+        for victim in [self.process] + victims:
+            try:
+                victim.kill()
+            except (ProcessLookupError, psutil.Error):
+                pass
+
     def wait(self, timeout_s: float | None = None) -> int | None:
         """torchrun's return code (negative: killed by that signal); None if still running."""
         assert self.process is not None
@@ -122,11 +244,11 @@ class TorchrunProcess:
             code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             return None
-        for tee in self._tees:
+        for tee in self.tees:
             tee.join(5.0)
         return code
 
-    def node_exit(self, returncode: int):
+    def node_exit(self, returncode: int, interrupted: int | None = None):
         """The :class:`~traceml.wire.NodeExit` for this node: one RankEnd per local rank.
 
         Failed ranks come from torchrun's own failure record, which lists every local rank
@@ -136,6 +258,11 @@ class TorchrunProcess:
         one. A rank the record does not list exited 0 (``completed``). Without a record
         (torchrun itself was stopped, or failed before its workers ended) a non-zero exit
         leaves every rank ``terminated``.
+
+        ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
+        Ctrl-C) before torchrun exited: every rank that did not complete is then
+        ``terminated`` with that signal (or the SIGTERM/SIGINT/SIGKILL it died of) and the
+        reason "interrupted: ...", not a failure of its own.
         """
         from traceml import wire
 
@@ -154,7 +281,11 @@ class TorchrunProcess:
             rank = config.node_rank * config.nproc_per_node + local_rank
             end = report.ranks.add(rank=rank, local_rank=local_rank)
             info = failed.get(rank)
-            if info is None:
+            if interrupted and (info is None and not unlisted_completed or _stopped(info)):
+                end.end_state = wire.EndState.END_STATE_TERMINATED
+                end.signal = (info or {}).get("signal") or interrupted
+                end.reason = interrupted_reason(signal.Signals(interrupted).name)
+            elif info is None:
                 if unlisted_completed:
                     end.end_state = wire.EndState.END_STATE_COMPLETED
                     end.exit_code = 0
@@ -180,6 +311,11 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _stopped(info: dict | None) -> bool:
+    """A failure record of a rank that died of a stop signal (SIGTERM, SIGINT, SIGKILL)."""
+    return info is not None and info.get("signal") in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+
+
 def _read_failures(path: Path) -> dict[int, dict] | None:
     """Failed ranks by global rank, from torchrun_main's record; None when there is none."""
     try:
@@ -187,9 +323,3 @@ def _read_failures(path: Path) -> dict[int, dict] | None:
     except (OSError, ValueError):
         return None
     return {int(r["rank"]): r for r in data.get("failed", [])}
-
-
-def install_signal_forwarding(proc: TorchrunProcess) -> None:
-    """Route the launcher's SIGINT and SIGTERM to torchrun."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, proc.forward_signal)

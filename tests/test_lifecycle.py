@@ -1,0 +1,220 @@
+"""The aggregator's lifetime, without torchrun: the port check, an owned aggregator that
+outlives SIGTERM and ends with its launcher's pipe, a restart that remembers the run, the
+offline finalization, and a Finalize that a signal cuts short. Real processes, real gRPC over
+real sockets, real SQLite."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import SCRIPTS, assert_rejected, free_port
+from live_aggregator import LiveAggregator, finish, make_client, step
+from traceml.launcher import aggregator
+from traceml.launcher.config import LaunchError
+from traceml.launcher.run import check_port_free
+from traceml.sdk.client import STEPS
+
+SCRIPT = str(SCRIPTS / "faulty_ddp.py")
+
+
+def test_port_with_a_reuseport_listener_is_refused(tmp_path):
+    """gRPC listens with SO_REUSEPORT by default: a second server would share the port."""
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert_rejected(
+            tmp_path, [SCRIPT, "--aggregator-port", port, "--run-name", "reuseport-run"],
+            f"aggregator port 127.0.0.1:{port} is not available (already in use)",
+            marker="reuseport-run",
+        )
+
+
+def test_port_held_only_by_time_wait_is_free(tmp_path):
+    """An aggregator SIGKILLed with connected clients leaves its side of each connection in
+    TIME_WAIT for 60 s; nothing listens, so the port is free for the next run."""
+    warnings: list[str] = []
+    with LiveAggregator(tmp_path / "run", "tw") as agg:
+        clients = [make_client(agg.target, "tw", warnings) for _ in range(2)]
+        for client in clients:
+            client.submit(STEPS, step(0))
+            assert client.flush(10)
+        time.sleep(1.0)  # idle: a socket killed with unread bytes would reset, not TIME_WAIT
+        agg.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the clients see the close and close their ends
+            states = {
+                c.status for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == agg.port
+            }
+            if psutil.CONN_TIME_WAIT in states:
+                break
+            time.sleep(0.1)
+        for client in clients:
+            client.close(timeout_s=0.1)
+        assert psutil.CONN_TIME_WAIT in states, states
+        with socket.socket(socket.AF_INET6) as plain:  # the check as it was: no SO_REUSEADDR
+            with pytest.raises(OSError) as refused:
+                plain.bind(("::", agg.port))
+            assert refused.value.errno == errno.EADDRINUSE
+        check_port_free("127.0.0.1", agg.port)  # does not raise
+
+
+def test_port_with_a_plain_listener_is_refused():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(LaunchError, match="already in use"):
+            check_port_free("127.0.0.1", busy.getsockname()[1])
+
+
+def _owned(tmp_path, name: str, *extra: str) -> subprocess.Popen:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "traceml_aggregator", "--run-dir", str(tmp_path / name),
+            "--run-name", name, "--port", str(port), "--owned", "--no-summary-at-stop", *extra,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"{name}.log", "wb"),
+    )
+    aggregator.wait_serving(f"127.0.0.1:{port}", 60, process)
+    process.target = f"127.0.0.1:{port}"
+    return process
+
+
+def test_owned_aggregator_outlives_sigterm_and_ends_with_its_pipe(tmp_path):
+    process = _owned(tmp_path, "owned")
+    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGINT)
+    aggregator.wait_serving(process.target, 5, process)  # still serving after both
+    assert process.poll() is None
+    assert aggregator.stop(process, 30) == 0
+    log = (tmp_path / "owned.log").read_text()
+    assert "got SIGTERM; serving on until the launcher" in log
+    assert "got SIGINT; serving on until the launcher" in log
+
+
+def test_owned_aggregator_ends_when_its_launcher_is_killed(tmp_path):
+    """The launcher's end of the pipe closes however it dies: here a SIGKILLed parent."""
+    code = (
+        "import subprocess, sys, time;"
+        f"p = subprocess.Popen([sys.executable, '-m', 'traceml_aggregator', '--run-dir', "
+        f"{str(tmp_path / 'orphan')!r}, '--run-name', 'orphan', '--port', '{free_port()}', "
+        "'--owned'], stdin=subprocess.PIPE, start_new_session=True);"
+        "print(p.pid, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    child.wait(60)  # raises psutil.TimeoutExpired if it serves on
+
+
+def test_restarted_aggregator_knows_what_the_dead_one_stored(tmp_path):
+    """A replacement on the same store takes the finish markers stored before: its Finalize
+    is complete at once instead of waiting the budget for a rank that already finished."""
+    warnings: list[str] = []
+    agg = LiveAggregator(
+        tmp_path / "run", "again", world_size=1, extra_args=("--finalize-timeout-sec", "60")
+    )
+    with agg:
+        client = make_client(agg.target, "again", warnings)
+        for i in range(3):
+            client.submit(STEPS, step(i))
+        assert client.close(finish(3))
+        agg.kill()
+        agg.extra_args += ["--restart-reason", "killed by the test", "--down-since-unix-s",
+                           f"{time.time() - 1.5:.3f}"]
+        agg.start()
+        started = time.monotonic()
+        reply = aggregator.finalize(agg.target, "again", 60)
+        assert time.monotonic() - started < 10
+        assert reply.complete and list(reply.missing_ranks) == [] and not reply.error
+        summary = json.loads(open(reply.summary_json_path).read())
+        (outage,) = summary["run"]["telemetry_health"]["aggregator_outages"]
+        assert outage["reason"] == "killed by the test" and 1.5 <= outage["gap_s"] < 30
+        assert summary["run"]["telemetry_health"]["aggregator_restarts"] == 1
+        agg.stop()
+
+
+def test_finalize_is_cut_short_by_a_signal(tmp_path):
+    """A Finalize waiting its 300 s budget for ranks that never come returns within 0.2 s of
+    the launcher's signal; the one that follows writes the partial summary at once."""
+    with LiveAggregator(tmp_path / "run", "cut", world_size=2) as agg:
+        asked = time.monotonic()
+        reply = aggregator.finalize(
+            agg.target, "cut", 300, cancelled=lambda: time.monotonic() - asked > 1.0
+        )
+        assert reply is None and time.monotonic() - asked < 3.0
+        reply = aggregator.finalize(agg.target, "cut", 0.01)
+        assert time.monotonic() - asked < 10.0
+        assert list(reply.missing_ranks) == [0, 1] and reply.summary_json_path
+        agg.stop()
+
+
+def test_finalize_only_writes_the_summary_from_the_store(tmp_path):
+    from traceml import wire
+
+    warnings: list[str] = []
+    agg = LiveAggregator(tmp_path / "run", "offline", world_size=1)
+    with agg:
+        client = make_client(agg.target, "offline", warnings)
+        client.submit(STEPS, step(0))
+        assert client.close(finish(1))
+        agg.kill()
+    report = wire.NodeExit(run_name="offline", node_rank=0, exit_code=0)
+    report.ranks.add(rank=0, local_rank=0, end_state=wire.EndState.END_STATE_COMPLETED, exit_code=0)
+    (tmp_path / "exit.pb").write_bytes(report.SerializeToString())
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "traceml_aggregator", "--run-dir", str(tmp_path / "run"),
+            "--run-name", "offline", "--world-size", "1", "--nnodes", "1", "--finalize-only",
+            "--node-exit-file", str(tmp_path / "exit.pb"),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
+    assert summary["run"]["complete"] is True and summary["run"]["status"] == "completed"
+    assert "summary written from the store" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_tee_drains_the_pipe_when_the_log_disk_is_full(tmp_path):
+    """4 MiB through a pipe whose log lives on a 1 MiB tmpfs: the writer (a rank's print)
+    never blocks, the console gets every byte, the log stops at the full disk and the rest is
+    counted."""
+    from traceml.launcher.torchrun import Tee
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        read_end, write_end = os.pipe()
+        console_path = tmp_path / "console"
+        with open(read_end, "rb") as source, open(console_path, "wb") as console:
+            tee = Tee(source, console, disk / "training.stdout.log")
+            chunk = b"y" * 65536
+            with open(write_end, "wb", buffering=0) as sink:
+                for _ in range(64):  # a blocked pipe (64 KiB) would stop this loop
+                    sink.write(chunk)
+            tee.join(30)
+        assert console_path.stat().st_size == 64 * 65536
+        saved = (disk / "training.stdout.log").stat().st_size
+        assert 0 < saved <= 1024 * 1024
+        assert tee.bytes_not_saved == 64 * 65536 - saved  # every byte: saved or counted
+        assert tee.log_error == "No space left on device"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

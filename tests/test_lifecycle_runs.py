@@ -1,0 +1,163 @@
+"""The launcher's own lifetime under real torchrun runs: a SIGKILLed launcher takes its
+aggregator, torchrun and the ranks with it; a second SIGTERM ends it at once; a closed stdout
+(``--mode cli | head``) costs only the view; a full disk under the node's logs (a 1 MiB tmpfs)
+costs only the logs; ``--no-save-training-output`` writes none."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import (
+    SCRIPTS,
+    assert_all_gone,
+    load_summary,
+    process_family as family,
+    query,
+    start_traceml,
+    traceml_cmd,
+    traceml_env,
+    wait_training_started,
+)
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(SCRIPTS / "faulty_ddp.py")
+CHATTY = str(SCRIPTS / "chatty.py")
+ENV = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2"}
+
+
+def run_args(tmp_path, name: str, port: int, script: str = SCRIPT, nproc: int = 2) -> list[str]:
+    return [
+        "run", script, f"--nproc-per-node={nproc}", "--run-name", name,
+        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+    ]
+
+
+def wait_training(tmp_path, name: str, launcher: subprocess.Popen) -> None:
+    wait_training_started(tmp_path / "logs" / name, launcher, tmp_path / f"{name}.err")
+
+
+def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):
+    args = run_args(tmp_path, "orphans", port) + ["--", "--steps", "100000", "--step-sleep", "0.05"]
+    launcher = start_traceml(args, tmp_path, tmp_path / "orphans", env=ENV)
+    wait_training(tmp_path, "orphans", launcher)
+    processes = family(launcher.pid)
+    names = " ".join(" ".join(p.cmdline()) for p in processes)
+    assert "traceml_aggregator" in names and "torchrun_main" in names
+    assert len(processes) >= 5  # launcher, aggregator, torchrun, 2 ranks
+    launcher.kill()
+    launcher.wait()
+    assert_all_gone(processes[1:])
+
+
+def test_second_sigterm_ends_at_once(tmp_path, port):
+    """The ranks ignore SIGTERM, so torchrun would wait its grace period for them: the second
+    SIGTERM to the launcher SIGKILLs them all and ends it at once, without a summary."""
+    args = run_args(tmp_path, "twice", port) + [
+        "--", "--steps", "100000", "--step-sleep", "0.05", "--ignore-sigterm"
+    ]
+    launcher = start_traceml(args, tmp_path, tmp_path / "twice", env=ENV)
+    wait_training(tmp_path, "twice", launcher)
+    processes = family(launcher.pid)
+    err_path = tmp_path / "twice.err"
+    launcher.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while "got SIGTERM: stopping training" not in err_path.read_text():
+        assert time.monotonic() < deadline and launcher.poll() is None, err_path.read_text()
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert launcher.poll() is None  # torchrun waits for ranks that ignore SIGTERM
+    launcher.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code = launcher.wait(60)
+    took = time.monotonic() - sent
+    err = err_path.read_text()
+    assert code == 128 + signal.SIGTERM, err
+    assert took < 10, err
+    assert_all_gone(processes, 10)
+    assert "got SIGTERM again: ending now, without a summary" in err
+    run_dir = tmp_path / "logs" / "twice"
+    assert not (run_dir / "final_summary.json").exists()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["status"], manifest["exit_code"]) == ("abandoned", 143)
+
+
+def test_closed_stdout_costs_only_the_view(tmp_path, port):
+    """``traceml run --mode cli ... | head -n 1``: head exits after one line, and every later
+    write to stdout fails (EPIPE). Training, the summary files and the exit code are as
+    without the pipe, and nothing is left running."""
+    args = run_args(tmp_path, "piped", port) + [
+        "--mode", "cli", "--", "--steps", "40", "--step-sleep", "0.2"
+    ]
+    err_path = tmp_path / "piped.err"
+    with open(err_path, "wb") as err:
+        launcher = subprocess.Popen(
+            traceml_cmd() + args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
+            env=traceml_env({**ENV, "TRACEML_LIVE_REFRESH_SEC": "0.5"}),
+        )
+    first = launcher.stdout.readline()  # what head -n 1 reads, then it exits
+    processes = family(launcher.pid)
+    launcher.stdout.close()
+    code = launcher.wait(240)
+    stderr = err_path.read_text()
+    assert first, stderr
+    assert code == 0, stderr
+    assert_all_gone(processes)
+    assert "warning: the live view stopped: stdout is closed" in stderr
+    assert "Traceback" not in stderr
+    run_dir = tmp_path / "logs" / "piped"
+    assert load_summary(run_dir)["run"]["status"] == "completed"
+    assert query(run_dir, "SELECT rank, COUNT(*) FROM steps GROUP BY rank") == [(0, 40), (1, 40)]
+    assert "faulty_ddp: rank 0 trained 40 steps" in (
+        run_dir / "nodes" / "node_0" / "training.stdout.log"
+    ).read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_full_disk_costs_only_the_training_logs(tmp_path, port):
+    """The node's log directory is a 1 MiB tmpfs and the rank prints 4 MiB: the log fills,
+    the launcher says so once, and the console still gets every line; training completes."""
+    steps, lines = 20, 200
+    node_dir = tmp_path / "logs" / "full" / "nodes" / "node_0"
+    node_dir.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(node_dir)], check=True)
+    try:
+        args = run_args(tmp_path, "full", port, CHATTY, nproc=1) + [
+            "--", "--steps", str(steps), "--lines", str(lines)
+        ]
+        launcher = start_traceml(args, tmp_path, tmp_path / "full", env=ENV)
+        code = launcher.wait(240)
+        err = (tmp_path / "full.err").read_text()
+        assert code == 0, err
+        out = (tmp_path / "full.out").read_text().splitlines()
+        assert sum(1 for line in out if len(line) == 1023) == steps * lines
+        assert "chatty: done" in out
+        said = [line for line in err.splitlines() if "cannot save training output" in line]
+        assert sum("training.stdout.log" in line for line in said) == 1, err
+        assert "No space left on device" in err
+        assert "bytes of training output are missing from" in err
+        assert (node_dir / "training.stdout.log").stat().st_size < 1024 * 1024
+        summary = load_summary(tmp_path / "logs" / "full")
+        assert summary["run"]["status"] == "completed"
+        assert summary["ranks"][0]["records_received"] == steps
+    finally:
+        subprocess.run(["umount", str(node_dir)], check=True)
+
+
+def test_no_save_training_output(tmp_path, port):
+    args = run_args(tmp_path, "nosave", port, CHATTY, nproc=1) + [
+        "--no-save-training-output", "--", "--steps", "3", "--lines", "2"
+    ]
+    launcher = start_traceml(args, tmp_path, tmp_path / "nosave", env=ENV)
+    assert launcher.wait(240) == 0, (tmp_path / "nosave.err").read_text()
+    assert "chatty: done" in (tmp_path / "nosave.out").read_text()
+    node_dir = tmp_path / "logs" / "nosave" / "nodes" / "node_0"
+    assert sorted(p.name for p in node_dir.iterdir()) == ["manifest.json"]
+    node = json.loads((node_dir / "manifest.json").read_text())
+    assert node["artifacts"] == {} and node["launch"]["save_training_output"] is False
