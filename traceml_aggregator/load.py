@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import itertools
+import json
 import operator
 
 from traceml.analysis.rundata import RankData, RunData
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
-from traceml_aggregator.store import Store
+from traceml_aggregator.store import REJECTED_META_KEY, Store
 
 
 _attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row
@@ -81,4 +82,5 @@ def load(store: Store, missing: list[int]) -> RunData:
         system_samples=system,
         gpu_samples=gpus,
         missing=list(missing),
+        rejected=json.loads(meta.get(REJECTED_META_KEY) or "{}"),
     )

@@ -38,3 +38,6 @@ class RunData:
     system_samples: dict[int, list[dict]]
     gpu_samples: dict[int, list[dict]]
     missing: list[int]
+    #: Calls the aggregator refused, by kind (``unauthenticated``, ``rank_out_of_range``, ...:
+    #: see traceml_aggregator/senders.py); empty when none was.
+    rejected: dict[str, int] = field(default_factory=dict)

@@ -181,6 +181,7 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
             "complete": not missing and not live,
             "missing_ranks": sorted(missing),
             "attempt": max((rd.restart for rd in run.ranks.values()), default=0),
+            "rejected": dict(sorted(run.rejected.items())),
         },
         "primary_diagnosis": primary.to_json(),
         "findings": {

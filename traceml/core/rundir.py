@@ -9,6 +9,7 @@ other)::
     nodes/node_<r>/training.stdout.log, training.stderr.log   node r's torchrun output
     aggregator/process.stderr.log     node 0: the aggregator's own log
     telemetry.sqlite                  node 0's aggregator: the telemetry store
+    run_token                         node 0: the run's token (mode 0600), read by the others
     final_summary.json/.txt/.html     node 0's aggregator: the reports
 """
 
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from traceml.core.transport import TOKEN_FILE_NAME
 
 #: Files the aggregator writes at the top of the run directory (also read by the launcher).
 DATABASE_NAME = "telemetry.sqlite"
@@ -64,6 +66,7 @@ class RunDir:
         self.aggregator_stderr = self.aggregator_dir / "process.stderr.log"
         self.database = self.root / DATABASE_NAME
         self.final_summary_json = self.root / SUMMARY_JSON_NAME
+        self.token_file = self.root / TOKEN_FILE_NAME
 
     def create(self, *, owner: bool) -> None:
         """Create the directories this node writes into."""

@@ -1,7 +1,10 @@
 """The launcher's side of the aggregator: start it (node 0), wait for it, call it.
 
 Readiness is the standard gRPC health check (``grpc.health.v1.Health/Check`` == SERVING),
-never a bare TCP connect.
+never a bare TCP connect. Every channel carries the run token and, when set, TLS
+(:func:`traceml.core.transport.open_channel`, from this process's environment, which the
+launcher sets: see :mod:`traceml.launcher.credentials`). The aggregator gets the token through
+its environment, never its command line (``ps`` shows that to every user).
 
 gRPC and the wire code are imported by the calls that use them: starting the aggregator and
 torchrun does not wait for their 0.2 s of imports.
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from traceml import settings
 from traceml.launcher.config import LaunchConfig
 from traceml.core.rundir import RunDir
 
@@ -50,10 +54,17 @@ def start(config: LaunchConfig, run_dir: RunDir) -> subprocess.Popen:
     ]
     if config.html_report:
         argv.append("--html-report")
+    if config.tls_cert:
+        argv += ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)]
     log = open(run_dir.aggregator_stderr, "ab")
     try:
         return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env={**os.environ, settings.RUN_TOKEN.name: config.run_token},
         )
     finally:
         log.close()
@@ -68,6 +79,8 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from traceml.core.transport import open_channel
+
     deadline = time.monotonic() + timeout_s
     # After a refused connection gRPC waits its reconnect backoff (1 s, then 1.6 s, ...) before
     # trying again, and every Check meanwhile fails at once: without short backoffs, an
@@ -77,7 +90,7 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
         ("grpc.min_reconnect_backoff_ms", 50),
         ("grpc.max_reconnect_backoff_ms", 100),
     ]
-    with grpc.insecure_channel(target, options=options) as channel:
+    with open_channel(target, options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
@@ -103,11 +116,10 @@ def _call(target: str, method: str, request, timeout_s: float):
     Raises:
         grpc.RpcError: the call failed or timed out.
     """
-    import grpc
-
     from traceml import wire
+    from traceml.core.transport import open_channel
 
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target) as channel:
         return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)
 
 

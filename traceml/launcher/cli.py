@@ -68,6 +68,22 @@ def run_command(
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or 300]",
     ),
     max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
+    run_token: Optional[str] = typer.Option(
+        None,
+        help=f"the run's secret token [default: ${settings.RUN_TOKEN.name}; node 0 makes one, "
+        "the other nodes read it from the run directory]; prefer the variable: ps shows flags",
+    ),
+    tls_cert: Optional[Path] = typer.Option(
+        None, help=f"node 0: the aggregator's TLS certificate, PEM [default: ${settings.TLS_CERT.name}]"
+    ),
+    tls_key: Optional[Path] = typer.Option(
+        None, help=f"node 0: the certificate's private key, PEM [default: ${settings.TLS_KEY.name}]"
+    ),
+    tls_ca: Optional[Path] = typer.Option(
+        None,
+        help=f"CA certificate that signed the aggregator's, PEM [default: ${settings.TLS_CA.name}; "
+        "node 0: --tls-cert]",
+    ),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -100,6 +116,10 @@ def run_command(
         html_report=html_report,
         finalize_timeout_sec=finalize_timeout_sec,
         max_restarts=max_restarts,
+        run_token=run_token,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_ca=tls_ca,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)
