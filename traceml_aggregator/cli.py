@@ -5,7 +5,7 @@ Usage::
     traceml-aggregator --run-dir logs/my-run --run-name my-run --world-size 8 \\
         [--port 29765] [--bind-host 127.0.0.1] [--html-report] [--finalize-timeout-sec 300] \\
         [--nnodes N] [--no-summary-at-stop] [--run-token TOKEN] [--tls-cert PEM --tls-key PEM]
-        [--max-concurrent-rpcs N]
+        [--max-concurrent-rpcs N] [--max-queued-bytes N]
 
 ``--nnodes`` (set by ``traceml run``) makes finalization also wait, briefly, for each node
 launcher's report of its torchrun's exit; ranks under plain torchrun have no launcher, so a
@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
         help="calls in flight at most; more are answered RESOURCE_EXHAUSTED (default 1024)",
     )
     p.add_argument(
+        "--max-queued-bytes",
+        type=int,
+        default=None,
+        help="bound of the writer's queue, bytes; beyond it Push is answered RESOURCE_EXHAUSTED "
+        "with a retry-after (default 256 MiB)",
+    )
+    p.add_argument(
         "--finalize-timeout-sec",
         type=float,
         default=None,
@@ -87,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``traceml-aggregator``; returns the exit code."""
     from traceml_aggregator.server import MAX_CONCURRENT_RPCS, BindError, ServerConfig, serve
+    from traceml_aggregator.writer import MAX_QUEUED_BYTES
 
     args = _parser().parse_args(argv)
     error = validate_run_name(args.run_name)
@@ -111,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in (tls_cert, tls_key):
         if not error and path is not None and not path.is_file():
             error = f"TLS file {path} not found"
-    if not error and args.max_concurrent_rpcs is not None and args.max_concurrent_rpcs < 1:
-        error = f"--max-concurrent-rpcs {args.max_concurrent_rpcs} must be >= 1"
+    for flag, value in (("--max-concurrent-rpcs", args.max_concurrent_rpcs),
+                        ("--max-queued-bytes", args.max_queued_bytes)):
+        if not error and value is not None and value < 1:
+            error = f"{flag} {value} must be >= 1"
     if error:
         print(f"traceml-aggregator: error: {error}", file=sys.stderr)
         return 2
@@ -146,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         tls_cert=tls_cert,
         tls_key=tls_key,
         max_concurrent_rpcs=args.max_concurrent_rpcs or MAX_CONCURRENT_RPCS,
+        max_queued_bytes=args.max_queued_bytes or MAX_QUEUED_BYTES,
     )
 
     def ready(port: int) -> None:

@@ -36,7 +36,7 @@ from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.senders import Rejections, check_batch
 from traceml_aggregator.store import REJECTED_META_KEY, Store
-from traceml_aggregator.writer import QueueFull, Writer
+from traceml_aggregator.writer import MAX_QUEUED_BYTES, QueueFull, Writer
 
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
 #: How long a Summarize call lets queued batches reach the store before it reads it, s.
@@ -71,6 +71,8 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    #: Bound of the writer's queue, bytes of serialized batches.
+    max_queued_bytes: int = MAX_QUEUED_BYTES
 
 
 class AggregatorService(wire.AggregatorServicer):
@@ -210,7 +212,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     if config.world_size:
         store.set_meta("world_size", str(config.world_size))
     state = RunState(world_size=config.world_size, nnodes=config.nnodes)
-    writer = Writer(store, state.on_batch)
+    writer = Writer(store, state.on_batch, config.max_queued_bytes)
     rejections = Rejections()
 
     def reports(store_, missing):
