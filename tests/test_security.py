@@ -302,3 +302,33 @@ def test_a_batch_no_sender_of_the_run_can_send_is_refused(batch, kind):
 
     refusal = check_batch(batch, world_size=2, nnodes=2)
     assert (refusal[0] if refusal else None) == kind, refusal
+
+
+def test_a_standalone_aggregator_without_a_token_makes_one_and_says_where(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    env = traceml_env(launcher=True)  # no TRACEML_RUN_TOKEN
+    with open(tmp_path / "agg.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(run_dir),
+             "--run-name", "alone", "--port", str(port)],
+            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        )
+    try:
+        wait_serving(f"127.0.0.1:{port}", 60, proc)
+        token_file = run_dir / "run_token"
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        token = transport.read_token_file(token_file)
+        request = wire.SummarizeRequest(run_name="alone")
+        refused = call(f"127.0.0.1:{port}", Credentials(), "Summarize", request)
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = call(f"127.0.0.1:{port}", Credentials(token=token), "Summarize", request)
+        assert isinstance(reply, wire.SummarizeReply), reply
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    log = (tmp_path / "agg.log").read_text()
+    assert (f"traceml-aggregator: run token written to {token_file} (mode 0600); give it to the "
+            f"ranks: export TRACEML_RUN_TOKEN=$(cat {token_file})") in log
+    assert token not in log
+    assert "refused calls: unauthenticated 1;" in log
