@@ -35,7 +35,6 @@ from traceml.wire.records import add_steps
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 STEPS = 30
 RUN = "guarded"
-COMPLETED = wire.EndState.END_STATE_COMPLETED
 
 
 def forged_calls(run_name: str, world_size: int) -> list[tuple[str, object]]:
