@@ -5,6 +5,9 @@ dropped with one warning and counted, not lost silently."""
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from live_aggregator import LiveAggregator, finish, make_client, step
 
@@ -72,3 +75,24 @@ def test_batches_stay_below_the_bound_and_an_oversized_record_is_dropped_with_a_
     ]
     # Two samples of 0.8 MiB per batch at most: 2 + 2 + 1.
     assert agg.query("SELECT stored_seq FROM streams") == [(3,)]
+
+
+def test_calls_beyond_the_bound_in_flight_are_answered_resource_exhausted(tmp_path):
+    """--max-concurrent-rpcs 1: while a Finalize waits (3 s) for a rank that never finishes,
+    a second call is refused at once; once the first is over, calls are served again."""
+    import grpc
+
+    from traceml.core.transport import open_channel
+
+    with LiveAggregator(tmp_path / "run", "bound", world_size=1, extra_args=(
+            "--max-concurrent-rpcs", "1", "--finalize-timeout-sec", "3")) as agg:
+        with open_channel(agg.target) as channel:
+            stub = wire.AggregatorStub(channel)
+            waiting = stub.Finalize.future(wire.FinalizeRequest(run_name="bound"), timeout=30)
+            time.sleep(1.0)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Summarize(wire.SummarizeRequest(run_name="bound"), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert waiting.result().missing_ranks == [0]
+            assert stub.Summarize(wire.SummarizeRequest(run_name="bound"), timeout=30).error == ""
+        assert agg.stop() == 0
