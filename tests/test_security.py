@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, query, start_traceml, traceml_env
 from live_aggregator import LiveAggregator
@@ -79,10 +80,13 @@ def invalid_senders(run_name: str, world_size: int) -> list[tuple[str, wire.Batc
     wrong_world = batch(rank=1)
     wrong_world.identity.CopyFrom(wire.RankIdentity(run_name=run_name, rank=1,
                                                     world_size=world_size + 1))
+    other_node = wire.Batch(run_name=run_name, seq=10_000, node_rank=1)  # the run has one node
+    other_node.system_samples.add(node_rank=1, unix_us=1, hostname="forger")
     return [
         ("rank_out_of_range", batch(rank=world_size)),
         ("world_size_mismatch", wrong_world),
-        ("node_rank_out_of_range", batch(node_rank=1)),  # the run has one node
+        ("node_rank_out_of_range", other_node),
+        ("not_a_rank", batch(node_rank=0)),  # a node sampler sending steps
     ]
 
 
@@ -107,6 +111,9 @@ def test_calls_without_the_run_token_are_refused_during_a_real_run(tmp_path):
         wait_serving(target, 30)
         token = transport.read_token_file(run_dir / "run_token")
         assert len(token) == 43
+        # On no command line of any process (ps shows those to every user).
+        assert not [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+                    if token in " ".join(p.info["cmdline"] or [])]
 
         outsiders = [Credentials(), Credentials(token="x" * 43), Credentials(token=token[:-1])]
         for credentials in outsiders:
@@ -142,15 +149,15 @@ def test_calls_without_the_run_token_are_refused_during_a_real_run(tmp_path):
         "rank_out_of_range": 1,
         "world_size_mismatch": 1,
         "node_rank_out_of_range": 1,
+        "not_a_rank": 1,
     }
     assert "forger" not in json.dumps(summary) and "forged" not in json.dumps(summary)
     assert query(run_dir, "SELECT MAX(step) FROM steps") == [(STEPS - 1,)]
     assert query(run_dir, "SELECT DISTINCT hostname FROM node_exits") != [("forger",)]
     assert query(run_dir, "SELECT COUNT(*) FROM ranks WHERE pid = 4242") == [(0,)]
     aggregator_log = (run_dir / "aggregator" / "process.stderr.log").read_text()
-    assert "refused calls: node_rank_out_of_range 1, rank_out_of_range 1, unauthenticated 15" in (
-        aggregator_log
-    )
+    assert ("refused calls: node_rank_out_of_range 1, not_a_rank 1, rank_out_of_range 1, "
+            "unauthenticated 15, world_size_mismatch 1;") in aggregator_log
     # The token is in no manifest and on no command line.
     for manifest in run_dir.rglob("manifest.json"):
         assert token not in manifest.read_text()
