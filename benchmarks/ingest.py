@@ -13,6 +13,11 @@ batch acknowledged; records stored per second while all ranks stream (target >= 
 the aggregator's CPU per record (what a busy machine does not distort); aggregator RSS (peak,
 from /proc). Every record is checked in the store afterwards.
 
+Every call carries the run token (``TRACEML_RUN_TOKEN``, set by ``_common``), as the SDK's do.
+To see what the token check costs, run this same file against the tree before it and after it,
+side by side (``PYTHONPATH=<other tree> python benchmarks/ingest.py``): a tree without the check
+ignores the metadata.
+
 Usage: ``python benchmarks/ingest.py [--ranks 256 1024] [--batches 20] [--records 100]``.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,6 +38,9 @@ from _common import LiveAggregator
 
 RUN = "ingest-bench"
 PUSH = "/traceml.wire.v1.Aggregator/Push"
+#: The run token's metadata key (traceml.core.transport.TOKEN_METADATA_KEY), spelled out so the
+#: file also runs against a tree from before the token.
+TOKEN_METADATA = (("traceml-run-token", os.environ.get("TRACEML_RUN_TOKEN", "")),)
 
 
 def step_blocks(batches: int, records: int) -> list[bytes]:
@@ -67,7 +76,7 @@ async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asy
         run_name=RUN, rank=rank, seq=1,
         identity=wire.RankIdentity(run_name=RUN, rank=rank, world_size=world, hostname="sim"),
     )
-    ack = await push(first.SerializeToString(), timeout=120)
+    ack = await push(first.SerializeToString(), timeout=120, metadata=TOKEN_METADATA)
     assert ack.stored_seq == 1, ack
     t["first_acked"] = max(t["first_acked"], time.time())
     await go.wait()
@@ -75,7 +84,7 @@ async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asy
         header = wire.Batch(run_name=RUN, rank=rank, seq=seq).SerializeToString()
         while True:  # as the SDK does: send again until an acknowledgement covers it
             try:
-                ack = await push(header + block, timeout=120)
+                ack = await push(header + block, timeout=120, metadata=TOKEN_METADATA)
             except grpc.RpcError as exc:
                 t["errors"][exc.code().name] = t["errors"].get(exc.code().name, 0) + 1
                 continue

@@ -19,6 +19,13 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 EXAMPLES = ROOT / "examples"
 
 
+#: The run token of the aggregators the tests start themselves (tests/live_aggregator.py): the
+#: test process, and the scripts it runs under plain torchrun, play that run's own processes,
+#: so they carry it through the environment, as the ranks of a real run do.
+TEST_RUN_TOKEN = "traceml-test-run-token"
+os.environ["TRACEML_RUN_TOKEN"] = TEST_RUN_TOKEN
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now (tests never use the defaults)."""
     with socket.socket() as s:
@@ -31,11 +38,14 @@ def traceml_cmd() -> list[str]:
     return [sys.executable, "-m", "traceml"]
 
 
-def traceml_env(env: dict | None = None) -> dict:
-    """The test process's environment without a TraceML endpoint, plus ``env``."""
+def traceml_env(env: dict | None = None, *, launcher: bool = False) -> dict:
+    """The test process's environment without a TraceML endpoint, plus ``env``; for a
+    ``launcher`` (``traceml run``) also without the tests' run token: it makes its own."""
     full_env = dict(os.environ)
     full_env.pop("TRACEML_AGGREGATOR", None)
     full_env.pop("TRACEML_RUN_NAME", None)
+    if launcher:
+        full_env.pop("TRACEML_RUN_TOKEN", None)
     full_env.update(env or {})
     return full_env
 
@@ -45,7 +55,7 @@ def run_traceml(args: list[str], cwd: Path, *, timeout: float = 240, env: dict |
     return subprocess.run(
         traceml_cmd() + args,
         cwd=cwd,
-        env=traceml_env(env),
+        env=traceml_env(env, launcher=True),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -60,7 +70,7 @@ def start_traceml(args: list[str], cwd: Path, log_prefix: Path, *, env: dict | N
         return subprocess.Popen(
             (prefix or []) + traceml_cmd() + args,
             cwd=cwd,
-            env=traceml_env(env),
+            env=traceml_env(env, launcher=True),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,

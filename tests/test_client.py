@@ -14,6 +14,7 @@ import pytest
 from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
+from traceml.core.transport import open_channel
 from traceml.sdk import client as client_mod
 from traceml.wire.records import add_steps
 
@@ -95,9 +96,7 @@ def test_rejected_run_name_stops_sending_and_nothing_is_stored(aggregator):
 
 
 def test_push_from_another_run_is_answered_rejected(aggregator):
-    import grpc
-
-    with grpc.insecure_channel(aggregator.target) as channel:
+    with open_channel(aggregator.target) as channel:
         stub = wire.AggregatorStub(channel)
         batch = wire.Batch(run_name="other", rank=0, seq=1)
         add_steps(batch, [step(0)])

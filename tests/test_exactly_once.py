@@ -23,6 +23,7 @@ from conftest import free_port
 from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
+from traceml.core.transport import open_channel
 from traceml.sdk import client as client_mod
 
 
@@ -32,7 +33,7 @@ class AckWithholdingProxy(wire.AggregatorServicer):
     (UNAVAILABLE) — both after the real aggregator stored the batch."""
 
     def __init__(self, upstream: str, *, stale: set[int], lost: set[int]) -> None:
-        self._channel = grpc.insecure_channel(upstream)
+        self._channel = open_channel(upstream)
         self._stub = wire.AggregatorStub(self._channel)
         self._stale, self._lost = set(stale), set(lost)
         self.withheld: list[tuple[str, int]] = []

@@ -18,6 +18,7 @@ from live_aggregator import LiveAggregator
 from conftest import load_summary
 
 from traceml import wire
+from traceml.core.transport import open_channel
 from traceml.launcher.aggregator import finalize, report_node_exit
 
 RUN = "nodes-report"
@@ -26,7 +27,7 @@ COMPLETED = wire.EndState.END_STATE_COMPLETED
 
 def finish_ranks(target: str, world_size: int) -> None:
     """Every rank (rank r on node r) introduces itself and finishes in one batch."""
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target) as channel:
         stub = wire.AggregatorStub(channel)
         for rank in range(world_size):
             batch = wire.Batch(run_name=RUN, rank=rank, seq=1)

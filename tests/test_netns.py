@@ -2,7 +2,9 @@
 
 Host 0 (``10.231.0.1``, plus ``10.231.0.3`` for telemetry in the second case) runs node 0 and
 its aggregator; host 1 (``10.231.0.2``) runs node 1. Each host has its own loopback, ports and
-``--logs-dir`` (no shared filesystem), so node 1 can reach the aggregator only across the link.
+``--logs-dir`` (no shared filesystem), so node 1 can reach the aggregator only across the link,
+and both are given the run token (``TRACEML_RUN_TOKEN``); the last case shares one
+``--logs-dir`` instead, where node 1, started first, finds node 0's token file.
 Needs root and ``ip`` (iproute2); skipped otherwise. Names start with ``tmlt<pid>`` so they
 never collide with the Slurm lab's ``slab-*`` namespaces or with a parallel test run.
 """
@@ -79,19 +81,27 @@ def hosts():
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
 
 
-def run_nodes(hosts, tmp_path, node_flags: dict[int, list[str]], nproc: int) -> dict[int, int]:
-    """Start node 1 then node 0, each in its host with its own logs dir; their exit codes."""
+def run_nodes(hosts, tmp_path, node_flags: dict[int, list[str]], nproc: int,
+              shared_logs: bool = False, node0_delay_s: float = 0.0) -> dict[int, int]:
+    """Start node 1 then node 0 (``node0_delay_s`` later), each in its host with its own logs
+    dir and the run token given to both, or with one shared logs dir and no token given;
+    their exit codes."""
     procs = {}
     for node in (1, 0):
         host = hosts[node]
+        logs = tmp_path / ("shared" if shared_logs else f"host{node}")
         args = [
             "run", SCRIPT, "--nnodes=2", f"--nproc-per-node={nproc}", f"--node-rank={node}",
-            f"--master-addr={HOST0}", "--run-name=netns", f"--logs-dir={tmp_path}/host{node}",
+            f"--master-addr={HOST0}", "--run-name=netns", f"--logs-dir={logs}",
             "--steps", str(STEPS),
         ] + node_flags[node]
+        env = {"GLOO_SOCKET_IFNAME": host.ifname}
+        if not shared_logs:
+            env["TRACEML_RUN_TOKEN"] = "netns-token-given-to-both"
+        if node == 0 and node0_delay_s:
+            time.sleep(node0_delay_s)
         procs[node] = start_traceml(
-            args, tmp_path, tmp_path / f"node{node}", prefix=host.prefix(),
-            env={"GLOO_SOCKET_IFNAME": host.ifname},
+            args, tmp_path, tmp_path / f"node{node}", prefix=host.prefix(), env=env
         )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
@@ -150,3 +160,27 @@ def test_non_default_port_and_telemetry_address(hosts, tmp_path):
     launch = manifest["launch"]
     assert (launch["aggregator_bind_host"], launch["aggregator_port"]) == (HOST0_TELEMETRY, 31877)
     assert f"node 0's aggregator at {HOST0_TELEMETRY}:{port}" in (tmp_path / "node1.err").read_text()
+
+
+def test_shared_logs_dir_carries_the_token_to_a_node_started_first(hosts, tmp_path):
+    """No token given: node 0 makes one and writes it 0600 to the shared run directory;
+    node 1, started 5 s before node 0, waits for the aggregator and then reads it there."""
+    flags = [f"--aggregator-host={HOST0}"]
+    codes = run_nodes(hosts, tmp_path, {0: flags, 1: flags}, nproc=1, shared_logs=True,
+                      node0_delay_s=5.0)
+    assert codes == {0: 0, 1: 0}, (tmp_path / "node1.err").read_text()
+    run_dir = tmp_path / "shared" / "netns"
+    summary = load_summary(run_dir)
+    ranks = {r["rank"]: r for r in summary["ranks"]}
+    assert summary["run"]["complete"] is True and summary["run"]["nodes"] == [0, 1]
+    assert {r: v["node_rank"] for r, v in ranks.items()} == {0: 0, 1: 1}
+    assert {r: v["steps_completed"] for r, v in ranks.items()} == {0: STEPS, 1: STEPS}
+    assert {r: v["records_received"] for r, v in ranks.items()} == {0: STEPS, 1: STEPS}
+    assert {n["node_rank"]: n["exit_code"] for n in summary["nodes"]} == {0: 0, 1: 0}
+    assert summary["run"]["rejected"] == {}
+    token_file = run_dir / "run_token"
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+    assert len(token_file.read_text()) == 43
+    node1_err = (tmp_path / "node1.err").read_text()
+    assert "waiting up to 300 s for node 0's aggregator" in node1_err
+    assert "could not report" not in node1_err and "warning" not in node1_err

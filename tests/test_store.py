@@ -138,7 +138,9 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
 
     (good_result, bad_result), steps, batches_stored = asyncio.run(main())
     assert (good_result.stored_seq, good_result.duplicate) == (1, False)
-    assert isinstance(bad_result, OverflowError)
+    # Refused (its sender stops), not failed (its sender would resend it for ever).
+    assert (bad_result.kind, bad_result.duplicate) == ("malformed", False)
+    assert bad_result.rejected.startswith("a malformed batch (")
     assert (steps, batches_stored, stored) == (3, 1, [0])
 
 
@@ -152,12 +154,13 @@ def test_a_second_process_reusing_the_stream_is_refused_not_dropped(tmp_path):
     assert results(store, batch(1, range(3), identity=ident)) == [(1, True)]
     other = wire.RankIdentity(run_name="r", rank=0, pid=200, hostname="h")
     [refused] = store.write_batches([batch(1, range(3), identity=other)], 0)
-    assert (refused.duplicate, refused.rejected) == (
+    assert (refused.duplicate, refused.rejected, refused.kind) == (
         False,
         "rank 0 (attempt 0) of this run already streamed from pid 100 on h, not from pid 200: "
         "use a new run name, or, for processes the script starts itself "
         "(torch.multiprocessing.spawn), call traceml.init() after init_process_group so that "
         "each reports its own rank",
+        "second_sender",
     )
     assert count(store, "SELECT COUNT(*) FROM steps") == 3
 
@@ -202,3 +205,35 @@ def test_a_node_exit_that_fails_leaves_no_transaction_open(tmp_path):
         (0, 1, 5)]
     assert rows(store, "SELECT rank, end_state FROM rank_ends") == [(0, "failed")]
     assert count(store, "SELECT COUNT(*) FROM steps") == 3
+
+
+def test_a_second_process_ahead_of_the_stored_stream_is_refused(tmp_path):
+    """Another process introducing itself as a stored (rank, restart) with a sequence number
+    above the stored one would overwrite the identity and add its steps: refused."""
+    store = Store(tmp_path / "t.sqlite")
+    ident = wire.RankIdentity(run_name="r", rank=0, pid=100, hostname="h")
+    assert results(store, batch(1, range(3), identity=ident)) == [(1, False)]
+    other = wire.RankIdentity(run_name="r", rank=0, pid=200, hostname="h")
+    [refused] = store.write_batches([batch(50, range(3, 9), identity=other)], 0)
+    assert (refused.kind, refused.duplicate) == ("second_sender", False)
+    assert rows(store, "SELECT pid FROM ranks") == [(100,)]
+    assert count(store, "SELECT COUNT(*) FROM steps") == 3
+    # The stream goes on: its next batch is stored.
+    assert results(store, batch(2, range(3, 5))) == [(2, False)]
+
+
+def test_an_attempt_older_than_a_stored_one_is_refused_across_reopens(tmp_path):
+    store = Store(tmp_path / "t.sqlite")
+    assert results(store, batch(1, range(2), restart=1)) == [(1, False)]
+    [refused] = store.write_batches([batch(1, range(2, 4), restart=0)], 0)
+    assert refused.kind == "restart_regressed"
+    assert refused.rejected == "a batch of rank 0 from attempt 0: attempt 1 is already stored"
+    # Another rank's attempt 0, and the latest attempt, are still stored.
+    assert results(store, batch(1, range(2), rank=1), batch(2, range(2, 3), restart=1)) == [
+        (1, False), (2, False),
+    ]
+    store.close()
+    reopened = Store(tmp_path / "t.sqlite")
+    [again] = reopened.write_batches([batch(1, range(2, 4), restart=0)], 0)
+    assert again.kind == "restart_regressed"
+    assert count(reopened, "SELECT COUNT(*) FROM steps") == 5

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port
+from conftest import SCRIPTS, TEST_RUN_TOKEN, free_port
 from planted import HAS_TENSORBOARD, planted_run
 
 
@@ -99,6 +99,7 @@ def test_summary_flushes_the_ranks_own_steps_first(tmp_path):
             {
                 "TRACEML_AGGREGATOR": f"127.0.0.1:{port}",
                 "TRACEML_RUN_NAME": "flush",
+                "TRACEML_RUN_TOKEN": TEST_RUN_TOKEN,  # the aggregator's, from this process
                 "TRACEML_FLUSH_INTERVAL_SEC": "60",
                 "TRACEML_BATCH_MAX_RECORDS": "10000",
                 "RANK": "0",

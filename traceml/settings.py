@@ -1,7 +1,7 @@
 """Every ``TRACEML_*`` environment variable, one constant each, with its default.
 
-The launcher exports the ``TRACEML_RUN_NAME``/``TRACEML_AGGREGATOR``/``TRACEML_LAUNCHED``
-triple to its torchrun; everything else is a knob a user may set. Read values through
+The launcher exports ``TRACEML_RUN_NAME``/``TRACEML_AGGREGATOR``/``TRACEML_LAUNCHED``, the
+run token (``TRACEML_RUN_TOKEN``) and the TLS CA (``TRACEML_TLS_CA``) to its torchrun; everything else is a knob a user may set. Read values through
 :func:`env_str`, :func:`env_float`, :func:`env_int` and :func:`env_bool` so a malformed value
 falls back to the default with one warning instead of crashing training.
 """
@@ -30,6 +30,18 @@ AGGREGATOR = Setting("TRACEML_AGGREGATOR", "", "host:port of the aggregator's gR
 LAUNCHED = Setting(
     "TRACEML_LAUNCHED", "0", "1 when a `traceml run` launcher hosts the node sampler."
 )
+RUN_TOKEN = Setting(
+    "TRACEML_RUN_TOKEN",
+    "",
+    "The run's secret: every call to the aggregator carries it (node 0 makes one when unset).",
+)
+TLS_CA = Setting(
+    "TRACEML_TLS_CA", "", "CA certificate (PEM file) of the aggregator's TLS; unset: no TLS."
+)
+TLS_CERT = Setting(
+    "TRACEML_TLS_CERT", "", "Node 0: the aggregator's TLS certificate (PEM file, with --tls-key)."
+)
+TLS_KEY = Setting("TRACEML_TLS_KEY", "", "Node 0: the private key of TRACEML_TLS_CERT (PEM file).")
 
 # --- launcher ------------------------------------------------------------------------------
 FINALIZE_TIMEOUT_SEC = Setting(

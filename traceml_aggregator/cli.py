@@ -22,6 +22,13 @@ its standard input, the launcher's pipe, closes; SIGTERM and SIGINT are noted, n
 ``--restart-reason``/``--down-since-unix-s`` mark a restart on the same store after the
 previous aggregator died; ``--finalize-only`` writes the summary from the store without
 serving (exit code 1 if it cannot).
+
+Every call but the health check must carry the run token: ``--run-token``, else
+``TRACEML_RUN_TOKEN``, else a fresh random one written to ``<run-dir>/run_token`` (mode 0600;
+the aggregator prints where). Give the ranks the same token through ``TRACEML_RUN_TOKEN``.
+Prefer the variable to the flag: every user of the host sees a flag's value in ``ps``.
+``--tls-cert``/``--tls-key`` (or ``TRACEML_TLS_CERT``/``TRACEML_TLS_KEY``) serve TLS; clients
+then need ``TRACEML_TLS_CA``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Optional
 import typer
 
 from traceml import settings
-from traceml.core import endpoint, log
+from traceml.core import endpoint, log, transport
 from traceml.core.rundir import validate_run_name
 
 _log = log.get("aggregator")
@@ -104,9 +111,31 @@ def serve_command(
     node_exit_file: Optional[Path] = typer.Option(
         None, help="with --finalize-only: a serialized NodeExit to store first (the launcher's)"
     ),
+    run_token: Optional[str] = typer.Option(
+        None,
+        help=f"the run's token [default: ${settings.RUN_TOKEN.name}, else a new one in "
+        f"RUN_DIR/{transport.TOKEN_FILE_NAME}]; prefer the variable: ps shows flags",
+    ),
+    tls_cert: Optional[Path] = typer.Option(None, help="TLS certificate, PEM"),
+    tls_key: Optional[Path] = typer.Option(None, help="TLS private key, PEM"),
+    max_concurrent_rpcs: Optional[int] = typer.Option(
+        None, help="calls in flight at most; more are answered RESOURCE_EXHAUSTED [default: 1024]"
+    ),
+    max_queued_bytes: Optional[int] = typer.Option(
+        None,
+        help="bound of the writer's queue, bytes; beyond it Push is answered RESOURCE_EXHAUSTED "
+        "with a retry-after [default: 256 MiB]",
+    ),
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit code (see the module docstring)."""
-    from traceml_aggregator.server import BindError, ServerConfig, finalize_offline, serve
+    from traceml_aggregator.server import (
+        MAX_CONCURRENT_RPCS,
+        BindError,
+        ServerConfig,
+        finalize_offline,
+        serve,
+    )
+    from traceml_aggregator.writer import MAX_QUEUED_BYTES
     from traceml_aggregator.store import StoreVersionError
 
     error = validate_run_name(run_name) or endpoint.port_error("--port", port)
@@ -120,9 +149,36 @@ def serve_command(
     error = error or bad
     hang_timeout, bad = _seconds(hang_timeout_sec, settings.HANG_TIMEOUT_SEC, "--hang-timeout-sec")
     error = error or bad
+    tls_cert = tls_cert or _env_path(settings.TLS_CERT)
+    tls_key = tls_key or _env_path(settings.TLS_KEY)
+    if not error and (tls_cert is None) != (tls_key is None):
+        error = "--tls-cert and --tls-key go together"
+    for path in (tls_cert, tls_key):
+        if not error and path is not None and not path.is_file():
+            error = f"TLS file {path} not found"
+    for flag, value in (
+        ("--max-concurrent-rpcs", max_concurrent_rpcs),
+        ("--max-queued-bytes", max_queued_bytes),
+    ):
+        if not error and value is not None and value < 1:
+            error = f"{flag} {value} must be >= 1"
     if error:
         _log.error(f"error: {error}")
         return 2
+    token = run_token or settings.env_str(settings.RUN_TOKEN)
+    if not token and not finalize_only:
+        token = transport.new_token()
+        token_file = run_dir / transport.TOKEN_FILE_NAME
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            transport.write_token_file(token_file, token)
+        except OSError as exc:
+            _log.error(f"error: cannot write {token_file}: {exc}")
+            return 2
+        _log.info(
+            f"run token written to {token_file} (mode 0600); give it to "
+            f"the ranks: export {settings.RUN_TOKEN.name}=$(cat {token_file})"
+        )
     config = ServerConfig(
         run_dir=run_dir,
         run_name=run_name,
@@ -137,12 +193,20 @@ def serve_command(
         owned=owned,
         restart_reason=restart_reason,
         down_since_unix_s=down_since_unix_s,
+        run_token=token,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        max_concurrent_rpcs=max_concurrent_rpcs or MAX_CONCURRENT_RPCS,
+        max_queued_bytes=max_queued_bytes or MAX_QUEUED_BYTES,
     )
     if finalize_only:
         return finalize_offline(config, node_exit_file)
 
     def ready(bound: int) -> None:
-        _log.info(f"serving run {run_name!r} on {bind_host}:{bound}, store {run_dir}")
+        _log.info(
+            f"serving run {run_name!r} on {bind_host}:{bound}{' (TLS)' if tls_cert else ''}, "
+            f"store {run_dir}"
+        )
 
     try:
         return asyncio.run(serve(config, ready))
@@ -151,6 +215,12 @@ def serve_command(
     except sqlite3.DatabaseError as exc:
         _log.error(f"error: cannot open the store in {run_dir}: {exc}")
     return 2
+
+
+def _env_path(setting: settings.Setting) -> Path | None:
+    """The path in ``setting``'s environment variable; None when it is unset or empty."""
+    value = settings.env_str(setting)
+    return Path(value) if value else None
 
 
 def main(argv: list[str] | None = None) -> int:

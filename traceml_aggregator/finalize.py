@@ -147,8 +147,13 @@ class Finalizer:
         self.last: Outcome | None = None
 
     async def finalize(self, budget_s: float | None = None) -> Outcome:
-        """Wait for every rank (bounded), drain, checkpoint and write the reports."""
-        budget = budget_s if budget_s and budget_s > 0 else self.budget_s
+        """Wait for every rank (bounded), drain, checkpoint and write the reports.
+
+        ``budget_s`` (the caller's) is capped by the aggregator's own budget: a Finalize
+        with an endless one (inf, 1e300) must not leave a call waiting for ever; one that
+        is not > 0 (0, NaN) means the aggregator's own.
+        """
+        budget = min(budget_s, self.budget_s) if budget_s and budget_s > 0 else self.budget_s
         deadline = time.monotonic() + budget
         missing = await self.state.wait_done(deadline)
         if not missing:

@@ -13,7 +13,7 @@ import operator
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.analysis.rundata import RankData, RunData
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
-from traceml_aggregator.store import RESTARTS_META_KEY, Store
+from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
 
 
 _attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row
@@ -85,4 +85,5 @@ def load(store: Store, missing: list[int]) -> RunData:
         missing=list(missing),
         stall=json.loads(meta[STALL_META_KEY]) if meta.get(STALL_META_KEY) else None,
         aggregator_restarts=json.loads(meta.get(RESTARTS_META_KEY) or "[]"),
+        rejected=json.loads(meta.get(REJECTED_META_KEY) or "{}"),
     )

@@ -5,6 +5,13 @@ One event loop serves every rank's calls (thousands of concurrent streams cost c
 threads); the single :class:`~traceml_aggregator.writer.Writer` stores what they bring. The
 standard ``grpc.health.v1.Health`` service reports SERVING once the store is open, which is
 what the launcher waits for.
+
+Every call but health's must carry the run token (:mod:`traceml_aggregator.auth`); a batch
+must come from one of the run's senders (:mod:`traceml_aggregator.senders`). The server's
+limits (docs/wire.md): messages of at most
+:data:`~traceml.core.transport.MAX_MESSAGE_BYTES` either way, at most
+``max_concurrent_rpcs`` calls in flight (more are answered ``RESOURCE_EXHAUSTED`` by gRPC),
+and the writer's queue bound, answered ``RESOURCE_EXHAUSTED`` with a retry-after.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -26,17 +33,25 @@ from traceml import wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log
 from traceml.core.rundir import DATABASE_NAME, RunDir
+from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
+from traceml_aggregator.auth import TokenInterceptor, server_credentials
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.store import RESTARTS_META_KEY, Store
-from traceml_aggregator.writer import Writer
+from traceml_aggregator.senders import Rejections, check_batch
+from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
+from traceml_aggregator.writer import MAX_QUEUED_BYTES, QueueFull, Writer
 
 _log = log.get("aggregator")
 
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
 #: How long a Summarize call lets queued batches reach the store before it reads it, s.
 SUMMARIZE_DRAIN_S = 2.0
+#: Default bound of calls in flight (``--max-concurrent-rpcs``): a rank, or a node sampler, has
+#: one Push in flight at a time, so this is about the senders one aggregator serves at once.
+MAX_CONCURRENT_RPCS = 1024
+#: How long a client pushed back by a full writer queue waits before it sends again, ms.
+RETRY_AFTER_MS = 500
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,14 @@ class ServerConfig:
     #: (Unix s) the run had none. Recorded in the store's ``aggregator_restarts`` meta entry.
     restart_reason: str = ""
     down_since_unix_s: float | None = None
+    #: The run token every call but health's must carry (see traceml_aggregator/auth.py).
+    run_token: str = field(default="", repr=False)
+    #: PEM files of the aggregator's TLS certificate and key (both, or neither: plain text).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    #: Bound of the writer's queue, bytes of serialized batches.
+    max_queued_bytes: int = MAX_QUEUED_BYTES
 
 
 def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
@@ -87,16 +110,22 @@ def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
 class AggregatorService(wire.AggregatorServicer):
     """The servicer: validates the run name, hands batches to the writer, acknowledges."""
 
-    def __init__(self, config: ServerConfig, writer: Writer, state: RunState, finalizer):
+    def __init__(
+        self, config: ServerConfig, writer: Writer, state: RunState, finalizer, rejections
+    ):
         self.config = config
         self.writer = writer
         self.state = state
         self.finalizer = finalizer
+        self.rejections = rejections
         self.nodes = NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes)
 
     def _foreign(self, run_name: str) -> str:
         if run_name != self.config.run_name:
-            return f"run name {run_name!r} is not this aggregator's {self.config.run_name!r}"
+            return self.rejections.refuse(
+                "foreign_run",
+                f"run name {run_name!r}: this aggregator's is {self.config.run_name!r}",
+            )
         return ""
 
     async def Push(self, request, context):
@@ -104,17 +133,46 @@ class AggregatorService(wire.AggregatorServicer):
         if reason:
             return wire.Ack(rejected=True, reason=reason)
         if request.seq < 1:
-            return wire.Ack(rejected=True, reason="sequence numbers start at 1")
+            reason = self.rejections.refuse("bad_sequence", "sequence numbers start at 1")
+            return wire.Ack(rejected=True, reason=reason)
+        refusal = check_batch(request, self.state.world_size, self.config.nnodes)
+        if refusal is not None:
+            return wire.Ack(rejected=True, reason=self.rejections.refuse(*refusal))
         try:
             result = await self.writer.store_batch(request)
+        except QueueFull as exc:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the aggregator is behind: {exc}; send again later",
+                trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(RETRY_AFTER_MS)),),
+            )
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
         if result.rejected:
-            return wire.Ack(rejected=True, reason=result.rejected)
+            return wire.Ack(
+                rejected=True, reason=self.rejections.refuse(result.kind, result.rejected)
+            )
         return wire.Ack(stored_seq=result.stored_seq)
 
+    def _node_exit_refusal(self, report) -> str:
+        """Why ``report`` (a NodeExit) cannot be this run's, counted; "" when it can."""
+        nnodes, world_size = self.config.nnodes, self.state.world_size
+        if nnodes is not None and report.node_rank >= nnodes:
+            return self.rejections.refuse(
+                "node_rank_out_of_range",
+                f"the exit of node {report.node_rank}: the run has {nnodes} nodes",
+            )
+        for end in report.ranks:
+            if world_size is not None and end.rank >= world_size:
+                return self.rejections.refuse(
+                    "rank_out_of_range",
+                    f"node {report.node_rank}'s exit report of rank {end.rank}: world size "
+                    f"is {world_size}",
+                )
+        return ""
+
     async def ReportNodeExit(self, request, context):
-        reason = self._foreign(request.run_name)
+        reason = self._foreign(request.run_name) or self._node_exit_refusal(request)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
         await self.writer.call(self.writer.store.write_node_exit, request, time.time_ns() // 1000)
@@ -156,7 +214,12 @@ class AggregatorService(wire.AggregatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
         accepted, refusal = self.nodes.claim(request)
         if not accepted:
-            _log.warning(f"refused a node claim: {refusal}")
+            kind = (
+                "node_rank_out_of_range"
+                if self.config.nnodes is not None and request.node_rank >= self.config.nnodes
+                else "node_claim"
+            )
+            self.rejections.refuse(kind, f"a node claim: {refusal}")
         return wire.NodeClaimReply(
             accepted=accepted, reason=refusal, run_failure=self.nodes.run_failure
         )
@@ -190,7 +253,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
         state.on_batch(batch)
         hangs.on_batch(batch)
 
-    writer = Writer(store, on_stored)
+    writer = Writer(store, on_stored, config.max_queued_bytes)
+    rejections = Rejections()
 
     async def persist_stall(record: dict | None) -> None:
         if record is None:
@@ -201,23 +265,32 @@ async def serve(config: ServerConfig, ready=None) -> int:
     def reports(store_, missing):
         from traceml_aggregator.reports import write_reports
 
+        store_.set_meta(REJECTED_META_KEY, json.dumps(rejections.counts, sort_keys=True))
         return write_reports(store_, config.run_dir, missing, html=config.html_report)
 
     finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s)
     server = grpc.aio.server(
+        interceptors=[TokenInterceptor(config.run_token, rejections)],
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
             ("grpc.so_reuseport", 0),  # a second aggregator on the port must fail, not share
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ]
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
     )
     wire.add_AggregatorServicer_to_server(
-        AggregatorService(config, writer, state, finalizer), server
+        AggregatorService(config, writer, state, finalizer, rejections), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = endpoint.target(config.bind_host, config.port)
     try:
-        port = server.add_insecure_port(address)
+        if config.tls_cert is not None:
+            port = server.add_secure_port(
+                address, server_credentials(config.tls_cert, config.tls_key)
+            )
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise BindError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
@@ -264,6 +337,10 @@ async def serve(config: ServerConfig, ready=None) -> int:
     _log.info(
         f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
         f"{writer.batches_duplicate} resent batches were already stored"
+    )
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(rejections.counts.items())) or "none"
+    _log.info(
+        f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (queue full)"
     )
     return 0
 

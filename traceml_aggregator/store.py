@@ -39,6 +39,9 @@ from traceml.wire.records import STEP_OPTIONAL_FIELDS, step_group_columns
 
 #: Version of the table layout below; stored in ``meta``.
 SCHEMA_VERSION = 2
+#: ``meta`` key of the aggregator's refused calls by kind (a JSON object), written before the
+#: reports (see traceml_aggregator/senders.py).
+REJECTED_META_KEY = "rejected"
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -150,6 +153,8 @@ class WriteResult:
     stored_seq: int
     duplicate: bool
     rejected: str = ""
+    #: The kind of refusal (see :mod:`traceml_aggregator.senders`), "" unless refused.
+    kind: str = ""
 
 
 class StoreVersionError(RuntimeError):
@@ -179,9 +184,21 @@ class Store:
         self._db.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
-        self._seqs: dict[tuple[str, int, int], int] = {
-            (s, i, r): q for s, i, r, q in self._db.execute("SELECT * FROM streams")
-        }
+        self._seqs: dict[tuple[str, int, int], int] = {}
+        self._latest: dict[tuple[str, int], int] = {}  # (sender, id) -> highest restart stored
+        self._load_streams()
+
+    def _load_streams(self) -> None:
+        """Read the stored sequence numbers and latest attempts back from ``streams``."""
+        self._seqs = {(s, i, r): q for s, i, r, q in self._db.execute("SELECT * FROM streams")}
+        self._index_latest()
+
+    def _index_latest(self) -> None:
+        """Each sender's latest attempt, from the stored sequence numbers in memory."""
+        self._latest = {}
+        for sender, sender_id, restart in self._seqs:
+            key = (sender, sender_id)
+            self._latest[key] = max(restart, self._latest.get(key, restart))
 
     def _check_version(self) -> None:
         """Refuse a database whose ``schema_version`` is not :data:`SCHEMA_VERSION` (before
@@ -238,8 +255,14 @@ class Store:
                 if batch.seq <= stored:
                     results.append(self._seen_before(batch, stored))
                     continue
+                refusal = self._refusal(batch, sender, sender_id)
+                if refusal is not None:
+                    results.append(refusal)
+                    continue
                 before.setdefault(key, stored)
                 self._seqs[key] = touched[key] = batch.seq
+                latest = self._latest.get(key[:2], 0)
+                self._latest[key[:2]] = max(latest, batch.restart_count)
                 results.append(WriteResult(batch.seq, False))
                 restart = batch.restart_count
                 if batch.HasField("identity"):
@@ -281,7 +304,12 @@ class Store:
         except BaseException:
             # Forget the sequence numbers of what was rolled back, from memory: after an I/O
             # error the database may not answer a read either.
-            self._seqs.update(before)
+            for key, seq in before.items():
+                if seq:
+                    self._seqs[key] = seq
+                else:  # a stream this transaction began
+                    del self._seqs[key]
+            self._index_latest()
             self._rollback()
             raise
         return results
@@ -298,23 +326,45 @@ class Store:
         """A batch at or below the stored sequence number: a resend (a duplicate), or, when its
         identity names another process than the stored one, a second job reusing this run's
         name and rank, whose data would otherwise be dropped as duplicates without a word."""
-        if batch.HasField("identity"):
-            row = self._db.execute(
-                "SELECT pid, hostname FROM ranks WHERE rank = ? AND restart = ?",
-                (batch.rank, batch.restart_count),
-            ).fetchone()
-            ident = batch.identity
-            if row is not None and (row[0], row[1]) != (ident.pid, ident.hostname):
-                return WriteResult(
-                    stored,
-                    False,
-                    f"rank {batch.rank} (attempt {batch.restart_count}) of this run already "
-                    f"streamed from pid {row[0]} on {row[1]}, not from pid {ident.pid}: use a "
-                    "new run name, or, for processes the script starts itself "
-                    "(torch.multiprocessing.spawn), call traceml.init() after "
-                    "init_process_group so that each reports its own rank",
-                )
-        return WriteResult(stored, True)
+        return self._second_sender(batch, stored) or WriteResult(stored, True)
+
+    def _second_sender(self, batch, stored: int) -> WriteResult | None:
+        """The refusal of a batch whose identity names another process than the one stored
+        for its (rank, restart); None otherwise."""
+        if not batch.HasField("identity"):
+            return None
+        row = self._db.execute(
+            "SELECT pid, hostname FROM ranks WHERE rank = ? AND restart = ?",
+            (batch.rank, batch.restart_count),
+        ).fetchone()
+        ident = batch.identity
+        if row is None or (row[0], row[1]) == (ident.pid, ident.hostname):
+            return None
+        return WriteResult(
+            stored,
+            False,
+            f"rank {batch.rank} (attempt {batch.restart_count}) of this run already "
+            f"streamed from pid {row[0]} on {row[1]}, not from pid {ident.pid}: use a "
+            "new run name, or, for processes the script starts itself "
+            "(torch.multiprocessing.spawn), call traceml.init() after "
+            "init_process_group so that each reports its own rank",
+            "second_sender",
+        )
+
+    def _refusal(self, batch, sender: str, sender_id: int) -> WriteResult | None:
+        """The refusal of a new batch (above the stored sequence number) that would overwrite
+        what another sender stored: an attempt older than the sender's latest one stored, or
+        a second process's identity for a stored (rank, restart). None when it may be stored."""
+        latest = self._latest.get((sender, sender_id))
+        if latest is not None and batch.restart_count < latest:
+            return WriteResult(
+                0,
+                False,
+                f"a batch of {sender.replace('_', ' ')} {sender_id} from attempt "
+                f"{batch.restart_count}: attempt {latest} is already stored",
+                "restart_regressed",
+            )
+        return self._second_sender(batch, 0)
 
     def _write_identity(self, ident) -> None:
         self._db.execute(

@@ -11,6 +11,11 @@ an acknowledged batch survives the aggregator process dying in any way; a commit
 full disk) acknowledges nothing, and its senders resend. The store commits with
 ``synchronous=NORMAL`` (see :mod:`traceml_aggregator.store` for why): an operating-system crash
 of node 0 can lose the last commits, a process crash cannot.
+
+The queue is bounded in bytes (:data:`MAX_QUEUED_BYTES` of serialized batches): a batch that
+would exceed it raises :class:`QueueFull` at once, which the handler answers
+``RESOURCE_EXHAUSTED`` with a retry-after; the client keeps the batch and sends it again
+later. Memory stays bounded when the store falls behind, instead of the queue growing.
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ from traceml_aggregator.store import Store, WriteResult
 
 #: Upper bound of batches folded into one transaction (keeps a transaction under ~100 ms).
 MAX_BATCHES_PER_TRANSACTION = 2048
+#: Bound of the writer's queue, bytes of serialized batches waiting to be stored (256 MiB).
+MAX_QUEUED_BYTES = 256 * 1024 * 1024
+
+
+class QueueFull(RuntimeError):
+    """The writer's queue holds :data:`MAX_QUEUED_BYTES` already: send the batch again later."""
 
 
 class Writer:
@@ -36,8 +47,15 @@ class Writer:
             (the run state tracks finish markers this way).
     """
 
-    def __init__(self, store: Store, on_stored: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        on_stored: Callable[[Any], None],
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+    ) -> None:
         self.store = store
+        self.max_queued_bytes = max_queued_bytes
+        self._queued_bytes = 0
         self._on_stored = on_stored
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
@@ -47,22 +65,36 @@ class Writer:
         self.batches_stored = 0
         self.records_stored = 0
         self.batches_duplicate = 0
+        #: Batches refused because the queue was full (their senders send them again).
+        self.batches_pushed_back = 0
 
     def start(self) -> None:
         """Start the writer task on the running event loop."""
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def store_batch(self, batch) -> WriteResult:
-        """Queue ``batch`` and wait until its transaction committed (or it was found to be a
-        duplicate).
+        """Queue ``batch`` and wait until it is durably stored, found to be a duplicate, or
+        refused. Its serialized size counts against the queue's bound while it waits.
 
         Raises:
+            QueueFull: the queue holds :attr:`max_queued_bytes` already (nothing was queued).
             sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
                 was stored.
         """
+        size_bytes = batch.ByteSize()
+        if self._queued_bytes and self._queued_bytes + size_bytes > self.max_queued_bytes:
+            self.batches_pushed_back += 1
+            raise QueueFull(
+                f"{self._queued_bytes} bytes of batches wait to be stored "
+                f"(bound {self.max_queued_bytes})"
+            )
         future = asyncio.get_running_loop().create_future()
+        self._queued_bytes += size_bytes
         self._queue.put_nowait((batch, future))
-        return await future
+        try:
+            return await future
+        finally:
+            self._queued_bytes -= size_bytes
 
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the writer thread (reads and other writes of the store)."""
@@ -90,8 +122,10 @@ class Writer:
         """Store ``items`` ((batch, future) pairs) in one transaction and resolve the futures.
 
         When the transaction fails, each batch is tried again in a transaction of its own: a
-        batch the store cannot take (a value beyond SQLite's 64-bit integers, say) fails alone,
-        and the batches of other ranks that shared its transaction are stored.
+        batch the store cannot take (a value beyond SQLite's 64-bit integers, a malformed step
+        group) fails alone and is refused as ``malformed`` (its sender must not send it again),
+        and the batches of other ranks that shared its transaction are stored. Any other
+        failure (the disk) reaches the batch's handler as the exception.
         """
         loop = asyncio.get_running_loop()
         batches = [batch for batch, _ in items]
@@ -105,7 +139,11 @@ class Writer:
                     await self._write([item])
                 return
             _, future = items[0]
-            if not future.done():  # its handler learns why
+            if future.done():
+                return
+            if isinstance(exc, (ValueError, OverflowError)):
+                future.set_result(WriteResult(0, False, f"a malformed batch ({exc})", "malformed"))
+            else:  # its handler learns why
                 future.set_exception(exc)
             return
         for (batch, future), result in zip(items, results):

@@ -44,3 +44,6 @@ class RunData:
     #: Node 0's aggregator restarts on this run's store, in order: ``{"reason": str,
     #: "gap_s": float (s without an aggregator), "restarted_unix_s": float}``.
     aggregator_restarts: list[dict] = field(default_factory=list)
+    #: Calls the aggregator refused, by kind (``unauthenticated``, ``rank_out_of_range``, ...:
+    #: see traceml_aggregator/senders.py); empty when none was.
+    rejected: dict[str, int] = field(default_factory=dict)

@@ -240,6 +240,7 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
                 "aggregator_restarts": len(run.aggregator_restarts),
                 "aggregator_outages": run.aggregator_restarts,
             },
+            "rejected": dict(sorted(run.rejected.items())),
         },
         "primary_diagnosis": primary.to_json(),
         "findings": {

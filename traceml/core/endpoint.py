@@ -53,7 +53,8 @@ def seconds_error(flag: str, value: float) -> str:
 
 def call(target: str, method: str, request, timeout_s: float):
     """One unary RPC ``method`` (e.g. ``"Finalize"``) of the aggregator at ``target``, on a
-    channel of its own that is closed when the call returns.
+    channel of its own (with the run token and TLS of :func:`traceml.core.transport.open_channel`)
+    that is closed when the call returns.
 
     Args:
         target: ``host:port`` (see :func:`target`).
@@ -63,9 +64,8 @@ def call(target: str, method: str, request, timeout_s: float):
     Raises:
         grpc.RpcError: the call failed or timed out.
     """
-    import grpc
-
     from traceml import wire
+    from traceml.core.transport import open_channel
 
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target) as channel:
         return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)

@@ -10,6 +10,7 @@ other)::
     aggregator/process.stderr.log     node 0: the aggregator's own log
     aggregator/stall.json             node 0's aggregator: the current hang, while there is one
     telemetry.sqlite                  node 0's aggregator: the telemetry store
+    run_token                         node 0: the run's token (mode 0600), read by the others
     final_summary.json/.txt/.html     node 0's aggregator: the reports
 """
 
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 from traceml.core import log
+from traceml.core.transport import TOKEN_FILE_NAME
 
 
 #: Files the aggregator writes at the top of the run directory (also read by the launcher).
@@ -70,6 +72,7 @@ class RunDir:
         self.stall_file = self.aggregator_dir / STALL_NAME
         self.database = self.root / DATABASE_NAME
         self.final_summary_json = self.root / SUMMARY_JSON_NAME
+        self.token_file = self.root / TOKEN_FILE_NAME
 
     def create(self, *, owner: bool) -> None:
         """Create the directories this node writes into."""

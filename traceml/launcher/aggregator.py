@@ -1,7 +1,10 @@
 """The launcher's side of the aggregator: start it (node 0), wait for it, call it.
 
 Readiness is the standard gRPC health check (``grpc.health.v1.Health/Check`` == SERVING),
-never a bare TCP connect.
+never a bare TCP connect. Every channel carries the run token and, when set, TLS
+(:func:`traceml.core.transport.open_channel`, from this process's environment, which the
+launcher sets: see :mod:`traceml.launcher.credentials`). The aggregator gets the token through
+its environment, never its command line (``ps`` shows that to every user).
 
 gRPC and the wire code are imported by the calls that use them: starting the aggregator and
 torchrun does not wait for their 0.2 s of imports.
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from traceml import settings
 from traceml.core import endpoint
 from traceml.core.rundir import RunDir
 from traceml.launcher.config import LaunchConfig
@@ -41,7 +45,12 @@ def start(
     log = open(run_dir.aggregator_stderr, "ab")
     try:
         return subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env={**os.environ, settings.RUN_TOKEN.name: config.run_token},
         )
     finally:
         log.close()
@@ -72,6 +81,8 @@ def aggregator_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
     ]
     if config.html_report:
         argv.append("--html-report")
+    if config.tls_cert:
+        argv += ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)]
     return argv
 
 
@@ -100,6 +111,8 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from traceml.core.transport import open_channel
+
     deadline = time.monotonic() + timeout_s
     # After a refused connection gRPC waits its reconnect backoff (1 s, then 1.6 s, ...) before
     # trying again, and every Check meanwhile fails at once: without short backoffs, an
@@ -109,7 +122,7 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
         ("grpc.min_reconnect_backoff_ms", 50),
         ("grpc.max_reconnect_backoff_ms", 100),
     ]
-    with grpc.insecure_channel(target, options=options) as channel:
+    with open_channel(target, options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
@@ -157,9 +170,10 @@ def finalize(target: str, run_name: str, budget_s: float, cancelled=None):
     import grpc
 
     from traceml import wire
+    from traceml.core.transport import open_channel
 
     request = wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s)
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target) as channel:
         future = wire.AggregatorStub(channel).Finalize.future(request, timeout=budget_s + 30.0)
         while True:
             try:

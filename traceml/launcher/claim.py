@@ -196,9 +196,17 @@ def report_refusal(config: LaunchConfig, reason: str) -> str:
     """
     import grpc
 
+    from traceml.core.rundir import RunDir
+    from traceml.launcher import credentials
+
     target = config.aggregator_target
     try:
         aggregator.wait_serving(target, float(config.aggregator_start_sec))
+        missing = credentials.obtain_now(
+            config, RunDir(config.run_dir, config.node_rank), float(config.aggregator_start_sec)
+        )
+        if missing:
+            return f"node 0 was not told ({missing})"
         aggregator.register_node(target, node_claim(config, refusal=reason))
     except aggregator.AggregatorUnavailable as exc:
         return f"node 0 was not told ({exc})"

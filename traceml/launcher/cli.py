@@ -101,6 +101,22 @@ def run_command(
         help="also write torchrun's output to nodes/node_<r>/training.*.log "
         f"[default: ${settings.SAVE_TRAINING_OUTPUT.name} or on]",
     ),
+    run_token: Optional[str] = typer.Option(
+        None,
+        help=f"the run's secret token [default: ${settings.RUN_TOKEN.name}; node 0 makes one, "
+        "the other nodes read it from the run directory]; prefer the variable: ps shows flags",
+    ),
+    tls_cert: Optional[Path] = typer.Option(
+        None, help=f"node 0: the aggregator's TLS certificate, PEM [default: ${settings.TLS_CERT.name}]"
+    ),
+    tls_key: Optional[Path] = typer.Option(
+        None, help=f"node 0: the certificate's private key, PEM [default: ${settings.TLS_KEY.name}]"
+    ),
+    tls_ca: Optional[Path] = typer.Option(
+        None,
+        help=f"CA certificate that signed the aggregator's, PEM [default: ${settings.TLS_CA.name}; "
+        "node 0: --tls-cert]",
+    ),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -136,6 +152,10 @@ def run_command(
         max_restarts=max_restarts,
         aggregator_max_restarts=aggregator_max_restarts,
         save_training_output=save_training_output,
+        run_token=run_token,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_ca=tls_ca,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)

@@ -81,6 +81,16 @@ class LaunchConfig:
     #: (``--[no-]save-training-output``, else ``TRACEML_SAVE_TRAINING_OUTPUT``, else on).
     save_training_output: bool | None = None
     torchrun_args: list[str] = field(default_factory=list)
+    #: The run token (``--run-token``, else ``TRACEML_RUN_TOKEN``; None: node 0 makes one,
+    #: the others read node 0's token file). Never in the manifest, never on a command line.
+    run_token: str | None = field(default=None, repr=False)
+    #: Node 0: the aggregator's TLS certificate and key, PEM (``--tls-cert``/``--tls-key``,
+    #: else ``TRACEML_TLS_CERT``/``TRACEML_TLS_KEY``).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: The CA certificate clients check the aggregator's against (``--tls-ca``, else
+    #: ``TRACEML_TLS_CA``; node 0 defaults it to its own, self-signed, ``--tls-cert``).
+    tls_ca: Path | None = None
 
     @property
     def world_size(self) -> int:
@@ -189,11 +199,42 @@ class LaunchConfig:
                 f"--master-port and --aggregator-port are both {self.aggregator_port}: node 0 "
                 "listens on each, so they must differ"
             )
+        self._resolve_credentials()
         return self
+
+    def _resolve_credentials(self) -> None:
+        """The token and TLS files from their flags, else their variables; checked here.
+
+        Raises:
+            LaunchError: an empty token, a certificate without its key, a missing file.
+        """
+        if self.run_token is None:
+            self.run_token = settings.env_str(settings.RUN_TOKEN) or None
+        elif not self.run_token.strip():
+            raise LaunchError("--run-token must not be empty")
+        for name, setting in (
+            ("tls_cert", settings.TLS_CERT),
+            ("tls_key", settings.TLS_KEY),
+            ("tls_ca", settings.TLS_CA),
+        ):
+            value = getattr(self, name) or settings.env_str(setting) or None
+            setattr(self, name, None if value is None else Path(value).absolute())
+        if self.owns_aggregator:
+            if (self.tls_cert is None) != (self.tls_key is None):
+                raise LaunchError("--tls-cert and --tls-key go together (node 0's TLS)")
+            if self.tls_ca is None:
+                self.tls_ca = self.tls_cert
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                           ("--tls-ca", self.tls_ca)):
+            if path is not None and not path.is_file():
+                raise LaunchError(f"{flag} {path} not found")
 
     def to_manifest(self) -> dict:
         """The launch parameters as JSON-ready values."""
         data = asdict(self)
+        del data["run_token"]  # a secret: the manifest may be shared
         data["logs_dir"] = str(self.logs_dir)
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            data[name] = None if data[name] is None else str(data[name])
         data["world_size"] = self.world_size
         return data

@@ -2,14 +2,15 @@
 
 Node 0::
 
-    check claim, port -> run dir -> start aggregator -> torchrun -> wait SERVING -> node sampler
-    -> wait (watching the aggregator: restart it on the store if it died; the node claims)
+    check claim, port -> run dir -> run token file -> start aggregator -> torchrun
+    -> wait SERVING -> node sampler -> wait (watching the aggregator: restart it on the store if it died; the node claims)
     -> report node exit -> Finalize (bounded; from the store if the aggregator is lost)
     -> print summary -> stop aggregator -> exit code
 
 Node r > 0::
 
-    check claim -> run dir -> wait for node 0's aggregator (bounded) -> register the claim
+    check claim -> run dir -> wait for node 0's aggregator and the run token (bounded)
+    -> register the claim
     -> node sampler -> torchrun -> wait -> report node exit -> exit code
 
 A node-rank claim that cannot be right (see :mod:`traceml.launcher.claim`) stops the launch
@@ -42,7 +43,7 @@ import time
 
 from traceml import __version__, settings
 from traceml.core import log
-from traceml.launcher import aggregator, claim
+from traceml.launcher import aggregator, claim, credentials
 from traceml.launcher.config import LaunchConfig, LaunchError
 from traceml.launcher.live import LiveView
 from traceml.launcher.stall import StallNotice
@@ -179,13 +180,20 @@ class Launch:
                         "database": str(run_dir.database),
                         "aggregator_stderr": str(run_dir.aggregator_stderr),
                         "nodes": str(run_dir.root / "nodes"),
+                        "run_token": str(run_dir.token_file),
                     },
                 },
             )
             run_manifest.event("started")
+            try:
+                credentials.prepare_owner(config, run_dir)
+            except OSError as exc:
+                _log.info(f"error: cannot write the run token to {run_dir.token_file}: {exc}")
+                run_manifest.event("ended", status="failed", exit_code=1)
+                return 1
             self._start_aggregator()
-        elif not self._wait_for_owner():
-            node_manifest.event("ended", status="aggregator_unreachable")
+        elif (failure := self._wait_for_owner()):
+            node_manifest.event("ended", status=failure)
             return 1
         elif not self._register():
             node_manifest.event("ended", status="claim_refused")
@@ -499,9 +507,12 @@ class Launch:
             _log.error(f"error: node 0 refused this node: {reply.reason}")
         return reply.accepted
 
-    def _wait_for_owner(self) -> bool:
+    def _wait_for_owner(self) -> str:
+        """Node r > 0: wait for node 0's aggregator, then for the run token, both within
+        ``TRACEML_AGGREGATOR_WAIT_SEC``; "" once both are there, else the node's end status."""
         wait_s = self.config.aggregator_wait_sec
         target = self.config.aggregator_target
+        deadline = time.monotonic() + wait_s
         _log.info(
             f"node {self.config.node_rank}: waiting up to {wait_s:g} s for node 0's aggregator "
             f"at {target}"
@@ -514,8 +525,12 @@ class Launch:
                 f"and is port {self.config.aggregator_port} reachable? raise the wait with "
                 f"{settings.AGGREGATOR_WAIT_SEC.name})"
             )
-            return False
-        return True
+            return "aggregator_unreachable"
+        missing = credentials.obtain(self.config, self.run_dir, deadline)
+        if missing:
+            _log.info(f"error: {missing}")
+            return "no_run_token"
+        return ""
 
     def _start_sampler(self) -> None:
         """Start this node's system and process sampler (fail-open: a warning at most)."""

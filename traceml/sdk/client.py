@@ -11,9 +11,22 @@ is resent (after a failed call, with exponential backoff from 0.2 s to 5 s); new
 the buffer meanwhile. The aggregator ignores a sequence number it already stored, so a resend is
 never stored twice.
 
+Every channel comes from :func:`traceml.core.transport.open_channel`: it carries the run
+token (``TRACEML_RUN_TOKEN``) with every call, over TLS when ``TRACEML_TLS_CA`` is set. An
+aggregator that answers ``UNAUTHENTICATED`` (another token) is treated like one that rejected
+the run: one warning, nothing more sent. One that answers ``RESOURCE_EXHAUSTED`` (its writer
+is behind) is pushing back: the client keeps the batch and sends it again after the
+retry-after the aggregator names (its own backoff without one), with no warning.
+
+A batch stays below :data:`MAX_BATCH_BYTES` (half the wire's message bound), whatever
+``TRACEML_BATCH_MAX_RECORDS`` says: the client closes a batch before the record that would
+pass it, and a single record above it (a sample with a huge string) is dropped with a warning
+and counted.
+
 What the client had to give up is counted, never silently lost: records refused because the
 buffer was full (``TRACEML_BUFFER_MAX_RECORDS``, the only bound: while the aggregator is out of
-reach, records accumulate there), and steps holding a value the wire cannot carry. The count travels in the rank's
+reach, records accumulate there), steps holding a value the wire cannot carry, and records
+too large for any batch. The count travels in the rank's
 :class:`~traceml.wire.RankFinish`; :class:`ClientStats` also counts failed calls and resends.
 
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
@@ -38,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from traceml import settings
+from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
 from traceml.sdk import failopen
 
 # grpc and the wire modules are imported by the sender thread as it starts, not by init(): they
@@ -54,6 +68,13 @@ class PendingStep(Protocol):
     def fields(self) -> dict[str, int]:
         """The step's fields (see :func:`traceml.wire.records.add_steps`)."""
 
+
+#: Bound of one batch's serialized size, bytes: half the wire's message bound leaves room for
+#: the identity, the finish marker and the estimate's slack.
+MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
+#: Most bytes one step may take in a batch: a varint (at most 10 bytes) per field, plus its
+#: share of the group's column headers. An upper bound: steps are never measured one by one.
+_STEP_FIELD_BYTES, _STEP_OVERHEAD_BYTES = 11, 128
 
 #: Kinds of record a client can carry (the Batch fields they go to).
 STEPS = "step_groups"
@@ -90,6 +111,10 @@ class ClientStats:
 
     submitted: int = 0
     dropped_buffer_full: int = 0
+    #: Records larger than :data:`MAX_BATCH_BYTES` on their own (never sendable).
+    dropped_oversized: int = 0
+    #: Push calls the aggregator pushed back (``RESOURCE_EXHAUSTED``): sent again later.
+    pushed_back: int = 0
     #: Records in batches the aggregator acknowledged.
     acked: int = 0
     #: Push calls that returned an acknowledgement (batches).
@@ -110,7 +135,7 @@ class ClientStats:
     @property
     def dropped(self) -> int:
         """All records this client could not deliver."""
-        return self.dropped_buffer_full + self.dropped_invalid
+        return self.dropped_buffer_full + self.dropped_invalid + self.dropped_oversized
 
 
 # --- fork hooks: shared by every client of the process ------------------------------------
@@ -171,6 +196,8 @@ class TelemetryClient:
             else is buffered. None for a node sampler.
         config: tuning; defaults from the ``TRACEML_*`` environment.
         warn: where one-line warnings go (stderr by default).
+        credentials: the run token and TLS CA; from the environment by default (read when
+            the first channel opens, on the sender thread).
     """
 
     def __init__(
@@ -185,6 +212,7 @@ class TelemetryClient:
         progress: Callable[[], tuple[int, str]] | None = None,
         config: ClientConfig | None = None,
         warn: Callable[[str], None] | None = None,
+        credentials=None,
     ) -> None:
         self.target = target
         self.run_name = run_name
@@ -195,6 +223,7 @@ class TelemetryClient:
         self.progress = progress
         self._last_batch_at = time.monotonic()  # when the last batch was built (heartbeats)
         self.config = config or ClientConfig()
+        self.credentials = credentials
         self.stats = ClientStats()
         self._warn = warn or failopen.warn
         self._buffer: collections.deque = collections.deque()
@@ -207,6 +236,7 @@ class TelemetryClient:
         self._dead = False  # set in a forked child, or once the client is closed
         self._closing = False  # set by close(): the sender thread finishes the stream
         self._unreachable_warned = False
+        self._retry_after_s = 0.0  # the aggregator's retry-after, once it pushed back
         self._finish = None  # RankFinish to send last, set by close()
         self._rpc_lock = threading.Lock()
         self._inflight = None  # the Push call in flight (a grpc.Future), for the fork hook
@@ -288,10 +318,10 @@ class TelemetryClient:
         """
         if _in_forked_child:
             raise RuntimeError("no telemetry RPC from a forked child")
-        from traceml.core import endpoint
+        from traceml import wire
 
-        with self._rpc_lock:
-            return endpoint.call(self.target, method, request, timeout_s)
+        with self._rpc_lock, self._open_channel() as channel:
+            return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)
 
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -312,6 +342,8 @@ class TelemetryClient:
                     self._warn(f"telemetry sender error ({type(exc).__name__}: {exc}); retrying")
                     ok = False
                 backoff = 0.0 if ok else min(max(backoff * 2, 0.2), self.config.max_backoff_s)
+                if self._retry_after_s and not ok:
+                    backoff, self._retry_after_s = self._retry_after_s, 0.0
                 if self._closing and self._close_over(ok):
                     self._done.set()
                     return
@@ -344,7 +376,7 @@ class TelemetryClient:
         from traceml import wire
         from traceml.wire.records import add_steps
 
-        records = 0
+        records = size = 0
         batch = wire.Batch(run_name=self.run_name, restart_count=self.restart_count)
         if self.rank is not None:
             batch.rank = self.rank
@@ -360,10 +392,22 @@ class TelemetryClient:
                             break  # keep step order; resolved on a later wake
                         self.stats.unresolved += 1
                     item = item.fields()
+                    self._buffer[0] = (kind, item)  # resolved once, even if left for later
+                item_bytes = _STEP_OVERHEAD_BYTES + _STEP_FIELD_BYTES * len(item)
+            else:
+                item_bytes = item.ByteSize() + 8
+                if item_bytes > MAX_BATCH_BYTES:
+                    self._buffer.popleft()
+                    self._drop_oversized(kind, item_bytes)
+                    continue
+            if records and size + item_bytes > MAX_BATCH_BYTES:
+                break  # the rest goes in the next batch
+            if kind == STEPS:
                 steps.append(item)
             else:
                 getattr(batch, kind).append(item)
             self._buffer.popleft()
+            size += item_bytes
             records += 1
         try:
             add_steps(batch, steps)
@@ -417,17 +461,20 @@ class TelemetryClient:
                 return False
             except grpc.RpcError as exc:
                 self.stats.send_failures += 1
+                code = exc.code() if hasattr(exc, "code") else None
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    return self._give_up(f"{exc.details()} ({code.name})")
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.stats.pushed_back += 1
+                    self._retry_after_s = _retry_after_s(exc)
+                    return False
                 self._on_unreachable(exc)
                 return False
             finally:
                 self._inflight = None
         self.stats.batches_sent += 1
         if ack.rejected:
-            self._rejected = True
-            self._warn(f"aggregator rejected telemetry: {ack.reason}; sending no more")
-            self._pending = None
-            self._buffer.clear()
-            return True
+            return self._give_up(ack.reason)
         if not self._ever_acked and self.target in _unreachable_targets:
             _unreachable_targets.discard(self.target)
             self._warn(f"aggregator at {self.target} reached; telemetry flowing")
@@ -440,15 +487,35 @@ class TelemetryClient:
         self.stats.acked += record_count(batch)
         return True
 
+    def _give_up(self, reason: str) -> bool:
+        """The aggregator refused this sender for good: say why once, send nothing more."""
+        self._rejected = True
+        self._warn(f"aggregator rejected telemetry: {reason}; sending no more")
+        self._pending = None
+        self._buffer.clear()
+        return True
+
+    def _drop_oversized(self, kind: str, size_bytes: int) -> None:
+        """Count a record too large for any batch; warn for the first one."""
+        self.stats.dropped_oversized += 1
+        if self.stats.dropped_oversized == 1:
+            self._warn(
+                f"dropped a {kind} record of {size_bytes} bytes: one batch may carry at most "
+                f"{MAX_BATCH_BYTES} bytes; further ones are only counted (records_dropped)"
+            )
+
+    def _open_channel(self, options: list | None = None):
+        from traceml.core.transport import Credentials, open_channel
+
+        if self.credentials is None:
+            self.credentials = Credentials.from_env()
+        return open_channel(self.target, options, self.credentials)
+
     def _connect(self):
         if self._stub is None:
-            import grpc
-
             from traceml import wire
 
-            self._channel = grpc.insecure_channel(
-                self.target, options=[("grpc.enable_retries", 0)]
-            )
+            self._channel = self._open_channel([("grpc.enable_retries", 0)])
             self._stub = wire.AggregatorStub(self._channel)
         return self._stub
 
@@ -478,6 +545,17 @@ class TelemetryClient:
 def _fits_wire(step: dict) -> bool:
     """Whether every field of ``step`` is an integer a uint64 column takes."""
     return all(type(v) is int and 0 <= v < 1 << 64 for v in step.values())
+
+
+def _retry_after_s(exc) -> float:
+    """The retry-after (s) in a pushed-back call's trailing metadata; 0.0 when it has none."""
+    try:
+        for key, value in exc.trailing_metadata() or ():
+            if key == RETRY_AFTER_METADATA_KEY:
+                return max(0.0, min(float(value) / 1000.0, 30.0))
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return 0.0
 
 
 def _load_wire() -> None:

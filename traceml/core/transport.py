@@ -1,0 +1,194 @@
+"""How every TraceML process reaches an aggregator: the run token, TLS, and the wire's limits.
+
+One function, :func:`open_channel`, opens every client channel (ranks, node samplers,
+launchers, live views), so every call carries the same credentials:
+
+* the **run token** (``TRACEML_RUN_TOKEN``), sent as the ``traceml-run-token`` metadata of
+  every call; the aggregator answers ``UNAUTHENTICATED`` to a call without it or with another
+  one (the health service excepted, see ``traceml_aggregator/auth.py``);
+* **TLS** when ``TRACEML_TLS_CA`` names the CA certificate (PEM) that signed the aggregator's
+  certificate; a plain-text channel otherwise.
+
+Both come from the environment, never from a command line (``ps`` shows every process's argv
+to every user of the host): ``traceml run`` exports them to its ranks and to its aggregator.
+
+The run token file: node 0's launcher writes ``<run dir>/run_token`` (mode 0600, atomically)
+so that the other nodes, which share the run directory, read it there
+(:func:`write_token_file`, :func:`read_token_file`). grpc is imported by the functions that
+need it, never by this module.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from traceml import settings
+
+#: Metadata key of the run token on every call (gRPC metadata keys are lower case).
+TOKEN_METADATA_KEY = "traceml-run-token"
+#: Name of the token file in the run directory.
+TOKEN_FILE_NAME = "run_token"
+#: Largest message either side sends or receives, bytes (both sides set it: 4 MiB, gRPC's
+#: usual receive bound, about 80 times a full batch of 512 steps).
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Trailing metadata of a ``RESOURCE_EXHAUSTED`` answer: how long the client waits before it
+#: sends the same batch again, ms.
+RETRY_AFTER_METADATA_KEY = "traceml-retry-after-ms"
+
+
+class TokenFileError(RuntimeError):
+    """The run token file cannot be used: unreadable, empty, or readable by other users."""
+
+
+def new_token() -> str:
+    """A fresh random run token: 32 bytes from :mod:`secrets`, URL-safe text (43 characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Write ``token`` to ``path``, mode 0600 from its creation, through a temporary file and a
+    rename: a reader sees no file or the whole token, never part of one.
+
+    Raises:
+        OSError: the directory is not writable.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file left over
+        os.write(fd, token.encode("ascii"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_token_file(path: Path) -> str | None:
+    """The token in ``path``; None when there is no such file (yet).
+
+    Raises:
+        TokenFileError: the file is readable or writable by group or others, belongs to
+            another user, is empty, or cannot be read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the run token file {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise TokenFileError(
+                f"the run token file {path} belongs to user id {st.st_uid}, not to this user"
+            )
+        if st.st_mode & 0o077:
+            raise TokenFileError(
+                f"the run token file {path} is accessible to other users (mode "
+                f"{stat.filemode(st.st_mode)}); refusing it: `chmod 600 {path}`"
+            )
+        token = os.read(fd, 4096).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    if not token:
+        raise TokenFileError(f"the run token file {path} is empty")
+    return token
+
+
+def wait_token_file(path: Path, deadline_monotonic: float, poll_s: float = 0.1) -> str | None:
+    """Poll :func:`read_token_file` until it finds the token or the deadline passes (None).
+
+    Raises:
+        TokenFileError: see :func:`read_token_file`.
+    """
+    while True:
+        token = read_token_file(path)
+        if token is not None or time.monotonic() >= deadline_monotonic:
+            return token
+        time.sleep(poll_s)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a client presents: the run token ("" for none) and the CA certificate (PEM bytes,
+    None for a plain-text channel)."""
+
+    token: str = ""
+    tls_ca: bytes | None = None
+
+    @classmethod
+    def from_env(cls) -> "Credentials":
+        """``TRACEML_RUN_TOKEN`` and the file ``TRACEML_TLS_CA`` names.
+
+        Raises:
+            OSError: ``TRACEML_TLS_CA`` names a file that cannot be read.
+        """
+        ca_path = settings.env_str(settings.TLS_CA)
+        return cls(
+            token=settings.env_str(settings.RUN_TOKEN),
+            tls_ca=Path(ca_path).read_bytes() if ca_path else None,
+        )
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """The message size bounds every client channel sets (the server sets the same)."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def open_channel(target: str, options: list | None = None, credentials: Credentials | None = None):
+    """A synchronous gRPC channel to the aggregator at ``target`` (``host:port``) that sends
+    the run token with every call, over TLS when the credentials carry a CA.
+
+    Args:
+        target: the aggregator's ``host:port``.
+        options: more channel options (after :func:`channel_options`).
+        credentials: defaults to :meth:`Credentials.from_env`.
+
+    Raises:
+        OSError: ``TRACEML_TLS_CA`` cannot be read (only when ``credentials`` is None).
+    """
+    import grpc
+
+    creds = credentials if credentials is not None else Credentials.from_env()
+    opts = channel_options() + list(options or [])
+    if creds.tls_ca is not None:
+        channel = grpc.secure_channel(
+            target, grpc.ssl_channel_credentials(root_certificates=creds.tls_ca), options=opts
+        )
+    else:
+        channel = grpc.insecure_channel(target, options=opts)
+    if creds.token:
+        channel = grpc.intercept_channel(channel, _token_interceptor(creds.token))
+    return channel
+
+
+def _token_interceptor(token: str):
+    """A client interceptor that adds the run token to every unary call's metadata."""
+    import grpc
+
+    entry = (TOKEN_METADATA_KEY, token)
+
+    class _Details(grpc.ClientCallDetails):
+        def __init__(self, details, metadata):
+            self.method = details.method
+            self.timeout = details.timeout
+            self.metadata = metadata
+            self.credentials = details.credentials
+            self.wait_for_ready = details.wait_for_ready
+            self.compression = details.compression
+
+    class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor):
+        def intercept_unary_unary(self, continuation, details, request):
+            metadata = list(details.metadata or ()) + [entry]
+            return continuation(_Details(details, metadata), request)
+
+    return _TokenInterceptor()
