@@ -68,6 +68,12 @@ def run_command(
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or 300]",
     ),
     max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
+    auto_instrument: Optional[bool] = typer.Option(
+        None,
+        "--auto-instrument/--no-auto-instrument",
+        help="zero-code steps and phases for a script that never calls trace_step "
+        f"[default: on; ${settings.AUTO_INSTRUMENT.name}=0 turns it off]",
+    ),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -100,6 +106,7 @@ def run_command(
         html_report=html_report,
         finalize_timeout_sec=finalize_timeout_sec,
         max_restarts=max_restarts,
+        auto_instrument=auto_instrument,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)

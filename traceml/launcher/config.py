@@ -72,6 +72,9 @@ class LaunchConfig:
     #: How long node 0 waits for its own aggregator to serve, s (env only).
     aggregator_start_sec: float | None = None
     max_restarts: int = 0
+    #: Zero-code steps: ranks start as ``python -m traceml.sdk.autorun SCRIPT`` (see
+    #: ``--no-auto-instrument``; None until :meth:`resolve`: ``TRACEML_AUTO_INSTRUMENT``).
+    auto_instrument: bool | None = None
     torchrun_args: list[str] = field(default_factory=list)
 
     @property
@@ -143,6 +146,8 @@ class LaunchConfig:
         self.aggregator_start_sec = _seconds(
             self.aggregator_start_sec, settings.AGGREGATOR_START_SEC
         )
+        if self.auto_instrument is None:
+            self.auto_instrument = settings.env_bool(settings.AUTO_INSTRUMENT)
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
         if self.run_name is None:
