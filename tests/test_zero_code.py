@@ -203,3 +203,84 @@ def test_a_failing_zero_code_hook_warns_once_and_training_goes_on(capfd):
         ]
     finally:
         instrumentation.uninstall()
+
+
+def test_an_explicit_step_after_a_zero_code_fetch_is_the_first_step():
+    """A script that fetches its first batch and then opens trace_step: the zero-code step the
+    fetch opened is forgotten, so step 0 is the explicit one, with no input wait (nothing came
+    before it) and the fetch as its DataLoader time."""
+    steps = []
+    tracer = StepTracer(steps.append, time.perf_counter_ns())
+    instrumentation.install(tracer)
+    tracer.auto = auto.AutoSteps(tracer, on_model=lambda model: None)
+    try:
+        loader = torch.utils.data.DataLoader(_SlowItems(), batch_size=None)
+        for x in loader:
+            tracer.begin()
+            x.sum()
+            tracer.end()
+        assert tracer.auto is None
+        assert [m.step for m in steps] == [0, 1]
+        assert steps[0].input_wait_ns is None and steps[0].dataloader_ns >= 10_000_000
+        assert steps[1].input_wait_ns >= 10_000_000
+    finally:
+        instrumentation.uninstall()
+
+
+class _SlowItems(torch.utils.data.Dataset):
+    """Two items, 10 ms each."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.ones(2)
+
+
+def test_an_optimizer_step_counts_once_without_the_forward_and_backward_of_its_closure():
+    """A subclass whose step() calls its base's (both hooked by torch) is one optimizer step,
+    and the forward (20 ms) and backward its closure runs are theirs, not the optimizer's
+    (5 ms of its own), as with LBFGS or Lightning's automatic optimization."""
+    steps = []
+    tracer = StepTracer(steps.append, time.perf_counter_ns())
+    instrumentation.install(tracer)
+    model = _SlowForward()
+    torch.optim.SGD(model.parameters(), lr=0.1)  # torch hooks SGD.step as well
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.005)
+            return super().step(closure)
+
+    optimizer = SlowSGD(model.parameters(), lr=0.1)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        return loss
+
+    timer = instrumentation.ForwardTimer(model)
+    try:
+        tracer.begin()
+        timer.install()
+        optimizer.step(closure)
+        timer.remove()
+        tracer.end()
+    finally:
+        instrumentation.uninstall()
+    [m] = steps
+    assert m.forward_ns >= 20_000_000 and m.backward_ns > 0
+    assert 5_000_000 <= m.optimizer_ns < 20_000_000
+    assert m.optimizer_ns + m.forward_ns + m.backward_ns <= m.step_ns
+
+
+class _SlowForward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return self.linear(x)

@@ -11,11 +11,10 @@ Trainer's model timed as forward. A step is one optimizer step (an update of
 
 from __future__ import annotations
 
-import functools
+from traceml.integrations import lazy_callback
 
 
-@functools.cache
-def _callback_class():
+def _callback_class() -> type:
     from transformers import TrainerCallback
 
     class TraceMLCallback(TrainerCallback):
@@ -26,11 +25,8 @@ def _callback_class():
 
             auto.start(model)
 
-    TraceMLCallback.__module__ = __name__
+    TraceMLCallback.__module__, TraceMLCallback.__qualname__ = __name__, "TraceMLCallback"
     return TraceMLCallback
 
 
-def __getattr__(name: str):
-    if name == "TraceMLCallback":
-        return _callback_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_callback(__name__, _callback_class)

@@ -13,11 +13,10 @@ they are forward and backward, and the optimizer phase is the rest of the step c
 
 from __future__ import annotations
 
-import functools
+from traceml.integrations import lazy_callback
 
 
-@functools.cache
-def _callback_class():
+def _callback_class() -> type:
     from lightning.pytorch import Callback
 
     class TraceMLCallback(Callback):
@@ -28,11 +27,8 @@ def _callback_class():
 
             auto.start(trainer.strategy.model or pl_module)
 
-    TraceMLCallback.__module__ = __name__
+    TraceMLCallback.__module__, TraceMLCallback.__qualname__ = __name__, "TraceMLCallback"
     return TraceMLCallback
 
 
-def __getattr__(name: str):
-    if name == "TraceMLCallback":
-        return _callback_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_callback(__name__, _callback_class)

@@ -12,12 +12,14 @@ decides where steps begin and end, and which model's forward is timed:
 * the first step opens at the first DataLoader ``__next__``, backward or optimizer step;
 * input wait is the DataLoader ``__next__`` time inside the step (a loop that reads its
   batches some other way has an input wait of 0);
-* forward is the outermost call of each *root model*: found once per optimizer, as its first
-  step begins, by walking up from the module that owns the optimizer's first parameter to the
-  module no other module contains (a DDP/FSDP wrapper when there is one). The forwards that ran
-  before that first step (step 0's, in a plain loop) are not timed;
+* forward is the outermost call of each *root model*: the module no other module contains,
+  found by walking up from the module that owns an optimizer's first parameter (a DDP/FSDP
+  wrapper when there is one), for the optimizers that exist as the first step opens and for
+  each optimizer as it first steps. A forward that ran before the first step opened (step 0's
+  in a plain loop without a DataLoader) is not timed;
 * an explicit ``trace_step`` wins: its first step ends zero-code steps for the rest of the
-  process (the zero-code step open then is dropped), so no step is counted twice.
+  process (the zero-code step open then is dropped as if it had never opened), so no step is
+  counted twice.
 
 ``docs/frameworks.md`` says what a step is with gradient accumulation, two optimizers,
 ``torch.compile`` and an LR scheduler. Fail-open: an error here is one warning, and zero-code
@@ -116,7 +118,7 @@ class AutoSteps:
         tracer = self._tracer
         tracer.auto = None
         if tracer.in_step:
-            tracer.abandon()
+            tracer.drop()
 
     def _fail(self, exc: BaseException) -> None:
         self.stop()

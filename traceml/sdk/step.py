@@ -207,6 +207,15 @@ class StepTracer:
         self.end()
         self.open(self._last_end_ns)
 
+    def drop(self) -> None:
+        """Forget the open step as if it had never opened: nothing is emitted, and its
+        DataLoader time counts as time between steps (the next step's input evidence)."""
+        self.in_step = False
+        self.gpu_step = None
+        fetched = self.dataloader_in_step_ns
+        if fetched:
+            self.dataloader_pending_ns = (self.dataloader_pending_ns or 0) + fetched
+
     def abandon(self) -> None:
         """Close a step whose body raised: nothing is emitted, the counter does not move."""
         self.in_step = False
