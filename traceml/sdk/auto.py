@@ -56,6 +56,7 @@ class AutoSteps:
         self._step_optimizer_id = 0
         self._timers: list[instrumentation.ForwardTimer] = []
         self._opened = False
+        self._rooted: dict[int, weakref.ref] = {}  # id -> optimizer whose root is timed
 
     def open(self) -> None:
         """Open a step now. As the first one opens (at the first DataLoader batch, backward or
@@ -79,7 +80,10 @@ class AutoSteps:
         self._on_model(model)
 
     def _time_roots(self, optimizers) -> None:
-        for model in root_models(optimizers):
+        models, scanned = root_models(optimizers)
+        for optimizer in scanned:  # their roots are timed: no scan at their first step
+            self._rooted[id(optimizer)] = weakref.ref(optimizer)
+        for model in models:
             self.time_forward(model)
 
     def before_optimizer(self, optimizer) -> None:
@@ -96,7 +100,9 @@ class AutoSteps:
             if step is None or step() is None:
                 self._step_optimizer = weakref.ref(optimizer)
                 self._step_optimizer_id = id(optimizer)
-            self._time_roots([optimizer])
+            ref = self._rooted.get(id(optimizer))
+            if ref is None or ref() is not optimizer:
+                self._time_roots([optimizer])
         except Exception as exc:
             self._fail(exc)
 
@@ -167,11 +173,14 @@ def enable(session: Session | None, model=None) -> AutoSteps | None:
     return auto
 
 
-def root_models(optimizers=None) -> list:
+def root_models(optimizers=None) -> tuple[list, list]:
     """The root model of each optimizer: the outermost module holding its first parameter.
 
     Args:
         optimizers: ``torch.optim.Optimizer`` objects, or None for every live one.
+
+    Returns:
+        ``(root models, the optimizers looked at)``.
 
     One pass over the garbage collector's objects (every live ``torch.nn.Module`` and, with
     None, optimizer): tens of ms in a process with large libraries loaded, once as the first
@@ -216,4 +225,4 @@ def root_models(optimizers=None) -> list:
             owner = parent[id(owner)]
         if all(owner is not root for root in roots):
             roots.append(owner)
-    return roots
+    return roots, found if optimizers is None else list(optimizers)
