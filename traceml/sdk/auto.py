@@ -183,8 +183,8 @@ def root_models(optimizers=None) -> tuple[list, list]:
         ``(root models, the optimizers looked at)``.
 
     One pass over the garbage collector's objects (every live ``torch.nn.Module`` and, with
-    None, optimizer): tens of ms in a process with large libraries loaded, once as the first
-    step opens and once per new optimizer. Among several parents of a module, the first one
+    None, optimizer): 0.2-0.5 s for 288k objects on a loaded 2-core machine; made as the first
+    step opens, and for an optimizer that pass did not see, at its first step. Among several parents of a module, the first one
     found is followed. Objects are told apart by their real type (``type(obj)``), never
     ``obj.__class__``, which some objects compute (and warn or raise on).
     """
