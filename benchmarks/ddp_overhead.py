@@ -14,17 +14,29 @@ with where A's extra time goes, from the run manifest's lifecycle (Unix s of eac
 the CPU time of all the job's processes (launcher, aggregator, torchrun, ranks), which other
 load on the machine does not inflate the way it inflates wall time.
 
-Usage: ``python benchmarks/ddp_overhead.py [--pairs 5] [--steps 300]``.
+With ``--zero-code`` the pair is instead, both under ``traceml run``, alternated the same way:
+
+* E (explicit): the job as above, its steps marked by ``traceml.trace_step``;
+* Z (zero-code): the same job with ``--zero-code`` (no TraceML call in the script: steps from
+  the optimizer hooks, forward from the DDP wrapper, see docs/frameworks.md);
+
+(d) training-loop time Z/E per pair and the median ratio (target <= 1.01); and, from each run's
+telemetry (rank 0), the median step time after step 0 and step 0's time (zero-code finds its
+root model as its first step opens: a one-time cost there, not a per-step one).
+
+Usage: ``python benchmarks/ddp_overhead.py [--pairs 5] [--steps 300] [--zero-code]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import re
 import resource
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -62,11 +74,11 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def traceml_job(cwd: Path, name: str, steps: int) -> list[str]:
+def traceml_job(cwd: Path, name: str, steps: int, *script_args: str) -> list[str]:
     return [
         sys.executable, "-m", "traceml", "run", str(SCRIPT), "--nproc-per-node=2",
         "--run-name", name, "--aggregator-port", str(free_port()), "--logs-dir", str(cwd),
-        "--", "--steps", str(steps),
+        "--", "--steps", str(steps), *script_args,
     ]
 
 
@@ -97,7 +109,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--zero-code", action="store_true", help="zero-code vs explicit steps")
     args = parser.parse_args()
+    if args.zero_code:
+        zero_code_vs_explicit(args.pairs, args.steps)
+        return
     walls: dict[str, list[float]] = {"traceml": [], "plain": []}
     loops: dict[str, list[float]] = {"traceml": [], "plain": []}
     cpus: dict[str, list[float]] = {"traceml": [], "plain": []}
@@ -141,6 +157,42 @@ def main() -> None:
     print("  traceml run, median seconds between lifecycle events:")
     for key in launcher[0]:
         print(f"    {key:<40} {median([p[key] for p in launcher]):6.2f}")
+
+
+def zero_code_vs_explicit(pairs: int, steps: int) -> None:
+    """(d): the same job under ``traceml run``, steps marked by the script (E) or found by
+    zero-code instrumentation (Z), in ABBA order; prints loop seconds and Z/E ratios."""
+    loops: dict[str, list[float]] = {"explicit": [], "zero-code": []}
+    step_ms: dict[str, list[float]] = {"explicit": [], "zero-code": []}
+    first_ms: dict[str, list[float]] = {"explicit": [], "zero-code": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = Path(tmp)
+        for i in range(pairs):
+            order = ("explicit", "zero-code") if i % 2 == 0 else ("zero-code", "explicit")
+            for kind in order:
+                extra = ["--zero-code"] if kind == "zero-code" else []
+                _, loop, _ = run(traceml_job(cwd, f"{kind}-{i}", steps, *extra), cwd)
+                loops[kind].append(loop)
+                with contextlib.closing(sqlite3.connect(cwd / f"{kind}-{i}" / "telemetry.sqlite")) as db:
+                    times = [r[0] / 1000 for r in db.execute(
+                        "SELECT step_us FROM steps WHERE rank = 0 ORDER BY step")]
+                first_ms[kind].append(times[0])
+                step_ms[kind].append(median(times[1:]))
+            print(f"  pair {i}: loop zero-code {loops['zero-code'][-1]:.3f} s vs explicit "
+                  f"{loops['explicit'][-1]:.3f} s; median step {step_ms['zero-code'][-1]:.2f} vs "
+                  f"{step_ms['explicit'][-1]:.2f} ms; step 0 {first_ms['zero-code'][-1]:.0f} vs "
+                  f"{first_ms['explicit'][-1]:.0f} ms", flush=True)
+    ratios = [z / e for z, e in zip(loops["zero-code"], loops["explicit"])]
+    print(f"(d) training loop under traceml run, 2-rank gloo DDP, {steps} steps, {pairs} pairs "
+          "(target zero-code/explicit <= 1.01)")
+    print(f"  median loop: zero-code {median(loops['zero-code']):.3f} s, "
+          f"explicit {median(loops['explicit']):.3f} s")
+    print(f"  ratio per pair: {', '.join(f'{r:.3f}' for r in ratios)}; median {median(ratios):.3f}")
+    step_ratios = [z / e for z, e in zip(step_ms["zero-code"], step_ms["explicit"])]
+    print(f"  median step after step 0, ratio per pair: "
+          f"{', '.join(f'{r:.3f}' for r in step_ratios)}; median {median(step_ratios):.3f}")
+    print(f"  step 0, median: zero-code {median(first_ms['zero-code']):.0f} ms, "
+          f"explicit {median(first_ms['explicit']):.0f} ms")
 
 
 if __name__ == "__main__":

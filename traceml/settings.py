@@ -75,6 +75,13 @@ AGGREGATOR_START_SEC = Setting(
     "TRACEML_AGGREGATOR_START_SEC", "60", "How long node 0 waits for its aggregator to serve."
 )
 
+AUTO_INSTRUMENT = Setting(
+    "TRACEML_AUTO_INSTRUMENT",
+    "1",
+    "0 makes `traceml run` start the script itself, without zero-code steps "
+    "(as --no-auto-instrument does).",
+)
+
 # --- SDK -------------------------------------------------------------------------------------
 DISABLE = Setting("TRACEML_DISABLE", "0", "1 turns the SDK into a no-op.")
 STRICT = Setting(

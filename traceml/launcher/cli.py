@@ -117,6 +117,12 @@ def run_command(
         help=f"CA certificate that signed the aggregator's, PEM [default: ${settings.TLS_CA.name}; "
         "node 0: --tls-cert]",
     ),
+    auto_instrument: Optional[bool] = typer.Option(
+        None,
+        "--auto-instrument/--no-auto-instrument",
+        help="zero-code steps and phases for a script that never calls trace_step "
+        f"[default: on; ${settings.AUTO_INSTRUMENT.name}=0 turns it off]",
+    ),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -156,6 +162,7 @@ def run_command(
         tls_cert=tls_cert,
         tls_key=tls_key,
         tls_ca=tls_ca,
+        auto_instrument=auto_instrument,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)

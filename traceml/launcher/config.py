@@ -80,6 +80,9 @@ class LaunchConfig:
     #: Also write torchrun's output to ``nodes/node_<r>/training.*.log``
     #: (``--[no-]save-training-output``, else ``TRACEML_SAVE_TRAINING_OUTPUT``, else on).
     save_training_output: bool | None = None
+    #: Zero-code steps: ranks start as ``python -m traceml.sdk.autorun SCRIPT`` (see
+    #: ``--no-auto-instrument``; None until :meth:`resolve`: ``TRACEML_AUTO_INSTRUMENT``).
+    auto_instrument: bool | None = None
     torchrun_args: list[str] = field(default_factory=list)
     #: The run token (``--run-token``, else ``TRACEML_RUN_TOKEN``; None: node 0 makes one,
     #: the others read node 0's token file). Never in the manifest, never on a command line.
@@ -162,6 +165,8 @@ class LaunchConfig:
         self.aggregator_start_sec = _seconds(
             self.aggregator_start_sec, settings.AGGREGATOR_START_SEC
         )
+        if self.auto_instrument is None:
+            self.auto_instrument = settings.env_bool(settings.AUTO_INSTRUMENT)
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
         if self.aggregator_max_restarts is None:

@@ -26,6 +26,7 @@ from traceml.core import log
 from traceml.launcher.config import LaunchConfig
 from traceml.core.ends import interrupted_reason
 from traceml.core.rundir import RunDir
+from traceml.launcher.torchrun_main import AUTORUN_MODULE
 from traceml.launcher.torchrun_main import RANK_ENDS_FILE_ENV
 
 _log = log.get("launcher")
@@ -36,7 +37,9 @@ def torchrun_argv(config: LaunchConfig) -> list[str]:
 
     A single-node run without an explicit ``--master-port`` lets torchrun pick a free port
     (as plain ``torchrun --nproc-per-node N`` does); otherwise static rendezvous on
-    ``--master-addr:--master-port`` with ``--node-rank``.
+    ``--master-addr:--master-port`` with ``--node-rank``. With zero-code steps on (the
+    default) torchrun starts ``python -u -m traceml.sdk.autorun SCRIPT ARGS`` in each rank
+    (torchrun's ``--module``), which instruments the rank and runs the script as ``__main__``.
     """
     argv = [
         sys.executable,
@@ -54,6 +57,8 @@ def torchrun_argv(config: LaunchConfig) -> list[str]:
     if config.max_restarts:
         argv.append(f"--max-restarts={config.max_restarts}")
     argv += list(config.torchrun_args)
+    if config.auto_instrument:
+        argv += ["--module", AUTORUN_MODULE]
     argv.append(config.script)
     argv += list(config.script_args)
     return argv

@@ -4,7 +4,9 @@ This is ``torch.distributed.run.main`` itself (same argument parsing, same rende
 exit codes), wrapped to catch torchrun's typed failure, :class:`ChildFailedError`, whose
 ``failures`` map each failed global rank to its exit code, signal and error-file message. They
 are written as JSON to ``$TRACEML_RANK_ENDS_FILE`` for the launcher, which reports them to the
-aggregator, and then the exception continues exactly as under plain torchrun.
+aggregator, and then the exception continues exactly as under plain torchrun. When the ranks
+run ``--module traceml.sdk.autorun SCRIPT`` (zero-code steps), its "... FAILED" banner names
+``SCRIPT``, as plain torchrun's does, not the module.
 """
 
 from __future__ import annotations
@@ -50,15 +52,32 @@ def _write_failures(path: str, failures: dict) -> None:
     os.replace(tmp, path)
 
 
+#: The module torchrun runs in each rank for zero-code steps (``SCRIPT ARGS`` follow).
+AUTORUN_MODULE = "traceml.sdk.autorun"
+
+
+def _autorun_script(argv: list[str]) -> str:
+    """The script torchrun runs through the zero-code entry, or "" (no entry in ``argv``)."""
+    for i, arg in enumerate(argv[:-2]):
+        if arg == "--module" and argv[i + 1] == AUTORUN_MODULE:
+            return argv[i + 2]
+    return ""
+
+
 def main() -> None:
     """Run torchrun with ``sys.argv[1:]``; record failed ranks; re-raise like torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     path = os.environ.pop(RANK_ENDS_FILE_ENV, "")
+    argv = sys.argv[1:]
     try:
-        torchrun_main(sys.argv[1:])
+        torchrun_main(argv)
     except ChildFailedError as exc:
+        script = _autorun_script(argv)
+        if script:
+            exc.name = script
+            exc.args = (exc.format_msg(),)
         if path:
             try:
                 _write_failures(path, exc.failures)

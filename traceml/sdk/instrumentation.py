@@ -182,6 +182,12 @@ class ForwardTimer:
             if gpu is not None:
                 gpu.end(FORWARD)
 
+    @property
+    def __wrapped__(self):
+        """The model's own forward, so ``inspect.signature(model.forward)`` still names its
+        parameters (the HF Trainer keeps the dataset columns the forward takes)."""
+        return self._forward
+
     def __reduce_ex__(self, protocol):
         return self._forward.__reduce_ex__(protocol)
 
@@ -193,35 +199,58 @@ _ABSENT = object()  # no instance attribute "forward" before install()
 
 
 _optimizer_start_ns = 0
+_optimizer_inner_ns = 0  # forward + backward of the open step when its optimizer step began
 
 
 def _optimizer_pre(optimizer, args, kwargs):
-    global _optimizer_start_ns
+    global _optimizer_start_ns, _optimizer_inner_ns
     tr = _tracer
-    if tr is not None and tr.in_step:
-        tr.phase_depth += 1
-        tr.phase = step_mod.OPTIMIZER
-        if tr.gpu_step is not None:
-            tr.gpu_step.begin(OPTIMIZER)
+    if tr is not None:
+        tr.optimizer_depth += 1
+        if tr.optimizer_depth > 1:  # an inner optimizer's step inside a wrapper's: counted once
+            return
+        if tr.auto is not None:
+            tr.auto.before_optimizer(optimizer)
+        if tr.in_step:
+            tr.phase_depth += 1
+            tr.phase = step_mod.OPTIMIZER
+            if tr.gpu_step is not None:
+                tr.gpu_step.begin(OPTIMIZER)
+            _optimizer_inner_ns = (tr.forward_ns or 0) + (tr.backward_ns or 0)
     _optimizer_start_ns = _now_ns()
 
 
 def _optimizer_post(optimizer, args, kwargs):
+    """The optimizer phase is the outermost step call, less the forward and backward that a
+    closure (``step(closure)``: LBFGS, Lightning) ran inside it, so phases never overlap."""
     tr = _tracer
-    if tr is not None and tr.in_step:
-        tr.optimizer_ns = (tr.optimizer_ns or 0) + (_now_ns() - _optimizer_start_ns)
+    if tr is None:
+        return
+    tr.optimizer_depth -= 1
+    if tr.optimizer_depth > 0:
+        return
+    tr.optimizer_depth = 0
+    if tr.in_step:
+        inner = (tr.forward_ns or 0) + (tr.backward_ns or 0) - _optimizer_inner_ns
+        tr.optimizer_ns = (tr.optimizer_ns or 0) + (_now_ns() - _optimizer_start_ns - inner)
         tr.phase_depth = max(0, tr.phase_depth - 1)
         tr.phase = step_mod.STEP
         if tr.gpu_step is not None:
             tr.gpu_step.end(OPTIMIZER)
+        if tr.auto is not None:
+            tr.auto.after_optimizer(optimizer)
 
 
 def _timed_backward(original):
     @functools.wraps(original)
     def backward(*args, **kwargs):
         tr = _tracer
-        if tr is None or not tr.in_step:
+        if tr is None:
             return original(*args, **kwargs)
+        if not tr.in_step:
+            if tr.auto is None:
+                return original(*args, **kwargs)
+            tr.auto.open()
         gpu = tr.gpu_step
         if gpu is not None:
             gpu.begin(BACKWARD)
@@ -247,6 +276,8 @@ def _timed_next(original):
         tr = _tracer
         if tr is None:
             return original(self)
+        if not tr.in_step and tr.auto is not None:
+            tr.auto.open()  # a zero-code step opens with its first batch
         tr.phase_depth += 1  # a copy made by the loader (collate_fn) is input time, not H2D
         outer, tr.phase = tr.phase, step_mod.DATALOADER
         start = _now_ns()

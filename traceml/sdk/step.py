@@ -157,6 +157,11 @@ class StepTracer:
         self.gpu_step = None
         #: Called at step end to read memory peaks every N steps (CUDA only).
         self.memory_reader = None
+        #: Optimizer steps in progress (a wrapper's step runs its inner optimizer's step).
+        self.optimizer_depth = 0
+        #: Zero-code step boundaries (a :class:`traceml.sdk.auto.AutoSteps`), None when the
+        #: script marks its own steps; the first explicit :meth:`begin` turns them off.
+        self.auto = None
 
     # -- phases: called by the instrumentation hooks --------------------------------------------
     def add_dataloader(self, elapsed_ns: int, iterator: int = 0) -> None:
@@ -178,14 +183,24 @@ class StepTracer:
 
     # -- the step ---------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Open a step (the ``with`` block is entered)."""
-        self._start_ns = _now_ns()
+        """Open a step (the ``with`` block of ``trace_step`` is entered).
+
+        An explicit step wins over zero-code steps: the first one ends them for the rest of
+        the process (the zero-code step open now is dropped, never counted).
+        """
+        if self.auto is not None:
+            self.auto.stop()
+        self.open(_now_ns())
+
+    def open(self, start_ns: int) -> None:
+        """Open a step that started at ``start_ns`` (``perf_counter_ns``)."""
+        self._start_ns = start_ns
         self.in_step = True
         self.phase = STEP
         self.forward_ns = self.backward_ns = self.optimizer_ns = None
         self.h2d_ns = 0
         self.dataloader_in_step_ns = 0
-        self.forward_depth = self.phase_depth = 0
+        self.forward_depth = self.phase_depth = self.optimizer_depth = 0
         if self.gpu_step_factory is not None:
             self.gpu_step = self.gpu_step_factory(self.steps_completed)
 
@@ -227,6 +242,21 @@ class StepTracer:
         self.dataloader_pending_ns = self._pending_iterator = None
         self.steps_completed += 1
         self._emit(m)
+
+    def next_step(self) -> None:
+        """Close the open step and open the next one at the same instant (zero-code steps
+        are contiguous: the time between two optimizer steps is all in a step)."""
+        self.end()
+        self.open(self._last_end_ns)
+
+    def drop(self) -> None:
+        """Forget the open step as if it had never opened: nothing is emitted, and its
+        DataLoader time counts as time between steps (the next step's input evidence)."""
+        self.in_step = False
+        self.gpu_step = None
+        fetched = self.dataloader_in_step_ns
+        if fetched:
+            self.dataloader_pending_ns = (self.dataloader_pending_ns or 0) + fetched
 
     def abandon(self) -> None:
         """Close a step whose body raised: nothing is emitted, the counter does not move."""
