@@ -57,6 +57,9 @@ def serve_command(
         "--no-summary-at-stop",
         help="do not write the reports when stopped without a Finalize (traceml run sets it)",
     ),
+    metrics_port: Optional[int] = typer.Option(
+        None, help="serve Prometheus /metrics on this port of --bind-host [default: off]"
+    ),
     finalize_timeout_sec: Optional[float] = typer.Option(
         None,
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or "
@@ -67,7 +70,11 @@ def serve_command(
     from traceml_aggregator.server import BindError, ServerConfig, serve
     from traceml_aggregator.store import StoreVersionError
 
-    error = validate_run_name(run_name) or endpoint.port_error("--port", port)
+    error = (
+        validate_run_name(run_name)
+        or endpoint.port_error("--port", port)
+        or endpoint.port_error("--metrics-port", metrics_port)
+    )
     if not error and world_size is not None and world_size < 1:
         error = f"--world-size {world_size} must be >= 1"
     if not error and nnodes is not None and nnodes < 1:
@@ -93,6 +100,7 @@ def serve_command(
         html_report=html_report,
         summary_at_stop=not no_summary_at_stop,
         finalize_timeout_s=timeout,
+        metrics_port=metrics_port,
     )
 
     def ready(bound: int) -> None:

@@ -23,6 +23,7 @@ from traceml import wire
 from traceml.core import endpoint, log
 from traceml.core.rundir import DATABASE_NAME
 from traceml_aggregator.finalize import Finalizer, RunState
+from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
@@ -30,7 +31,7 @@ from traceml_aggregator.writer import Writer
 _log = log.get("aggregator")
 
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
-#: How long a Summarize call lets queued batches reach the store before it reads it, s.
+#: How long a Summarize call lets queued batches commit (and reach the live aggregates), s.
 SUMMARIZE_DRAIN_S = 2.0
 
 
@@ -51,14 +52,19 @@ class ServerConfig:
     #: launcher turns it off: it finalizes itself, and a run it stops on purpose (a refused
     #: node claim) must leave no summary.
     summary_at_stop: bool = True
+    #: Serve Prometheus ``/metrics`` on this port of ``bind_host`` (None: off).
+    metrics_port: int | None = None
 
 
 class AggregatorService(wire.AggregatorServicer):
     """The servicer: validates the run name, hands batches to the writer, acknowledges."""
 
-    def __init__(self, config: ServerConfig, writer: Writer, state: RunState, finalizer):
+    def __init__(
+        self, config: ServerConfig, writer: Writer, state: RunState, finalizer, live: LiveAggregates
+    ):
         self.config = config
         self.writer = writer
+        self.live = live
         self.state = state
         self.finalizer = finalizer
         self.nodes = NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes)
@@ -88,6 +94,7 @@ class AggregatorService(wire.AggregatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
         await self.writer.call(self.writer.store.write_node_exit, request, time.time_ns() // 1000)
         self.state.on_node_exit(request)
+        self.live.on_node_exit(request)
         return wire.NodeExitAck()
 
     async def Finalize(self, request, context):
@@ -109,11 +116,11 @@ class AggregatorService(wire.AggregatorServicer):
         reason = self._foreign(request.run_name)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        from traceml_aggregator.reports import summarize_live
+        from traceml.report.flat import flatten
 
         try:
             await self.writer.drain(SUMMARIZE_DRAIN_S)
-            metrics, labels = await self.writer.call(summarize_live, self.writer.store)
+            metrics, labels = flatten(await self.live.summary())
         except Exception as exc:  # an analysis bug must not take the aggregator down
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
         return wire.SummarizeReply(metrics=metrics, labels=labels)
@@ -150,7 +157,13 @@ async def serve(config: ServerConfig, ready=None) -> int:
     if config.world_size:
         store.set_meta("world_size", str(config.world_size))
     state = RunState(world_size=config.world_size, nnodes=config.nnodes)
-    writer = Writer(store, state.on_batch)
+    live = LiveAggregates(config.run_name, config.world_size)
+
+    def on_stored(batch) -> None:
+        state.on_batch(batch)
+        live.on_batch(batch)
+
+    writer = Writer(store, on_stored)
 
     def reports(store_, missing):
         from traceml_aggregator.reports import write_reports
@@ -165,7 +178,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         ]
     )
     wire.add_AggregatorServicer_to_server(
-        AggregatorService(config, writer, state, finalizer), server
+        AggregatorService(config, writer, state, finalizer, live), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -176,6 +189,17 @@ async def serve(config: ServerConfig, ready=None) -> int:
         raise BindError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
         raise BindError(f"cannot listen on {address} (port in use or address not local)")
+    metrics_server = None
+    if config.metrics_port is not None:
+        from traceml_aggregator.metrics import serve_metrics
+
+        try:
+            metrics_server = serve_metrics(live, config.bind_host, config.metrics_port)
+        except OSError as exc:
+            raise BindError(
+                f"cannot serve /metrics on {endpoint.target(config.bind_host, config.metrics_port)}"
+                f": {exc}"
+            ) from exc
     writer.start()
     await server.start()
     for name in ("", SERVICE_NAME):
@@ -196,11 +220,14 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     watchdog.cancel()
     await server.stop(grace=1.0)
+    if metrics_server is not None:
+        metrics_server.shutdown()
     await writer.drain(5.0)
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None
     if outcome is not None:
         _log.info(f"summary written at stop: {outcome.json_path or outcome.error}")
     await writer.close()
+    live.close()
     _log.info(
         f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
         f"{writer.batches_duplicate} resent batches were already stored"
