@@ -143,3 +143,28 @@ def test_viewers_share_one_computation_and_an_unchanged_run_is_not_recomputed(mo
     agg.close()
     assert first == [{"steps": 30}] * 4 and again == {"steps": 30} and later == {"steps": 40}
     assert len(calls) == 2
+
+
+def test_a_slow_analysis_waits_at_most_the_gap_cap_before_the_next(monkeypatch):
+    import time
+
+    def slow(run):
+        time.sleep(0.2)
+        return {"steps": sum(len(rd.steps) for rd in run.ranks.values())}
+
+    monkeypatch.setattr(live_mod, "_live_summary", slow)
+    monkeypatch.setattr(live_mod, "ANALYSIS_MAX_GAP_S", 0.3)  # uncapped: 0.2 s * 9 = 1.8 s
+    agg = LiveAggregates("r", 1)
+    agg.on_batch(rank_batch(0, 1, range(0, 30)))
+
+    async def scenario():
+        await agg.summary()
+        agg.on_batch(rank_batch(0, 2, range(30, 40)))
+        started = time.monotonic()
+        result = await agg.summary()
+        return result, time.monotonic() - started
+
+    result, waited = asyncio.run(scenario())
+    agg.close()
+    assert result == {"steps": 40}
+    assert 0.45 <= waited < 1.5  # the 0.3 s gap and a 0.2 s computation, not 1.8 s + 0.2 s

@@ -18,8 +18,9 @@ and the final summary are computed from the same steps and agree.
 
 Cost control: concurrent viewers share one computation, an unchanged run is answered from the
 last result, and a new computation starts at most :data:`ANALYSIS_DUTY` of the time (after a
-computation of t seconds the next waits ``t * (1 / ANALYSIS_DUTY - 1)``), so any number of
-viewers keep the analysis thread (and its share of the GIL) at or below that fraction.
+computation of t seconds the next waits ``t * (1 / ANALYSIS_DUTY - 1)``, at most
+:data:`ANALYSIS_MAX_GAP_S`), so any number of viewers keep the analysis thread (and its share
+of the GIL) at or below that fraction while a computation takes under 0.55 s.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ WINDOW_STEPS = 512
 WINDOW_SAMPLES = 256
 #: Largest fraction of wall time the live analysis may run (see the module docstring).
 ANALYSIS_DUTY = 0.1
+#: Longest pause between two computations, s: a viewer (``traceml.summary()`` waits 30 s at
+#: most) gets an answer within this plus one computation even when the analysis is slow.
+ANALYSIS_MAX_GAP_S = 5.0
 
 _STEP_COLUMNS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
 _IDENTITY_COLUMNS = (
@@ -257,7 +261,8 @@ class LiveAggregates:
             started = loop.time()
             summary = await loop.run_in_executor(self._pool, _live_summary, run)
             took = loop.time() - started
-            self._next_start = loop.time() + took * (1.0 / ANALYSIS_DUTY - 1.0)
+            gap = min(took * (1.0 / ANALYSIS_DUTY - 1.0), ANALYSIS_MAX_GAP_S)
+            self._next_start = loop.time() + gap
             self._result = (version, summary)
             return summary
 
