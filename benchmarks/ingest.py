@@ -30,11 +30,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import psutil
-from _common import LiveAggregator
+from _common import LiveAggregator, median, p99
 
 RUN = "ingest-bench"
 PUSH = "/traceml.wire.v1.Aggregator/Push"
@@ -84,7 +85,9 @@ async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asy
         header = wire.Batch(run_name=RUN, rank=rank, seq=seq).SerializeToString()
         while True:  # as the SDK does: send again until an acknowledgement covers it
             try:
+                sent = time.perf_counter()
                 ack = await push(header + block, timeout=120, metadata=TOKEN_METADATA)
+                t["ack_s"].append(time.perf_counter() - sent)
             except grpc.RpcError as exc:
                 t["errors"][exc.code().name] = t["errors"].get(exc.code().name, 0) + 1
                 continue
@@ -103,7 +106,7 @@ async def client_main(target: str, ranks: list[int], world: int, batches: int,
     print("ready", flush=True)
     sys.stdin.readline()  # the parent's "connect"
     t = {"connect_start": time.time(), "ready": 0.0, "first_acked": 0.0, "done": 0.0,
-         "errors": {}}
+         "errors": {}, "ack_s": []}
     go = asyncio.Event()
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in ranks]
     t["created"] = time.time()
@@ -127,7 +130,21 @@ def peak_rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmHWM")
 
 
-def run_world(world: int, procs: int, batches: int, records: int) -> None:
+def viewer(target: str, stop: threading.Event, calls: list[float]) -> None:
+    """A live view: ``Summarize`` once a second until ``stop``; each call's seconds appended."""
+    from traceml.launcher.aggregator import summarize
+
+    while not stop.is_set():
+        started = time.perf_counter()
+        reply = summarize(target, RUN, 60.0)
+        assert not reply.error, reply.error
+        calls.append(time.perf_counter() - started)
+        stop.wait(max(0.0, 1.0 - (time.perf_counter() - started)))
+
+
+def run_world(world: int, procs: int, batches: int, records: int, viewers: int) -> dict:
+    """One run of ``world`` ranks with ``viewers`` live viewers; prints and returns its
+    figures (records/s, ack median and p99 in s)."""
     with tempfile.TemporaryDirectory() as tmp, LiveAggregator(
         Path(tmp) / "run", RUN, world_size=world
     ) as agg:
@@ -149,10 +166,18 @@ def run_world(world: int, procs: int, batches: int, records: int) -> None:
         time.sleep(max(3.0, world / 200))  # every rank connected and identified, surely
         aggregator = psutil.Process(agg.process.pid)
         cpu_before = sum(aggregator.cpu_times()[:2])
+        stop, calls = threading.Event(), []
+        threads = [threading.Thread(target=viewer, args=(agg.target, stop, calls))
+                   for _ in range(viewers)]
         for c in clients:
             c.stdin.write("go\n")
             c.stdin.flush()
+        for thread in threads:
+            thread.start()
         times = [json.loads(c.communicate()[0].splitlines()[-1]) for c in clients]
+        stop.set()
+        for thread in threads:
+            thread.join()
         assert all(c.returncode == 0 for c in clients)
         cpu_s = sum(aggregator.cpu_times()[:2]) - cpu_before
         rss_peak = peak_rss_bytes(agg.process.pid)
@@ -172,13 +197,19 @@ def run_world(world: int, procs: int, batches: int, records: int) -> None:
         for code, n in t["errors"].items():
             errors[code] = errors.get(code, 0) + n
     assert stored == total, (stored, total)
-    print(f"  {world:>5} ranks: channels created {created:.2f} s, all connected {connected:.2f} s, "
+    acks = [a for t in times for a in t["ack_s"]]
+    figures = {"rate": total / streaming, "ack_median": median(acks), "ack_p99": p99(acks)}
+    view = (f"{viewers} viewers ({len(calls)} Summarize calls, median "
+            f"{median(calls) * 1000:.0f} ms)" if calls else f"{viewers} viewers")
+    print(f"  {world:>5} ranks, {view}: channels created {created:.2f} s, all connected {connected:.2f} s, "
           f"all identified {identified:.2f} s; "
           f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s "
           f"(aggregator CPU {cpu_s / total * 1e6:.1f} µs a record, "
           f"{cpu_s / streaming:.0%} of a core); "
           f"aggregator RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak; "
-          f"failed calls sent again: {errors or 0}; aggregator stop (SIGTERM to exit) {stop_s:.1f} s")
+          f"failed calls sent again: {errors or 0}; aggregator stop (SIGTERM to exit) {stop_s:.1f} s; "
+          f"ack median {figures['ack_median'] * 1000:.1f} ms, p99 {figures['ack_p99'] * 1000:.1f} ms")
+    return figures
 
 
 def main() -> None:
@@ -193,11 +224,21 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20, help="batches per rank (+ identity)")
     parser.add_argument("--records", type=int, default=100, help="step records per batch")
     parser.add_argument("--procs", type=int, default=2, help="client processes")
+    parser.add_argument("--viewers", type=int, nargs="+", default=[0],
+                        help="live viewers (Summarize at 1 Hz); each count is one run")
     args = parser.parse_args()
     print(f"(d) ingest on loopback, {args.batches} batches x {args.records} records per rank, "
           f"{args.procs} client processes (targets: >= 200k records/s, 1,024 connected < 1 s)")
     for world in args.ranks:
-        run_world(world, args.procs, args.batches, args.records)
+        base = None
+        for viewers in args.viewers:
+            figures = run_world(world, args.procs, args.batches, args.records, viewers)
+            if base is None:
+                base = figures
+            else:
+                print(f"        {viewers} viewers against {args.viewers[0]}: ingest rate "
+                      f"x{figures['rate'] / base['rate']:.3f}, ack p99 "
+                      f"x{figures['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
 
 
 if __name__ == "__main__":

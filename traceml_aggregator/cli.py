@@ -81,6 +81,9 @@ def serve_command(
         "--no-summary-at-stop",
         help="do not write the reports when stopped without a Finalize (traceml run sets it)",
     ),
+    metrics_port: Optional[int] = typer.Option(
+        None, help="serve Prometheus /metrics on this port of --bind-host [default: off]"
+    ),
     finalize_timeout_sec: Optional[float] = typer.Option(
         None,
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or "
@@ -138,7 +141,11 @@ def serve_command(
     from traceml_aggregator.writer import MAX_QUEUED_BYTES
     from traceml_aggregator.store import StoreVersionError
 
-    error = validate_run_name(run_name) or endpoint.port_error("--port", port)
+    error = (
+        validate_run_name(run_name)
+        or endpoint.port_error("--port", port)
+        or endpoint.port_error("--metrics-port", metrics_port)
+    )
     if not error and world_size is not None and world_size < 1:
         error = f"--world-size {world_size} must be >= 1"
     if not error and nnodes is not None and nnodes < 1:
@@ -198,6 +205,7 @@ def serve_command(
         tls_key=tls_key,
         max_concurrent_rpcs=max_concurrent_rpcs or MAX_CONCURRENT_RPCS,
         max_queued_bytes=max_queued_bytes or MAX_QUEUED_BYTES,
+        metrics_port=metrics_port,
     )
     if finalize_only:
         return finalize_offline(config, node_exit_file)

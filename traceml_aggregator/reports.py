@@ -1,7 +1,7 @@
 """The report files of a run, built from its store: ``final_summary.json``, ``.txt``, ``.html``.
 
-:func:`write_reports` runs at finalization and :func:`summarize_live` answers
-``traceml.summary()`` and the live views (both on the aggregator's writer thread).
+:func:`write_reports` runs at finalization, on the aggregator's writer thread (the live views
+and ``traceml.summary()`` are answered from :mod:`traceml_aggregator.live` instead).
 """
 
 from __future__ import annotations
@@ -36,10 +36,3 @@ def write_reports(store, run_dir: Path, missing: list[int], *, html: bool) -> Ou
         outcome.html_path = run_dir / SUMMARY_HTML_NAME
         write_atomic(outcome.html_path, render_html(summary))
     return outcome
-
-
-def summarize_live(store) -> tuple[dict[str, float], dict[str, str]]:
-    """The verdict over what ``store`` holds so far, flat (see :mod:`.flat`); writes nothing."""
-    from traceml.report.flat import flatten
-
-    return flatten(build_summary(load.load(store, []), live=True))

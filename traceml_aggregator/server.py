@@ -37,6 +37,7 @@ from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
 from traceml_aggregator.auth import TokenInterceptor, server_credentials
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.hang import HangWatch
+from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.senders import Rejections, check_batch
 from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
@@ -45,7 +46,7 @@ from traceml_aggregator.writer import MAX_QUEUED_BYTES, QueueFull, Writer
 _log = log.get("aggregator")
 
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
-#: How long a Summarize call lets queued batches reach the store before it reads it, s.
+#: How long a Summarize call lets queued batches commit (and reach the live aggregates), s.
 SUMMARIZE_DRAIN_S = 2.0
 #: Default bound of calls in flight (``--max-concurrent-rpcs``): a rank, or a node sampler, has
 #: one Push in flight at a time, so this is about the senders one aggregator serves at once.
@@ -90,6 +91,8 @@ class ServerConfig:
     max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
     #: Bound of the writer's queue, bytes of serialized batches.
     max_queued_bytes: int = MAX_QUEUED_BYTES
+    #: Serve Prometheus ``/metrics`` on this port of ``bind_host`` (None: off).
+    metrics_port: int | None = None
 
 
 def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
@@ -111,10 +114,17 @@ class AggregatorService(wire.AggregatorServicer):
     """The servicer: validates the run name, hands batches to the writer, acknowledges."""
 
     def __init__(
-        self, config: ServerConfig, writer: Writer, state: RunState, finalizer, rejections
+        self,
+        config: ServerConfig,
+        writer: Writer,
+        state: RunState,
+        finalizer,
+        rejections,
+        live: LiveAggregates,
     ):
         self.config = config
         self.writer = writer
+        self.live = live
         self.state = state
         self.finalizer = finalizer
         self.rejections = rejections
@@ -177,6 +187,7 @@ class AggregatorService(wire.AggregatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
         await self.writer.call(self.writer.store.write_node_exit, request, time.time_ns() // 1000)
         self.state.on_node_exit(request)
+        self.live.on_node_exit(request)
         return wire.NodeExitAck()
 
     async def Finalize(self, request, context):
@@ -198,11 +209,11 @@ class AggregatorService(wire.AggregatorServicer):
         reason = self._foreign(request.run_name)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        from traceml_aggregator.reports import summarize_live
+        from traceml.report.flat import flatten
 
         try:
             await self.writer.drain(SUMMARIZE_DRAIN_S)
-            metrics, labels = await self.writer.call(summarize_live, self.writer.store)
+            metrics, labels = flatten(await self.live.summary())
         except Exception as exc:  # an analysis bug must not take the aggregator down
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
         return wire.SummarizeReply(metrics=metrics, labels=labels)
@@ -249,9 +260,12 @@ async def serve(config: ServerConfig, ready=None) -> int:
         config.hang_timeout_s, state.is_done, RunDir(config.run_dir, 0).stall_file
     )
 
+    live = LiveAggregates(config.run_name, config.world_size)
+
     def on_stored(batch) -> None:
         state.on_batch(batch)
         hangs.on_batch(batch)
+        live.on_batch(batch)
 
     writer = Writer(store, on_stored, config.max_queued_bytes)
     rejections = Rejections()
@@ -279,7 +293,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         ],
     )
     wire.add_AggregatorServicer_to_server(
-        AggregatorService(config, writer, state, finalizer, rejections), server
+        AggregatorService(config, writer, state, finalizer, rejections, live), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -295,6 +309,17 @@ async def serve(config: ServerConfig, ready=None) -> int:
         raise BindError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
         raise BindError(f"cannot listen on {address} (port in use or address not local)")
+    metrics_server = None
+    if config.metrics_port is not None:
+        from traceml_aggregator.metrics import serve_metrics
+
+        try:
+            metrics_server = serve_metrics(live, config.bind_host, config.metrics_port)
+        except OSError as exc:
+            raise BindError(
+                f"cannot serve /metrics on {endpoint.target(config.bind_host, config.metrics_port)}"
+                f": {exc}"
+            ) from exc
     writer.start()
     await server.start()
     if config.restart_reason:
@@ -329,11 +354,14 @@ async def serve(config: ServerConfig, ready=None) -> int:
     watchdog.cancel()
     hang_watch.cancel()
     await server.stop(grace=1.0)
+    if metrics_server is not None:
+        metrics_server.shutdown()
     await writer.drain(5.0)
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None
     if outcome is not None:
         _log.info(f"summary written at stop: {outcome.json_path or outcome.error}")
     await writer.close()
+    live.close()
     _log.info(
         f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
         f"{writer.batches_duplicate} resent batches were already stored"

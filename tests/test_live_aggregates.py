@@ -1,0 +1,170 @@
+"""The live aggregates (traceml_aggregator.live): kept per committed batch, they give the same
+summary as the store's full load while a rank's steps fit the window, and a bounded window with
+exact counts beyond it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from traceml import wire
+from traceml.analysis.summary import build_summary
+from traceml.wire.records import add_steps
+from traceml_aggregator import live as live_mod
+from traceml_aggregator.live import WINDOW_STEPS, LiveAggregates
+from traceml_aggregator.load import load
+from traceml_aggregator.store import Store
+
+START_US = 1_700_000_000_000_000
+
+
+def identity(rank: int, restart: int = 0) -> wire.RankIdentity:
+    return wire.RankIdentity(
+        run_name="r", rank=rank, local_rank=rank, node_rank=0, world_size=2,
+        local_world_size=2, hostname="h0", pid=100 + rank, restart_count=restart,
+        start_unix_us=START_US, parallelism="ddp", device="cpu", backend="gloo",
+    )  # fmt: skip
+
+
+def rank_batch(rank: int, seq: int, steps: range, *, restart: int = 0, slow_input=0, **fields):
+    """Rank ``rank``'s batch of ``steps``: 10 ms steps, ``slow_input`` µs more input wait."""
+    b = wire.Batch(run_name="r", rank=rank, restart_count=restart, seq=seq, **fields)
+    if seq == 1:
+        b.identity.CopyFrom(identity(rank, restart))
+    wait = 1000 + slow_input
+    add_steps(b, (
+        {"step": i, "end_us": 20_000 * (i + 1), "step_us": 9000 + wait, "input_wait_us": wait,
+         "forward_us": 3000 + (i % 7) * 10, "backward_us": 5000, "optimizer_us": 1000}
+        for i in steps
+    ))  # fmt: skip
+    b.process_samples.add(unix_us=START_US + 20_000 * steps[-1], cpu_percent=90.0 + rank,
+                          rss_bytes=(1 << 30) + seq)  # fmt: skip
+    return b
+
+
+def node_batch(seq: int, t_us: int) -> wire.Batch:
+    b = wire.Batch(run_name="r", node_rank=0, seq=seq)
+    s = b.system_samples.add(unix_us=t_us, node_rank=0, hostname="h0", cpu_percent=55.5,
+                             ram_used_bytes=1 << 33, ram_total_bytes=1 << 34)  # fmt: skip
+    s.gpus.add(nvml_index=0, uuid="GPU-0", util_percent=40.0 + seq, memory_used_bytes=1 << 30,
+               memory_total_bytes=1 << 34)  # fmt: skip
+    return b
+
+
+def feed(store: Store, agg: LiveAggregates, batches: list) -> None:
+    """Store ``batches`` in one transaction and fold the ones stored into ``agg``, as the
+    writer does after a commit."""
+    for b, result in zip(batches, store.write_batches(batches, 0)):
+        if not result.duplicate and not result.rejected:
+            agg.on_batch(b)
+
+
+def _comparable(summary: dict) -> dict:
+    summary = dict(summary)
+    summary.pop("generated_unix_s")
+    return summary
+
+
+def test_the_live_summary_equals_the_stored_one_while_the_steps_fit_the_window(tmp_path):
+    store, agg = Store(tmp_path / "t.sqlite"), LiveAggregates("r", 2)
+    store.set_meta("run_name", "r")  # as the server does
+    seq = {0: 0, 1: 0}
+    for chunk in range(6):
+        steps = range(chunk * 20, chunk * 20 + 20)
+        batches = []
+        for rank in (0, 1):
+            seq[rank] += 1
+            batches.append(rank_batch(rank, seq[rank], steps, slow_input=4000 * rank))
+        batches.append(node_batch(chunk + 1, START_US + 400_000 * chunk))
+        feed(store, agg, batches)
+        feed(store, agg, batches[:1])  # a resend: a duplicate, folded in nowhere
+    finish = wire.RankFinish(steps_completed=120, end_state=wire.EndState.END_STATE_COMPLETED)
+    feed(store, agg, [rank_batch(r, seq[r] + 1, range(120, 121), slow_input=4000 * r,
+                                 finish=finish) for r in (0, 1)])  # fmt: skip
+    exit_ = wire.NodeExit(run_name="r", node_rank=0, hostname="h0", exit_code=0)
+    exit_.ranks.add(rank=1, local_rank=1, end_state=wire.EndState.END_STATE_COMPLETED, exit_code=0)
+    store.write_node_exit(exit_, 0)
+    agg.on_node_exit(exit_)
+
+    stored = build_summary(load(store, []), live=True)
+    live = build_summary(agg.run_data(), live=True)
+    assert stored["primary_diagnosis"]["kind"] == "INPUT_STRAGGLER"
+    assert [r["steps_completed"] for r in live["ranks"]] == [120, 120]
+    assert _comparable(live) == _comparable(stored)
+    assert agg.ranks[1].steps_stored == 121
+    assert agg.ranks[1].last_step == 120
+    assert agg.ranks[1].last_step_unix_s == (START_US + 20_000 * 121) / 1e6
+    store.close()
+
+
+def test_the_window_keeps_the_latest_steps_and_the_counts_stay_exact(tmp_path):
+    agg = LiveAggregates("r")
+    n = WINDOW_STEPS * 3 + 5
+    agg.on_batch(rank_batch(0, 1, range(0, 1000)))
+    agg.on_batch(rank_batch(0, 2, range(1000, n)))
+    rl = agg.ranks[0]
+    assert rl.steps_stored == n and rl.last_step == n - 1
+    assert [s["step"] for s in rl.steps] == list(range(n - WINDOW_STEPS, n))
+    run = agg.run_data()
+    assert run.world_size == 2 and sorted(run.ranks) == [0, 1]  # the identity's world size
+    assert len(run.ranks[0].steps) == WINDOW_STEPS and run.ranks[1].steps == []
+
+
+def test_a_new_attempt_starts_afresh_and_counts_the_earlier_one():
+    agg = LiveAggregates("r", 1)
+    agg.on_batch(rank_batch(0, 1, range(0, 30)))
+    agg.on_batch(rank_batch(0, 1, range(0, 10), restart=1))
+    agg.on_batch(rank_batch(0, 2, range(50, 60)))  # a late batch of attempt 0: ignored
+    rd = agg.run_data().ranks[0]
+    assert (rd.restart, rd.earlier_attempts, len(rd.steps)) == (1, {0: 30}, 10)
+    assert rd.identity["restart"] == 1
+    assert [p["restart"] for p in rd.process_samples] == [1]
+
+
+def test_viewers_share_one_computation_and_an_unchanged_run_is_not_recomputed(monkeypatch):
+    calls = []
+
+    def counting(run):
+        calls.append(run)
+        return {"steps": sum(len(rd.steps) for rd in run.ranks.values())}
+
+    monkeypatch.setattr(live_mod, "_live_summary", counting)
+    monkeypatch.setattr(live_mod, "ANALYSIS_DUTY", 1.0)  # no wait between computations
+    agg = LiveAggregates("r", 1)
+    agg.on_batch(rank_batch(0, 1, range(0, 30)))
+
+    async def scenario():
+        first = await asyncio.gather(*(agg.summary() for _ in range(4)))
+        again = await agg.summary()
+        agg.on_batch(rank_batch(0, 2, range(30, 40)))
+        later = await agg.summary()
+        return first, again, later
+
+    first, again, later = asyncio.run(scenario())
+    agg.close()
+    assert first == [{"steps": 30}] * 4 and again == {"steps": 30} and later == {"steps": 40}
+    assert len(calls) == 2
+
+
+def test_a_slow_analysis_waits_at_most_the_gap_cap_before_the_next(monkeypatch):
+    import time
+
+    def slow(run):
+        time.sleep(0.2)
+        return {"steps": sum(len(rd.steps) for rd in run.ranks.values())}
+
+    monkeypatch.setattr(live_mod, "_live_summary", slow)
+    monkeypatch.setattr(live_mod, "ANALYSIS_MAX_GAP_S", 0.3)  # uncapped: 0.2 s * 9 = 1.8 s
+    agg = LiveAggregates("r", 1)
+    agg.on_batch(rank_batch(0, 1, range(0, 30)))
+
+    async def scenario():
+        await agg.summary()
+        agg.on_batch(rank_batch(0, 2, range(30, 40)))
+        started = time.monotonic()
+        result = await agg.summary()
+        return result, time.monotonic() - started
+
+    result, waited = asyncio.run(scenario())
+    agg.close()
+    assert result == {"steps": 40}
+    assert 0.45 <= waited < 1.5  # the 0.3 s gap and a 0.2 s computation, not 1.8 s + 0.2 s

@@ -1,0 +1,279 @@
+"""Live aggregates: what the live views and ``traceml.summary()`` read, kept as batches commit.
+
+The :class:`~traceml_aggregator.writer.Writer` calls :meth:`LiveAggregates.on_batch` on the
+event loop with every batch right after its transaction committed (never a duplicate, never a
+refused one), so everything here is touched from the event loop only and needs no lock. Each
+call costs O(the batch): per rank a rolling window of its most recent
+:data:`WINDOW_STEPS` steps (the step dicts the loader builds, µs and bytes), its step count,
+its latest step and the wall clock of its end (``last_step_unix_s``), its identity and finish
+marker, its latest :data:`WINDOW_SAMPLES` process samples; per node its latest
+:data:`WINDOW_SAMPLES` system samples and GPU samples; the nodes' torchrun exits.
+
+:meth:`LiveAggregates.summary` answers ``Summarize``: it turns the windows into a
+:class:`~traceml.analysis.rundata.RunData` (O(ranks x window), on the loop) and runs the same
+:func:`~traceml.analysis.summary.build_summary` as the final summary on it, on a thread of its
+own (neither the writer's thread nor SQLite is touched). While a rank has stored at most
+:data:`WINDOW_STEPS` steps, its window holds all of them, so for such a run the live verdict
+and the final summary are computed from the same steps and agree.
+
+Cost control: concurrent viewers share one computation, an unchanged run is answered from the
+last result, and a new computation starts at most :data:`ANALYSIS_DUTY` of the time (after a
+computation of t seconds the next waits ``t * (1 / ANALYSIS_DUTY - 1)``, at most
+:data:`ANALYSIS_MAX_GAP_S`), so any number of viewers keep the analysis thread (and its share
+of the GIL) at or below that fraction while a computation takes under 0.55 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import operator
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from traceml import wire
+from traceml.analysis.rundata import RankData, RunData
+from traceml.analysis.summary import build_summary
+from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS, step_group_columns
+from traceml_aggregator.store import _GPU_FIELDS, _PROCESS_FIELDS, _SYSTEM_FIELDS, _optional
+
+#: Most recent steps kept per rank (the live analysis window before alignment and warm-up).
+WINDOW_STEPS = 512
+#: Most recent process samples per rank, and system samples per node, kept.
+WINDOW_SAMPLES = 256
+#: Largest fraction of wall time the live analysis may run (see the module docstring).
+ANALYSIS_DUTY = 0.1
+#: Longest pause between two computations, s: a viewer (``traceml.summary()`` waits 30 s at
+#: most) gets an answer within this plus one computation even when the analysis is slow.
+ANALYSIS_MAX_GAP_S = 5.0
+
+_STEP_COLUMNS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
+_IDENTITY_COLUMNS = (
+    "node_rank", "local_rank", "world_size", "local_world_size", "hostname", "pid",
+    "start_unix_us", "torch_version", "cuda_version", "backend", "parallelism", "device",
+    "gpu_uuid",
+)  # fmt: skip
+_by_step = operator.itemgetter("step")
+
+
+@dataclass
+class RankLive:
+    """One rank's live aggregates (its latest attempt, ``restart``).
+
+    Attributes:
+        steps: the latest :data:`WINDOW_STEPS` steps, step field dicts (µs, bytes; None when
+            not measured), in arrival order.
+        steps_stored: steps of this attempt stored so far (all of them, not only the window).
+        last_step: the highest step index stored, None before the first.
+        last_step_unix_s: wall clock at the end of that step, s (``start_unix_us + end_us``).
+    """
+
+    rank: int
+    restart: int = 0
+    identity: dict | None = None
+    finish: dict | None = None
+    steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
+    steps_stored: int = 0
+    last_step: int | None = None
+    last_step_unix_s: float | None = None
+    process_samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_SAMPLES))
+    earlier_attempts: dict[int, int] = field(default_factory=dict)
+
+    def attempt(self, restart: int) -> bool:
+        """Whether data of attempt ``restart`` belongs here: a later attempt starts afresh
+        (the earlier one's step count moves to ``earlier_attempts``); an earlier one is
+        ignored, as the loader ignores it."""
+        if restart > self.restart:
+            if self.steps_stored:
+                self.earlier_attempts[self.restart] = self.steps_stored
+            fresh = RankLive(self.rank, restart, earlier_attempts=self.earlier_attempts,
+                             process_samples=self.process_samples)
+            self.__dict__.update(fresh.__dict__)
+        return restart == self.restart
+
+
+class LiveAggregates:
+    """The run's live aggregates (see the module docstring); event-loop use only.
+
+    Args:
+        run_name: the run's name (``run.run_name`` of the summary).
+        world_size: ranks expected (the ``--world-size`` flag), None to take it from the
+            ranks' identities.
+    """
+
+    def __init__(self, run_name: str, world_size: int | None = None) -> None:
+        self.run_name = run_name
+        self.world_size = world_size
+        self.ranks: dict[int, RankLive] = {}
+        self.system_samples: dict[int, deque] = {}
+        self.gpu_samples: dict[int, deque] = {}
+        self.node_exits: dict[int, dict] = {}
+        self.rank_ends: dict[int, dict] = {}
+        #: Changes applied so far (a summary computed at version v covers everything before).
+        self.version = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-live")
+        self._lock: asyncio.Lock | None = None
+        self._result: tuple[int, dict] | None = None  # (version, summary)
+        self._next_start = 0.0  # loop.time() before which no computation starts
+
+    def _rank(self, rank: int) -> RankLive:
+        rl = self.ranks.get(rank)
+        if rl is None:
+            rl = self.ranks[rank] = RankLive(rank)
+        return rl
+
+    # --- updates (O(the batch)) ------------------------------------------------------------------
+    def on_batch(self, batch) -> None:
+        """Fold a committed batch (a wire Batch of this run) into the aggregates."""
+        self.version += 1
+        sender = batch.WhichOneof("sender") or "rank"
+        restart = batch.restart_count
+        if sender == "rank":
+            self._rank_data(batch, self._rank(batch.rank), restart)
+        for s in batch.process_samples:
+            # A node sampler reports for its local workers; a rank for itself.
+            rank, attempt = (s.rank, s.restart_count) if sender == "node_rank" else (
+                batch.rank, restart)  # fmt: skip
+            row = {"rank": rank, "restart": attempt, "unix_us": s.unix_us}
+            row.update(zip(_PROCESS_FIELDS, _optional(s, _PROCESS_FIELDS)))
+            # Kept whatever the attempt: a sampler's rows of a new attempt may come before the
+            # rank's own first batch; run_data() keeps those of the rank's latest attempt.
+            self._rank(rank).process_samples.append(row)
+        for s in batch.system_samples:
+            row = {"node_rank": s.node_rank, "unix_us": s.unix_us, "hostname": s.hostname}
+            row.update(zip(_SYSTEM_FIELDS, _optional(s, _SYSTEM_FIELDS)))
+            row["gpu_unavailable_reason"] = s.gpu_unavailable_reason or None
+            self.system_samples.setdefault(s.node_rank, deque(maxlen=WINDOW_SAMPLES)).append(row)
+            gpus = self.gpu_samples.setdefault(s.node_rank, deque(maxlen=WINDOW_SAMPLES * 8))
+            for g in s.gpus:
+                row = {"node_rank": s.node_rank, "unix_us": s.unix_us,
+                       "nvml_index": g.nvml_index, "uuid": g.uuid}  # fmt: skip
+                row.update(zip(_GPU_FIELDS, _optional(g, _GPU_FIELDS)))
+                row["unavailable_reason"] = g.unavailable_reason or None
+                gpus.append(row)
+
+    def _rank_data(self, batch, rl: RankLive, restart: int) -> None:
+        if not rl.attempt(restart):
+            return
+        if batch.HasField("identity"):
+            ident = batch.identity
+            rl.identity = {"rank": ident.rank, "restart": ident.restart_count}
+            rl.identity.update((name, getattr(ident, name)) for name in _IDENTITY_COLUMNS)
+        for group in batch.step_groups:
+            names, columns = step_group_columns(group)
+            if not names:
+                continue
+            n = len(columns[0])
+            keep = min(n, WINDOW_STEPS)
+            blank = dict.fromkeys(_STEP_COLUMNS)
+            rl.steps.extend(
+                {**blank, **dict(zip(names, values))}
+                for values in zip(*(column[n - keep:] for column in columns))
+            )
+            rl.steps_stored += n
+            last = max(group.step)
+            if rl.last_step is None or last >= rl.last_step:
+                rl.last_step = last
+                end_us = group.end_us[list(group.step).index(last)]
+                start_us = (rl.identity or {}).get("start_unix_us") or 0
+                rl.last_step_unix_s = (start_us + end_us) / 1e6
+        if batch.HasField("finish"):
+            f = batch.finish
+            rl.finish = {
+                "rank": rl.rank, "restart": restart, "steps_completed": f.steps_completed,
+                "records_dropped": f.records_dropped,
+                "steps_gpu_unresolved": f.steps_gpu_unresolved,
+                "end_state": wire.end_state_name(f.end_state), "reason": f.reason or None,
+                "last_seq": f.last_seq, "received_unix_us": time.time_ns() // 1000,
+            }  # fmt: skip
+
+    def on_node_exit(self, report) -> None:
+        """Fold a node's torchrun exit (a wire NodeExit) in, as the store keeps it."""
+        self.version += 1
+        self.node_exits[report.node_rank] = {
+            "node_rank": report.node_rank, "hostname": report.hostname,
+            "exit_code": report.exit_code, "restart_count": report.restart_count,
+            "received_unix_us": time.time_ns() // 1000,
+        }  # fmt: skip
+        for r in report.ranks:
+            self.rank_ends[r.rank] = {
+                "rank": r.rank, "local_rank": r.local_rank, "node_rank": report.node_rank,
+                "end_state": wire.end_state_name(r.end_state),
+                "exit_code": r.exit_code if r.HasField("exit_code") else None,
+                "signal": r.signal if r.HasField("signal") else None, "reason": r.reason or None,
+            }  # fmt: skip
+
+    # --- reads -----------------------------------------------------------------------------------
+    def run_data(self) -> RunData:
+        """The windows as a RunData (copies: the analysis may run while batches keep coming).
+
+        Ranks ``0 .. world_size - 1`` all appear (empty when nothing of them arrived), the
+        world size being the flag's, else the largest an identity names, else the ranks seen.
+        """
+        ranks: dict[int, RankData] = {}
+        for r, rl in self.ranks.items():
+            ranks[r] = RankData(
+                r,
+                restart=rl.restart,
+                identity=dict(rl.identity) if rl.identity else None,
+                steps=sorted(rl.steps, key=_by_step),
+                finish=rl.finish,
+                end=self.rank_ends.get(r),
+                process_samples=[p for p in rl.process_samples if p["restart"] == rl.restart],
+                earlier_attempts=dict(rl.earlier_attempts),
+            )
+        for r, end in self.rank_ends.items():
+            ranks.setdefault(r, RankData(r, end=end))
+        world_size = self.world_size or max(
+            [(rd.identity or {}).get("world_size") or 0 for rd in ranks.values()] + [len(ranks)]
+        )
+        for r in range(world_size):
+            ranks.setdefault(r, RankData(r))
+        return RunData(
+            run_name=self.run_name,
+            world_size=world_size,
+            ranks=dict(sorted(ranks.items())),
+            node_exits=dict(self.node_exits),
+            system_samples={n: sorted(s, key=_unix_us) for n, s in self.system_samples.items()},
+            gpu_samples={n: sorted(s, key=_unix_index) for n, s in self.gpu_samples.items()},
+            missing=[],
+        )
+
+    async def summary(self) -> dict:
+        """The live summary document (``build_summary(..., live=True)``) over the windows,
+        covering every batch folded in before the call.
+
+        Raises:
+            Exception: whatever the analysis raised (the caller reports it).
+        """
+        wanted = self.version
+        if self._result is not None and self._result[0] >= wanted:
+            return self._result[1]
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # one computation at a time, shared by every waiting viewer
+            if self._result is not None and self._result[0] >= wanted:
+                return self._result[1]
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(max(0.0, self._next_start - loop.time()))
+            version, run = self.version, self.run_data()
+            started = loop.time()
+            summary = await loop.run_in_executor(self._pool, _live_summary, run)
+            took = loop.time() - started
+            gap = min(took * (1.0 / ANALYSIS_DUTY - 1.0), ANALYSIS_MAX_GAP_S)
+            self._next_start = loop.time() + gap
+            self._result = (version, summary)
+            return summary
+
+    def close(self) -> None:
+        """Stop the analysis thread (after the running computation, if any)."""
+        self._pool.shutdown(wait=True)
+
+
+def _live_summary(run: RunData) -> dict:
+    return build_summary(run, live=True)
+
+
+_unix_us = operator.itemgetter("unix_us")
+_unix_index = operator.itemgetter("unix_us", "nvml_index")
