@@ -56,10 +56,11 @@ class Trend:
 
 def readings(rd: RankData) -> list[tuple[int, int]]:
     """``(step, peak_allocated_bytes)`` of the steps that carry a memory reading."""
+    steps = rd.steps
     return [
-        (s["step"], s["peak_allocated_bytes"])
-        for s in rd.steps
-        if s.get("peak_allocated_bytes") is not None
+        (step, alloc)
+        for step, alloc in zip(steps["step"], steps["peak_allocated_bytes"])
+        if alloc is not None
     ]
 
 
@@ -98,12 +99,8 @@ def gpu_totals(run: RunData) -> dict[str, int]:
 
 def rank_memory(rd: RankData, totals: dict[str, int]) -> dict:
     """``ranks[].memory`` of the summary: peaks (bytes), the GPU's total, pressure, trend."""
-    alloc = [
-        s["peak_allocated_bytes"] for s in rd.steps if s.get("peak_allocated_bytes") is not None
-    ]
-    reserved = [
-        s["peak_reserved_bytes"] for s in rd.steps if s.get("peak_reserved_bytes") is not None
-    ]
+    alloc = [b for b in rd.steps["peak_allocated_bytes"] if b is not None]
+    reserved = [b for b in rd.steps["peak_reserved_bytes"] if b is not None]
     uuid = (rd.identity or {}).get("gpu_uuid") or None
     total = totals.get(uuid) if uuid else None
     peak_reserved = max(reserved) if reserved else None

@@ -16,10 +16,11 @@ waits for data.
 from __future__ import annotations
 
 import functools
-
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from traceml.analysis import thresholds as th
+from traceml.analysis.rundata import StepColumns
 from traceml.analysis.stats import describe, median
 from traceml.analysis.window import Window
 
@@ -56,7 +57,7 @@ class Clock:
 
     name: str
     reason: str
-    steps: dict[int, list[dict]] = field(default_factory=dict, compare=False)
+    steps: dict[int, StepColumns] = field(default_factory=dict, compare=False)
 
     def phase_field(self, cpu_field: str, gpu_field: str | None) -> str:
         """The step field to read for a phase on this clock."""
@@ -72,7 +73,7 @@ class Clock:
         return {
             "name": self.name,
             "reason": self.reason,
-            "steps": len(next(iter(self.steps.values()), [])),
+            "steps": len(next(iter(self.steps.values()), ())),
         }
 
 
@@ -83,18 +84,16 @@ def choose_clock(window: Window) -> Clock:
         return Clock(CPU, "no step data")
     timed = set(window.indices)
     for steps in window.steps.values():
-        timed &= {s["step"] for s in steps if s.get("gpu_step_us") is not None}
+        timed &= {i for i, gpu in zip(steps["step"], steps["gpu_step_us"]) if gpu is not None}
     if not timed:
         return Clock(
             CPU,
             "no CUDA event timings (CPU training, or GPU timing unavailable)",
             dict(window.steps),
         )
-    gpu_steps = {r: [s for s in steps if s["step"] in timed] for r, steps in window.steps.items()}
+    gpu_steps = {r: steps.where("step", timed) for r, steps in window.steps.items()}
     lacking = sorted(
-        r
-        for r, steps in gpu_steps.items()
-        if any(s.get(f) is None for s in steps for f in _GPU_NEEDED)
+        r for r, steps in gpu_steps.items() if any(None in steps[f] for f in _GPU_NEEDED)
     )
     if lacking:
         return Clock(
@@ -118,14 +117,13 @@ def choose_clock(window: Window) -> Clock:
     )
 
 
-def part_columns(steps: list[dict], clock: Clock) -> dict[str, list[int | None]]:
+def part_columns(steps: StepColumns, clock: Clock) -> dict[str, Sequence[int | None]]:
     """Each part of ``steps`` on ``clock``, as a column: part name (:data:`PARTS`) -> one value
     per step in µs (None: not measured). The residual is the step minus the measured phases, at
-    least 0 (phases timed on the GPU may overlap host time). Built column by column: the
-    analysis of a million steps must not build a dict per step."""
-    columns = {name: [s.get(key) for s in steps] for name, key in clock.phase_fields}
+    least 0 (phases timed on the GPU may overlap host time)."""
+    columns = {name: steps[key] for name, key in clock.phase_fields}
     residual = []
-    for step_us, *phases in zip([s["step_us"] for s in steps], *columns.values()):
+    for step_us, *phases in zip(steps["step_us"], *columns.values()):
         measured = [v for v in phases if v is not None]
         residual.append(max(0, step_us - sum(measured)) if measured else None)
     columns["residual"] = residual
@@ -161,12 +159,12 @@ def _ms(us: float | None) -> float | None:
     return None if us is None else us / 1000.0
 
 
-def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
+def profile(rank: int, window_steps: StepColumns, clock: Clock) -> Profile:
     """The :class:`Profile` of ``rank``: step time over its window steps, parts over the
     clock's steps."""
     steps = clock.steps[rank]
     parts = part_columns(steps, clock)
-    total_us = sum(s["step_us"] for s in steps)
+    total_us = sum(steps["step_us"])
     median_ms: dict[str, float | None] = {}
     share_pct: dict[str, float | None] = {}
     for name in PARTS:
@@ -174,7 +172,7 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
         median_ms[name] = _ms(median(values))
         measured = [v for v in values if v is not None]
         share_pct[name] = 100.0 * sum(measured) / total_us if measured and total_us else None
-    median_ms["dataloader_next"] = _ms(median(s.get("dataloader_next_us") for s in steps))
+    median_ms["dataloader_next"] = _ms(median(steps["dataloader_next_us"]))
     own = [
         None if forward is None and optimizer is None else (forward or 0) + (optimizer or 0)
         for forward, optimizer in zip(parts["forward"], parts["optimizer"])
@@ -182,7 +180,7 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
     return Profile(
         rank=rank,
         steps=len(window_steps),
-        step_ms=describe(_ms(s["step_us"]) for s in window_steps),
+        step_ms=describe(us / 1000.0 for us in window_steps["step_us"]),
         median_ms=median_ms,
         share_pct=share_pct,
         own_compute_ms=_ms(median(own)),
@@ -201,7 +199,9 @@ def missing_phases(clock: Clock) -> dict[str, list[int]]:
         if name not in REQUIRED_PHASES:
             continue
         key = clock.phase_field(cpu, gpu)
-        lacking = [r for r, steps in clock.steps.items() if all(s.get(key) is None for s in steps)]
+        lacking = [
+            r for r, steps in clock.steps.items() if all(v is None for v in steps[key])
+        ]
         if lacking:
             out[name] = sorted(lacking)
     return out

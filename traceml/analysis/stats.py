@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable, Sequence
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -51,7 +51,7 @@ def lower_median(values: Iterable[float | None]) -> float | None:
 
 
 def bucket_medians(
-    xs: list[int], ys: list[float], max_points: int
+    xs: Sequence[int], ys: Sequence[float], max_points: int
 ) -> tuple[list[int], list[float]]:
     """Shrink a series to at most ``max_points`` points: consecutive equal-size buckets, each
     as (its first x, the median of its y). Series already short enough come back unchanged."""

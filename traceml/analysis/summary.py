@@ -40,16 +40,14 @@ def node_rank(rd: RankData) -> int | None:
 
 
 def _series(rd: RankData) -> dict:
-    steps = [s["step"] for s in rd.steps]
+    steps = rd.steps
     xs, step_ms = bucket_medians(
-        steps, [s["step_us"] / 1000.0 for s in rd.steps], SERIES_MAX_POINTS
+        steps["step"], [us / 1000.0 for us in steps["step_us"]], SERIES_MAX_POINTS
     )
-    mem = [s for s in rd.steps if s.get("peak_allocated_bytes") is not None]
-    mem_x, alloc = bucket_medians(
-        [s["step"] for s in mem], [s["peak_allocated_bytes"] for s in mem], SERIES_MAX_POINTS
-    )
+    mem = steps.take([i for i, b in enumerate(steps["peak_allocated_bytes"]) if b is not None])
+    mem_x, alloc = bucket_medians(mem["step"], mem["peak_allocated_bytes"], SERIES_MAX_POINTS)
     _, reserved = bucket_medians(
-        [s["step"] for s in mem], [s["peak_reserved_bytes"] or 0 for s in mem], SERIES_MAX_POINTS
+        mem["step"], [b or 0 for b in mem["peak_reserved_bytes"]], SERIES_MAX_POINTS
     )
     return {
         "step": xs,

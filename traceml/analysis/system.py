@@ -25,8 +25,8 @@ def window_span_us(run: RunData, window: Window) -> tuple[int, int] | None:
         origin = (run.ranks[rank].identity or {}).get("start_unix_us")
         if origin is None or not steps:
             continue
-        starts.append(origin + steps[0]["end_us"] - steps[0]["step_us"])
-        ends.append(origin + steps[-1]["end_us"])
+        starts.append(origin + steps["end_us"][0] - steps["step_us"][0])
+        ends.append(origin + steps["end_us"][-1])
     return (min(starts), max(ends)) if starts else None
 
 
