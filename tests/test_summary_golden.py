@@ -41,14 +41,14 @@ def _cpu_input_straggler():
 
 
 def _health():
-    ranks = [
-        rank(0, steps(), end="terminated", exit_code=None, finish=False),
-        rank(1, steps(), end="signaled", exit_code=None, signal=9, finish=False),
-        rank(2, steps(), finish=False),
-    ]
-    ranks[2].end = None
-    exits = {0: {"exit_code": 1, "hostname": "host0", "restart_count": 0}}
-    return run_of(ranks, missing=[2], exits=exits), False
+    """A 2-node run: rank 3 exits 7, rank 2 is stopped, rank 1 never finishes."""
+    ranks = [rank(r, steps(), node=r // 2) for r in range(4)]
+    ranks[3] = rank(3, steps(), node=1, end="failed", exit_code=7, finish=False)
+    ranks[2] = rank(2, steps(), node=1, end="terminated", exit_code=None, finish=False)
+    ranks[1].end = ranks[1].finish = None
+    exits = {0: {"exit_code": 0, "hostname": "host0", "restart_count": 0},
+             1: {"exit_code": 7, "hostname": "host1", "restart_count": 0}}
+    return run_of(ranks, missing=[1], exits=exits), False
 
 
 def _dropped_restarted():

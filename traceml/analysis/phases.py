@@ -69,13 +69,6 @@ class Clock:
         order (worked out once, not once per step)."""
         return tuple((name, self.phase_field(cpu, gpu)) for name, cpu, gpu in PHASES)
 
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "reason": self.reason,
-            "steps": len(next(iter(self.steps.values()), ())),
-        }
-
 
 def choose_clock(window: Window) -> Clock:
     """GPU when at least MIN_GPU_TIMED_STEPS window steps are GPU-timed on every rank and

@@ -70,9 +70,12 @@ class StepColumns:
         """The steps at ``positions`` (indices into these columns, ascending), as columns."""
         if len(positions) == len(self):
             return self
-        if len(positions) == 1:
-            return StepColumns({k: (c[positions[0]],) for k, c in self.columns.items()})
-        pick = operator.itemgetter(*positions) if positions else lambda _: ()
+        if positions and positions[-1] - positions[0] + 1 == len(positions):
+            window = slice(positions[0], positions[-1] + 1)  # contiguous: copy, no lookups
+            return StepColumns({k: c[window] for k, c in self.columns.items()})
+        if not positions:
+            return NO_STEPS
+        pick = operator.itemgetter(*positions)  # two or more: a tuple, built in C
         return StepColumns({k: pick(c) for k, c in self.columns.items()})
 
     def where(self, name: str, keep: set[int] | frozenset[int]) -> StepColumns:

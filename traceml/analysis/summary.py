@@ -1,9 +1,10 @@
 """The summary document (``final_summary.json``) built from :class:`RunData`, I/O-free.
 
-Layout (``docs/final_summary.schema.json`` is the contract, ``docs/reading-output.md`` the
-guide): ``run`` (identity, topology, completeness), ``primary_diagnosis`` (why the steps are
-slow), ``findings`` by section (``step_time``, ``memory``, ``system``, ``health``),
-``analysis`` (window, clock, typical rank, thresholds), ``ranks[]`` and ``nodes[]``.
+The typed model is :mod:`traceml.analysis.document` (``docs/final_summary.schema.json`` is
+generated from it; ``docs/reading-output.md`` is the guide). Layout: ``run`` (identity,
+topology, completeness), ``primary_diagnosis`` (why the steps are slow), ``findings`` by
+section (``step_time``, ``memory``, ``system``, ``health``), ``analysis`` (window, clock,
+typical rank, thresholds), ``ranks[]`` and ``nodes[]``.
 
 Units: every duration is in milliseconds (``*_ms``), every size in bytes (``*_bytes``), shares
 in percent (``*_pct``). A figure that was never measured is ``null``, never 0.
@@ -14,13 +15,26 @@ from __future__ import annotations
 import time
 
 from traceml.analysis import health, memory, step_time, system, thresholds
-from traceml.analysis.phases import PARTS, Profile, choose_clock, profiles
-from traceml.analysis.stats import bucket_medians, median
-from traceml.analysis.window import align
+from traceml.analysis.document import (
+    SCHEMA_VERSION,
+    Analysis,
+    ClockInfo,
+    Findings,
+    NodeSummary,
+    RankEnd,
+    RankSummary,
+    RunInfo,
+    Series,
+    StepTime,
+    Summary,
+    WindowInfo,
+)
+from traceml.analysis.phases import PARTS, Clock, Profile, choose_clock, profiles
 from traceml.analysis.rundata import RankData, RunData
+from traceml.analysis.schema import plain
+from traceml.analysis.stats import bucket_medians, median
+from traceml.analysis.window import Window, align
 
-#: Version of the summary document's layout; see docs/final_summary.schema.json.
-SCHEMA_VERSION = 1
 #: Most points per rank in the charted series (``ranks[].series``); longer runs are bucketed.
 SERIES_MAX_POINTS = 400
 
@@ -39,7 +53,7 @@ def node_rank(rd: RankData) -> int | None:
     return None
 
 
-def _series(rd: RankData) -> dict:
+def _series(rd: RankData) -> Series:
     steps = rd.steps
     xs, step_ms = bucket_medians(
         steps["step"], [us / 1000.0 for us in steps["step_us"]], SERIES_MAX_POINTS
@@ -49,13 +63,13 @@ def _series(rd: RankData) -> dict:
     _, reserved = bucket_medians(
         mem["step"], [b or 0 for b in mem["peak_reserved_bytes"]], SERIES_MAX_POINTS
     )
-    return {
-        "step": xs,
-        "step_ms": [round(v, 3) for v in step_ms],
-        "memory_step": mem_x,
-        "peak_allocated_bytes": [int(v) for v in alloc],
-        "peak_reserved_bytes": [int(v) for v in reserved],
-    }
+    return Series(
+        step=xs,
+        step_ms=[round(v, 3) for v in step_ms],
+        memory_step=mem_x,
+        peak_allocated_bytes=[int(v) for v in alloc],
+        peak_reserved_bytes=[int(v) for v in reserved],
+    )
 
 
 def rank_summary(
@@ -66,79 +80,95 @@ def rank_summary(
     live: bool,
     gpu_totals: dict[str, int],
     span: tuple[int, int] | None,
-) -> dict:
-    """``ranks[]`` entry: identity, end, counts, step time and phases over the window (null
+) -> RankSummary:
+    """``ranks[]`` entry: identity, end, counts, step time and phases over the window (None
     outside it), memory, process figures, series for the charts."""
     ident = rd.identity or {}
     finish = rd.finish or {}
-    step_ms = (
-        {k: _round(prof.step_ms[k]) for k in ("median", "mean", "p95", "max")}
-        if prof and prof.step_ms
-        else None
-    )
-    return {
-        "rank": rd.rank,
-        "restart": rd.restart,
-        "node_rank": node_rank(rd),
-        "local_rank": ident.get("local_rank", (rd.end or {}).get("local_rank")),
-        "hostname": ident.get("hostname"),
-        "device": ident.get("device"),
-        "end": health.end_state(rd, missing, live=live),
-        "steps_completed": finish["steps_completed"] if finish else len(rd.steps),
-        "records_received": len(rd.steps),
-        "records_dropped": finish.get("records_dropped"),
-        "steps_gpu_unresolved": finish.get("steps_gpu_unresolved"),
-        "step_time_ms": step_ms,
-        "phase_median_ms": (
+    return RankSummary(
+        rank=rd.rank,
+        restart=rd.restart,
+        node_rank=node_rank(rd),
+        local_rank=ident.get("local_rank", (rd.end or {}).get("local_rank")),
+        hostname=ident.get("hostname"),
+        device=ident.get("device"),
+        end=RankEnd(**health.end_state(rd, missing, live=live)),
+        steps_completed=finish["steps_completed"] if finish else len(rd.steps),
+        records_received=len(rd.steps),
+        records_dropped=finish.get("records_dropped"),
+        steps_gpu_unresolved=finish.get("steps_gpu_unresolved"),
+        step_time_ms=(
+            StepTime(*(_round(prof.step_ms[k]) for k in ("median", "mean", "p95", "max")))
+            if prof and prof.step_ms
+            else None
+        ),
+        phase_median_ms=(
             {k: _round(v) for k, v in prof.median_ms.items()} if prof else dict(_EMPTY_PHASES)
         ),
-        "phase_share_pct": (
+        phase_share_pct=(
             {k: _round(prof.share_pct[k], 1) for k in PARTS} if prof else dict.fromkeys(PARTS)
         ),
-        "memory": memory.rank_memory(rd, gpu_totals),
-        "process": system.rank_process(rd, span),
-        "earlier_attempts": {str(k): v for k, v in sorted(rd.earlier_attempts.items())},
-        "series": _series(rd),
-    }
+        memory=memory.rank_memory(rd, gpu_totals),
+        process=system.rank_process(rd, span),
+        earlier_attempts={str(k): v for k, v in sorted(rd.earlier_attempts.items())},
+        series=_series(rd),
+    )
 
 
-def node_summaries(run: RunData, ranks: list[dict], span: tuple[int, int] | None) -> list[dict]:
+def node_summaries(
+    run: RunData, ranks: list[RankSummary], span: tuple[int, int] | None
+) -> list[NodeSummary]:
     """``nodes[]``: each node's ranks, torchrun exit, step time over its ranks, system figures."""
     node_ids = (
-        {r["node_rank"] for r in ranks if r["node_rank"] is not None}
+        {r.node_rank for r in ranks if r.node_rank is not None}
         | set(run.system_samples)
         | set(run.node_exits)
     )
     out = []
     for n in sorted(node_ids):
-        members = [r for r in ranks if r["node_rank"] == n]
+        members = [r for r in ranks if r.node_rank == n]
         exit_ = run.node_exits.get(n) or {}
         samples = run.system_samples.get(n, [])
         hostname = (
             exit_.get("hostname")
-            or next((r["hostname"] for r in members if r["hostname"]), None)
+            or next((r.hostname for r in members if r.hostname), None)
             or (samples[-1].get("hostname") if samples else None)
         )
-        stepped = [r for r in members if r["step_time_ms"]]
+        stepped = [r for r in members if r.step_time_ms]
         out.append(
-            {
-                "node_rank": n,
-                "hostname": hostname,
-                "ranks": [r["rank"] for r in members],
-                "exit_code": exit_.get("exit_code"),
-                "restart_count": exit_.get("restart_count"),
-                "step_time_ms_median": _round(median(r["step_time_ms"]["median"] for r in stepped)),
-                "phase_median_ms": {
-                    k: _round(median(r["phase_median_ms"][k] for r in stepped)) for k in PARTS
+            NodeSummary(
+                node_rank=n,
+                hostname=hostname,
+                ranks=[r.rank for r in members],
+                exit_code=exit_.get("exit_code"),
+                restart_count=exit_.get("restart_count"),
+                step_time_ms_median=_round(median(r.step_time_ms.median for r in stepped)),
+                phase_median_ms={
+                    k: _round(median(r.phase_median_ms[k] for r in stepped)) for k in PARTS
                 },
-                "system": system.node_system(samples, run.gpu_samples.get(n, []), span),
-            }
+                system=system.node_system(samples, run.gpu_samples.get(n, []), span),
+            )
         )
     return out
 
 
-def build_summary(run: RunData, *, live: bool = False) -> dict:
-    """The whole summary document for ``run``.
+def _clock_info(clock: Clock) -> ClockInfo:
+    return ClockInfo(clock.name, clock.reason, len(next(iter(clock.steps.values()), ())))
+
+
+def _window_info(window: Window) -> WindowInfo:
+    return WindowInfo(
+        first_step=window.indices[0] if window.indices else None,
+        last_step=window.indices[-1] if window.indices else None,
+        steps=len(window.indices),
+        warmup_steps_skipped=window.warmup_skipped,
+        ranks=window.ranks,
+        ranks_without_steps=window.ranks_without_steps,
+    )
+
+
+def build(run: RunData, *, live: bool = False) -> Summary:
+    """The whole summary of ``run``, typed (what :func:`build_summary` writes as JSON).
 
     Args:
         run: everything stored for the run.
@@ -168,33 +198,37 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
         uuid = (rd.identity or {}).get("gpu_uuid")
         if uuid:
             gpu_ranks.setdefault(uuid, []).append(r)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "generated_unix_s": round(time.time(), 3),
-        "live": live,
-        "run": {
-            "run_name": run.run_name,
-            "world_size": run.world_size,
-            "nodes": [n["node_rank"] for n in nodes],
-            "complete": not missing and not live,
-            "missing_ranks": sorted(missing),
-            "attempt": max((rd.restart for rd in run.ranks.values()), default=0),
-        },
-        "primary_diagnosis": primary.to_json(),
-        "findings": {
-            "step_time": [f.to_json() for f in step_findings],
-            "memory": [
-                f.to_json() for f in memory.findings({r["rank"]: r["memory"] for r in ranks})
-            ],
-            "system": [f.to_json() for f in system.findings(nodes, gpu_ranks)],
-            "health": [f.to_json() for f in health.findings(run, ranks, live=live)],
-        },
-        "analysis": {
-            "clock": clock.to_json(),
-            "window": window.to_json(),
-            "typical": step_time.typical(profs),
-            "thresholds": thresholds.as_dict(),
-        },
-        "ranks": ranks,
-        "nodes": nodes,
-    }
+    return Summary(
+        schema_version=SCHEMA_VERSION,
+        generated_unix_s=round(time.time(), 3),
+        live=live,
+        run=RunInfo(
+            run_name=run.run_name,
+            world_size=run.world_size,
+            nodes=[n.node_rank for n in nodes],
+            complete=not missing and not live,
+            missing_ranks=sorted(missing),
+            attempt=max((rd.restart for rd in run.ranks.values()), default=0),
+        ),
+        primary_diagnosis=primary,
+        findings=Findings(
+            step_time=step_findings,
+            memory=memory.findings({r.rank: r.memory for r in ranks}),
+            system=system.findings(nodes, gpu_ranks),
+            health=health.findings(run, ranks, live=live),
+        ),
+        analysis=Analysis(
+            clock=_clock_info(clock),
+            window=_window_info(window),
+            typical=step_time.typical(profs),
+            thresholds=thresholds.as_dict(),
+        ),
+        ranks=ranks,
+        nodes=nodes,
+    )
+
+
+def build_summary(run: RunData, *, live: bool = False) -> dict:
+    """The whole summary document for ``run``, as the JSON values written to
+    ``final_summary.json`` (see :func:`build` for the typed form and the arguments)."""
+    return plain(build(run, live=live))

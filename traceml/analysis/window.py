@@ -36,17 +36,6 @@ class Window:
         """Ranks in the window, ascending."""
         return sorted(self.steps)
 
-    def to_json(self) -> dict:
-        """``analysis.window`` of the summary."""
-        return {
-            "first_step": self.indices[0] if self.indices else None,
-            "last_step": self.indices[-1] if self.indices else None,
-            "steps": len(self.indices),
-            "warmup_steps_skipped": self.warmup_skipped,
-            "ranks": self.ranks,
-            "ranks_without_steps": self.ranks_without_steps,
-        }
-
 
 def align(run: RunData) -> Window:
     """The window of ``run``: step indices stored by every rank that has steps, minus warm-up."""
