@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from traceml.analysis.rundata import RankData, RunData
+from traceml.analysis.rundata import RankData, RunData, StepColumns
 from traceml.wire.records import STEP_OPTIONAL_FIELDS
 
 MIB = 1024 * 1024
@@ -76,7 +76,7 @@ def rank(
             "device": "cpu",
             "gpu_uuid": uuid,
         },
-        steps=steps,
+        steps=StepColumns.from_dicts(steps),
         finish={
             "steps_completed": len(steps),
             "records_dropped": 0,

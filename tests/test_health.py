@@ -43,33 +43,50 @@ def test_the_crash_headline_names_the_first_failure_in_time():
     """Rank 2 (node 1) was killed by SIGSEGV; ranks 0 and 1 raised afterwards when their
     all-reduce lost its peer. The headline names rank 2, not the lowest failed rank."""
     from traceml.analysis.health import findings, last_seen_us
-    from traceml.analysis.rundata import RunData
+    from traceml.analysis.rundata import RunData, StepColumns
+    from traceml.analysis.summary import rank_summary
 
     def failed(r: int, finish_us: int) -> RankData:
         return RankData(
             rank=r,
             end={"end_state": "failed", "exit_code": 1, "signal": None, "reason": "gloo: peer"},
             finish={"end_state": "failed", "reason": "RuntimeError: peer closed",
-                    "received_unix_us": finish_us},
+                    "received_unix_us": finish_us, "steps_completed": 5},
         )
 
     segv = RankData(
         rank=2,
         identity={"start_unix_us": 1_000_000_000},
-        steps=[{"step": 4, "end_us": 5_000_000}],
+        steps=StepColumns.from_dicts([{"step": 4, "end_us": 5_000_000, "step_us": 900_000}]),
         end={"end_state": "signaled", "exit_code": None, "signal": 11, "reason": None},
-        process_samples=[{"unix_us": 1_004_000_000}, {"unix_us": 1_005_200_000}],
+        process_samples=[
+            {"unix_us": t, "cpu_percent": 90.0, "rss_bytes": 1 << 30,
+             "gpu_allocated_bytes": None, "gpu_reserved_bytes": None}
+            for t in (1_004_000_000, 1_005_200_000)
+        ],
     )
     ranks = {0: failed(0, 1_007_000_000), 1: failed(1, 1_006_500_000), 2: segv}
     assert [last_seen_us(ranks[r]) for r in (0, 1, 2)] == [1_007_000_000, 1_006_500_000,
                                                          1_005_200_000]
     run = RunData("r", 3, ranks, {}, {}, {}, [])
     summaries = [
-        {"rank": r, "node_rank": 0 if r < 2 else 1, "end": end_state(rd, set()),
-         "records_received": 5, "records_dropped": 0, "steps_completed": 5,
-         "steps_gpu_unresolved": 0}
-        for r, rd in ranks.items()
+        rank_summary(rd, None, missing=set(), live=False, gpu_totals={}, span=None)
+        for rd in ranks.values()
     ]
     crash = next(f for f in findings(run, summaries, live=False) if f.kind == "RANK_CRASHED")
     assert crash.summary == "Ranks 0, 1, 2 failed; rank 2 ended with signal 11."
     assert [r["rank"] for r in crash.evidence["ranks"]] == [2, 1, 0]
+
+
+def test_last_seen_falls_back_to_the_end_of_the_last_stored_step():
+    """Without a finish marker or a process sample, a rank was last seen at the end of its
+    last stored step: its start plus that step's ``end_us`` (the last of the column)."""
+    from traceml.analysis.health import last_seen_us
+    from traceml.analysis.rundata import StepColumns
+
+    steps = StepColumns.from_dicts(
+        [{"step": i, "end_us": 1_000_000 * (i + 1), "step_us": 1_000_000} for i in range(3)]
+    )
+    rd = RankData(rank=0, identity={"start_unix_us": 5_000_000}, steps=steps)
+    assert last_seen_us(rd) == 8_000_000
+    assert last_seen_us(RankData(rank=1, steps=steps)) == float("inf")

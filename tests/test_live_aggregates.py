@@ -106,7 +106,7 @@ def test_the_window_keeps_the_latest_steps_and_the_counts_stay_exact(tmp_path):
     assert [s["step"] for s in rl.steps] == list(range(n - WINDOW_STEPS, n))
     run = agg.run_data()
     assert run.world_size == 2 and sorted(run.ranks) == [0, 1]  # the identity's world size
-    assert len(run.ranks[0].steps) == WINDOW_STEPS and run.ranks[1].steps == []
+    assert len(run.ranks[0].steps) == WINDOW_STEPS and len(run.ranks[1].steps) == 0
 
 
 def test_a_new_attempt_starts_afresh_and_counts_the_earlier_one():

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from traceml import wire
-from traceml.analysis.rundata import RankData, RunData
+from traceml.analysis.rundata import RankData, RunData, StepColumns
 from traceml.analysis.summary import build_summary
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS, step_group_columns
 from traceml_aggregator.store import _GPU_FIELDS, _PROCESS_FIELDS, _SYSTEM_FIELDS, _optional
@@ -217,7 +217,7 @@ class LiveAggregates:
                 r,
                 restart=rl.restart,
                 identity=dict(rl.identity) if rl.identity else None,
-                steps=sorted(rl.steps, key=_by_step),
+                steps=StepColumns.from_dicts(sorted(rl.steps, key=_by_step)),
                 finish=rl.finish,
                 end=self.rank_ends.get(r),
                 process_samples=[p for p in rl.process_samples if p["restart"] == rl.restart],

@@ -11,8 +11,7 @@ import json
 import operator
 
 from traceml.analysis.hang import STALL_META_KEY
-from traceml.analysis.rundata import RankData, RunData
-from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
+from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData, StepColumns
 from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
 
 
@@ -41,16 +40,20 @@ def load(store: Store, missing: list[int]) -> RunData:
         rd = rank_data(row["rank"])
         if row["restart"] == rd.restart:
             rd.identity = dict(row)
-    columns = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
-    # rank and restart last: zip(columns, row) stops before them, so each step's dict is built
-    # in C, with no Python code per step.
-    steps_sql = f"SELECT {', '.join(columns)}, rank, restart FROM steps ORDER BY rank, restart, step"
+    # One sorted scan of the steps (the table has no index), one group per attempt, each
+    # transposed into columns in C: no Python object per step. rank and restart come last, so
+    # each row's first len(STEP_FIELDS) values are the step fields in column order.
+    steps_sql = (
+        f"SELECT {', '.join(STEP_FIELDS)}, rank, restart FROM steps ORDER BY rank, restart, step"
+    )
+    fields = slice(0, len(STEP_FIELDS))
     for (rank, restart), rows in itertools.groupby(
         store.query(steps_sql, by_name=False), _attempt
     ):
         rd = rank_data(rank)
         if restart == rd.restart:
-            rd.steps = list(map(dict, map(zip, itertools.repeat(columns), rows)))
+            columns = list(zip(*rows))[fields]
+            rd.steps = StepColumns(dict(zip(STEP_FIELDS, columns, strict=True)))
         else:
             rd.earlier_attempts[restart] = sum(1 for _ in rows)
     for row in store.query("SELECT * FROM rank_finish"):

@@ -16,11 +16,12 @@ from __future__ import annotations
 from traceml.analysis import onset
 from traceml.analysis.findings import Finding
 from traceml.analysis.phases import PARTS, Clock, Profile, in_step_us
+from traceml.analysis.rundata import StepColumns
 
 _MS_PER_HOUR = 3_600_000.0
 
 
-def part_ms(steps: list[dict], prof: Profile, part: str) -> list[float | None]:
+def part_ms(steps: StepColumns, prof: Profile, part: str) -> list[float | None]:
     """One straggler part (``evidence.part``) per step of ``steps`` (the clock's steps of
     the rank of ``prof``), in ms."""
     if part == "step":
@@ -48,8 +49,8 @@ def annotate_straggler(
     slow_ms = part_ms(slow, profiles[slow_rank], ev["part"])
     typical_ms = part_ms(clock.steps[typical_rank], profiles[typical_rank], ev["part"])
     pairs = [
-        (s["step"], a - b)
-        for s, a, b in zip(slow, slow_ms, typical_ms)
+        (step, a - b)
+        for step, a, b in zip(slow["step"], slow_ms, typical_ms)
         if a is not None and b is not None
     ]
     onset.straggler_onset(finding, [g for _, g in pairs], [s for s, _ in pairs], floor_ms)

@@ -7,6 +7,9 @@ The primary diagnosis and every per-section finding of ``final_summary.json`` ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from traceml.analysis.schema import Schema
 
 #: Severities, mildest first: ``info`` needs no action, ``warning`` costs time or risks the
 #: run, ``critical`` dominates the step or lost a rank.
@@ -41,6 +44,7 @@ KINDS = {
     ),
     "health": (
         "RANK_CRASHED",
+        "RANK_HUNG",
         "RUN_INTERRUPTED",
         "RANK_TERMINATED",
         "RANK_MISSING",
@@ -79,14 +83,17 @@ class Finding:
             the primary diagnosis is the one with the largest).
     """
 
-    kind: str
-    severity: str
-    summary: str
-    action: str
+    kind: Annotated[str, Schema(pattern="^[A-Z][A-Z0-9_]*$")]
+    severity: Annotated[str, Schema(enum=list(SEVERITIES))]
+    summary: Annotated[str, Schema(minLength=1)]
+    action: Annotated[str, Schema(minLength=1)]
     evidence: dict = field(default_factory=dict)
     ranks: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
-    impact_ms: float | None = None
+    impact_ms: Annotated[
+        float | None,
+        Schema(description="step time this finding costs every step, ms (step-time findings)"),
+    ] = None
 
     def to_json(self) -> dict:
         """The JSON object written to the summary."""

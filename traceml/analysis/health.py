@@ -9,22 +9,28 @@ wins.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+from traceml.analysis.document import (
+    COMPLETED,
+    FAILED,
+    INCOMPLETE,
+    INTERRUPTED,
+    NEVER_REPORTED,
+    RUNNING,
+    SIGNALED,
+    TERMINATED,
+    RankSummary,
+)
 from traceml.analysis.findings import Finding, ranks_text
 from traceml.analysis.rundata import RankData, RunData
+from traceml.analysis.schema import plain
 from traceml.core.ends import is_interrupted
-
-#: End states, as in ``ranks[].end.state``.
-COMPLETED = "completed"
-FAILED = "failed"
-SIGNALED = "signaled"
-TERMINATED = "terminated"
-RUNNING = "running"  # no end known yet (live summary) or given up on at finalization
-NEVER_REPORTED = "never_reported"
 
 
 def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
-    """How ``rd`` ended: ``{"state", "exit_code", "signal", "reason"}``.
+    """How ``rd`` ended: ``{"state", "exit_code", "signal", "reason"}`` (the fields of
+    :class:`~traceml.analysis.document.RankEnd`).
 
     Args:
         rd: the rank.
@@ -71,164 +77,105 @@ def last_seen_us(rd: RankData) -> float:
         return rd.process_samples[-1]["unix_us"]
     start = (rd.identity or {}).get("start_unix_us")
     if rd.steps and start is not None:
-        return start + rd.steps[-1]["end_us"]
+        return start + rd.steps["end_us"][-1]
     return float("inf")
 
 
-def run_status(ranks: list[dict], missing: list[int], *, live: bool) -> str:
+def run_status(ranks: list[RankSummary], missing: list[int], *, live: bool) -> str:
     """``run.status``: ``running`` (live), ``failed`` (a rank failed or died of a signal),
     ``interrupted`` (ranks stopped by their launcher's SIGTERM/SIGINT, none failed),
     ``incomplete`` (ranks missing, never reported, or stopped without a known cause), else
     ``completed``."""
     if live:
         return RUNNING
-    states = [r["end"]["state"] for r in ranks]
+    states = [r.end.state for r in ranks]
     if FAILED in states or SIGNALED in states:
         return FAILED
-    if any(r["end"]["state"] == TERMINATED and is_interrupted(r["end"]["reason"]) for r in ranks):
-        return "interrupted"
+    if any(r.end.state == TERMINATED and is_interrupted(r.end.reason) for r in ranks):
+        return INTERRUPTED
     if missing or any(state != COMPLETED for state in states):
-        return "incomplete"
+        return INCOMPLETE
     return COMPLETED
 
 
-def findings(run: RunData, ranks: list[dict], *, live: bool) -> list[Finding]:
-    """Health findings over the summary's ``ranks`` (each with ``end``) and the run.
+@dataclass(frozen=True)
+class Facts:
+    """What the health rules look at: the run, the summary's ``ranks`` (each with its
+    ``end``), whether the run is still going, and the ranks by end state."""
+
+    run: RunData
+    ranks: list[RankSummary]
+    live: bool
+
+    def in_state(self, *states: str) -> list[RankSummary]:
+        """The ranks that ended in one of ``states``, in ``ranks`` order within a state."""
+        return [r for state in states for r in self.ranks if r.end.state == state]
+
+    def hung(self) -> set[int]:
+        """The ranks of the aggregator's stall record (:mod:`traceml.analysis.hang`)."""
+        return {e["rank"] for e in self.run.stall["ranks"]} if self.run.stall else set()
+
+    def interrupted(self) -> list[RankSummary]:
+        """Terminated ranks, not hung, that their launcher's SIGTERM/SIGINT stopped."""
+        hung = self.hung()
+        return [
+            r
+            for r in self.in_state(TERMINATED)
+            if r.rank not in hung and is_interrupted(r.end.reason)
+        ]
+
+
+def findings(run: RunData, ranks: list[RankSummary], *, live: bool) -> list[Finding]:
+    """Health findings over the summary's ``ranks`` (each with ``end``) and the run, one per
+    rule of :data:`RULES` that applies.
 
     Kinds: RANK_CRASHED, RANK_HUNG, RUN_INTERRUPTED, RANK_TERMINATED (ranks stopped after
     another failed; hung and interrupted ranks are left out), RANK_MISSING, RANK_NEVER_REPORTED,
-    NODE_FAILED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED,
-    AGGREGATOR_RESTARTED.
+    NODE_FAILED, AGGREGATOR_RESTARTED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED,
+    GPU_TIMING_UNRESOLVED, RESTARTED.
     """
-    out: list[Finding] = []
-    by_state: dict[str, list[dict]] = {}
-    for r in ranks:
-        by_state.setdefault(r["end"]["state"], []).append(r)
+    facts = Facts(run, ranks, live)
+    found = (rule(facts) for rule in RULES)
+    return [f for f in found if f is not None]
 
+
+def rank_crashed(facts: Facts) -> Finding | None:
+    """RANK_CRASHED: ranks that failed or were killed by a signal, the first to fail in time
+    first (:func:`last_seen_us`; the headline's how is that rank's)."""
     crashed = sorted(
-        by_state.get(FAILED, []) + by_state.get(SIGNALED, []),
-        key=lambda r: (last_seen_us(run.ranks[r["rank"]]), r["rank"]),
+        facts.in_state(FAILED, SIGNALED),
+        key=lambda r: (last_seen_us(facts.run.ranks[r.rank]), r.rank),
     )
-    if crashed:
-        first = crashed[0]["end"]
-        how = (
-            f"signal {first['signal']}"
-            if first["signal"] is not None
-            else f"exit code {first['exit_code']}"
-            if first["exit_code"] is not None
-            else "an exception"
-        )
-        reason = f" ({first['reason']})" if first["reason"] else ""
-        out.append(
-            Finding(
-                "RANK_CRASHED",
-                "critical",
-                f"{ranks_text([r['rank'] for r in crashed]).capitalize()} failed; rank "
-                f"{crashed[0]['rank']} ended with {how}{reason}.",
-                "Read the failed rank's traceback in nodes/node_<r>/training.stderr.log; a "
-                "signal 9 (SIGKILL) is often the host's out-of-memory killer.",
-                evidence={"ranks": [{"rank": r["rank"], **r["end"]} for r in crashed]},
-                ranks=[r["rank"] for r in crashed],
-                nodes=sorted({r["node_rank"] for r in crashed if r["node_rank"] is not None}),
-            )
-        )
-    hung = run.stall["ranks"] if run.stall else []
-    if hung:
-        out.append(_hang_finding(run.stall))
-    hung_ranks = {e["rank"] for e in hung}
-    interrupted = [
-        r
-        for r in by_state.get(TERMINATED, [])
-        if r["rank"] not in hung_ranks and is_interrupted(r["end"]["reason"])
-    ]
-    if interrupted:
-        signals = sorted({r["end"]["signal"] for r in interrupted if r["end"]["signal"]})
-        out.append(
-            Finding(
-                "RUN_INTERRUPTED",
-                "warning",
-                f"The run was interrupted: {ranks_text([r['rank'] for r in interrupted])} "
-                f"stopped when the launcher got signal {', '.join(map(str, signals)) or '?'} "
-                "(scancel, preemption or Ctrl-C); the figures cover the steps before it.",
-                "Nothing failed; resubmit or resume from the last checkpoint.",
-                evidence={
-                    "ranks": [
-                        {"rank": r["rank"], "signal": r["end"]["signal"],
-                         "steps_completed": r["steps_completed"]}
-                        for r in interrupted
-                    ]
-                },
-                ranks=[r["rank"] for r in interrupted],
-            )
-        )
-    terminated = [
-        r
-        for r in by_state.get(TERMINATED, [])
-        if r["rank"] not in hung_ranks and r not in interrupted
-    ]
-    if terminated:
-        out.append(
-            Finding(
-                "RANK_TERMINATED",
-                "warning",
-                f"{ranks_text([r['rank'] for r in terminated]).capitalize()} "
-                f"{'was' if len(terminated) == 1 else 'were'} stopped by torchrun after another "
-                "rank failed or the launcher was interrupted.",
-                "These ranks are collateral; fix the rank that failed first.",
-                evidence={"ranks": [r["rank"] for r in terminated]},
-                ranks=[r["rank"] for r in terminated],
-            )
-        )
-    missing = sorted(run.missing)
-    if missing and not live:
-        out.append(
-            Finding(
-                "RANK_MISSING",
-                "critical",
-                f"Partial summary: {ranks_text(missing)} never finished within the "
-                "finalization budget; their data may be incomplete.",
-                "Look for a hung rank (a collective waiting forever) in its training log; "
-                "raise --finalize-timeout-sec on slow shared filesystems.",
-                evidence={"missing_ranks": missing},
-                ranks=missing,
-            )
-        )
-    silent = [r["rank"] for r in by_state.get(NEVER_REPORTED, [])]
-    if silent:
-        out.append(
-            Finding(
-                "RANK_NEVER_REPORTED",
-                "warning",
-                f"{ranks_text(silent).capitalize()} never reported: no identity, no finish "
-                "marker, no end state from a launcher.",
-                "Check that every node ran `traceml run` with the same --run-name and could "
-                "reach the aggregator (see its launcher's stderr).",
-                evidence={"ranks": silent},
-                ranks=silent,
-            )
-        )
-    failed_nodes = {n: e for n, e in run.node_exits.items() if e["exit_code"] != 0}
-    if failed_nodes:
-        out.append(
-            Finding(
-                "NODE_FAILED",
-                "critical",
-                "torchrun on node "
-                + ", ".join(
-                    f"{n} ({e.get('hostname') or '?'}) exited with {e['exit_code']}"
-                    for n, e in sorted(failed_nodes.items())
-                )
-                + ".",
-                "See the rank findings above and the node's training.stderr.log.",
-                evidence={"exit_codes": {str(n): e["exit_code"] for n, e in failed_nodes.items()}},
-                nodes=sorted(failed_nodes),
-            )
-        )
-    return out + _data_findings(run, ranks)
+    if not crashed:
+        return None
+    first = crashed[0].end
+    how = (
+        f"signal {first.signal}"
+        if first.signal is not None
+        else f"exit code {first.exit_code}"
+        if first.exit_code is not None
+        else "an exception"
+    )
+    reason = f" ({first.reason})" if first.reason else ""
+    return Finding(
+        "RANK_CRASHED",
+        "critical",
+        f"{ranks_text([r.rank for r in crashed]).capitalize()} failed; rank "
+        f"{crashed[0].rank} ended with {how}{reason}.",
+        "Read the failed rank's traceback in nodes/node_<r>/training.stderr.log; a "
+        "signal 9 (SIGKILL) is often the host's out-of-memory killer.",
+        evidence={"ranks": [{"rank": r.rank, **plain(r.end)} for r in crashed]},
+        ranks=[r.rank for r in crashed],
+        nodes=sorted({r.node_rank for r in crashed if r.node_rank is not None}),
+    )
 
 
-def _hang_finding(stall: dict) -> Finding:
-    """RANK_HUNG from the aggregator's stall record (:mod:`traceml.analysis.hang`)."""
+def rank_hung(facts: Facts) -> Finding | None:
+    """RANK_HUNG: ranks that stopped making progress, from the aggregator's stall record
+    (:mod:`traceml.analysis.hang`), naming the suspects the others wait for."""
+    stall = facts.run.stall
+    if not stall or not stall["ranks"]:
+        return None
     entries = stall["ranks"]
     stalled = [e["rank"] for e in entries]
     since = min(e["last_progress_unix_s"] for e in entries)
@@ -264,98 +211,220 @@ def _hang_finding(stall: dict) -> Finding:
     )
 
 
-def _data_findings(run: RunData, ranks: list[dict]) -> list[Finding]:
-    """RANK_WITHOUT_STEPS, TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED,
-    AGGREGATOR_RESTARTED."""
-    out: list[Finding] = []
-    if run.aggregator_restarts:
-        gaps = [r["gap_s"] for r in run.aggregator_restarts]
-        out.append(
-            Finding(
-                "AGGREGATOR_RESTARTED",
-                "info",
-                f"The aggregator died and was restarted {len(gaps)} time(s) on the run's store "
-                f"({run.aggregator_restarts[-1]['reason']}; {sum(gaps):.1f} s without one); "
-                "the ranks resent what it had not stored.",
-                "Nothing to do if no telemetry was lost; see aggregator/process.stderr.log.",
-                evidence={"restarts": run.aggregator_restarts},
-            )
+def run_interrupted(facts: Facts) -> Finding | None:
+    """RUN_INTERRUPTED: ranks their launcher stopped on SIGTERM/SIGINT (scancel, preemption,
+    Ctrl-C) while nothing had failed; hung ranks are left to RANK_HUNG."""
+    interrupted = facts.interrupted()
+    if not interrupted:
+        return None
+    signals = sorted({r.end.signal for r in interrupted if r.end.signal})
+    return Finding(
+        "RUN_INTERRUPTED",
+        "warning",
+        f"The run was interrupted: {ranks_text([r.rank for r in interrupted])} "
+        f"stopped when the launcher got signal {', '.join(map(str, signals)) or '?'} "
+        "(scancel, preemption or Ctrl-C); the figures cover the steps before it.",
+        "Nothing failed; resubmit or resume from the last checkpoint.",
+        evidence={
+            "ranks": [
+                {"rank": r.rank, "signal": r.end.signal, "steps_completed": r.steps_completed}
+                for r in interrupted
+            ]
+        },
+        ranks=[r.rank for r in interrupted],
+    )
+
+
+def rank_terminated(facts: Facts) -> Finding | None:
+    """RANK_TERMINATED: ranks torchrun stopped (collateral of another failure); hung and
+    interrupted ranks have their own findings."""
+    left_out = facts.hung() | {r.rank for r in facts.interrupted()}
+    terminated = [r.rank for r in facts.in_state(TERMINATED) if r.rank not in left_out]
+    if not terminated:
+        return None
+    return Finding(
+        "RANK_TERMINATED",
+        "warning",
+        f"{ranks_text(terminated).capitalize()} "
+        f"{'was' if len(terminated) == 1 else 'were'} stopped by torchrun after another "
+        "rank failed or the launcher was interrupted.",
+        "These ranks are collateral; fix the rank that failed first.",
+        evidence={"ranks": terminated},
+        ranks=terminated,
+    )
+
+
+def rank_missing(facts: Facts) -> Finding | None:
+    """RANK_MISSING: ranks finalization gave up waiting for (never in a live summary)."""
+    missing = sorted(facts.run.missing)
+    if not missing or facts.live:
+        return None
+    return Finding(
+        "RANK_MISSING",
+        "critical",
+        f"Partial summary: {ranks_text(missing)} never finished within the "
+        "finalization budget; their data may be incomplete.",
+        "Look for a hung rank (a collective waiting forever) in its training log; "
+        "raise --finalize-timeout-sec on slow shared filesystems.",
+        evidence={"missing_ranks": missing},
+        ranks=missing,
+    )
+
+
+def rank_never_reported(facts: Facts) -> Finding | None:
+    """RANK_NEVER_REPORTED: ranks of the world nobody heard of."""
+    silent = [r.rank for r in facts.in_state(NEVER_REPORTED)]
+    if not silent:
+        return None
+    return Finding(
+        "RANK_NEVER_REPORTED",
+        "warning",
+        f"{ranks_text(silent).capitalize()} never reported: no identity, no finish "
+        "marker, no end state from a launcher.",
+        "Check that every node ran `traceml run` with the same --run-name and could "
+        "reach the aggregator (see its launcher's stderr).",
+        evidence={"ranks": silent},
+        ranks=silent,
+    )
+
+
+def node_failed(facts: Facts) -> Finding | None:
+    """NODE_FAILED: nodes whose torchrun exited with a non-zero code."""
+    failed = {n: e for n, e in facts.run.node_exits.items() if e["exit_code"] != 0}
+    if not failed:
+        return None
+    return Finding(
+        "NODE_FAILED",
+        "critical",
+        "torchrun on node "
+        + ", ".join(
+            f"{n} ({e.get('hostname') or '?'}) exited with {e['exit_code']}"
+            for n, e in sorted(failed.items())
         )
-    stepped = [r for r in ranks if r["records_received"]]
-    stepless = [r["rank"] for r in ranks if not r["records_received"]]
-    if stepped and stepless:
-        out.append(
-            Finding(
-                "RANK_WITHOUT_STEPS",
-                "warning",
-                f"{ranks_text(stepless).capitalize()} stored no step while other ranks did; "
-                "the step-time analysis leaves them out.",
-                "Make sure every rank calls traceml.init() and traceml.trace_step().",
-                evidence={"ranks": stepless},
-                ranks=stepless,
-            )
-        )
+        + ".",
+        "See the rank findings above and the node's training.stderr.log.",
+        evidence={"exit_codes": {str(n): e["exit_code"] for n, e in failed.items()}},
+        nodes=sorted(failed),
+    )
+
+
+def aggregator_restarted(facts: Facts) -> Finding | None:
+    """AGGREGATOR_RESTARTED: node 0's aggregator died and was restarted on the run's store
+    (:attr:`RunData.aggregator_restarts`)."""
+    restarts = facts.run.aggregator_restarts
+    if not restarts:
+        return None
+    gaps = [r["gap_s"] for r in restarts]
+    return Finding(
+        "AGGREGATOR_RESTARTED",
+        "info",
+        f"The aggregator died and was restarted {len(gaps)} time(s) on the run's store "
+        f"({restarts[-1]['reason']}; {sum(gaps):.1f} s without one); "
+        "the ranks resent what it had not stored.",
+        "Nothing to do if no telemetry was lost; see aggregator/process.stderr.log.",
+        evidence={"restarts": restarts},
+    )
+
+
+def rank_without_steps(facts: Facts) -> Finding | None:
+    """RANK_WITHOUT_STEPS: ranks that stored no step while others did."""
+    stepless = [r.rank for r in facts.ranks if not r.records_received]
+    if not stepless or len(stepless) == len(facts.ranks):
+        return None
+    return Finding(
+        "RANK_WITHOUT_STEPS",
+        "warning",
+        f"{ranks_text(stepless).capitalize()} stored no step while other ranks did; "
+        "the step-time analysis leaves them out.",
+        "Make sure every rank calls traceml.init() and traceml.trace_step().",
+        evidence={"ranks": stepless},
+        ranks=stepless,
+    )
+
+
+def telemetry_dropped(facts: Facts) -> Finding | None:
+    """TELEMETRY_DROPPED: ranks that dropped records or completed more steps than stored."""
     dropped = {
-        r["rank"]: r
-        for r in ranks
-        if (r["records_dropped"] or 0) > 0
-        or (r["steps_completed"] or 0) > (r["records_received"] or 0)
+        r.rank: r
+        for r in facts.ranks
+        if (r.records_dropped or 0) > 0 or (r.steps_completed or 0) > (r.records_received or 0)
     }
-    if dropped:
-        out.append(
-            Finding(
-                "TELEMETRY_DROPPED",
-                "warning",
-                f"{ranks_text(list(dropped)).capitalize()} lost telemetry: "
-                + ", ".join(
-                    f"rank {r}: {d['steps_completed'] - d['records_received']} of "
-                    f"{d['steps_completed']} steps not stored, {d['records_dropped'] or 0} "
-                    "records dropped"
-                    for r, d in sorted(dropped.items())
-                )
-                + "; the figures cover what was stored.",
-                "Raise TRACEML_BUFFER_MAX_RECORDS, or check the network path to the aggregator.",
-                evidence={
-                    str(r): {
-                        "steps_completed": d["steps_completed"],
-                        "records_received": d["records_received"],
-                        "records_dropped": d["records_dropped"],
-                    }
-                    for r, d in sorted(dropped.items())
-                },
-                ranks=list(dropped),
-            )
+    if not dropped:
+        return None
+    return Finding(
+        "TELEMETRY_DROPPED",
+        "warning",
+        f"{ranks_text(list(dropped)).capitalize()} lost telemetry: "
+        + ", ".join(
+            f"rank {r}: {d.steps_completed - d.records_received} of "
+            f"{d.steps_completed} steps not stored, {d.records_dropped or 0} "
+            "records dropped"
+            for r, d in sorted(dropped.items())
         )
-    unresolved = {r["rank"]: r["steps_gpu_unresolved"] for r in ranks if r["steps_gpu_unresolved"]}
-    if unresolved:
-        out.append(
-            Finding(
-                "GPU_TIMING_UNRESOLVED",
-                "info",
-                f"{ranks_text(list(unresolved)).capitalize()} had steps whose CUDA event "
-                "timings never completed; those steps carry CPU timings only.",
-                "Usually the last steps before an abrupt exit; nothing to do unless it is many.",
-                evidence={"steps_per_rank": {str(r): n for r, n in unresolved.items()}},
-                ranks=list(unresolved),
-            )
-        )
-    restarted = {r: rd.earlier_attempts for r, rd in run.ranks.items() if rd.earlier_attempts}
-    if restarted:
-        attempts = len({k for a in restarted.values() for k in a})
-        out.append(
-            Finding(
-                "RESTARTED",
-                "warning",
-                f"torchrun restarted the workers: {attempts} earlier attempt(s) stored steps; "
-                "the analysis covers the latest attempt only.",
-                "Find why the earlier attempt failed in the training logs.",
-                evidence={
-                    "earlier_attempt_steps": {
-                        str(r): {str(k): v for k, v in sorted(a.items())}
-                        for r, a in sorted(restarted.items())
-                    }
-                },
-                ranks=sorted(restarted),
-            )
-        )
-    return out
+        + "; the figures cover what was stored.",
+        "Raise TRACEML_BUFFER_MAX_RECORDS, or check the network path to the aggregator.",
+        evidence={
+            str(r): {
+                "steps_completed": d.steps_completed,
+                "records_received": d.records_received,
+                "records_dropped": d.records_dropped,
+            }
+            for r, d in sorted(dropped.items())
+        },
+        ranks=list(dropped),
+    )
+
+
+def gpu_timing_unresolved(facts: Facts) -> Finding | None:
+    """GPU_TIMING_UNRESOLVED: steps whose CUDA events never completed (CPU timings only)."""
+    unresolved = {r.rank: r.steps_gpu_unresolved for r in facts.ranks if r.steps_gpu_unresolved}
+    if not unresolved:
+        return None
+    return Finding(
+        "GPU_TIMING_UNRESOLVED",
+        "info",
+        f"{ranks_text(list(unresolved)).capitalize()} had steps whose CUDA event "
+        "timings never completed; those steps carry CPU timings only.",
+        "Usually the last steps before an abrupt exit; nothing to do unless it is many.",
+        evidence={"steps_per_rank": {str(r): n for r, n in unresolved.items()}},
+        ranks=list(unresolved),
+    )
+
+
+def restarted(facts: Facts) -> Finding | None:
+    """RESTARTED: earlier torchrun attempts stored steps (the analysis covers the latest)."""
+    earlier = {r: rd.earlier_attempts for r, rd in facts.run.ranks.items() if rd.earlier_attempts}
+    if not earlier:
+        return None
+    attempts = len({k for a in earlier.values() for k in a})
+    return Finding(
+        "RESTARTED",
+        "warning",
+        f"torchrun restarted the workers: {attempts} earlier attempt(s) stored steps; "
+        "the analysis covers the latest attempt only.",
+        "Find why the earlier attempt failed in the training logs.",
+        evidence={
+            "earlier_attempt_steps": {
+                str(r): {str(k): v for k, v in sorted(a.items())}
+                for r, a in sorted(earlier.items())
+            }
+        },
+        ranks=sorted(earlier),
+    )
+
+
+#: The health rules, in the order their findings are listed.
+RULES = (
+    rank_crashed,
+    rank_hung,
+    run_interrupted,
+    rank_terminated,
+    rank_missing,
+    rank_never_reported,
+    node_failed,
+    aggregator_restarted,
+    rank_without_steps,
+    telemetry_dropped,
+    gpu_timing_unresolved,
+    restarted,
+)

@@ -10,56 +10,23 @@ across steps, a growing cache, an ever longer autograd graph).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from traceml.analysis import thresholds as th
+from traceml.analysis.document import CREEP, PLATEAU, RankMemory, Trend
 from traceml.analysis.findings import Finding, ranks_text
 from traceml.analysis.stats import median
 from traceml.analysis.rundata import RankData, RunData
 
 MIB = 1024 * 1024
 
-PLATEAU = "plateau"
-CREEP = "creep"
-
-
-@dataclass(frozen=True)
-class Trend:
-    """A rank's allocated-memory trend after warm-up.
-
-    Attributes:
-        name: :data:`PLATEAU` or :data:`CREEP`.
-        start_bytes: median of the first third of the readings after warm-up.
-        end_bytes: median of the last third.
-        growth_bytes: ``end_bytes - start_bytes``.
-        bytes_per_1k_steps: growth rate between the two thirds' middle steps.
-        readings: readings the test used (after warm-up).
-    """
-
-    name: str
-    start_bytes: int
-    end_bytes: int
-    growth_bytes: int
-    bytes_per_1k_steps: float
-    readings: int
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "start_bytes": self.start_bytes,
-            "end_bytes": self.end_bytes,
-            "growth_bytes": self.growth_bytes,
-            "bytes_per_1k_steps": round(self.bytes_per_1k_steps),
-            "readings": self.readings,
-        }
-
 
 def readings(rd: RankData) -> list[tuple[int, int]]:
     """``(step, peak_allocated_bytes)`` of the steps that carry a memory reading."""
+    steps = rd.steps
     return [
-        (s["step"], s["peak_allocated_bytes"])
-        for s in rd.steps
-        if s.get("peak_allocated_bytes") is not None
+        (step, alloc)
+        for step, alloc in zip(steps["step"], steps["peak_allocated_bytes"])
+        if alloc is not None
     ]
 
 
@@ -96,72 +63,67 @@ def gpu_totals(run: RunData) -> dict[str, int]:
     return totals
 
 
-def rank_memory(rd: RankData, totals: dict[str, int]) -> dict:
+def rank_memory(rd: RankData, totals: dict[str, int]) -> RankMemory:
     """``ranks[].memory`` of the summary: peaks (bytes), the GPU's total, pressure, trend."""
-    alloc = [
-        s["peak_allocated_bytes"] for s in rd.steps if s.get("peak_allocated_bytes") is not None
-    ]
-    reserved = [
-        s["peak_reserved_bytes"] for s in rd.steps if s.get("peak_reserved_bytes") is not None
-    ]
+    alloc = [b for b in rd.steps["peak_allocated_bytes"] if b is not None]
+    reserved = [b for b in rd.steps["peak_reserved_bytes"] if b is not None]
     uuid = (rd.identity or {}).get("gpu_uuid") or None
     total = totals.get(uuid) if uuid else None
     peak_reserved = max(reserved) if reserved else None
-    t = trend(readings(rd))
     if not alloc:
         reason = "no CUDA memory readings (CPU training, or no step data)"
     elif total is None:
         reason = "GPU total memory unknown (no NVML sample for this rank's GPU)"
     else:
         reason = None
-    return {
-        "peak_allocated_bytes": max(alloc) if alloc else None,
-        "peak_reserved_bytes": peak_reserved,
-        "gpu_total_bytes": total,
-        "pressure_pct": (
+    return RankMemory(
+        peak_allocated_bytes=max(alloc) if alloc else None,
+        peak_reserved_bytes=peak_reserved,
+        gpu_total_bytes=total,
+        pressure_pct=(
             round(100.0 * peak_reserved / total, 1) if total and peak_reserved is not None else None
         ),
-        "trend": t.to_json() if t else None,
-        "unavailable_reason": reason,
-    }
+        trend=trend(readings(rd)),
+        unavailable_reason=reason,
+    )
 
 
-def findings(memory: dict[int, dict]) -> list[Finding]:
+def findings(memory: dict[int, RankMemory]) -> list[Finding]:
     """MEMORY_PRESSURE, MEMORY_IMBALANCE and MEMORY_CREEP over ``rank -> ranks[].memory``."""
-    found = (_pressure(memory), _imbalance(memory), _creep(memory))
+    found = (rule(memory) for rule in RULES)
     return [f for f in found if f is not None]
 
 
-def _pressure(memory: dict[int, dict]) -> Finding | None:
+def _pressure(memory: dict[int, RankMemory]) -> Finding | None:
     pressed = {
         r: m
         for r, m in memory.items()
-        if m["pressure_pct"] is not None and m["pressure_pct"] >= th.MEMORY_PRESSURE_PCT
+        if m.pressure_pct is not None and m.pressure_pct >= th.MEMORY_PRESSURE_PCT
     }
     if not pressed:
         return None
-    worst = max(pressed, key=lambda r: pressed[r]["pressure_pct"])
+    worst = max(pressed, key=lambda r: pressed[r].pressure_pct)
     m = pressed[worst]
     return Finding(
         "MEMORY_PRESSURE",
         "warning",
         f"{ranks_text(list(pressed)).capitalize()} reserve up to "
-        f"{m['pressure_pct']:.0f}% of the GPU's memory (rank {worst}: "
-        f"{m['peak_reserved_bytes'] / MIB:.0f} of {m['gpu_total_bytes'] / MIB:.0f} MiB); "
+        f"{m.pressure_pct:.0f}% of the GPU's memory (rank {worst}: "
+        f"{m.peak_reserved_bytes / MIB:.0f} of {m.gpu_total_bytes / MIB:.0f} MiB); "
         "an out-of-memory error or allocator thrashing is close.",
         "Lower the batch per device, use activation checkpointing, mixed precision, or "
         "shard optimizer state (FSDP/ZeRO); set "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation.",
         evidence={
             "threshold_pct": th.MEMORY_PRESSURE_PCT,
-            "per_rank_pressure_pct": {str(r): m["pressure_pct"] for r, m in pressed.items()},
+            "per_rank_pressure_pct": {str(r): m.pressure_pct for r, m in pressed.items()},
         },
         ranks=list(pressed),
     )
 
 
-def _imbalance(memory: dict[int, dict]) -> Finding | None:
-    peaks = {r: m["peak_allocated_bytes"] for r, m in memory.items() if m["peak_allocated_bytes"]}
+def _imbalance(memory: dict[int, RankMemory]) -> Finding | None:
+    peaks = {r: m.peak_allocated_bytes for r, m in memory.items() if m.peak_allocated_bytes}
     if len(peaks) < 2:
         return None
     high = max(peaks, key=peaks.get)
@@ -189,28 +151,30 @@ def _imbalance(memory: dict[int, dict]) -> Finding | None:
     )
 
 
-def _creep(memory: dict[int, dict]) -> Finding | None:
-    creeping = {
-        r: m["trend"] for r, m in memory.items() if m["trend"] and m["trend"]["name"] == CREEP
-    }
+def _creep(memory: dict[int, RankMemory]) -> Finding | None:
+    creeping = {r: m.trend for r, m in memory.items() if m.trend and m.trend.name == CREEP}
     if not creeping:
         return None
-    worst = max(creeping, key=lambda r: creeping[r]["growth_bytes"])
+    worst = max(creeping, key=lambda r: creeping[r].growth_bytes)
     t = creeping[worst]
     return Finding(
         "MEMORY_CREEP",
         "warning",
         f"Allocated memory keeps growing after warm-up on {ranks_text(list(creeping))}: "
-        f"rank {worst} went from {t['start_bytes'] / MIB:.0f} to "
-        f"{t['end_bytes'] / MIB:.0f} MiB (+{t['bytes_per_1k_steps'] / MIB:.0f} MiB per "
+        f"rank {worst} went from {t.start_bytes / MIB:.0f} to "
+        f"{t.end_bytes / MIB:.0f} MiB (+{round(t.bytes_per_1k_steps) / MIB:.0f} MiB per "
         "1000 steps); a longer run will run out of memory.",
         "Look for tensors kept across steps: losses or outputs appended to a list "
         "without .detach()/.item(), caches keyed by step, hooks that store activations, "
         "a graph kept alive by retain_graph=True.",
         evidence={
-            "per_rank_trend": {str(r): creeping[r] for r in sorted(creeping)},
+            "per_rank_trend": {str(r): creeping[r].to_json() for r in sorted(creeping)},
             "threshold_pct": th.MEMORY_CREEP_PCT,
             "threshold_bytes": th.MEMORY_CREEP_MIN_BYTES,
         },
         ranks=list(creeping),
     )
+
+
+#: The memory rules, in the order their findings are listed.
+RULES = (_pressure, _imbalance, _creep)

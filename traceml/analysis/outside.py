@@ -18,15 +18,18 @@ and kept out of every share and count. Shares are of the wall time of the window
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from traceml.analysis import thresholds as th
 from traceml.analysis.findings import SUMMED, Finding, ranks_text
+from traceml.analysis.rundata import NO_STEPS, StepColumns
 from traceml.analysis.stats import median
 
 OUTSIDE_STEP_TIME = "OUTSIDE_STEP_TIME"
 
 
 def split_gap(
-    input_wait_us: list[int | None], dataloader_next_us: list[int | None]
+    input_wait_us: Sequence[int | None], dataloader_next_us: Sequence[int | None]
 ) -> tuple[list[int | None], list[int | None]]:
     """One rank's (input wait, outside-step time) per step, µs.
 
@@ -54,11 +57,9 @@ def split_gap(
     return wait, outside
 
 
-def outside_column(steps: list[dict]) -> list[int | None]:
-    """The outside-step time of each of ``steps`` (step field dicts), µs (:func:`split_gap`)."""
-    return split_gap(
-        [s.get("input_wait_us") for s in steps], [s.get("dataloader_next_us") for s in steps]
-    )[1]
+def outside_column(steps: StepColumns) -> list[int | None]:
+    """The outside-step time of each of ``steps``, µs (:func:`split_gap`)."""
+    return split_gap(steps["input_wait_us"], steps["dataloader_next_us"])[1]
 
 
 def long_gaps(outside_us: list[int | None], step_ms: float) -> list[int]:
@@ -175,18 +176,21 @@ def finding(sections: dict[int, dict | None], steps_in_window: int) -> Finding |
     )
 
 
-def sections(window_steps: dict[int, list[dict]], all_steps: dict[int, list[dict]]) -> dict:
-    """rank -> :func:`rank_outside` of each window rank, from its step dicts (``all_steps``
+def sections(
+    window_steps: Mapping[int, StepColumns], all_steps: Mapping[int, StepColumns]
+) -> dict:
+    """rank -> :func:`rank_outside` of each window rank, from its step columns (``all_steps``
     gives the first gap, which lies before the window)."""
     out = {}
     for rank, steps in window_steps.items():
+        rank_steps = all_steps.get(rank, NO_STEPS)
         first = next(
-            (s for s in all_steps.get(rank, []) if s.get("input_wait_us") is not None), None
+            (i for i, v in enumerate(rank_steps["input_wait_us"]) if v is not None), None
         )
         out[rank] = rank_outside(
-            [s["step"] for s in steps],
-            [s["step_us"] for s in steps],
+            list(steps["step"]),
+            list(steps["step_us"]),
             outside_column(steps),
-            None if first is None else outside_column([first])[0],
+            None if first is None else outside_column(rank_steps.take([first]))[0],
         )
     return out

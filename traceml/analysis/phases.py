@@ -16,11 +16,12 @@ waits for data.
 from __future__ import annotations
 
 import functools
-
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from traceml.analysis import thresholds as th
 from traceml.analysis.outside import outside_column, split_gap
+from traceml.analysis.rundata import StepColumns
 from traceml.analysis.stats import describe, median
 from traceml.analysis.window import Window
 from traceml.core import phases as table
@@ -53,7 +54,7 @@ class Clock:
 
     name: str
     reason: str
-    steps: dict[int, list[dict]] = field(default_factory=dict, compare=False)
+    steps: dict[int, StepColumns] = field(default_factory=dict, compare=False)
 
     def phase_field(self, cpu_field: str, gpu_field: str | None) -> str:
         """The step field to read for a phase on this clock."""
@@ -65,13 +66,6 @@ class Clock:
         order (worked out once, not once per step)."""
         return tuple((name, self.phase_field(cpu, gpu)) for name, cpu, gpu in PHASES)
 
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "reason": self.reason,
-            "steps": len(next(iter(self.steps.values()), [])),
-        }
-
 
 def choose_clock(window: Window) -> Clock:
     """GPU when at least MIN_GPU_TIMED_STEPS window steps are GPU-timed on every rank and
@@ -80,18 +74,16 @@ def choose_clock(window: Window) -> Clock:
         return Clock(CPU, "no step data")
     timed = set(window.indices)
     for steps in window.steps.values():
-        timed &= {s["step"] for s in steps if s.get("gpu_step_us") is not None}
+        timed &= {i for i, gpu in zip(steps["step"], steps["gpu_step_us"]) if gpu is not None}
     if not timed:
         return Clock(
             CPU,
             "no CUDA event timings (CPU training, or GPU timing unavailable)",
             dict(window.steps),
         )
-    gpu_steps = {r: [s for s in steps if s["step"] in timed] for r, steps in window.steps.items()}
+    gpu_steps = {r: steps.where("step", timed) for r, steps in window.steps.items()}
     lacking = sorted(
-        r
-        for r, steps in gpu_steps.items()
-        if any(s.get(f) is None for s in steps for f in _GPU_NEEDED)
+        r for r, steps in gpu_steps.items() if any(None in steps[f] for f in _GPU_NEEDED)
     )
     if lacking:
         return Clock(
@@ -115,20 +107,19 @@ def choose_clock(window: Window) -> Clock:
     )
 
 
-def part_columns(steps: list[dict], clock: Clock) -> dict[str, list[int | None]]:
+def part_columns(steps: StepColumns, clock: Clock) -> dict[str, Sequence[int | None]]:
     """Each part of ``steps`` on ``clock``, as a column: part name (:data:`PARTS`) -> one value
     per step in µs (None: not measured), plus ``outside``: the time outside the step
     (:func:`traceml.analysis.outside.split_gap`; input wait is then the DataLoader time alone).
     The residual is the step minus its outside-step time and the measured phases, at least 0
     (phases timed on the GPU may overlap host time). Built column by column: the
     analysis of a million steps must not build a dict per step."""
-    columns = {name: [s.get(key) for s in steps] for name, key in clock.phase_fields}
+    columns = {name: steps[key] for name, key in clock.phase_fields}
     columns["input_wait"], outside_us = split_gap(
-        columns["input_wait"], [s.get("dataloader_next_us") for s in steps]
+        columns["input_wait"], steps["dataloader_next_us"]
     )
     residual = []
-    step_column = [s["step_us"] for s in steps]
-    for step_us, outside, *phases in zip(step_column, outside_us, *columns.values()):
+    for step_us, outside, *phases in zip(steps["step_us"], outside_us, *columns.values()):
         measured = [v for v in phases if v is not None]
         residual.append(max(0, step_us - (outside or 0) - sum(measured)) if measured else None)
     columns["residual"] = residual
@@ -163,19 +154,19 @@ class Profile:
     median_ms: dict[str, float | None]
     share_pct: dict[str, float | None]
     own_compute_ms: float | None
-    parts: dict[str, list[int | None]] = field(default_factory=dict, repr=False, compare=False)
+    parts: dict[str, Sequence[int | None]] = field(default_factory=dict, repr=False, compare=False)
 
 
 def _ms(us: float | None) -> float | None:
     return None if us is None else us / 1000.0
 
 
-def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
+def profile(rank: int, window_steps: StepColumns, clock: Clock) -> Profile:
     """The :class:`Profile` of ``rank``: step time over its window steps, parts over the
     clock's steps."""
     steps = clock.steps[rank]
     parts = part_columns(steps, clock)
-    total_us = sum(s["step_us"] for s in steps) - sum(v or 0 for v in parts["outside"])
+    total_us = sum(steps["step_us"]) - sum(v or 0 for v in parts["outside"])
     median_ms: dict[str, float | None] = {}
     share_pct: dict[str, float | None] = {}
     for name in PARTS:
@@ -183,7 +174,7 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
         median_ms[name] = _ms(median(values))
         measured = [v for v in values if v is not None]
         share_pct[name] = 100.0 * sum(measured) / total_us if measured and total_us else None
-    median_ms["dataloader_next"] = _ms(median(s.get("dataloader_next_us") for s in steps))
+    median_ms["dataloader_next"] = _ms(median(steps["dataloader_next_us"]))
     own = [
         None if forward is None and optimizer is None else (forward or 0) + (optimizer or 0)
         for forward, optimizer in zip(parts["forward"], parts["optimizer"])
@@ -199,9 +190,9 @@ def profile(rank: int, window_steps: list[dict], clock: Clock) -> Profile:
     )
 
 
-def in_step_us(steps: list[dict]) -> list[int]:
+def in_step_us(steps: StepColumns) -> list[int]:
     """Each step's time without its outside-step time (µs): input wait plus the step body."""
-    return [s["step_us"] - (o or 0) for s, o in zip(steps, outside_column(steps))]
+    return [s - (o or 0) for s, o in zip(steps["step_us"], outside_column(steps))]
 
 
 def profiles(window: Window, clock: Clock) -> dict[int, Profile]:
@@ -216,7 +207,9 @@ def missing_phases(clock: Clock) -> dict[str, list[int]]:
         if name not in REQUIRED_PHASES:
             continue
         key = clock.phase_field(cpu, gpu)
-        lacking = [r for r, steps in clock.steps.items() if all(s.get(key) is None for s in steps)]
+        lacking = [
+            r for r, steps in clock.steps.items() if all(v is None for v in steps[key])
+        ]
         if lacking:
             out[name] = sorted(lacking)
     return out

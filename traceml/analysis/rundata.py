@@ -2,25 +2,103 @@
 
 :func:`traceml_aggregator.load.load` turns the SQLite tables into these; the functions in
 :mod:`traceml.analysis` then work on :class:`RunData` alone and never touch the store.
+
+A rank's steps stay columns from the store to the analysis (:class:`StepColumns`), as they
+travel on the wire: the analysis of a million steps builds no object per step.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
+
+#: Every step field, in column order: :data:`STEP_REQUIRED_FIELDS`, then the optional ones.
+STEP_FIELDS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
+
+
+@dataclass(frozen=True)
+class StepColumns:
+    """One attempt's steps as columns, in step order.
+
+    Attributes:
+        columns: step field (every name of :data:`STEP_FIELDS`) -> one value per step (µs, or
+            bytes for the memory peaks; None where the step did not measure it). The required
+            fields (``step``, ``end_us``, ``step_us``) are never None.
+
+    Raises:
+        ValueError: a field is missing or unknown, or the columns differ in length.
+    """
+
+    columns: Mapping[str, Sequence[int | None]]
+
+    def __post_init__(self) -> None:
+        if set(self.columns) != set(STEP_FIELDS):
+            raise ValueError(
+                f"step columns {sorted(self.columns)} are not the step fields {STEP_FIELDS}"
+            )
+        lengths = {len(column) for column in self.columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"step columns of different lengths: {sorted(lengths)}")
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Sequence[int | None]]) -> StepColumns:
+        """Columns of ``rows``, each a tuple of the :data:`STEP_FIELDS` in that order (as the
+        store returns them); transposed in C, with no Python code per step."""
+        columns = list(zip(*rows)) or [()] * len(STEP_FIELDS)
+        return cls(dict(zip(STEP_FIELDS, columns, strict=True)))
+
+    @classmethod
+    def from_dicts(cls, steps: Iterable[Mapping[str, int | None]]) -> StepColumns:
+        """Columns of one mapping per step (fields it lacks are None): for hand-built runs."""
+        return cls.from_rows(tuple(s.get(name) for name in STEP_FIELDS) for s in steps)
+
+    def __len__(self) -> int:
+        return len(self.columns["step"])
+
+    def __getitem__(self, name: str) -> Sequence[int | None]:
+        """The column of step field ``name``.
+
+        Raises:
+            KeyError: ``name`` is not a step field.
+        """
+        return self.columns[name]
+
+    def take(self, positions: Sequence[int]) -> StepColumns:
+        """The steps at ``positions`` (indices into these columns, ascending), as columns."""
+        if len(positions) == len(self):
+            return self
+        if positions and positions[-1] - positions[0] + 1 == len(positions):
+            window = slice(positions[0], positions[-1] + 1)  # contiguous: copy, no lookups
+            return StepColumns({k: c[window] for k, c in self.columns.items()})
+        if not positions:
+            return NO_STEPS
+        pick = operator.itemgetter(*positions)  # two or more: a tuple, built in C
+        return StepColumns({k: pick(c) for k, c in self.columns.items()})
+
+    def where(self, name: str, keep: set[int] | frozenset[int]) -> StepColumns:
+        """The steps whose field ``name`` (usually ``step``) is in ``keep``."""
+        return self.take([i for i, v in enumerate(self.columns[name]) if v in keep])
+
+
+#: No steps (a rank that stored none).
+NO_STEPS = StepColumns.from_rows(())
 
 
 @dataclass
 class RankData:
     """One rank (its latest attempt) as stored.
 
-    ``steps`` holds one dict per stored step of that attempt, in step order, with the
+    ``steps`` holds the steps of that attempt as :class:`StepColumns`, in step order, with the
     step fields of :mod:`traceml.wire.records` (µs, bytes; None when not measured).
     """
 
     rank: int
     restart: int = 0
     identity: dict | None = None
-    steps: list[dict] = field(default_factory=list)
+    steps: StepColumns = NO_STEPS
     finish: dict | None = None
     end: dict | None = None  # from the node launcher's report, when any
     process_samples: list[dict] = field(default_factory=list)

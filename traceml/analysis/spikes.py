@@ -122,6 +122,6 @@ def window_findings(
     per_rank = {}
     for rank, steps in clock.steps.items():
         columns = profiles[rank].parts
-        index, wall = [s["step"] for s in steps], [s["step_us"] for s in steps]
+        index, wall = list(steps["step"]), list(steps["step_us"])
         per_rank[rank] = {p: rank_spikes(index, wall, columns[p]) for p in SPIKE_PARTS}
     return findings(per_rank, window_steps)

@@ -15,6 +15,10 @@ Candidates, each with the step time it costs every step (``impact_ms``):
 The candidate with the largest impact is the primary diagnosis; the others are findings. With
 none, the run is COMPUTE_BOUND (``info``: nothing outside the model's compute holds it back).
 Too few steps or unmeasured phases give INSUFFICIENT_DATA naming what is missing.
+
+Each rule stands alone: the data rules are functions (:data:`INSUFFICIENT_RULES`), each
+straggler part and each bottleneck one row of its table (:data:`_STRAGGLER_PARTS`,
+:data:`_BOUNDS`) that one function evaluates.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from traceml.analysis import thresholds as th
+from traceml.analysis.document import Typical
 from traceml.analysis.findings import MEDIAN, Finding, ranks_text
 from traceml.analysis.phases import Clock, Profile, missing_phases
 from traceml.analysis.stats import lower_median
@@ -143,72 +148,86 @@ def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def typical(profiles: dict[int, Profile]) -> dict:
-    """The typical rank's figures: per part, the lower median across ranks.
-
-    Returns ``{"step_time_ms", "phase_median_ms": {part: ms}, "phase_share_pct": {part: %}}``;
-    each figure is taken on its own, so the parts need not add up to the step.
-    """
+def typical(profiles: dict[int, Profile]) -> Typical:
+    """The typical rank's figures: per part, the lower median across ranks (ms, and % of the
+    step); each figure is taken on its own, so the parts need not add up to the step."""
     parts = next(iter(profiles.values())).median_ms.keys() if profiles else ()
-    return {
-        "step_time_ms": _round(
+    return Typical(
+        step_time_ms=_round(
             lower_median((p.step_ms or {}).get("median") for p in profiles.values())
         ),
-        "phase_median_ms": {
+        phase_median_ms={
             k: _round(lower_median(p.median_ms[k] for p in profiles.values())) for k in parts
         },
-        "phase_share_pct": {
+        phase_share_pct={
             k: _round(lower_median(p.share_pct[k] for p in profiles.values()), 1)
             for k in parts
             if k != "dataloader_next"
         },
-    }
+    )
 
 
 def _severity(impact_ms: float, step_ms: float) -> str:
     return "critical" if impact_ms >= step_ms * th.CRITICAL_PCT / 100.0 else "warning"
 
 
-def _insufficient(window: Window, clock: Clock) -> Finding | None:
-    if not window.steps:
-        return Finding(
-            INSUFFICIENT_DATA,
-            "warning",
-            "No step data: no rank reported a training step, so TraceML cannot say where "
-            "step time goes (system and process figures are still reported).",
-            HOW_TO_INSTRUMENT,
-            evidence={"missing": ["steps"], "ranks_without_steps": window.ranks_without_steps},
-            ranks=window.ranks_without_steps,
-        )
-    if len(window.indices) < th.MIN_WINDOW_STEPS:
-        return Finding(
-            INSUFFICIENT_DATA,
-            "warning",
-            f"Only {len(window.indices)} steps are common to every rank that reported steps; "
-            f"the diagnosis needs at least {th.MIN_WINDOW_STEPS} (MIN_WINDOW_STEPS).",
-            f"Run at least {th.MIN_WINDOW_STEPS + th.WARMUP_STEPS} steps so that warm-up can "
-            "be left out; if a rank stopped early, see the health findings.",
-            evidence={
-                "missing": ["steps"],
-                "window_steps": len(window.indices),
-                "min_window_steps": th.MIN_WINDOW_STEPS,
-            },
-            ranks=window.ranks,
-        )
+def no_step_data(window: Window, clock: Clock) -> Finding | None:
+    """INSUFFICIENT_DATA: no rank reported a training step."""
+    if window.steps:
+        return None
+    return Finding(
+        INSUFFICIENT_DATA,
+        "warning",
+        "No step data: no rank reported a training step, so TraceML cannot say where "
+        "step time goes (system and process figures are still reported).",
+        HOW_TO_INSTRUMENT,
+        evidence={"missing": ["steps"], "ranks_without_steps": window.ranks_without_steps},
+        ranks=window.ranks_without_steps,
+    )
+
+
+def too_few_steps(window: Window, clock: Clock) -> Finding | None:
+    """INSUFFICIENT_DATA: fewer than MIN_WINDOW_STEPS steps common to every rank."""
+    if len(window.indices) >= th.MIN_WINDOW_STEPS:
+        return None
+    return Finding(
+        INSUFFICIENT_DATA,
+        "warning",
+        f"Only {len(window.indices)} steps are common to every rank that reported steps; "
+        f"the diagnosis needs at least {th.MIN_WINDOW_STEPS} (MIN_WINDOW_STEPS).",
+        f"Run at least {th.MIN_WINDOW_STEPS + th.WARMUP_STEPS} steps so that warm-up can "
+        "be left out; if a rank stopped early, see the health findings.",
+        evidence={
+            "missing": ["steps"],
+            "window_steps": len(window.indices),
+            "min_window_steps": th.MIN_WINDOW_STEPS,
+        },
+        ranks=window.ranks,
+    )
+
+
+def phases_never_measured(window: Window, clock: Clock) -> Finding | None:
+    """INSUFFICIENT_DATA: a required phase (forward, backward, optimizer) was never measured
+    on some rank, so the residual would absorb it."""
     lacking = missing_phases(clock)
-    if lacking:
-        what = "; ".join(f"{name} on {ranks_text(r)}" for name, r in lacking.items())
-        return Finding(
-            INSUFFICIENT_DATA,
-            "warning",
-            f"Phases never measured ({what}): without them the step cannot be broken down.",
-            "Pass the model to traceml.trace_step(model) so forward is timed, call "
-            "loss.backward() and optimizer.step() inside the traced step, or time custom code "
-            'with traceml.phase("forward"|"backward"|"optimizer").',
-            evidence={"missing": sorted(lacking), "ranks_lacking": lacking},
-            ranks=sorted({r for ranks in lacking.values() for r in ranks}),
-        )
-    return None
+    if not lacking:
+        return None
+    what = "; ".join(f"{name} on {ranks_text(r)}" for name, r in lacking.items())
+    return Finding(
+        INSUFFICIENT_DATA,
+        "warning",
+        f"Phases never measured ({what}): without them the step cannot be broken down.",
+        "Pass the model to traceml.trace_step(model) so forward is timed, call "
+        "loss.backward() and optimizer.step() inside the traced step, or time custom code "
+        'with traceml.phase("forward"|"backward"|"optimizer").',
+        evidence={"missing": sorted(lacking), "ranks_lacking": lacking},
+        ranks=sorted({r for ranks in lacking.values() for r in ranks}),
+    )
+
+
+#: The data rules, checked in order before any diagnosis: the first that applies is the
+#: primary diagnosis (INSUFFICIENT_DATA), and nothing else is diagnosed.
+INSUFFICIENT_RULES = (no_step_data, too_few_steps, phases_never_measured)
 
 
 def straggler_floor(step_ms: float) -> float:
@@ -341,11 +360,11 @@ def _whole_nodes(slow: set[int], ranks: set[int], node_of: dict[int, int | None]
     return []
 
 
-def _bounds(profiles: dict[int, Profile], typ: dict, step_ms: float) -> list[Finding]:
+def _bounds(profiles: dict[int, Profile], typ: Typical, step_ms: float) -> list[Finding]:
     findings = []
     limits = th.as_dict()
     for bound in _BOUNDS:
-        ms = typ["phase_median_ms"].get(bound.part)
+        ms = typ.phase_median_ms.get(bound.part)
         if ms is None or not step_ms:
             continue
         # One statistic for the whole claim: the typical median per step, as a share of the
@@ -364,7 +383,7 @@ def _bounds(profiles: dict[int, Profile], typ: dict, step_ms: float) -> list[Fin
             "per_rank_ms": {str(r): _round(p.median_ms[bound.part]) for r, p in profiles.items()},
         }
         if bound.part == "input_wait":
-            evidence["dataloader_next_ms"] = typ["phase_median_ms"].get("dataloader_next")
+            evidence["dataloader_next_ms"] = typ.phase_median_ms.get("dataloader_next")
         findings.append(
             Finding(
                 bound.kind,
@@ -382,8 +401,8 @@ def _bounds(profiles: dict[int, Profile], typ: dict, step_ms: float) -> list[Fin
     return findings
 
 
-def _compute_bound(profiles: dict[int, Profile], typ: dict, step_ms: float) -> Finding:
-    medians = typ["phase_median_ms"]
+def _compute_bound(profiles: dict[int, Profile], typ: Typical, step_ms: float) -> Finding:
+    medians = typ.phase_median_ms
     compute_ms = sum(medians.get(k) or 0.0 for k in ("forward", "backward", "optimizer"))
     compute = 100.0 * compute_ms / step_ms if step_ms else 0.0
     return Finding(
@@ -425,11 +444,12 @@ def diagnose(
             difference in step time alone names no straggler.
         extra: further candidates with their ``impact_ms`` (outside-step time, spikes, ...).
     """
-    missing = _insufficient(window, clock)
-    if missing is not None:
-        return missing, []
+    for rule in INSUFFICIENT_RULES:
+        missing = rule(window, clock)
+        if missing is not None:
+            return missing, []
     typ = typical(profiles)
-    step_ms = typ["step_time_ms"]
+    step_ms = typ.step_time_ms
     candidates = (
         _stragglers(profiles, node_of, step_ms, synchronized)
         + _bounds(profiles, typ, step_ms)

@@ -1,9 +1,10 @@
 """The summary document (``final_summary.json``) built from :class:`RunData`, I/O-free.
 
-Layout (``docs/final_summary.schema.json`` is the contract, ``docs/reading-output.md`` the
-guide): ``run`` (identity, topology, completeness), ``primary_diagnosis`` (why the steps are
-slow), ``findings`` by section (``step_time``, ``memory``, ``system``, ``health``),
-``analysis`` (window, clock, typical rank, thresholds), ``ranks[]`` and ``nodes[]``.
+The typed model is :mod:`traceml.analysis.document` (``docs/final_summary.schema.json`` is
+generated from it; ``docs/reading-output.md`` is the guide). Layout: ``run`` (identity,
+topology, completeness), ``primary_diagnosis`` (why the steps are slow), ``findings`` by
+section (``step_time``, ``memory``, ``system``, ``health``), ``analysis`` (window, clock,
+typical rank, thresholds), ``ranks[]`` and ``nodes[]``.
 
 Units: every duration is in milliseconds (``*_ms``), every size in bytes (``*_bytes``), shares
 in percent (``*_pct``). A figure that was never measured is ``null``, never 0.
@@ -12,6 +13,7 @@ in percent (``*_pct``). A figure that was never measured is ``null``, never 0.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from traceml.analysis import (
     cost,
@@ -24,13 +26,29 @@ from traceml.analysis import (
     system,
     thresholds,
 )
-from traceml.analysis.phases import PARTS, Profile, choose_clock, in_step_us, profiles
-from traceml.analysis.stats import bucket_medians, median
-from traceml.analysis.window import align
+from traceml.analysis.document import (
+    SCHEMA_VERSION,
+    AggregatorOutage,
+    Analysis,
+    ClockInfo,
+    Findings,
+    NodeSummary,
+    OutsideSteps,
+    RankEnd,
+    RankSummary,
+    RunInfo,
+    Series,
+    StepTime,
+    Summary,
+    TelemetryHealth,
+    WindowInfo,
+)
+from traceml.analysis.phases import PARTS, Clock, Profile, choose_clock, in_step_us, profiles
 from traceml.analysis.rundata import RankData, RunData
+from traceml.analysis.schema import plain
+from traceml.analysis.stats import bucket_medians, median
+from traceml.analysis.window import Window, align
 
-#: Version of the summary document's layout; see docs/final_summary.schema.json.
-SCHEMA_VERSION = 1
 #: Most points per rank in the charted series (``ranks[].series``); longer runs are bucketed.
 SERIES_MAX_POINTS = 400
 #: Most step times per rank in ``ranks[].step_time_sample_ms`` (the compare's bootstrap).
@@ -51,25 +69,23 @@ def node_rank(rd: RankData) -> int | None:
     return None
 
 
-def _series(rd: RankData) -> dict:
-    steps = [s["step"] for s in rd.steps]
+def _series(rd: RankData) -> Series:
+    steps = rd.steps
     xs, step_ms = bucket_medians(
-        steps, [s["step_us"] / 1000.0 for s in rd.steps], SERIES_MAX_POINTS
+        steps["step"], [us / 1000.0 for us in steps["step_us"]], SERIES_MAX_POINTS
     )
-    mem = [s for s in rd.steps if s.get("peak_allocated_bytes") is not None]
-    mem_x, alloc = bucket_medians(
-        [s["step"] for s in mem], [s["peak_allocated_bytes"] for s in mem], SERIES_MAX_POINTS
-    )
+    mem = steps.take([i for i, b in enumerate(steps["peak_allocated_bytes"]) if b is not None])
+    mem_x, alloc = bucket_medians(mem["step"], mem["peak_allocated_bytes"], SERIES_MAX_POINTS)
     _, reserved = bucket_medians(
-        [s["step"] for s in mem], [s["peak_reserved_bytes"] or 0 for s in mem], SERIES_MAX_POINTS
+        mem["step"], [b or 0 for b in mem["peak_reserved_bytes"]], SERIES_MAX_POINTS
     )
-    return {
-        "step": xs,
-        "step_ms": [round(v, 3) for v in step_ms],
-        "memory_step": mem_x,
-        "peak_allocated_bytes": [int(v) for v in alloc],
-        "peak_reserved_bytes": [int(v) for v in reserved],
-    }
+    return Series(
+        step=xs,
+        step_ms=[round(v, 3) for v in step_ms],
+        memory_step=mem_x,
+        peak_allocated_bytes=[int(v) for v in alloc],
+        peak_reserved_bytes=[int(v) for v in reserved],
+    )
 
 
 def rank_summary(
@@ -80,78 +96,88 @@ def rank_summary(
     live: bool,
     gpu_totals: dict[str, int],
     span: tuple[int, int] | None,
-) -> dict:
-    """``ranks[]`` entry: identity, end, counts, step time and phases over the window (null
-    outside it), memory, process figures, series for the charts."""
+    outside_steps: dict | None = None,
+    relative_score: dict[str, float | None] | None = None,
+    in_step_us: list[int] = (),
+) -> RankSummary:
+    """``ranks[]`` entry: identity, end, counts, step time and phases over the window (None
+    outside it), memory, process figures, series for the charts; ``outside_steps``
+    (:func:`traceml.analysis.outside.rank_outside`), ``relative_score``
+    (:func:`traceml.analysis.cost.relative_scores`) and the window's in-step times (µs, for
+    ``step_time_sample_ms``) come from the whole-window analyses."""
     ident = rd.identity or {}
     finish = rd.finish or {}
-    step_ms = (
-        {k: _round(prof.step_ms[k]) for k in ("median", "mean", "p95", "max")}
-        if prof and prof.step_ms
-        else None
-    )
-    return {
-        "rank": rd.rank,
-        "restart": rd.restart,
-        "node_rank": node_rank(rd),
-        "local_rank": ident.get("local_rank", (rd.end or {}).get("local_rank")),
-        "hostname": ident.get("hostname"),
-        "device": ident.get("device"),
-        "end": health.end_state(rd, missing, live=live),
-        "steps_completed": finish["steps_completed"] if finish else len(rd.steps),
-        "records_received": len(rd.steps),
-        "records_dropped": finish.get("records_dropped"),
-        "steps_gpu_unresolved": finish.get("steps_gpu_unresolved"),
-        "step_time_ms": step_ms,
-        "phase_median_ms": (
+    return RankSummary(
+        rank=rd.rank,
+        restart=rd.restart,
+        node_rank=node_rank(rd),
+        local_rank=ident.get("local_rank", (rd.end or {}).get("local_rank")),
+        hostname=ident.get("hostname"),
+        device=ident.get("device"),
+        end=RankEnd(**health.end_state(rd, missing, live=live)),
+        steps_completed=finish["steps_completed"] if finish else len(rd.steps),
+        records_received=len(rd.steps),
+        records_dropped=finish.get("records_dropped"),
+        steps_gpu_unresolved=finish.get("steps_gpu_unresolved"),
+        step_time_ms=(
+            StepTime(*(_round(prof.step_ms[k]) for k in ("median", "mean", "p95", "max")))
+            if prof and prof.step_ms
+            else None
+        ),
+        phase_median_ms=(
             {k: _round(v) for k, v in prof.median_ms.items()} if prof else dict(_EMPTY_PHASES)
         ),
-        "phase_share_pct": (
+        phase_share_pct=(
             {k: _round(prof.share_pct[k], 1) for k in PARTS} if prof else dict.fromkeys(PARTS)
         ),
-        "memory": memory.rank_memory(rd, gpu_totals),
-        "process": system.rank_process(rd, span),
-        "earlier_attempts": {str(k): v for k, v in sorted(rd.earlier_attempts.items())},
-        "series": _series(rd),
-    }
+        memory=memory.rank_memory(rd, gpu_totals),
+        process=system.rank_process(rd, span),
+        earlier_attempts={str(k): v for k, v in sorted(rd.earlier_attempts.items())},
+        series=_series(rd),
+        outside_steps=OutsideSteps(**outside_steps) if outside_steps else None,
+        relative_score=relative_score,
+        step_time_sample_ms=_sample(in_step_us),
+    )
 
 
-def node_summaries(run: RunData, ranks: list[dict], span: tuple[int, int] | None) -> list[dict]:
+def node_summaries(
+    run: RunData, ranks: list[RankSummary], span: tuple[int, int] | None
+) -> list[NodeSummary]:
     """``nodes[]``: each node's ranks, torchrun exit, step time over its ranks, system figures."""
     node_ids = (
-        {r["node_rank"] for r in ranks if r["node_rank"] is not None}
+        {r.node_rank for r in ranks if r.node_rank is not None}
         | set(run.system_samples)
         | set(run.node_exits)
     )
     out = []
     for n in sorted(node_ids):
-        members = [r for r in ranks if r["node_rank"] == n]
+        members = [r for r in ranks if r.node_rank == n]
         exit_ = run.node_exits.get(n) or {}
         samples = run.system_samples.get(n, [])
         hostname = (
             exit_.get("hostname")
-            or next((r["hostname"] for r in members if r["hostname"]), None)
+            or next((r.hostname for r in members if r.hostname), None)
             or (samples[-1].get("hostname") if samples else None)
         )
-        stepped = [r for r in members if r["step_time_ms"]]
+        stepped = [r for r in members if r.step_time_ms]
         out.append(
-            {
-                "node_rank": n,
-                "hostname": hostname,
-                "ranks": [r["rank"] for r in members],
-                "exit_code": exit_.get("exit_code"),
-                "restart_count": exit_.get("restart_count"),
-                "step_time_ms_median": _round(median(r["step_time_ms"]["median"] for r in stepped)),
-                "phase_median_ms": {
-                    k: _round(median(r["phase_median_ms"][k] for r in stepped)) for k in PARTS
+            NodeSummary(
+                node_rank=n,
+                hostname=hostname,
+                ranks=[r.rank for r in members],
+                exit_code=exit_.get("exit_code"),
+                restart_count=exit_.get("restart_count"),
+                step_time_ms_median=_round(median(r.step_time_ms.median for r in stepped)),
+                phase_median_ms={
+                    k: _round(median(r.phase_median_ms[k] for r in stepped)) for k in PARTS
                 },
-                "system": system.node_system(samples, run.gpu_samples.get(n, []), span),
-            }
+                system=system.node_system(samples, run.gpu_samples.get(n, []), span),
+            )
         )
     return out
 
 
-def _sample(values: list[int]) -> list[float]:
+def _sample(values: Sequence[int]) -> list[float]:
     """``ranks[].step_time_sample_ms``: the window's step times without time outside the
     steps (``values``, µs) in ms, every k-th step so that at most STEP_SAMPLE_MAX remain; what
     ``traceml compare`` bootstraps its interval from."""
@@ -178,8 +204,23 @@ def _onsets_and_costs(run, clock, profs, in_step, primary, others):
     return found[0], found[1:]
 
 
-def build_summary(run: RunData, *, live: bool = False) -> dict:
-    """The whole summary document for ``run``.
+def _clock_info(clock: Clock) -> ClockInfo:
+    return ClockInfo(clock.name, clock.reason, len(next(iter(clock.steps.values()), ())))
+
+
+def _window_info(window: Window) -> WindowInfo:
+    return WindowInfo(
+        first_step=window.indices[0] if window.indices else None,
+        last_step=window.indices[-1] if window.indices else None,
+        steps=len(window.indices),
+        warmup_steps_skipped=window.warmup_skipped,
+        ranks=window.ranks,
+        ranks_without_steps=window.ranks_without_steps,
+    )
+
+
+def build(run: RunData, *, live: bool = False) -> Summary:
+    """The whole summary of ``run``, typed (what :func:`build_summary` writes as JSON).
 
     Args:
         run: everything stored for the run.
@@ -195,7 +236,7 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
         (rd.identity or {}).get("parallelism") in ("ddp", "fsdp") for rd in run.ranks.values()
     )
     in_step = {  # rank -> (window steps, their time without time outside the steps, µs)
-        r: ([s["step"] for s in steps], in_step_us(steps)) for r, steps in window.steps.items()
+        r: (list(steps["step"]), in_step_us(steps)) for r, steps in window.steps.items()
     }
     outside_steps = outside.sections(window.steps, {r: rd.steps for r, rd in run.ranks.items()})
     extra = [outside.finding(outside_steps, len(window.indices))]
@@ -211,52 +252,62 @@ def build_summary(run: RunData, *, live: bool = False) -> dict:
     span = system.window_span_us(run, window)
     totals = memory.gpu_totals(run)
     ranks = [
-        rank_summary(rd, profs.get(r), missing=missing, live=live, gpu_totals=totals, span=span)
+        rank_summary(
+            rd,
+            profs.get(r),
+            missing=missing,
+            live=live,
+            gpu_totals=totals,
+            span=span,
+            outside_steps=outside_steps.get(r),
+            relative_score=scores.get(r),
+            in_step_us=in_step.get(r, ((), []))[1],
+        )
         for r, rd in run.ranks.items()
     ]
-    for r in ranks:
-        r["outside_steps"] = outside_steps.get(r["rank"])
-        r["relative_score"] = scores.get(r["rank"])
-        r["step_time_sample_ms"] = _sample(in_step.get(r["rank"], ((), []))[1])
     nodes = node_summaries(run, ranks, span)
     gpu_ranks: dict[str, list[int]] = {}
     for r, rd in run.ranks.items():
         uuid = (rd.identity or {}).get("gpu_uuid")
         if uuid:
             gpu_ranks.setdefault(uuid, []).append(r)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "generated_unix_s": round(time.time(), 3),
-        "live": live,
-        "run": {
-            "run_name": run.run_name,
-            "world_size": run.world_size,
-            "nodes": [n["node_rank"] for n in nodes],
-            "complete": not missing and not live,
-            "missing_ranks": sorted(missing),
-            "attempt": max((rd.restart for rd in run.ranks.values()), default=0),
-            "status": health.run_status(ranks, sorted(missing), live=live),
-            "telemetry_health": {
-                "aggregator_restarts": len(run.aggregator_restarts),
-                "aggregator_outages": run.aggregator_restarts,
-            },
-            "rejected": dict(sorted(run.rejected.items())),
-        },
-        "primary_diagnosis": primary.to_json(),
-        "findings": {
-            "step_time": [f.to_json() for f in step_findings],
-            "memory": [
-                f.to_json() for f in memory.findings({r["rank"]: r["memory"] for r in ranks})
-            ],
-            "system": [f.to_json() for f in system.findings(nodes, gpu_ranks)],
-            "health": [f.to_json() for f in health.findings(run, ranks, live=live)],
-        },
-        "analysis": {
-            "clock": clock.to_json(),
-            "window": window.to_json(),
-            "typical": step_time.typical(profs),
-            "thresholds": thresholds.as_dict(),
-        },
-        "ranks": ranks,
-        "nodes": nodes,
-    }
+    return Summary(
+        schema_version=SCHEMA_VERSION,
+        generated_unix_s=round(time.time(), 3),
+        live=live,
+        run=RunInfo(
+            run_name=run.run_name,
+            world_size=run.world_size,
+            nodes=[n.node_rank for n in nodes],
+            complete=not missing and not live,
+            missing_ranks=sorted(missing),
+            attempt=max((rd.restart for rd in run.ranks.values()), default=0),
+            status=health.run_status(ranks, sorted(missing), live=live),
+            telemetry_health=TelemetryHealth(
+                aggregator_restarts=len(run.aggregator_restarts),
+                aggregator_outages=[AggregatorOutage(**o) for o in run.aggregator_restarts],
+            ),
+            rejected=dict(sorted(run.rejected.items())),
+        ),
+        primary_diagnosis=primary,
+        findings=Findings(
+            step_time=step_findings,
+            memory=memory.findings({r.rank: r.memory for r in ranks}),
+            system=system.findings(nodes, gpu_ranks),
+            health=health.findings(run, ranks, live=live),
+        ),
+        analysis=Analysis(
+            clock=_clock_info(clock),
+            window=_window_info(window),
+            typical=step_time.typical(profs),
+            thresholds=thresholds.as_dict(),
+        ),
+        ranks=ranks,
+        nodes=nodes,
+    )
+
+
+def build_summary(run: RunData, *, live: bool = False) -> dict:
+    """The whole summary document for ``run``, as the JSON values written to
+    ``final_summary.json`` (see :func:`build` for the typed form and the arguments)."""
+    return plain(build(run, live=live))

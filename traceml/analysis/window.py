@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from traceml.analysis import thresholds
-from traceml.analysis.rundata import RunData
+from traceml.analysis.rundata import RunData, StepColumns
 
 
 @dataclass(frozen=True)
@@ -19,14 +19,14 @@ class Window:
     """Aligned steps of the ranks that reported steps.
 
     Attributes:
-        steps: rank -> that rank's window steps (step field dicts, µs), in step order; only
-            ranks with step data appear.
+        steps: rank -> that rank's window steps (columns of step fields, µs), in step order;
+            only ranks with step data appear.
         indices: the window's step indices (the same for every rank), ascending.
         warmup_skipped: steps left out at the start.
         ranks_without_steps: ranks of the world that stored no step at all.
     """
 
-    steps: dict[int, list[dict]] = field(default_factory=dict)
+    steps: dict[int, StepColumns] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)
     warmup_skipped: int = 0
     ranks_without_steps: list[int] = field(default_factory=list)
@@ -36,17 +36,6 @@ class Window:
         """Ranks in the window, ascending."""
         return sorted(self.steps)
 
-    def to_json(self) -> dict:
-        """``analysis.window`` of the summary."""
-        return {
-            "first_step": self.indices[0] if self.indices else None,
-            "last_step": self.indices[-1] if self.indices else None,
-            "steps": len(self.indices),
-            "warmup_steps_skipped": self.warmup_skipped,
-            "ranks": self.ranks,
-            "ranks_without_steps": self.ranks_without_steps,
-        }
-
 
 def align(run: RunData) -> Window:
     """The window of ``run``: step indices stored by every rank that has steps, minus warm-up."""
@@ -54,13 +43,13 @@ def align(run: RunData) -> Window:
     without = sorted(r for r, rd in run.ranks.items() if not rd.steps)
     if not with_steps:
         return Window(ranks_without_steps=without)
-    common = set.intersection(*({s["step"] for s in steps} for steps in with_steps.values()))
+    common = set.intersection(*(set(steps["step"]) for steps in with_steps.values()))
     indices = sorted(common)
     skip = min(thresholds.WARMUP_STEPS, max(0, len(indices) - thresholds.MIN_WINDOW_STEPS))
     indices = indices[skip:]
     keep = set(indices)
     return Window(
-        steps={r: [s for s in steps if s["step"] in keep] for r, steps in with_steps.items()},
+        steps={r: steps.where("step", keep) for r, steps in with_steps.items()},
         indices=indices,
         warmup_skipped=skip,
         ranks_without_steps=without,

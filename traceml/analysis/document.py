@@ -1,0 +1,461 @@
+"""The summary document (``final_summary.json``) as typed dataclasses.
+
+:func:`traceml.analysis.summary.build_summary` builds a :class:`Summary`; the finding rules read
+its parts (:class:`RankSummary`, :class:`NodeSummary`, :class:`Typical`, ...), and
+:func:`~traceml.analysis.schema.plain` turns it into the JSON written to disk: the field order
+here is the key order there. ``docs/final_summary.schema.json`` is generated from these classes
+(:func:`summary_schema`; ``python -m traceml.analysis.document docs/final_summary.schema.json``),
+and a test fails when the committed file is stale.
+
+Units: every duration in milliseconds (``*_ms``), every size in bytes (``*_bytes``), shares in
+percent (``*_pct``); a figure that was never measured is None (``null``), never 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from traceml.analysis import thresholds
+from traceml.analysis.findings import KINDS, SUMMED, Finding
+from traceml.analysis.phases import CPU, GPU, PARTS
+from traceml.analysis.schema import Keys, Refine, Schema, json_schema
+
+#: Version of the summary document's layout; see docs/final_summary.schema.json.
+SCHEMA_VERSION = 1
+
+#: End states of a rank, as in ``ranks[].end.state`` (:func:`traceml.analysis.health.end_state`
+#: decides them).
+COMPLETED = "completed"
+FAILED = "failed"
+SIGNALED = "signaled"
+TERMINATED = "terminated"
+RUNNING = "running"  # no end known yet (live summary) or given up on at finalization
+NEVER_REPORTED = "never_reported"
+END_STATES = (COMPLETED, FAILED, SIGNALED, TERMINATED, RUNNING, NEVER_REPORTED)
+#: ``run.status`` values besides COMPLETED, FAILED and RUNNING (see :func:`~.health.run_status`).
+INTERRUPTED = "interrupted"
+INCOMPLETE = "incomplete"
+RUN_STATUSES = (RUNNING, FAILED, INTERRUPTED, INCOMPLETE, COMPLETED)
+
+#: Allocated-memory trends of a rank (see :mod:`traceml.analysis.memory`).
+PLATEAU = "plateau"
+CREEP = "creep"
+
+#: Parts of ``ranks[].phase_median_ms``: the parts of the step, then the DataLoader's own time.
+MEDIAN_PARTS = PARTS + ("dataloader_next",)
+
+Count = Annotated[int, Schema(minimum=0)]
+Ms = float
+MaybeMs = float | None
+MsByPart = dict[str, MaybeMs]  # part name -> ms (None: not measured)
+
+
+def _kinds(section: str):
+    """A finding of ``section`` (its ``kind`` one of that section's kinds)."""
+    return Annotated[Finding, Refine({"properties": {"kind": {"enum": list(KINDS[section])}}})]
+
+
+@dataclass
+class RunInfo:
+    """``run``: identity, topology and completeness."""
+
+    run_name: str
+    world_size: Count
+    nodes: Annotated[list[int], Schema(description="node ranks seen")]
+    complete: Annotated[bool, Schema(description="every expected rank finished or is known dead")]
+    missing_ranks: Annotated[
+        list[int],
+        Schema(description="ranks finalization gave up waiting for (a partial summary)"),
+    ]
+    attempt: Annotated[
+        int,
+        Schema(minimum=0, description="latest torchrun attempt (restart count) analysed"),
+    ]
+    status: Annotated[
+        str,
+        Schema(
+            enum=list(RUN_STATUSES),
+            description="running (live); failed: a rank failed or died of a signal; "
+            "interrupted: ranks stopped by their launcher's SIGTERM/SIGINT (scancel, "
+            "preemption, Ctrl-C); incomplete: ranks missing or never reported; completed",
+        ),
+    ]
+    telemetry_health: TelemetryHealth
+    rejected: Annotated[
+        dict[str, Annotated[int, Schema(minimum=1)]],
+        Schema(
+            description="calls the aggregator refused, by kind (unauthenticated, foreign_run, "
+            "rank_out_of_range, world_size_mismatch, identity_mismatch, not_a_rank, "
+            "node_rank_out_of_range, restart_regressed, second_sender, bad_sequence, "
+            "malformed, node_claim): see docs/wire.md"
+        ),
+    ]
+
+
+@dataclass
+class AggregatorOutage:
+    """``run.telemetry_health.aggregator_outages[]``: one restart of node 0's aggregator
+    (:attr:`~traceml.analysis.rundata.RunData.aggregator_restarts`)."""
+
+    reason: Annotated[str, Schema(description="why the previous aggregator ended")]
+    gap_s: Annotated[
+        float,
+        Schema(
+            minimum=0,
+            description="seconds from the death the launcher saw to the replacement serving",
+        ),
+    ]
+    restarted_unix_s: Annotated[
+        float, Schema(description="when the replacement aggregator served, unix seconds")
+    ]
+
+
+@dataclass
+class TelemetryHealth:
+    """``run.telemetry_health``: what happened to the telemetry path during the run."""
+
+    aggregator_restarts: Annotated[
+        int,
+        Schema(
+            minimum=0,
+            description="times node 0's launcher restarted a dead aggregator on the run's store",
+        ),
+    ]
+    aggregator_outages: Annotated[
+        list[AggregatorOutage], Schema(description="each restart, in order")
+    ]
+
+
+@dataclass
+class Findings:
+    """``findings``: the findings of each section (besides the primary diagnosis)."""
+
+    step_time: list[_kinds("step_time")]
+    memory: list[_kinds("memory")]
+    system: list[_kinds("system")]
+    health: list[_kinds("health")]
+
+
+@dataclass
+class ClockInfo:
+    """``analysis.clock``: the clock of the analysis and why (see :mod:`~.phases`)."""
+
+    name: Annotated[str, Schema(enum=[CPU, GPU])]
+    reason: str
+    steps: Annotated[
+        int,
+        Schema(
+            minimum=0,
+            description="steps per rank the parts of the step are measured over (on the GPU "
+            "clock: the GPU-timed ones)",
+        ),
+    ]
+
+
+@dataclass
+class WindowInfo:
+    """``analysis.window``: the aligned steps every rank completed (see :mod:`~.window`)."""
+
+    first_step: int | None
+    last_step: int | None
+    steps: Count
+    warmup_steps_skipped: Count
+    ranks: list[int]
+    ranks_without_steps: list[int]
+
+
+@dataclass
+class Typical:
+    """``analysis.typical``: the typical rank, per figure the lower median across the window
+    ranks (so the parts need not add up to the step)."""
+
+    step_time_ms: MaybeMs
+    phase_median_ms: MsByPart
+    phase_share_pct: MsByPart
+
+
+@dataclass
+class Analysis:
+    """``analysis``: how the figures were made."""
+
+    clock: ClockInfo
+    window: WindowInfo
+    typical: Typical
+    thresholds: Annotated[dict[str, float], Keys(thresholds.as_dict())]
+
+
+@dataclass
+class RankEnd:
+    """``ranks[].end``: how the rank ended (see :func:`~.health.end_state`)."""
+
+    state: Annotated[str, Schema(enum=list(END_STATES))]
+    exit_code: int | None
+    signal: int | None
+    reason: str | None
+
+
+@dataclass
+class StepTime:
+    """``ranks[].step_time_ms``: the rank's step time over the window, ms."""
+
+    median: Annotated[Ms, Schema(description="median step time, ms")]
+    mean: Annotated[Ms, Schema(description="mean step time, ms")]
+    p95: Annotated[Ms, Schema(description="p95 step time, ms")]
+    max: Annotated[Ms, Schema(description="max step time, ms")]
+
+
+@dataclass(frozen=True)
+class Trend:
+    """``ranks[].memory.trend``: a rank's allocated-memory trend after warm-up.
+
+    Attributes:
+        name: :data:`PLATEAU` or :data:`CREEP`.
+        start_bytes: median of the first third of the readings after warm-up.
+        end_bytes: median of the last third.
+        growth_bytes: ``end_bytes - start_bytes``.
+        bytes_per_1k_steps: growth rate between the two thirds' middle steps (written
+            rounded to a whole byte).
+        readings: readings the test used (after warm-up).
+    """
+
+    name: Annotated[str, Schema(enum=[PLATEAU, CREEP])]
+    start_bytes: int
+    end_bytes: int
+    growth_bytes: int
+    bytes_per_1k_steps: float
+    readings: int
+
+    def to_json(self) -> dict:
+        """The JSON object written to the summary."""
+        return {
+            "name": self.name,
+            "start_bytes": self.start_bytes,
+            "end_bytes": self.end_bytes,
+            "growth_bytes": self.growth_bytes,
+            "bytes_per_1k_steps": round(self.bytes_per_1k_steps),
+            "readings": self.readings,
+        }
+
+
+@dataclass
+class RankMemory:
+    """``ranks[].memory``: CUDA allocator peaks (bytes), the GPU's total, pressure, trend."""
+
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    gpu_total_bytes: int | None
+    pressure_pct: float | None
+    trend: Trend | None
+    unavailable_reason: str | None
+
+
+@dataclass
+class RankProcess:
+    """``ranks[].process``: the rank's process as the node sampler saw it."""
+
+    samples: Count
+    cpu_percent_median: float | None
+    rss_bytes_max: int | None
+    gpu_allocated_bytes_max: int | None
+    gpu_reserved_bytes_max: int | None
+
+
+@dataclass
+class Series:
+    """``ranks[].series``: the charted series (bucket medians past SERIES_MAX_POINTS)."""
+
+    step: list[int]
+    step_ms: list[float]
+    memory_step: list[int]
+    peak_allocated_bytes: list[int]
+    peak_reserved_bytes: list[int]
+
+
+@dataclass
+class OutsideSteps:
+    """``ranks[].outside_steps``: the rank's time outside the window steps (evaluation,
+    checkpoints, logging between steps; :func:`traceml.analysis.outside.rank_outside`)."""
+
+    statistic: Annotated[
+        str, Schema(const=SUMMED, description="the share is of summed time, not a median")
+    ]
+    share_of_wall_pct: Annotated[
+        float | None,
+        Schema(description="outside-step time as a share of the window steps' wall time, %"),
+    ]
+    total_ms: Annotated[Ms, Schema(description="outside-step time over the window, ms")]
+    wall_ms: Annotated[Ms, Schema(description="summed wall time of the window steps, ms")]
+    gaps: Annotated[
+        int,
+        Schema(
+            minimum=0,
+            description="gaps long enough to count (OUTSIDE_GAP_MIN_PCT of the in-step median)",
+        ),
+    ]
+    gap_median_ms: Annotated[MaybeMs, Schema(description="median of those gaps, ms")]
+    gap_max_ms: Annotated[MaybeMs, Schema(description="longest of those gaps, ms")]
+    period_steps: Annotated[
+        int | None, Schema(description="median steps between two such gaps (null: under 2)")
+    ]
+    gap_steps: Annotated[
+        list[int], Schema(description="steps after such a gap (at most 50)")
+    ]
+    in_step_median_ms: Annotated[
+        Ms, Schema(description="median step time without outside-step time, ms")
+    ]
+    first_gap_ms: Annotated[
+        MaybeMs,
+        Schema(description="outside-step time before the rank's step 1 (start-up), ms; "
+               "kept out of every share and count"),
+    ]
+
+
+@dataclass
+class RankSummary:
+    """``ranks[]``: one rank's identity, end, counts, window figures, memory and process."""
+
+    rank: Count
+    restart: Count
+    node_rank: int | None
+    local_rank: int | None
+    hostname: str | None
+    device: str | None
+    end: RankEnd
+    steps_completed: Count
+    records_received: Count
+    records_dropped: int | None
+    steps_gpu_unresolved: int | None
+    step_time_ms: StepTime | None
+    phase_median_ms: Annotated[MsByPart, Keys(MEDIAN_PARTS, "median {} per step, ms")]
+    phase_share_pct: Annotated[MsByPart, Keys(PARTS, "{} share of the step time, %")]
+    memory: RankMemory
+    process: RankProcess
+    earlier_attempts: Annotated[
+        dict[str, int], Schema(description="earlier attempt number -> steps stored")
+    ]
+    series: Series
+    outside_steps: Annotated[
+        OutsideSteps | None,
+        Schema(description="time outside the steps; null when not separable (no DataLoader) "
+               "or the rank is outside the window"),
+    ]
+    relative_score: Annotated[
+        Annotated[
+            MsByPart,
+            Keys(PARTS, "{}: the fastest rank's median / this rank's (1.0 fastest; null: "
+                 "not measured)"),
+        ]
+        | None,
+        Schema(description="per part, how this rank compares with the fastest (null: rank "
+               "outside the window)"),
+    ]
+    step_time_sample_ms: Annotated[
+        list[float],
+        Schema(description="window step times without outside-step time, ms, every k-th "
+               "step so that at most STEP_SAMPLE_MAX remain (traceml compare's bootstrap)"),
+    ]
+
+
+@dataclass
+class CpuPercent:
+    """``nodes[].system.cpu_percent``: the node's CPU use, % of all cores."""
+
+    median: float
+    p95: float
+    max: float
+
+
+@dataclass
+class GpuFigures:
+    """``nodes[].system.gpus[]``: one GPU as NVML saw it."""
+
+    nvml_index: int
+    uuid: str | None
+    util_percent_median: float | None
+    memory_used_bytes_max: int | None
+    memory_total_bytes: int | None
+    temperature_c_max: float | None
+    power_w_median: float | None
+    unavailable_reason: str | None
+
+
+@dataclass
+class NodeSystem:
+    """``nodes[].system``: the node's host and GPUs over the window's span."""
+
+    samples: Count
+    cpu_percent: CpuPercent | None
+    ram_used_pct_max: float | None
+    ram_total_bytes: int | None
+    gpus: list[GpuFigures]
+    unavailable_reason: str | None
+
+
+@dataclass
+class NodeSummary:
+    """``nodes[]``: each node's ranks, torchrun exit, step time over its ranks, system."""
+
+    node_rank: Count
+    hostname: str | None
+    ranks: list[int]
+    exit_code: int | None
+    restart_count: int | None
+    step_time_ms_median: MaybeMs
+    phase_median_ms: MsByPart
+    system: NodeSystem
+
+
+@dataclass
+class Summary:
+    """The whole document."""
+
+    schema_version: Annotated[int, Schema(const=SCHEMA_VERSION)]
+    generated_unix_s: Annotated[
+        float, Schema(description="when the summary was built, unix seconds")
+    ]
+    live: Annotated[
+        bool,
+        Schema(
+            description="true for a live summary (traceml.summary()), false at finalization"
+        ),
+    ]
+    run: RunInfo
+    primary_diagnosis: _kinds("step_time")
+    findings: Findings
+    analysis: Analysis
+    ranks: list[RankSummary]
+    nodes: list[NodeSummary]
+
+
+def summary_schema() -> dict:
+    """The JSON Schema of ``final_summary.json`` (what docs/final_summary.schema.json holds)."""
+    return json_schema(
+        Summary,
+        defs={"finding": Finding, "rank": RankSummary, "node": NodeSummary},
+        title="TraceML final_summary.json",
+        description=(
+            f"The run summary written at the end of a traceml run (schema_version "
+            f"{SCHEMA_VERSION}). Durations in ms (*_ms), sizes in bytes (*_bytes), shares in "
+            "percent (*_pct); null = not measured. See docs/reading-output.md."
+        ),
+    )
+
+
+
+def main(argv: list[str]) -> int:
+    """``python -m traceml.analysis.document [PATH]``: write the summary's schema
+    (:func:`summary_schema`) to PATH (default: standard output)."""
+    text = json.dumps(summary_schema(), indent=2, ensure_ascii=False) + "\n"
+    if argv:
+        Path(argv[0]).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
