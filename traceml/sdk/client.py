@@ -418,15 +418,19 @@ class TelemetryClient:
             add_steps(batch, valid)
         last = not self._buffer and self._closing and self._finish is not None
         now = time.monotonic()
+        progress = self.progress() if self.progress is not None else None
+        # A heartbeat (a batch of progress alone) waits for the first completed step: before
+        # it the hang watch ignores the rank, and the first batch carries the identity, whose
+        # parallelism is known only once a step has seen the model.
         if records == 0 and not last and (
-            self.progress is None or now - self._last_batch_at < self.config.heartbeat_s
+            progress is None
+            or progress[0] == 0
+            or now - self._last_batch_at < self.config.heartbeat_s
         ):
             return None
         self._last_batch_at = now
-        if self.progress is not None:
-            steps_completed, phase = self.progress()
-            batch.progress.steps_completed = steps_completed
-            batch.progress.phase = phase
+        if progress is not None:
+            batch.progress.steps_completed, batch.progress.phase = progress
         batch.seq = self._next_seq
         self._next_seq += 1
         if batch.seq == 1 and self.identity is not None:
