@@ -1,10 +1,12 @@
 """Processes the script starts itself: under ``traceml run --nproc-per-node=1``, children of
-``torch.multiprocessing.spawn`` that build their own process group are each their own rank.
+``torch.multiprocessing.spawn`` that build their own process group are never merged into one
+rank.
 
-Every child inherits torchrun's ``RANK=0``; before the fix the second child to stream was
-refused as "rank 0 already streamed from another pid" and its telemetry was lost. Now each
-takes its rank from ``torch.distributed`` (with one warning naming its pid) and the summary
-holds both, with their steps."""
+Every child inherits torchrun's ``RANK=0``. Each takes its rank from ``torch.distributed`` and
+says so in one line naming its pid; the aggregator, which validates senders against the run's
+world size (torchrun's: 1), then refuses both children with a reason (world size 2 for rank 0,
+rank 1 out of range) and counts the refusals in ``run.rejected``: nothing of theirs is stored
+under torchrun's rank 0, whose own record shows the steps it ran itself (none)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import re
 from conftest import SCRIPTS, load_summary, query, run_traceml
 
 
-def test_spawned_children_are_each_their_own_rank(tmp_path, port):
+def test_spawned_children_are_named_and_refused_never_merged(tmp_path, port):
     run_dir = tmp_path / "logs" / "spawn"
     result = run_traceml(
         ["run", str(SCRIPTS / "spawn_ddp.py"), "--nproc-per-node=1", "--run-name", "spawn",
@@ -23,13 +25,15 @@ def test_spawned_children_are_each_their_own_rank(tmp_path, port):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = load_summary(run_dir)
-    assert {r["rank"]: r["steps_completed"] for r in summary["ranks"]} == {0: 5, 1: 5}
-    assert {r["rank"]: r["records_received"] for r in summary["ranks"]} == {0: 5, 1: 5}
-    pids = dict(query(run_dir, "SELECT rank, pid FROM ranks ORDER BY rank"))
-    assert len(set(pids.values())) == 2
+    assert [(r["rank"], r["steps_completed"], r["records_received"]) for r in summary["ranks"]] == [
+        (0, 0, 0)
+    ]
+    assert summary["run"]["rejected"] == {"rank_out_of_range": 1, "world_size_mismatch": 1}
+    assert query(run_dir, "SELECT COUNT(*) FROM steps") == [(0,)]
     stderr = (run_dir / "nodes" / "node_0" / "training.stderr.log").read_text()
-    for rank, pid in pids.items():
-        assert re.search(
-            rf"traceml: pid {pid} is rank {rank} of a process group of 2 that the script built "
-            r"itself \(torchrun started it as rank 0 of 1\)", stderr), stderr[-2000:]
-    assert "rejected" not in stderr
+    children = re.findall(
+        r"traceml: pid (\d+) is rank (\d) of a process group of 2 that the script built "
+        r"itself \(torchrun started it as rank 0 of 1\)", stderr)
+    assert sorted(rank for _, rank in children) == ["0", "1"], stderr[-2000:]
+    assert len({pid for pid, _ in children}) == 2
+    assert stderr.count("aggregator rejected telemetry") == 2

@@ -121,7 +121,9 @@ def trace_step(model=None):
     session = _current_session()
     if session is None:
         return _NULL
-    if session.tracer.in_step:  # nested by mistake: the inner block is part of the open step
+    # Nested by mistake: the inner block is part of the open step. An open zero-code step is
+    # no such step: the explicit one takes over from it (StepTracer.begin).
+    if session.tracer.in_step and session.tracer.auto is None:
         session.note_nested_step()
         return _NULL
     ctx = session.step_context
