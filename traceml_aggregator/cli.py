@@ -4,7 +4,7 @@ Usage::
 
     traceml-aggregator --run-dir logs/my-run --run-name my-run --world-size 8 \\
         [--port 29765] [--bind-host 127.0.0.1] [--html-report] [--finalize-timeout-sec 300] \\
-        [--nnodes N] [--no-summary-at-stop]
+        [--nnodes N] [--no-summary-at-stop] [--metrics-port P] [--dashboard-port P]
 
 ``--nnodes`` (set by ``traceml run``) makes finalization also wait, briefly, for each node
 launcher's report of its torchrun's exit; ranks under plain torchrun have no launcher, so a
@@ -84,6 +84,11 @@ def serve_command(
     metrics_port: Optional[int] = typer.Option(
         None, help="serve Prometheus /metrics on this port of --bind-host [default: off]"
     ),
+    dashboard_port: Optional[int] = typer.Option(
+        None,
+        help="serve the browser dashboard on this port of --bind-host (traceml run --mode "
+        f"dashboard sets it; {endpoint.DASHBOARD_PORT} there) [default: off]",
+    ),
     finalize_timeout_sec: Optional[float] = typer.Option(
         None,
         help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or "
@@ -145,6 +150,7 @@ def serve_command(
         validate_run_name(run_name)
         or endpoint.port_error("--port", port)
         or endpoint.port_error("--metrics-port", metrics_port)
+        or endpoint.port_error("--dashboard-port", dashboard_port)
     )
     if not error and world_size is not None and world_size < 1:
         error = f"--world-size {world_size} must be >= 1"
@@ -206,6 +212,7 @@ def serve_command(
         max_concurrent_rpcs=max_concurrent_rpcs or MAX_CONCURRENT_RPCS,
         max_queued_bytes=max_queued_bytes or MAX_QUEUED_BYTES,
         metrics_port=metrics_port,
+        dashboard_port=dashboard_port,
     )
     if finalize_only:
         return finalize_offline(config, node_exit_file)

@@ -93,6 +93,9 @@ class ServerConfig:
     max_queued_bytes: int = MAX_QUEUED_BYTES
     #: Serve Prometheus ``/metrics`` on this port of ``bind_host`` (None: off).
     metrics_port: int | None = None
+    #: Serve the dashboard (:mod:`traceml_aggregator.dashboard`) on this port of ``bind_host``
+    #: (None: off).
+    dashboard_port: int | None = None
 
 
 def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
@@ -320,6 +323,24 @@ async def serve(config: ServerConfig, ready=None) -> int:
                 f"cannot serve /metrics on {endpoint.target(config.bind_host, config.metrics_port)}"
                 f": {exc}"
             ) from exc
+    dashboard = None
+    if config.dashboard_port is not None:
+        from traceml_aggregator.dashboard import app as dashboard_app
+        from traceml_aggregator.dashboard.sources import LiveSource
+
+        try:
+            dashboard = await dashboard_app.start(
+                LiveSource(live), config.bind_host, config.dashboard_port, config.run_token
+            )
+        except OSError as exc:
+            raise BindError(
+                "cannot serve the dashboard on "
+                f"{endpoint.target(config.bind_host, config.dashboard_port)}: {exc}"
+            ) from exc
+        _log.info(
+            f"dashboard on {endpoint.target(config.bind_host, config.dashboard_port)} "
+            "(its URL carries the run token)"
+        )
     writer.start()
     await server.start()
     if config.restart_reason:
@@ -356,6 +377,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
     await server.stop(grace=1.0)
     if metrics_server is not None:
         metrics_server.shutdown()
+    if dashboard is not None:
+        await dashboard.cleanup()
     await writer.drain(5.0)
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None
     if outcome is not None:

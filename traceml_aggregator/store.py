@@ -166,14 +166,25 @@ class Store:
 
     Args:
         path: database file; created with its parent directory if missing.
+        read_only: open an existing file for reading only (``traceml view --serve``): no
+            lock beyond SQLite's shared one, nothing written, no checkpoint at close.
 
     Raises:
         StoreVersionError: the file holds another schema version than :data:`SCHEMA_VERSION`.
-        sqlite3.Error: the file cannot be opened or is not a TraceML database.
+        sqlite3.Error: the file cannot be opened or is not a TraceML database (read-only: it
+            is missing, or a running aggregator holds it).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.read_only = read_only
+        if read_only:
+            self._db = sqlite3.connect(
+                f"{self.path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False
+            )
+            self._check_version()
+            self._seqs, self._latest = {}, {}
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
@@ -451,8 +462,9 @@ class Store:
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
-        """Checkpoint and close; the database is a single file afterwards."""
+        """Checkpoint (unless read-only) and close; the database is a single file afterwards."""
         try:
-            self.checkpoint()
+            if not self.read_only:
+                self.checkpoint()
         finally:
             self._db.close()

@@ -13,8 +13,22 @@ import math
 #: The aggregator's gRPC port on node 0 unless ``--aggregator-port``/``--port`` says otherwise.
 DEFAULT_PORT = 29765
 
+#: The dashboard's HTTP port (``--dashboard-port``; ``traceml run --mode dashboard``, ``traceml
+#: view --serve``): two above the aggregator's, as 29766 is the Prometheus ``--metrics-port`` of
+#: docs/prometheus.md's examples.
+DASHBOARD_PORT = 29767
+
 #: Bind addresses that mean "every interface": a client on the same host reaches them locally.
 ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def dashboard_url(bind_host: str, port: int, token: str) -> str:
+    """The dashboard's URL as printed, token included: ``http://HOST:PORT/?token=TOKEN``, HOST
+    being this machine's name when the dashboard listens on every interface (``0.0.0.0``)."""
+    import socket
+
+    host = socket.gethostname() if bind_host in ANY_ADDRESS else bind_host
+    return f"http://{target(host, port)}/?token={token}"
 
 
 def bracket(host: str) -> str:

@@ -81,6 +81,8 @@ def aggregator_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
     ]
     if config.html_report:
         argv.append("--html-report")
+    if config.mode == "dashboard":
+        argv += ["--dashboard-port", str(config.dashboard_port)]
     if config.tls_cert:
         argv += ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)]
     return argv

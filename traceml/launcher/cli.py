@@ -16,7 +16,7 @@ import typer
 
 from traceml import settings
 from traceml.core import log
-from traceml.core.endpoint import DEFAULT_PORT
+from traceml.core.endpoint import DASHBOARD_PORT, DEFAULT_PORT
 
 app = typer.Typer(
     name="traceml",
@@ -77,7 +77,12 @@ def run_command(
     aggregator_bind_host: Optional[str] = typer.Option(
         None, help="address node 0's aggregator listens on [default: 127.0.0.1; 0.0.0.0 with --nnodes > 1]"
     ),
-    mode: str = typer.Option("summary", help="summary | cli | dashboard"),
+    mode: str = typer.Option(
+        "summary", help="summary | cli | dashboard (a page served by node 0: see --dashboard-port)"
+    ),
+    dashboard_port: int = typer.Option(
+        DASHBOARD_PORT, help="node 0, --mode dashboard: the page's HTTP port, on --aggregator-bind-host"
+    ),
     logs_dir: Path = typer.Option(Path("logs"), help="parent of the run directory"),
     html_report: bool = typer.Option(False, help="also write final_summary.html (node 0)"),
     finalize_timeout_sec: Optional[float] = typer.Option(
@@ -151,6 +156,7 @@ def run_command(
         aggregator_port=aggregator_port,
         aggregator_bind_host=aggregator_bind_host,
         mode=mode,
+        dashboard_port=dashboard_port,
         logs_dir=logs_dir,
         html_report=html_report,
         finalize_timeout_sec=finalize_timeout_sec,
@@ -209,11 +215,19 @@ def _typed(ctx: typer.Context) -> set[str]:
 def view_command(
     summary: Path = typer.Argument(..., help="final_summary.json (or its run directory)"),
     html: Optional[Path] = typer.Option(None, help="write the HTML report to this file"),
+    serve: bool = typer.Option(
+        False, "--serve", help="serve the run's dashboard over its stored telemetry (Ctrl-C stops)"
+    ),
+    port: int = typer.Option(DASHBOARD_PORT, help="with --serve: the HTTP port"),
+    bind_host: str = typer.Option("127.0.0.1", help="with --serve: the address to listen on"),
 ) -> None:
-    """Print a saved summary's text report, or render its HTML report with --html."""
+    """Print a saved summary's text report, render its HTML report with --html, or serve its
+    dashboard with --serve."""
     from traceml.core.rundir import write_atomic
     from traceml.report import SummaryFileError, read_summary
 
+    if serve:
+        _serve_stored(summary, port, bind_host)
     try:
         document = read_summary(summary)
     except SummaryFileError as exc:
@@ -232,6 +246,18 @@ def view_command(
         _error(f"cannot write {html}: {exc.strerror or exc}")
         raise typer.Exit(2)
     _log.info(f"wrote {html}")
+
+
+def _serve_stored(path: Path, port: int, bind_host: str) -> None:
+    """``traceml view RUN_DIR --serve``: become ``python -m traceml_aggregator.dashboard``
+    (the launcher and the aggregator import each other in neither direction; exec'd, it gets
+    Ctrl-C itself and its exit code is the command's)."""
+    run_dir = path.parent if path.is_file() else path
+    argv = [sys.executable, "-m", "traceml_aggregator.dashboard", str(run_dir),
+            "--port", str(port), "--bind-host", bind_host]  # fmt: skip
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, argv)
 
 
 @app.command("compare")

@@ -63,6 +63,8 @@ class LaunchConfig:
     aggregator_port: int = endpoint.DEFAULT_PORT
     aggregator_bind_host: str | None = None
     mode: str = "summary"
+    #: Node 0, ``--mode dashboard``: the page's HTTP port, on ``aggregator_bind_host``.
+    dashboard_port: int = endpoint.DASHBOARD_PORT
     logs_dir: Path = Path("logs")
     html_report: bool = False
     #: Budget of node 0's finalization, s (``--finalize-timeout-sec``, wins over the env).
@@ -149,6 +151,7 @@ class LaunchConfig:
         for name, port in (
             ("--master-port", self.master_port),
             ("--aggregator-port", self.aggregator_port),
+            ("--dashboard-port", self.dashboard_port),
         ):
             error = endpoint.port_error(name, port)
             if error:
@@ -204,8 +207,22 @@ class LaunchConfig:
                 f"--master-port and --aggregator-port are both {self.aggregator_port}: node 0 "
                 "listens on each, so they must differ"
             )
+        if self.owns_aggregator and self.mode == "dashboard" and self.dashboard_port in (
+            self.aggregator_port, self.master_port
+        ):
+            raise LaunchError(
+                f"--dashboard-port {self.dashboard_port} is also the aggregator's or the "
+                "rendezvous port: node 0 listens on each, so they must differ"
+            )
         self._resolve_credentials()
         return self
+
+    @property
+    def dashboard_url(self) -> str:
+        """Node 0, ``--mode dashboard``: the page's URL, the run token in it."""
+        return endpoint.dashboard_url(
+            str(self.aggregator_bind_host), self.dashboard_port, str(self.run_token)
+        )
 
     def _resolve_credentials(self) -> None:
         """The token and TLS files from their flags, else their variables; checked here.

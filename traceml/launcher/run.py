@@ -72,7 +72,7 @@ class Abandon(BaseException):
 _log = log.get("launcher")
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "--aggregator-port") -> None:
     """Raise :class:`LaunchError` when a socket listens on ``host:port`` right now.
 
     The probe binds with ``SO_REUSEADDR`` and listens, as the aggregator's gRPC server does:
@@ -89,9 +89,9 @@ def check_port_free(host: str, port: int) -> None:
             sock.listen(1)
         except OSError as exc:
             why = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            what = "aggregator" if flag == "--aggregator-port" else "dashboard"
             raise LaunchError(
-                f"aggregator port {host}:{port} is not available ({why}); "
-                "pick another with --aggregator-port"
+                f"{what} port {host}:{port} is not available ({why}); pick another with {flag}"
             ) from None
 
 
@@ -112,6 +112,8 @@ def preflight(config: LaunchConfig) -> None:
                 f"{config.run_dir} already holds a run's telemetry; use another --run-name"
             )
         check_port_free(config.aggregator_bind_host, config.aggregator_port)
+        if config.mode == "dashboard":
+            check_port_free(config.aggregator_bind_host, config.dashboard_port, "--dashboard-port")
 
 
 class Launch:
@@ -308,9 +310,17 @@ class Launch:
                 return torchrun.wait()
 
     def _live_view(self) -> LiveView | None:
-        """The ``--mode cli``/``dashboard`` view of a single-node run (None otherwise)."""
+        """The ``--mode cli`` view of a single-node run (None otherwise); ``--mode dashboard``
+        prints the page's URL once (the aggregator serves the page, for every node)."""
         config = self.config
         if config.mode == "summary":
+            return None
+        if config.mode == "dashboard":  # served by the aggregator: say where, once
+            if self.health["status"] == "serving":
+                _log.info(
+                    f"dashboard: {config.dashboard_url} (from another machine: see "
+                    "docs/dashboard.md for an SSH tunnel)"
+                )
             return None
         if config.nnodes > 1:
             _log.info(

@@ -1,0 +1,221 @@
+"""The browser dashboard, for real: ``traceml run --mode dashboard`` of a 2-rank job with a
+planted input straggler, opened in headless Chromium while it trains, then
+``traceml view RUN_DIR --serve`` over the stored run.
+
+The live page must show both ranks, a step-time chart whose point count grows between two
+looks, and the planted finding; it must load nothing but its own origin. A screenshot is saved
+in ``$TRACEML_TEST_ARTIFACTS`` (else the test's tmp dir); with ``TRACEML_UPDATE_DOCS=1`` it
+also replaces docs/dashboard.png. A wrong or missing token is answered 401 with a one-line
+body. Skipped when no Chromium is installed (Debian: ``apt-get install chromium``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from chromium import CHROMIUM, DevTools
+from conftest import ROOT, SCRIPTS, free_port, load_summary, traceml_cmd, traceml_env
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed"),
+]
+
+STEPS = 600
+WIDTH = 1200
+URL_LINE = re.compile(r"dashboard(?: of the stored run \S+)?: (http://\S+/\?token=(\S+))")
+#: What the test reads of the page: the ranks' rows, the step chart's points, the findings.
+LOOK = """JSON.stringify({
+  ranks: [...document.querySelectorAll('#ranks tr[data-rank]')].map(r => +r.dataset.rank),
+  points: +(document.getElementById('chart-steps').dataset.points || 0),
+  canvases: document.querySelectorAll('#chart-steps canvas').length,
+  verdict: document.getElementById('verdict').dataset.kind || null,
+  findings: [...document.querySelectorAll('#findings li[data-kind]')].map(li => li.dataset.kind),
+  nodes: [...document.querySelectorAll('#nodes tr[data-node]')].map(r => r.cells[3].textContent),
+  frames: +(document.body.dataset.frames || 0),
+})"""
+
+
+class Lines:
+    """The lines a process writes to a pipe, collected by a thread."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: re.Pattern, process: subprocess.Popen, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if (m := pattern.search(line)) is not None:
+                    return m
+            assert process.poll() is None, "".join(self.lines)
+            time.sleep(0.1)
+        raise AssertionError(f"no line matching {pattern.pattern}: {''.join(self.lines)}")
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _assert_token_required(base: str) -> None:
+    for path in ("/", "/api/frame", "/api/events"):
+        for query in ("", "?token=wrong", "?token="):
+            status, body = _get(base + path + query)
+            assert status == 401, (path, query, status)
+            assert body.decode().count("\n") == 1 and body.startswith(b"401 Unauthorized: ")
+
+
+def _look(chrome: DevTools, session: str) -> dict:
+    return json.loads(chrome.evaluate(session, LOOK))
+
+
+def _wait_look(chrome, session, ok, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        look = _look(chrome, session)
+        if ok(look) or time.monotonic() > deadline:
+            return look
+        time.sleep(0.25)
+
+
+def _requested(chrome: DevTools) -> list[str]:
+    return [
+        e["params"]["request"]["url"]
+        for e in chrome.events
+        if e.get("method") == "Network.requestWillBeSent"
+    ]
+
+
+def _artifact_dir(tmp_path: Path) -> Path:
+    where = Path(os.environ.get("TRACEML_TEST_ARTIFACTS") or tmp_path)
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_live_dashboard_then_stored_run(tmp_path):
+    port, dashboard_port = free_port(), free_port()
+    launcher = subprocess.Popen(
+        traceml_cmd()
+        + ["run", str(SCRIPTS / "planted_ddp.py"), "--nproc-per-node=2", "--mode=dashboard",
+           f"--dashboard-port={dashboard_port}", f"--aggregator-port={port}",
+           "--run-name=dash", f"--logs-dir={tmp_path / 'logs'}", "--",
+           "--scenario", "input_straggler", "--steps", str(STEPS), "--delay-ms", "20"],
+        cwd=tmp_path, env=traceml_env(launcher=True), stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    err = Lines(launcher.stderr)
+    chrome = None
+    try:
+        m = err.wait_for(URL_LINE, launcher, 120)
+        url, token = m.group(1), m.group(2)
+        origin = f"http://127.0.0.1:{dashboard_port}/"
+        assert url == f"{origin}?token={token}" and len(token) == 43
+        assert sum(bool(URL_LINE.search(line)) for line in err.lines) == 1  # printed once
+        _assert_token_required(origin.rstrip("/"))
+
+        chrome = DevTools(tmp_path / "profile")
+        session = chrome.open_page(url, WIDTH)
+        first = _wait_look(chrome, session, lambda k: k["ranks"] == [0, 1] and k["points"], 60)
+        assert first["ranks"] == [0, 1] and first["points"] > 0 and first["canvases"] == 1, first
+        second = _wait_look(chrome, session, lambda k: k["points"] > first["points"], 30)
+        assert second["points"] > first["points"], (first, second)
+        found = _wait_look(chrome, session, lambda k: k["verdict"] == "INPUT_STRAGGLER", 60)
+        assert found["verdict"] == "INPUT_STRAGGLER", found
+        assert "INPUT_STRAGGLER" in found["findings"] and found["nodes"] == ["running"], found
+        assert launcher.poll() is None  # all of it while the job trains
+        png = _artifact_dir(tmp_path) / "dashboard.png"
+        chrome.screenshot(session, png, WIDTH)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 30_000
+        if os.environ.get("TRACEML_UPDATE_DOCS") == "1":
+            shutil.copyfile(png, ROOT / "docs" / "dashboard.png")
+        print(f"screenshot for review: {png}")
+        requested = _requested(chrome)
+        assert requested and all(u.startswith(origin) for u in requested), requested
+        chrome.close()
+        chrome = None
+        assert launcher.wait(240) == 0, "".join(err.lines)
+    finally:
+        if chrome is not None:
+            chrome.close()
+        _stop(launcher)
+    run_dir = tmp_path / "logs" / "dash"
+    summary = load_summary(run_dir)
+    assert summary["primary_diagnosis"]["kind"] == "INPUT_STRAGGLER"
+
+    # After the run: the same page over the stored run (a fresh token: the process's own).
+    view_port = free_port()
+    view = subprocess.Popen(
+        traceml_cmd() + ["view", str(run_dir), "--serve", f"--port={view_port}"],
+        cwd=tmp_path, env=traceml_env(launcher=True), stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    err = Lines(view.stderr)
+    chrome = None
+    try:
+        m = err.wait_for(URL_LINE, view, 60)
+        url, token = m.group(1), m.group(2)
+        origin = f"http://127.0.0.1:{view_port}"
+        _assert_token_required(origin)
+        status, body = _get(f"{origin}/api/frame?token={token}")
+        assert status == 200
+        frame = json.loads(body)
+        assert frame["run"] == {**frame["run"], "run_name": "dash", "world_size": 2,
+                                "live": False, "status": "completed"}  # fmt: skip
+        assert [r["rank"] for r in frame["ranks"]] == [0, 1]
+        assert [r["steps"] for r in frame["ranks"]] == [STEPS, STEPS]
+        assert {r: len(s["step"]) for r, s in frame["steps"].items()} == {"0": STEPS, "1": STEPS}
+        assert frame["steps"]["1"]["step"] == list(range(STEPS))
+        assert frame["verdict"]["kind"] == "INPUT_STRAGGLER"
+        assert frame["verdict"]["summary"] == summary["primary_diagnosis"]["summary"]
+        assert [n["state"] for n in frame["nodes"]] == ["exited 0"]
+        chrome = DevTools(tmp_path / "profile-view")
+        session = chrome.open_page(url, WIDTH)
+        look = _wait_look(chrome, session, lambda k: k["points"] == 2 * STEPS, 30)
+        assert look["ranks"] == [0, 1] and look["points"] == 2 * STEPS, look
+        assert look["verdict"] == "INPUT_STRAGGLER" and look["nodes"] == ["exited 0"], look
+        assert all(u.startswith(origin) for u in _requested(chrome))
+        chrome.close()
+        chrome = None
+        view.send_signal(signal.SIGINT)
+        assert view.wait(20) == 0, "".join(err.lines)
+    finally:
+        if chrome is not None:
+            chrome.close()
+        _stop(view)
+
+
+def test_view_serve_refuses_a_directory_without_a_store(tmp_path):
+    result = subprocess.run(
+        traceml_cmd() + ["view", str(tmp_path), "--serve", f"--port={free_port()}"],
+        env=traceml_env(launcher=True), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == f"traceml: error: {tmp_path} holds no TraceML store (telemetry.sqlite)\n"

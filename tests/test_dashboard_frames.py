@@ -1,0 +1,97 @@
+"""The dashboard's frames (traceml_aggregator/dashboard/frames.py): what a viewer gets first,
+then only what is new, with exact values."""
+
+from __future__ import annotations
+
+from traceml.analysis.rundata import RankData, RunData, StepColumns
+from traceml_aggregator.dashboard import frames
+from traceml_aggregator.dashboard.frames import Cursor, Snapshot
+
+START_US = 1_700_000_000_000_000
+
+
+def _steps(first: int, last: int, input_us: int = 1000) -> StepColumns:
+    return StepColumns.from_dicts(
+        {"step": s, "end_us": 10_000 * (s + 1), "step_us": 10_000, "input_wait_us": input_us,
+         "forward_us": 3000, "backward_us": 4000, "optimizer_us": 1000}  # fmt: skip
+        for s in range(first, last + 1)
+    )
+
+
+def _run(last_step: int, restart: int = 0, with_exit: bool = False) -> RunData:
+    ranks = {}
+    for r in (0, 1):
+        ranks[r] = RankData(
+            r,
+            restart=restart,
+            identity={"rank": r, "node_rank": 0, "hostname": "h0", "start_unix_us": START_US},
+            steps=_steps(0, last_step, 1000 + 4000 * r),
+            process_samples=[
+                {"rank": r, "restart": restart, "unix_us": START_US + 1_000_000 * i,
+                 "cpu_percent": 50.0, "rss_bytes": 2**30, "gpu_allocated_bytes": None}
+                for i in range(3)
+            ],  # fmt: skip
+        )
+    system = {0: [{"node_rank": 0, "unix_us": START_US + 1_000_000 * i, "hostname": "h0",
+                   "cpu_percent": 40.0 + i, "gpu_unavailable_reason": "no NVIDIA driver"}
+                  for i in range(2)]}  # fmt: skip
+    exits = {0: {"node_rank": 0, "exit_code": 0}} if with_exit else {}
+    return RunData("r", 2, ranks, exits, system, {}, [])
+
+
+SUMMARY = {
+    "run": {"status": "running"},
+    "primary_diagnosis": {"kind": "INPUT_STRAGGLER", "severity": "warning", "summary": "s",
+                          "action": "a", "ranks": [1], "evidence": {}},  # fmt: skip
+    "findings": {"system": [{"kind": "HIGH_CPU", "severity": "warning", "summary": "c",
+                             "action": "d", "ranks": [], "nodes": [0]}]},  # fmt: skip
+    "ranks": [{"rank": r, "step_time_ms": {"median": 10.0, "p95": 10.0},
+               "phase_share_pct": {"input_wait": 10.0 + 40 * r}} for r in (0, 1)],  # fmt: skip
+}
+
+
+def test_first_frame_holds_everything_then_only_what_is_new():
+    cursor = Cursor()
+    first = Snapshot(_run(9), SUMMARY, live=False, version=1).frame(cursor)
+    assert first["steps"]["1"]["step"] == list(range(10))
+    assert first["steps"]["1"]["input_wait"] == [5.0] * 10
+    assert first["steps"]["0"]["step_ms"] == [10.0] * 10
+    assert first["steps"]["0"]["reset"] is False
+    assert first["memory"]["0"]["t"] == [START_US / 1e6 + i for i in range(3)]
+    assert first["memory"]["0"]["rss_bytes"] == [2**30] * 3
+    assert first["system"]["0"] == {
+        "t": [START_US / 1e6, START_US / 1e6 + 1],
+        "cpu_percent": [40.0, 41.0],
+        "gpu_util_percent": [None, None],
+    }
+    assert first["verdict"] == {"kind": "INPUT_STRAGGLER", "severity": "warning",
+                                "summary": "s", "action": "a", "ranks": [1]}  # fmt: skip
+    assert [f["kind"] for f in first["findings"]] == ["HIGH_CPU"]
+    assert [(r["rank"], r["steps"], r["input_pct"], r["state"]) for r in first["ranks"]] == [
+        (0, 10, 10.0, "running"), (1, 10, 50.0, "running")]  # fmt: skip
+    assert first["nodes"][0]["ranks"] == [0, 1]
+    assert first["nodes"][0]["gpu_note"] == "no NVIDIA driver"
+    assert first["nodes"][0]["state"] == "no exit report"  # stored, and no exit reported
+
+    later = Snapshot(_run(14, with_exit=True), SUMMARY, live=False, version=2).frame(cursor)
+    assert later["steps"]["0"]["step"] == [10, 11, 12, 13, 14]
+    assert later["memory"] == {} and later["system"] == {}  # no new samples
+    assert later["nodes"][0]["state"] == "exited 0"
+    assert Snapshot(_run(14), None, live=True, version=3).frame(cursor)["steps"] == {}
+
+
+def test_a_new_attempt_starts_the_rank_over():
+    cursor = Cursor()
+    Snapshot(_run(9), None, live=True, version=1).frame(cursor)
+    frame = Snapshot(_run(3, restart=1), None, live=True, version=2).frame(cursor)
+    assert frame["steps"]["0"]["reset"] is True and frame["steps"]["0"]["step"] == [0, 1, 2, 3]
+    assert frame["memory"]["0"]["reset"] is True and len(frame["memory"]["0"]["t"]) == 3
+    assert frame["verdict"] is None and frame["findings"] == []
+
+
+def test_long_series_are_thinned_keeping_the_last_point():
+    n = 3 * frames.MAX_POINTS + 2
+    run = _run(n - 1)
+    frame = Snapshot(run, None, live=False, version=1).frame(Cursor())
+    assert frame["steps"]["0"]["step"] == list(range(0, n, 4)) + [n - 1]  # every 4th, the last
+    assert len(frame["steps"]["0"]["step_ms"]) == len(range(0, n, 4)) + 1 <= frames.MAX_POINTS

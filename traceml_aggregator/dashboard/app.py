@@ -1,0 +1,218 @@
+"""The dashboard's HTTP server (aiohttp), on the event loop that runs it.
+
+Routes (``TOKEN`` is the run token; see :func:`check_token`):
+
+* ``GET /?token=TOKEN``: the page (``static/index.html``);
+* ``GET /api/frame?token=TOKEN``: the whole run now, one JSON frame
+  (:mod:`traceml_aggregator.dashboard.frames`);
+* ``GET /api/events?token=TOKEN``: server-sent events, one ``data:`` line of JSON per frame:
+  everything at first, then every :data:`REFRESH_S` what changed since (new points, the
+  tables whole), and a comment line every :data:`KEEPALIVE_S` when nothing did;
+* ``GET /static/...``: the page's script and style and the vendored uPlot, without a token
+  (they hold no run data; see ``static/uplot/VERSION``).
+
+Every route but ``/static/`` answers 401 with a one-line body when the token is missing or
+wrong (compared in constant time, :func:`hmac.compare_digest`); a header
+``Authorization: Bearer TOKEN`` is accepted too.
+
+Cost: one :class:`~traceml_aggregator.dashboard.frames.Snapshot` at most every
+:data:`REFRESH_S`, and only while someone watches and the data changed, shared by every viewer;
+each viewer then costs only its new points. The snapshot's ``run_data()`` copy is taken on the
+loop (O(ranks x window) for the live aggregates), the snapshot itself is built on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from traceml_aggregator.dashboard.frames import Cursor, Snapshot
+
+STATIC_DIR = Path(__file__).with_name("static")
+#: Seconds between two frames to a viewer (when the data changed).
+REFRESH_S = 1.0
+#: Seconds between two keep-alive comments on an idle event stream.
+KEEPALIVE_S = 15.0
+#: Seconds after the last viewer's last request when the live verdict stops being refreshed.
+IDLE_AFTER_S = 10.0
+#: The body of every 401 answer.
+UNAUTHORIZED = (
+    "401 Unauthorized: missing or wrong run token; open the URL traceml printed "
+    "(it ends in ?token=...)\n"
+)
+_TOKEN_KEY = web.AppKey("token", str)
+_HUB_KEY = web.AppKey("hub", object)
+
+
+def check_token(request: web.Request, token: str) -> bool:
+    """Whether ``request`` carries ``token`` (``?token=`` or ``Authorization: Bearer``),
+    compared in constant time."""
+    given = request.query.get("token")
+    if given is None:
+        header = request.headers.get("Authorization", "")
+        given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+    return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
+
+
+@web.middleware
+async def _token_gate(request: web.Request, handler):
+    if not request.path.startswith("/static/") and not check_token(
+        request, request.app[_TOKEN_KEY]
+    ):
+        return web.Response(status=401, text=UNAUTHORIZED)
+    return await handler(request)
+
+
+class Hub:
+    """The latest :class:`Snapshot` of ``source``, shared by every viewer (see the module
+    docstring); its live verdict is refreshed by one task while anyone watches."""
+
+    def __init__(self, source, refresh_s: float = REFRESH_S) -> None:
+        self.source = source
+        self.refresh_s = refresh_s
+        self.closing = asyncio.Event()
+        self._snapshot: Snapshot | None = None
+        self._summary: dict | None = None
+        self._summary_version = 0  # bumped whenever a new summary arrives
+        self._built_for: tuple[int, int] | None = None
+        self._lock = asyncio.Lock()
+        self._verdicts: asyncio.Task | None = None
+        self._asked = 0.0  # time.monotonic() of the last snapshot asked for
+
+    async def snapshot(self) -> Snapshot:
+        """The snapshot of the data as it is now; rebuilt when it changed, at most every
+        ``refresh_s`` (a caller within that time gets the last one)."""
+        self._asked = time.monotonic()
+        if self._verdicts is None or self._verdicts.done():
+            self._verdicts = asyncio.get_running_loop().create_task(self._refresh_verdicts())
+        if self._snapshot is None:
+            self._summary = await self.source.summary()
+        async with self._lock:
+            key = (self.source.version(), self._summary_version)
+            fresh = self._snapshot is not None and (
+                key == self._built_for
+                or time.time() - self._snapshot.generated_unix_s < self.refresh_s
+            )
+            if not fresh:
+                run, summary = self.source.run_data(), self._summary
+                self._snapshot = await asyncio.to_thread(
+                    Snapshot, run, summary, live=self.source.live, version=key[0]
+                )
+                self._built_for = key
+            return self._snapshot
+
+    async def _refresh_verdicts(self) -> None:
+        """Keep the latest summary (the source throttles its own analysis) while someone
+        watches: it ends :data:`IDLE_AFTER_S` after the last snapshot asked for."""
+        if not self.source.live:
+            return
+        while not self.closing.is_set() and time.monotonic() - self._asked < IDLE_AFTER_S:
+            summary = await self.source.summary()
+            if summary is not None and summary is not self._summary:
+                self._summary = summary
+                self._summary_version += 1
+            try:
+                await asyncio.wait_for(self.closing.wait(), self.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        """End every event stream and the verdict task."""
+        self.closing.set()
+        if self._verdicts is not None:
+            self._verdicts.cancel()
+
+
+def _json(frame: dict) -> bytes:
+    return json.dumps(frame, separators=(",", ":"), allow_nan=False).encode()
+
+
+async def _page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
+
+
+async def _frame(request: web.Request) -> web.Response:
+    snapshot = await request.app[_HUB_KEY].snapshot()
+    return web.Response(
+        body=_json(snapshot.frame(Cursor())),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    hub: Hub = request.app[_HUB_KEY]
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-store",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    await response.prepare(request)
+    cursor, sent_for, quiet_since = Cursor(), None, time.monotonic()
+    try:
+        while not hub.closing.is_set():
+            snapshot = await hub.snapshot()
+            if snapshot is not sent_for:
+                # "full": the first frame of a stream holds everything (the page starts over:
+                # after a reconnection it would otherwise hold every point twice).
+                frame = {**snapshot.frame(cursor), "full": sent_for is None}
+                await response.write(b"data: " + _json(frame) + b"\n\n")
+                sent_for, quiet_since = snapshot, time.monotonic()
+            elif time.monotonic() - quiet_since >= KEEPALIVE_S:
+                await response.write(b": keep-alive\n\n")
+                quiet_since = time.monotonic()
+            try:
+                await asyncio.wait_for(hub.closing.wait(), hub.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass  # the viewer left, or the server stops
+    return response
+
+
+def make_app(source, token: str) -> web.Application:
+    """The dashboard application over ``source`` (a :mod:`~traceml_aggregator.dashboard.
+    sources` source), protected by ``token``.
+
+    Raises:
+        ValueError: ``token`` is empty.
+    """
+    if not token:
+        raise ValueError("the dashboard needs the run token")
+    app = web.Application(middlewares=[_token_gate])
+    app[_TOKEN_KEY] = token
+    hub = app[_HUB_KEY] = Hub(source)
+    app.router.add_get("/", _page)
+    app.router.add_get("/api/frame", _frame)
+    app.router.add_get("/api/events", _events)
+    app.router.add_static("/static/", STATIC_DIR)
+
+    async def on_shutdown(_app) -> None:
+        await hub.close()
+
+    app.on_shutdown.append(on_shutdown)
+    return app
+
+
+async def start(source, host: str, port: int, token: str) -> web.AppRunner:
+    """Serve the dashboard of ``source`` on ``host:port`` (call on the event loop that is to
+    run it); ``await runner.cleanup()`` stops it (event streams end within a second).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    runner = web.AppRunner(make_app(source, token), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
