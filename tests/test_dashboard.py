@@ -34,6 +34,7 @@ pytestmark = [
 ]
 
 STEPS = 600
+STATIC = ROOT / "traceml_aggregator" / "dashboard" / "static"
 WIDTH = 1200
 URL_LINE = re.compile(r"dashboard(?: of the stored run \S+)?: (http://\S+/\?token=(\S+))")
 #: What the test reads of the page: the ranks' rows, the step chart's points, the findings.
@@ -79,12 +80,15 @@ def _get(url: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def _assert_token_required(base: str) -> None:
-    for path in ("/", "/api/frame", "/api/events"):
-        for query in ("", "?token=wrong", "?token="):
+def _assert_token_required(base: str, token: str) -> None:
+    """Every route but the static files answers 401 without ``token`` (one line)."""
+    for path in ("/", "/api/frame", "/api/events", "/static/../api/frame", "/nothing"):
+        for query in ("", "?token=wrong", "?token=", f"?token={token[:-1]}"):
             status, body = _get(base + path + query)
             assert status == 401, (path, query, status)
             assert body.decode().count("\n") == 1 and body.startswith(b"401 Unauthorized: ")
+    status, body = _get(f"{base}/static/uplot/uPlot.iife.min.js")  # no run data: no token
+    assert status == 200 and body == (STATIC / "uplot" / "uPlot.iife.min.js").read_bytes()
 
 
 def _look(chrome: DevTools, session: str) -> dict:
@@ -114,6 +118,15 @@ def _artifact_dir(tmp_path: Path) -> Path:
     return where
 
 
+def _start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Lines]:
+    """``traceml ARGS`` in ``cwd``, and the lines of its stderr."""
+    process = subprocess.Popen(
+        traceml_cmd() + args, cwd=cwd, env=traceml_env(launcher=True), stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return process, Lines(process.stderr)
+
+
 def _stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.kill()
@@ -122,16 +135,13 @@ def _stop(process: subprocess.Popen) -> None:
 
 def test_live_dashboard_then_stored_run(tmp_path):
     port, dashboard_port = free_port(), free_port()
-    launcher = subprocess.Popen(
-        traceml_cmd()
-        + ["run", str(SCRIPTS / "planted_ddp.py"), "--nproc-per-node=2", "--mode=dashboard",
-           f"--dashboard-port={dashboard_port}", f"--aggregator-port={port}",
-           "--run-name=dash", f"--logs-dir={tmp_path / 'logs'}", "--",
-           "--scenario", "input_straggler", "--steps", str(STEPS), "--delay-ms", "20"],
-        cwd=tmp_path, env=traceml_env(launcher=True), stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    launcher, err = _start(
+        ["run", str(SCRIPTS / "planted_ddp.py"), "--nproc-per-node=2", "--mode=dashboard",
+         f"--dashboard-port={dashboard_port}", f"--aggregator-port={port}",
+         "--run-name=dash", f"--logs-dir={tmp_path / 'logs'}", "--",
+         "--scenario", "input_straggler", "--steps", str(STEPS), "--delay-ms", "20"],
+        tmp_path,
     )  # fmt: skip
-    err = Lines(launcher.stderr)
     chrome = None
     try:
         m = err.wait_for(URL_LINE, launcher, 120)
@@ -139,7 +149,7 @@ def test_live_dashboard_then_stored_run(tmp_path):
         origin = f"http://127.0.0.1:{dashboard_port}/"
         assert url == f"{origin}?token={token}" and len(token) == 43
         assert sum(bool(URL_LINE.search(line)) for line in err.lines) == 1  # printed once
-        _assert_token_required(origin.rstrip("/"))
+        _assert_token_required(origin.rstrip("/"), token)
 
         chrome = DevTools(tmp_path / "profile")
         session = chrome.open_page(url, WIDTH)
@@ -159,6 +169,9 @@ def test_live_dashboard_then_stored_run(tmp_path):
         print(f"screenshot for review: {png}")
         requested = _requested(chrome)
         assert requested and all(u.startswith(origin) for u in requested), requested
+        # One page load and one event stream: the page updated itself, never reloaded.
+        assert requested.count(url) == 1 and requested.count(f"{origin}api/events?token={token}") == 1
+        assert found["frames"] > first["frames"] >= 1
         chrome.close()
         chrome = None
         assert launcher.wait(240) == 0, "".join(err.lines)
@@ -172,18 +185,13 @@ def test_live_dashboard_then_stored_run(tmp_path):
 
     # After the run: the same page over the stored run (a fresh token: the process's own).
     view_port = free_port()
-    view = subprocess.Popen(
-        traceml_cmd() + ["view", str(run_dir), "--serve", f"--port={view_port}"],
-        cwd=tmp_path, env=traceml_env(launcher=True), stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    err = Lines(view.stderr)
+    view, err = _start(["view", str(run_dir), "--serve", f"--port={view_port}"], tmp_path)
     chrome = None
     try:
         m = err.wait_for(URL_LINE, view, 60)
         url, token = m.group(1), m.group(2)
         origin = f"http://127.0.0.1:{view_port}"
-        _assert_token_required(origin)
+        _assert_token_required(origin, token)
         status, body = _get(f"{origin}/api/frame?token={token}")
         assert status == 200
         frame = json.loads(body)

@@ -47,6 +47,7 @@ UNAUTHORIZED = (
 )
 _TOKEN_KEY = web.AppKey("token", str)
 _HUB_KEY = web.AppKey("hub", object)
+_STATIC_KEY = web.AppKey("static", object)
 
 
 def check_token(request: web.Request, token: str) -> bool:
@@ -61,9 +62,10 @@ def check_token(request: web.Request, token: str) -> bool:
 
 @web.middleware
 async def _token_gate(request: web.Request, handler):
-    if not request.path.startswith("/static/") and not check_token(
-        request, request.app[_TOKEN_KEY]
-    ):
+    # By the route matched, not by the path's text: no spelling of a path reaches another
+    # route without the token.
+    static = request.match_info.route.resource is request.app[_STATIC_KEY]
+    if not static and not check_token(request, request.app[_TOKEN_KEY]):
         return web.Response(status=401, text=UNAUTHORIZED)
     return await handler(request)
 
@@ -192,7 +194,7 @@ def make_app(source, token: str) -> web.Application:
     app.router.add_get("/", _page)
     app.router.add_get("/api/frame", _frame)
     app.router.add_get("/api/events", _events)
-    app.router.add_static("/static/", STATIC_DIR)
+    app[_STATIC_KEY] = app.router.add_static("/static/", STATIC_DIR)
 
     async def on_shutdown(_app) -> None:
         await hub.close()

@@ -42,7 +42,9 @@ function el(tag, attrs, ...children) {
 const fmt = (v, digits = 1) => (v === null || v === undefined) ? "–" : Number(v).toFixed(digits);
 const mib = v => (v === null || v === undefined) ? "–" : (v / MIB).toFixed(0);
 
-function chart(id, title, xTime, labels, data, yLabel) {
+// One uPlot chart in element ``id``: x is time (s) when ``xTime``, else the step; ``percent``
+// fixes the y range at 0-100.
+function chart(id, xTime, labels, data, yLabel, percent) {
   const box = document.getElementById(id);
   let points = 0;
   for (let i = 1; i < data.length; i++) for (const v of data[i]) if (v !== null && v !== undefined) points++;
@@ -53,14 +55,14 @@ function chart(id, title, xTime, labels, data, yLabel) {
   if (c && c.key !== key) { c.plot.destroy(); c = null; box.textContent = ""; }
   if (!labels.length || !data[0].length) {
     if (c) { c.plot.destroy(); delete state.charts[id]; }
-    box.textContent = "no data yet";
+    box.textContent = "no readings yet";
     return;
   }
   if (!c) {
     if (box.firstChild && !box.querySelector(".uplot")) box.textContent = "";
     const opts = {
       width: Math.max(300, box.clientWidth), height: 240,
-      scales: { x: { time: xTime } },
+      scales: { x: { time: xTime }, y: percent ? { range: [0, 100] } : {} },
       axes: [{ label: xTime ? "" : "step" }, { label: yLabel, size: 60 }],
       series: [{ label: xTime ? "time" : "step" }].concat(labels.map((l, i) => ({
         label: l.label, stroke: l.color || PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
@@ -83,37 +85,32 @@ function drawSteps(frame) {
   const ranks = chartedRanks(frame);
   const tables = ranks.map(r => [state.steps[r].step, state.steps[r].step_ms]);
   const data = tables.length ? uPlot.join(tables) : [[]];
-  chart("chart-steps", "", false, ranks.map(r => ({ label: "rank " + r })), data, "ms");
+  chart("chart-steps", false, ranks.map(r => ({ label: "rank " + r })), data, "ms", false);
 }
 
 function drawPhases() {
-  const sums = new Map();   // step -> [step ms, each phase ms]
+  // Per step, summed over the ranks: the step time and each phase's time (ms); the residual is
+  // the step time outside every measured phase.
+  const measured = PHASES.filter(p => p[0] !== "residual");
+  const sums = new Map();
   for (const s of Object.values(state.steps)) {
     for (let i = 0; i < s.step.length; i++) {
       let row = sums.get(s.step[i]);
-      if (!row) sums.set(s.step[i], row = new Array(PHASES.length).fill(0));
+      if (!row) sums.set(s.step[i], row = { step: 0, residual: 0, ...Object.fromEntries(measured.map(p => [p[0], 0])) });
       const step = s.step_ms[i] || 0;
       let parts = 0;
-      row[PHASES.length - 1] += step;
-      for (let p = 0; p < PHASES.length - 1; p++) {
-        const v = s[PHASES[p][0]][i] || 0;
-        row[p] += v; parts += v;
-      }
-      row.residual = (row.residual || 0) + Math.max(0, step - parts);
+      for (const [name] of measured) { const v = s[name][i] || 0; row[name] += v; parts += v; }
+      row.step += step;
+      row.residual += Math.max(0, step - parts);
     }
   }
   const steps = [...sums.keys()].sort((a, b) => a - b);
-  const data = [steps];
-  const labels = [];
-  PHASES.forEach(([name, label, color], p) => {
-    const ys = steps.map(x => {
-      const row = sums.get(x), total = row[PHASES.length - 1];
-      const v = name === "residual" ? row.residual : row[p];
-      return total > 0 ? +(100 * v / total).toFixed(1) : null;
-    });
+  const data = [steps], labels = [];
+  for (const [name, label, color] of PHASES) {
+    const ys = steps.map(x => { const row = sums.get(x); return row.step > 0 ? +(100 * row[name] / row.step).toFixed(1) : null; });
     if (ys.some(v => v)) { data.push(ys); labels.push({ label, color }); }
-  });
-  chart("chart-phases", "", false, labels, labels.length ? data : [[]], "%");
+  }
+  chart("chart-phases", false, labels, labels.length ? data : [[]], "%", true);
 }
 
 function drawMemory() {
@@ -130,7 +127,7 @@ function drawMemory() {
       labels.push({ label: `rank ${r} GPU` });
     }
   }
-  chart("chart-memory", "", true, labels, tables.length ? uPlot.join(tables) : [[]], "MiB");
+  chart("chart-memory", true, labels, tables.length ? uPlot.join(tables) : [[]], "MiB", false);
 }
 
 function drawNodes(kind, id) {
@@ -139,7 +136,7 @@ function drawNodes(kind, id) {
     const s = state.system[n];
     if (s[kind].some(v => v !== null)) { tables.push([s.t, s[kind]]); labels.push({ label: "node " + n }); }
   }
-  chart(id, "", true, labels, tables.length ? uPlot.join(tables) : [[]], "%");
+  chart(id, true, labels, tables.length ? uPlot.join(tables) : [[]], "%", true);
 }
 
 function drawVerdict(frame) {
