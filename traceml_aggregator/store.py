@@ -167,7 +167,8 @@ class Store:
     Args:
         path: database file; created with its parent directory if missing.
         read_only: open an existing file for reading only (``traceml view --serve``): no
-            lock beyond SQLite's shared one, nothing written, no checkpoint at close.
+            lock beyond SQLite's shared one, no table or row written, no checkpoint at close
+            (SQLite may leave the empty ``-wal`` and ``-shm`` files of WAL mode).
 
     Raises:
         StoreVersionError: the file holds another schema version than :data:`SCHEMA_VERSION`.

@@ -1,11 +1,24 @@
-"""The dashboard's frames (traceml_aggregator/dashboard/frames.py): what a viewer gets first,
-then only what is new, with exact values."""
+"""The dashboard's parts, with exact values: its frames (traceml_aggregator/dashboard/frames.py:
+what a viewer gets first, then only what is new), its HTTP server on a real socket (the token,
+the data endpoint, the event stream), and the read-only store of ``traceml view --serve``.
+The whole of it in a browser on a real run: tests/test_dashboard.py."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sqlite3
+
+import aiohttp
+import pytest
+
+from conftest import free_port
 from traceml.analysis.rundata import RankData, RunData, StepColumns
+from traceml_aggregator.dashboard import app as dashboard_app
 from traceml_aggregator.dashboard import frames
 from traceml_aggregator.dashboard.frames import Cursor, Snapshot
+from traceml_aggregator.dashboard.sources import StoredSource
+from traceml_aggregator.store import Store
 
 START_US = 1_700_000_000_000_000
 
@@ -95,3 +108,86 @@ def test_long_series_are_thinned_keeping_the_last_point():
     frame = Snapshot(run, None, live=False, version=1).frame(Cursor())
     assert frame["steps"]["0"]["step"] == list(range(0, n, 4)) + [n - 1]  # every 4th, the last
     assert len(frame["steps"]["0"]["step_ms"]) == len(range(0, n, 4)) + 1 <= frames.MAX_POINTS
+
+
+class GrowingRun:
+    """A source (the dashboard's three-call boundary) over a hand-built run whose ranks gain
+    ``grow()`` steps at a time, as the live aggregates' windows do."""
+
+    live = True
+
+    def __init__(self) -> None:
+        self.last_step = 9
+        self._version = 1
+
+    def grow(self, steps: int) -> None:
+        self.last_step += steps
+        self._version += 1
+
+    def version(self) -> int:
+        return self._version
+
+    def run_data(self) -> RunData:
+        return _run(self.last_step)
+
+    async def summary(self) -> dict:
+        return SUMMARY
+
+
+async def _events(session, url: str, count: int) -> list[dict]:
+    """The first ``count`` frames of the event stream at ``url``."""
+    out = []
+    async with session.get(url) as reply:
+        assert reply.status == 200 and reply.headers["Content-Type"] == "text/event-stream"
+        async for line in reply.content:
+            if line.startswith(b"data: "):
+                out.append(json.loads(line[len(b"data: "):]))
+                if len(out) == count:
+                    return out
+
+
+def test_http_token_frame_and_event_stream():
+    source, token, port = GrowingRun(), "the-token", free_port()
+    base = f"http://127.0.0.1:{port}"
+
+    async def main():
+        runner = await dashboard_app.start(source, "127.0.0.1", port, token)
+        try:
+            async with aiohttp.ClientSession() as session:
+                for path in ("/", "/api/frame", "/api/events", "/static/../api/frame", "/x"):
+                    for query in ("", "?token=", "?token=the-toke", "?token=the-token2"):
+                        async with session.get(base + path + query) as reply:
+                            assert reply.status == 401, (path, query)
+                            assert await reply.text() == dashboard_app.UNAUTHORIZED
+                async with session.get(f"{base}/api/frame",
+                                       headers={"Authorization": f"Bearer {token}"}) as reply:
+                    frame = await reply.json()
+                assert frame["steps"]["0"]["step"] == list(range(10))
+                async with session.get(f"{base}/?token={token}") as reply:
+                    assert reply.status == 200 and "/static/dashboard.js" in await reply.text()
+                stream = asyncio.create_task(
+                    _events(session, f"{base}/api/events?token={token}", 2)
+                )
+                await asyncio.sleep(3 * dashboard_app.REFRESH_S)  # no change: no frame
+                assert not stream.done()
+                source.grow(3)
+                first, second = await asyncio.wait_for(stream, 10)
+            assert first["full"] is True and first["steps"]["1"]["step"] == list(range(10))
+            assert second["full"] is False and second["steps"]["1"]["step"] == [10, 11, 12]
+            assert second["verdict"]["kind"] == "INPUT_STRAGGLER"
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_stored_run_is_read_only_and_a_held_store_is_refused(tmp_path):
+    writer = Store(tmp_path / "telemetry.sqlite")
+    writer.set_meta("run_name", "held")
+    with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+        StoredSource(tmp_path)  # a running aggregator holds its store
+    writer.close()
+    before = (tmp_path / "telemetry.sqlite").read_bytes()
+    source = StoredSource(tmp_path)
+    assert source.run_data().run_name == "held" and source.version() == 0
+    assert (tmp_path / "telemetry.sqlite").read_bytes() == before
