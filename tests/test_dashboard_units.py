@@ -67,7 +67,13 @@ def test_first_frame_holds_everything_then_only_what_is_new():
     cursor = Cursor()
     first = Snapshot(_run(9), SUMMARY, live=False, version=1).frame(cursor)
     assert first["steps"]["1"]["step"] == list(range(10))
-    assert first["steps"]["1"]["input_wait"] == [5.0] * 10
+    # Summed over both ranks: steps 20 ms, input 1 + 5 ms, forward 2 x 3 ms, backward 2 x 4 ms,
+    # optimizer 2 x 1 ms, residual 1 ms (rank 0; rank 1's phases fill its step); no H2D.
+    assert first["phases"] == {"step": list(range(10)), "input_wait": [30.0] * 10,
+                               "h2d": [None] * 10, "forward": [30.0] * 10,
+                               "backward": [40.0] * 10, "optimizer": [10.0] * 10,
+                               "residual": [5.0] * 10}  # fmt: skip
+    assert first["charted_ranks"] == [1, 0]  # the verdict's rank first
     assert first["steps"]["0"]["step_ms"] == [10.0] * 10
     assert first["steps"]["0"]["reset"] is False
     assert first["memory"]["0"]["t"] == [START_US / 1e6 + i for i in range(3)]
@@ -88,9 +94,24 @@ def test_first_frame_holds_everything_then_only_what_is_new():
 
     later = Snapshot(_run(14, with_exit=True), SUMMARY, live=False, version=2).frame(cursor)
     assert later["steps"]["0"]["step"] == [10, 11, 12, 13, 14]
+    assert later["phases"]["step"] == [10, 11, 12, 13, 14]
     assert later["memory"] == {} and later["system"] == {}  # no new samples
     assert later["nodes"][0]["state"] == "exited 0"
     assert Snapshot(_run(14), None, live=True, version=3).frame(cursor)["steps"] == {}
+
+
+def test_live_phase_shares_wait_for_every_rank_and_ranks_beyond_the_charted_are_not_sent():
+    run = _run(9)
+    run.ranks[0].steps = _steps(0, 6)  # rank 0 is behind: steps 7-9 are rank 1's only
+    for r in range(2, 2 + frames.MAX_CHART_RANKS):
+        run.ranks[r] = RankData(r, steps=_steps(0, 9))
+    frame = Snapshot(run, None, live=True, version=1).frame(Cursor())
+    assert frame["phases"]["step"] == list(range(7))
+    assert frame["charted_ranks"] == list(range(frames.MAX_CHART_RANKS))
+    assert sorted(map(int, frame["steps"])) == list(range(frames.MAX_CHART_RANKS))
+    assert len(frame["ranks"]) == 2 + frames.MAX_CHART_RANKS  # the table shows every rank
+    stored = Snapshot(run, None, live=False, version=1).frame(Cursor())
+    assert stored["phases"]["step"] == list(range(10))  # a stored run gets no more steps
 
 
 def test_a_new_attempt_starts_the_rank_over():

@@ -17,8 +17,10 @@ wrong (compared in constant time, :func:`hmac.compare_digest`); a header
 
 Cost: one :class:`~traceml_aggregator.dashboard.frames.Snapshot` at most every
 :data:`REFRESH_S`, and only while someone watches and the data changed, shared by every viewer;
-each viewer then costs only its new points. The snapshot's ``run_data()`` copy is taken on the
-loop (O(ranks x window) for the live aggregates), the snapshot itself is built on a thread.
+each viewer then costs only its new points (and the tables: O(ranks)). The snapshot's
+``run_data()`` copy is taken on the loop (O(ranks x window) for the live aggregates), the
+snapshot itself is built on a thread; building takes at most :data:`BUILD_DUTY` of the time
+(figures: ``benchmarks/dashboard.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ STATIC_DIR = Path(__file__).with_name("static")
 REFRESH_S = 1.0
 #: Seconds between two keep-alive comments on an idle event stream.
 KEEPALIVE_S = 15.0
+#: Largest fraction of wall time spent building snapshots (the copy of the live windows on the
+#: event loop, the rest on a thread), as the live analysis's ANALYSIS_DUTY bounds its own.
+BUILD_DUTY = 0.1
 #: Seconds after the last viewer's last request when the live verdict stops being refreshed.
 IDLE_AFTER_S = 10.0
 #: The body of every 401 answer.
@@ -85,10 +90,12 @@ class Hub:
         self._lock = asyncio.Lock()
         self._verdicts: asyncio.Task | None = None
         self._asked = 0.0  # time.monotonic() of the last snapshot asked for
+        self._next_build = 0.0  # time.monotonic() before which no snapshot is built
 
     async def snapshot(self) -> Snapshot:
         """The snapshot of the data as it is now; rebuilt when it changed, at most every
-        ``refresh_s`` (a caller within that time gets the last one)."""
+        ``refresh_s`` and at most :data:`BUILD_DUTY` of the time (after a build of t seconds
+        the next waits ``t * (1 / BUILD_DUTY - 1)``); a caller meanwhile gets the last one."""
         self._asked = time.monotonic()
         if self._verdicts is None or self._verdicts.done():
             self._verdicts = asyncio.get_running_loop().create_task(self._refresh_verdicts())
@@ -97,15 +104,19 @@ class Hub:
         async with self._lock:
             key = (self.source.version(), self._summary_version)
             fresh = self._snapshot is not None and (
-                key == self._built_for
-                or time.time() - self._snapshot.generated_unix_s < self.refresh_s
+                key == self._built_for or time.monotonic() < self._next_build
             )
             if not fresh:
+                started = time.monotonic()
                 run, summary = self.source.run_data(), self._summary
                 self._snapshot = await asyncio.to_thread(
                     Snapshot, run, summary, live=self.source.live, version=key[0]
                 )
                 self._built_for = key
+                took = time.monotonic() - started
+                self._next_build = time.monotonic() + max(
+                    self.refresh_s - took, took * (1.0 / BUILD_DUTY - 1.0)
+                )
             return self._snapshot
 
     async def _refresh_verdicts(self) -> None:

@@ -16,15 +16,20 @@ ms, memory in bytes, utilisation in %; None where not measured)::
                 "gpu_allocated_bytes"}],
      "nodes": [{"node_rank", "hostname", "ranks", "state", "last_seen_age_s", "cpu_percent",
                 "gpu_util_percent", "gpu_note"}],
-     "steps": {rank: {"restart", "reset", "step": [...], "step_ms": [...],
-                      "input_wait" | "h2d" | "forward" | "backward" | "optimizer": [...]}},
+     "charted_ranks": [...],
+     "steps": {rank: {"restart", "reset", "step": [...], "step_ms": [...]}},
+     "phases": {"step": [...], "input_wait" | "h2d" | "forward" | "backward" | "optimizer"
+                | "residual": [...]},
      "memory": {rank: {"reset", "t": [...], "rss_bytes": [...], "gpu_allocated_bytes": [...]}},
      "system": {node: {"t": [...], "cpu_percent": [...], "gpu_util_percent": [...]}}}
 
 (the event stream adds ``"full": true`` to its first frame: that one holds everything).
 
-Phases are on the CPU clock (``<phase>_us`` of the steps; the ``/metrics`` figures use the
-same), since every step has it. A rank's ``steps`` is its latest step index + 1 (steps count
+Per-rank series (``steps``, ``memory``) are sent for the :data:`MAX_CHART_RANKS` charted
+ranks only (:func:`charted_ranks`), so a frame's size does not grow with the world size
+beyond its tables. ``phases`` are each part's share of the step by step, summed over all ranks
+(:func:`_phase_shares`), on the CPU clock (``<phase>_us`` of the steps; the ``/metrics``
+figures use the same), since every step has it. A rank's ``steps`` is its latest step index + 1 (steps count
 from 0 in an attempt); ``reset`` is true when the rank's attempt changed since the viewer's
 last frame (the page then drops what it had of that rank). A node's GPU utilisation at a
 sample time is the mean over its GPUs.
@@ -43,6 +48,8 @@ from traceml.core.phases import PHASES
 
 #: Most points of one series in one frame (a stored run of 1M steps is sent as every k-th).
 MAX_POINTS = 2000
+#: Ranks drawn as lines in the step-time and memory charts (the ranks' table shows them all).
+MAX_CHART_RANKS = 16
 #: Phases charted, with their CPU-clock step field (µs): the parts of the step.
 CHART_PHASES = tuple((p.name, p.cpu_field) for p in PHASES if p.part)
 #: A running rank or node with nothing new for this long is shown as silent, s.
@@ -51,12 +58,15 @@ SILENT_AFTER_S = 30.0
 
 @dataclass
 class Cursor:
-    """What one viewer has received: per rank its attempt and last step index sent, per rank
-    the last process sample time sent (µs), per node the last system sample time sent (µs)."""
+    """What one viewer has received: per charted rank its attempt and last step index sent,
+    and its attempt and last process sample time sent (µs); per node the last system sample
+    time sent (µs)."""
 
     steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     memory: dict[int, tuple[int, int]] = field(default_factory=dict)
     system: dict[int, int] = field(default_factory=dict)
+    #: The last step of the phase shares sent.
+    phases: int = -1
 
 
 _unix_us = operator.itemgetter("unix_us")
@@ -82,7 +92,7 @@ def _thin(values: list, start: int) -> list:
 class _RankSeries:
     restart: int
     step: list[int]
-    columns: dict[str, list]  # "step_ms" and each chart phase, ms
+    step_ms: list
     mem_t_us: list[int]
     memory: dict[str, list]  # "rss_bytes", "gpu_allocated_bytes"
 
@@ -109,24 +119,23 @@ class Snapshot:
         self.version = version
         self.live = live
         self.generated_unix_s = time.time()
+        self.tables = _tables(run, summary, live=live, now_s=self.generated_unix_s)
+        self.charted = charted_ranks(run, summary)
         self._ranks: dict[int, _RankSeries] = {}
-        for r, rd in run.ranks.items():
-            cols = rd.steps
-            steps = list(cols["step"])
-            columns = {"step_ms": [_ms(v) for v in cols["step_us"]]}
-            for name, cpu_field in CHART_PHASES:
-                columns[name] = [_ms(v) for v in cols[cpu_field]]
+        for r in self.charted:
+            rd = run.ranks[r]
             samples = sorted(rd.process_samples, key=_unix_us)
             self._ranks[r] = _RankSeries(
                 restart=rd.restart,
-                step=steps,
-                columns=columns,
+                step=list(rd.steps["step"]),
+                step_ms=[_ms(v) for v in rd.steps["step_us"]],
                 mem_t_us=[s["unix_us"] for s in samples],
                 memory={
                     name: [s.get(name) for s in samples]
                     for name in ("rss_bytes", "gpu_allocated_bytes")
                 },
             )
+        self._phase_steps, self._phase_pct = _phase_shares(run, live=live)
         self._nodes: dict[int, _NodeSeries] = {}
         for n in sorted(set(run.system_samples) | set(run.gpu_samples)):
             system = run.system_samples.get(n, [])
@@ -144,7 +153,6 @@ class Snapshot:
                     for t in times
                 ],
             )
-        self.tables = _tables(run, summary, live=live, now_s=self.generated_unix_s)
 
     def frame(self, cursor: Cursor) -> dict:
         """What the viewer at ``cursor`` has not had yet (see the module docstring); advances
@@ -155,9 +163,8 @@ class Snapshot:
             reset = restart != s.restart
             start = 0 if reset else bisect.bisect_right(s.step, last)
             if start < len(s.step) or reset:
-                entry = {"restart": s.restart, "reset": reset, "step": _thin(s.step, start)}
-                entry.update((k, _thin(v, start)) for k, v in s.columns.items())
-                steps[str(r)] = entry
+                steps[str(r)] = {"restart": s.restart, "reset": reset,
+                                 "step": _thin(s.step, start), "step_ms": _thin(s.step_ms, start)}
                 if s.step:
                     cursor.steps[r] = (s.restart, s.step[-1])
             m_restart, m_last = cursor.memory.get(r, (s.restart, -1))
@@ -168,6 +175,11 @@ class Snapshot:
                 entry.update((k, _thin(v, m_start)) for k, v in s.memory.items())
                 memory[str(r)] = entry
                 cursor.memory[r] = (s.restart, s.mem_t_us[-1] if s.mem_t_us else -1)
+        start = bisect.bisect_right(self._phase_steps, cursor.phases)
+        phases = {"step": _thin(self._phase_steps, start)}
+        phases.update((k, _thin(v, start)) for k, v in self._phase_pct.items())
+        if self._phase_steps:
+            cursor.phases = max(cursor.phases, self._phase_steps[-1])
         for n, s in self._nodes.items():
             start = bisect.bisect_right(s.t_us, cursor.system.get(n, -1))
             if start < len(s.t_us):
@@ -177,7 +189,58 @@ class Snapshot:
                     "gpu_util_percent": _thin(s.gpu_util_percent, start),
                 }
                 cursor.system[n] = s.t_us[-1]
-        return {**self.tables, "steps": steps, "memory": memory, "system": system}
+        return {**self.tables, "charted_ranks": self.charted, "steps": steps,
+                "phases": phases, "memory": memory, "system": system}  # fmt: skip
+
+
+def charted_ranks(run: RunData, summary: dict | None) -> list[int]:
+    """The ranks drawn as lines (at most :data:`MAX_CHART_RANKS`): those the verdict names
+    first, then the others by rank, among the ranks with steps."""
+    named = ((summary or {}).get("primary_diagnosis") or {}).get("ranks") or []
+    with_steps = [r for r, rd in run.ranks.items() if len(rd.steps)]
+    first = [r for r in named if r in run.ranks and len(run.ranks[r].steps)]
+    rest = [r for r in sorted(with_steps) if r not in first]
+    return (first + rest)[:MAX_CHART_RANKS]
+
+
+def _phase_shares(run: RunData, *, live: bool) -> tuple[list[int], dict[str, list]]:
+    """Each part's share of the step (%, one decimal) by step: the part's time summed over the
+    ranks over their step times summed, the residual being each step's time outside every
+    measured phase. Live, only the steps that every rank with steps has completed (a later
+    frame never changes a point already sent). Costs O(ranks x steps)."""
+    sums: dict[int, list] = {}  # step -> [step time, each phase or None, residual] (µs)
+    width = len(CHART_PHASES) + 2
+    lasts = []
+    for rd in run.ranks.values():
+        cols = rd.steps
+        if not len(cols):
+            continue
+        lasts.append(cols["step"][-1])
+        phase_columns = [cols[f] for _, f in CHART_PHASES]
+        for i, (step, step_us) in enumerate(zip(cols["step"], cols["step_us"])):
+            row = sums.get(step)
+            if row is None:
+                row = sums[step] = [0, *([None] * (width - 2)), 0]
+            row[0] += step_us
+            parts = 0
+            for p, column in enumerate(phase_columns, 1):
+                value = column[i]
+                if value is not None:  # a phase no rank measured at a step stays None
+                    row[p] = (row[p] or 0) + value
+                    parts += value
+            row[-1] += max(0, step_us - parts)
+    through = min(lasts) if live and lasts else None
+    steps = sorted(s for s in sums if through is None or s <= through)
+    names = [name for name, _ in CHART_PHASES] + ["residual"]
+    pct = {
+        name: [
+            round(100.0 * sums[s][p] / sums[s][0], 1) if sums[s][0] and sums[s][p] is not None
+            else None
+            for s in steps
+        ]
+        for p, name in enumerate(names, 1)
+    }
+    return steps, pct
 
 
 def _tables(run: RunData, summary: dict | None, *, live: bool, now_s: float) -> dict:

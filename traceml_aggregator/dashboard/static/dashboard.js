@@ -10,24 +10,27 @@ const PHASES = [["input_wait", "input wait", "#e15759"], ["h2d", "H2D", "#f28e2b
   ["optimizer", "optimizer", "#59a14f"], ["residual", "residual", "#bab0ac"]];
 const PALETTE = ["#4e79a7", "#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948",
   "#ff9da7", "#9c755f", "#bab0ac", "#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"];
-const MAX_LINES = PALETTE.length;   // ranks or nodes drawn as lines in one chart
+const MAX_LINES = PALETTE.length;   // ranks (the server sends at most 16) or nodes drawn as lines
 const MAX_POINTS = 20000;           // points kept per series (every other one dropped beyond)
 const MIB = 1024 * 1024;
 
-const state = { steps: {}, memory: {}, system: {}, seen: new Map(), charts: {}, frame: null };
+const state = { steps: {}, phases: null, memory: {}, system: {}, seen: new Map(), charts: {}, frame: null };
 
 function thinned(series, keys) {
   if (series[keys[0]].length <= MAX_POINTS) return;
   for (const k of keys) series[k] = series[k].filter((_, i) => i % 2 === 0);
 }
 
+// ``series`` (null: none yet) with the points of ``delta`` appended (replaced when it resets).
+function extended(series, delta, keys) {
+  if (!series || delta.reset) series = Object.fromEntries(keys.map(k => [k, []]));
+  for (const k of keys) for (const v of (delta[k] || [])) series[k].push(v);
+  thinned(series, keys);
+  return series;
+}
+
 function absorb(store, delta, keys) {
-  for (const [id, d] of Object.entries(delta)) {
-    if (!store[id] || d.reset) store[id] = Object.fromEntries(keys.map(k => [k, []]));
-    const s = store[id];
-    for (const k of keys) for (const v of (d[k] || [])) s[k].push(v);
-    thinned(s, keys);
-  }
+  for (const [id, d] of Object.entries(delta)) store[id] = extended(store[id], d, keys);
 }
 
 function el(tag, attrs, ...children) {
@@ -75,49 +78,26 @@ function chart(id, xTime, labels, data, yLabel, percent) {
   }
 }
 
-function chartedRanks(frame) {
-  const featured = new Set((frame.verdict && frame.verdict.ranks) || []);
-  return Object.keys(state.steps).map(Number)
-    .sort((a, b) => (featured.has(b) - featured.has(a)) || a - b).slice(0, MAX_LINES);
-}
-
 function drawSteps(frame) {
-  const ranks = chartedRanks(frame);
+  const ranks = frame.charted_ranks.filter(r => state.steps[r]);
   const tables = ranks.map(r => [state.steps[r].step, state.steps[r].step_ms]);
   const data = tables.length ? uPlot.join(tables) : [[]];
   chart("chart-steps", false, ranks.map(r => ({ label: "rank " + r })), data, "ms", false);
 }
 
 function drawPhases() {
-  // Per step, summed over the ranks: the step time and each phase's time (ms); the residual is
-  // the step time outside every measured phase.
-  const measured = PHASES.filter(p => p[0] !== "residual");
-  const sums = new Map();
-  for (const s of Object.values(state.steps)) {
-    for (let i = 0; i < s.step.length; i++) {
-      let row = sums.get(s.step[i]);
-      if (!row) sums.set(s.step[i], row = { step: 0, residual: 0, ...Object.fromEntries(measured.map(p => [p[0], 0])) });
-      const step = s.step_ms[i] || 0;
-      let parts = 0;
-      for (const [name] of measured) { const v = s[name][i] || 0; row[name] += v; parts += v; }
-      row.step += step;
-      row.residual += Math.max(0, step - parts);
-    }
-  }
-  const steps = [...sums.keys()].sort((a, b) => a - b);
-  const data = [steps], labels = [];
+  const data = [state.phases.step], labels = [];
   for (const [name, label, color] of PHASES) {
-    const ys = steps.map(x => { const row = sums.get(x); return row.step > 0 ? +(100 * row[name] / row.step).toFixed(1) : null; });
-    if (ys.some(v => v)) { data.push(ys); labels.push({ label, color }); }
+    if (state.phases[name].some(v => v)) { data.push(state.phases[name]); labels.push({ label, color }); }
   }
   chart("chart-phases", false, labels, labels.length ? data : [[]], "%", true);
 }
 
-function drawMemory() {
+function drawMemory(frame) {
   const tables = [], labels = [];
-  for (const r of Object.keys(state.memory).map(Number).sort((a, b) => a - b)) {
+  for (const r of frame.charted_ranks) {
     const m = state.memory[r];
-    if (tables.length >= MAX_LINES) break;
+    if (!m || tables.length >= MAX_LINES) continue;
     if (m.rss_bytes.some(v => v !== null)) {
       tables.push([m.t, m.rss_bytes.map(v => v === null ? null : v / MIB)]);
       labels.push({ label: `rank ${r} RSS` });
@@ -206,14 +186,15 @@ function draw(frame) {
     `${run.world_size} ranks · ${run.status} · ${run.live ? "live" : "stored run"} · updated ` +
     new Date(run.generated_unix_s * 1000).toLocaleTimeString();
   drawVerdict(frame); drawFindings(frame); drawRanks(frame); drawNodeTable(frame);
-  drawSteps(frame); drawPhases(); drawMemory();
+  drawSteps(frame); drawPhases(); drawMemory(frame);
   drawNodes("cpu_percent", "chart-cpu"); drawNodes("gpu_util_percent", "chart-gpu");
   document.body.dataset.frames = String(Number(document.body.dataset.frames || 0) + 1);
 }
 
 function onFrame(frame) {
-  if (frame.full) { state.steps = {}; state.memory = {}; state.system = {}; }
-  absorb(state.steps, frame.steps, ["step", "step_ms"].concat(PHASES.slice(0, -1).map(p => p[0])));
+  if (frame.full) { state.steps = {}; state.memory = {}; state.system = {}; state.phases = null; }
+  absorb(state.steps, frame.steps, ["step", "step_ms"]);
+  state.phases = extended(state.phases, frame.phases, ["step"].concat(PHASES.map(p => p[0])));
   absorb(state.memory, frame.memory, ["t", "rss_bytes", "gpu_allocated_bytes"]);
   absorb(state.system, frame.system, ["t", "cpu_percent", "gpu_util_percent"]);
   draw(frame);
