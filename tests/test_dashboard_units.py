@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sqlite3
+import subprocess
+import sys
 
 import aiohttp
 import pytest
 
-from conftest import free_port
+from conftest import SCRIPTS, assert_rejected, free_port, traceml_env
 from traceml.analysis.rundata import RankData, RunData, StepColumns
 from traceml_aggregator.dashboard import app as dashboard_app
 from traceml_aggregator.dashboard import frames
@@ -212,3 +215,40 @@ def test_a_stored_run_is_read_only_and_a_held_store_is_refused(tmp_path):
     source = StoredSource(tmp_path)
     assert source.run_data().run_name == "held" and source.version() == 0
     assert (tmp_path / "telemetry.sqlite").read_bytes() == before
+
+
+@pytest.fixture
+def busy_port():
+    """A port something listens on (127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+def test_traceml_run_refuses_a_dashboard_port_it_cannot_have(tmp_path, busy_port):
+    port = str(free_port())
+    base = [str(SCRIPTS / "faulty_ddp.py"), "--aggregator-port", port, "--mode", "dashboard"]
+    for flags, expected in (
+        (["--dashboard-port", str(busy_port)],
+         f"dashboard port 127.0.0.1:{busy_port} is not available (already in use); pick "
+         "another with --dashboard-port"),
+        (["--dashboard-port", "70000"], "--dashboard-port 70000 is not a TCP port (1-65535)"),
+        (["--dashboard-port", port],
+         f"--dashboard-port {port} is also the aggregator's or the rendezvous port"),
+    ):  # fmt: skip
+        case = tmp_path / flags[1]
+        case.mkdir()
+        assert_rejected(case, base + flags, expected, marker=port)
+
+
+def test_the_aggregator_refuses_a_dashboard_port_in_use(tmp_path, busy_port):
+    result = subprocess.run(
+        [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(tmp_path / "run"),
+         "--run-name", "r", "--port", str(free_port()), "--dashboard-port", str(busy_port)],
+        env=traceml_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith(
+        f"traceml-aggregator: error: cannot serve the dashboard on 127.0.0.1:{busy_port}: "
+    ), result.stderr
