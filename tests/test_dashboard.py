@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -227,3 +228,38 @@ def test_view_serve_refuses_a_directory_without_a_store(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr == f"traceml: error: {tmp_path} holds no TraceML store (telemetry.sqlite)\n"
+
+
+def test_two_nodes_one_dashboard(tmp_path):
+    """Two launchers on this machine (2 nodes x 1 rank): node 0's dashboard shows both nodes
+    and both ranks while they train, at the URL node 0 printed (every interface, by name)."""
+    port, dashboard_port, logs = free_port(), free_port(), tmp_path / "logs"
+    common = [
+        "run", str(SCRIPTS / "faulty_ddp.py"), "--nnodes=2", "--nproc-per-node=1",
+        "--run-name=two", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        f"--aggregator-port={port}", f"--logs-dir={logs}", "--mode=dashboard",
+        f"--dashboard-port={dashboard_port}",
+    ]  # fmt: skip
+    script = ["--", "--steps", "300", "--step-sleep", "0.05"]
+    node1, err1 = _start(common + ["--node-rank=1"] + script, tmp_path)
+    node0, err0 = _start(common + ["--node-rank=0"] + script, tmp_path)
+    try:
+        m = err0.wait_for(URL_LINE, node0, 120)
+        assert m.group(1) == f"http://{socket.gethostname()}:{dashboard_port}/?token={m.group(2)}"
+        frame_url = f"http://127.0.0.1:{dashboard_port}/api/frame?token={m.group(2)}"
+        deadline = time.monotonic() + 120
+        while True:
+            frame = json.loads(_get(frame_url)[1])
+            placed = {r["rank"]: r["node_rank"] for r in frame["ranks"] if r["steps"]}
+            states = [(n["node_rank"], n["state"]) for n in frame["nodes"]]
+            if placed == {0: 0, 1: 1} and states == [(0, "running"), (1, "running")]:
+                break
+            assert time.monotonic() < deadline, frame
+            time.sleep(0.5)
+        assert sorted(frame["steps"]) == ["0", "1"] and sorted(frame["system"]) == ["0", "1"]
+        assert not any(URL_LINE.search(line) for line in err1.lines)  # node 1 serves no page
+        assert node0.wait(240) == 0, "".join(err0.lines)
+        assert node1.wait(60) == 0, "".join(err1.lines)
+    finally:
+        _stop(node0)
+        _stop(node1)
