@@ -53,7 +53,7 @@ AGGREGATOR_WAIT_SEC = Setting(
     "How long a non-owner node waits for node 0's aggregator before giving up, seconds.",
 )
 LIVE_REFRESH_SEC = Setting(
-    "TRACEML_LIVE_REFRESH_SEC", "5", "Seconds between refreshes of --mode cli/dashboard views."
+    "TRACEML_LIVE_REFRESH_SEC", "5", "Seconds between refreshes of the --mode cli view."
 )
 HANG_TIMEOUT_SEC = Setting(
     "TRACEML_HANG_TIMEOUT_SEC",

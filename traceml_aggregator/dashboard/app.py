@@ -185,14 +185,14 @@ async def _events(request: web.Request) -> web.StreamResponse:
                 await asyncio.wait_for(hub.closing.wait(), hub.refresh_s)
             except asyncio.TimeoutError:
                 pass
-    except (ConnectionResetError, asyncio.CancelledError):
-        pass  # the viewer left, or the server stops
+    except ConnectionResetError:
+        pass  # the viewer left
     return response
 
 
 def make_app(source, token: str) -> web.Application:
-    """The dashboard application over ``source`` (a :mod:`~traceml_aggregator.dashboard.
-    sources` source), protected by ``token``.
+    """The dashboard application over ``source`` (one of
+    :mod:`traceml_aggregator.dashboard.sources`), protected by ``token``.
 
     Raises:
         ValueError: ``token`` is empty.

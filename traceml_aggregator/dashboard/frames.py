@@ -4,8 +4,8 @@ A :class:`Snapshot` is built from a :class:`~traceml.analysis.rundata.RunData` (
 windows, or the whole stored run) and the summary document of the same run (the live verdict,
 or ``final_summary.json``). It holds the run's time series, in order, and the tables (ranks,
 nodes, findings). :meth:`Snapshot.frame` gives one viewer what it has not had yet: the points
-after its :class:`Cursor`, at most :data:`MAX_POINTS` a series (every k-th point when there are
-more, the last one always kept), and the tables whole. A frame (all times in s, durations in
+after its :class:`Cursor`, about :data:`MAX_POINTS` a series at most (every k-th point when
+there are more, and the last one), and the tables whole. A frame (all times in s, durations in
 ms, memory in bytes, utilisation in %; None where not measured)::
 
     {"run": {"run_name", "world_size", "live", "status", "generated_unix_s"},
@@ -77,7 +77,8 @@ def _ms(us) -> float | None:
 
 
 def _thin(values: list, start: int) -> list:
-    """``values[start:]``, at most :data:`MAX_POINTS` of them: every k-th, and the last."""
+    """``values[start:]``; beyond :data:`MAX_POINTS` of them, every k-th (k the smallest
+    that keeps at most :data:`MAX_POINTS`) and the last."""
     tail = values[start:]
     if len(tail) <= MAX_POINTS:
         return tail
