@@ -45,7 +45,7 @@ from traceml import __version__, settings
 from traceml.core import log
 from traceml.launcher import aggregator, claim, credentials
 from traceml.launcher.config import LaunchConfig, LaunchError
-from traceml.launcher.live import LiveView
+from traceml.launcher.live import LiveView, node0_view_line
 from traceml.launcher.stall import StallNotice
 from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher.torchrun import TorchrunProcess, exit_code
@@ -141,6 +141,8 @@ class Launch:
         self._finalizing = False
         #: True once node 0's aggregator served (there is a store to summarize).
         self._served = False
+        #: Node 0's live view while training runs (``--mode cli``/``dashboard``).
+        self.live_view: LiveView | None = None
 
     def run(self) -> int:
         """Launch, wait, finish; returns the exit code for the launcher."""
@@ -216,6 +218,7 @@ class Launch:
             if self.health["status"] != "failed":  # node 0's sampler needs its own aggregator
                 self._start_sampler()
             returncode = self._wait_training(torchrun, run_manifest)
+            self._close_live_view()
             self._finalizing = True
             self._after_training(torchrun, returncode, node_manifest, run_manifest)
         except Abandon as abandon:
@@ -256,6 +259,7 @@ class Launch:
         exited, else a shell's for the signal (128 + N)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # the end is under way: a third one is moot
+        self._close_live_view()
         _log.info(f"got {signal.Signals(signum).name} again: ending now, without a summary")
         if returncode is None and self.torchrun.process is not None:
             self.torchrun.kill()
@@ -281,11 +285,16 @@ class Launch:
         (:meth:`_watch_claims`). A failure of this watch only ends the watch.
         """
         if run_manifest is None:
+            if self.config.mode != "summary":
+                _log.info(node0_view_line(
+                    self.config.mode, self.config.aggregator_host or self.config.master_addr,
+                    self.config.aggregator_target, str(self.config.run_name),
+                ))  # fmt: skip
             return torchrun.wait()
         started_unix_s = time.time()
         partial_seen = False
         stall = StallNotice(self.run_dir.stall_file)
-        live = self._live_view()
+        live = self.live_view = self._live_view()
         next_watch = time.monotonic() + WATCH_INTERVAL_S
         while True:
             returncode = torchrun.wait(AGGREGATOR_POLL_S)
@@ -308,16 +317,16 @@ class Launch:
                 return torchrun.wait()
 
     def _live_view(self) -> LiveView | None:
-        """The ``--mode cli``/``dashboard`` view of a single-node run (None otherwise)."""
+        """Node 0's ``--mode cli``/``dashboard`` view of every node (None for ``summary``)."""
         config = self.config
         if config.mode == "summary":
             return None
-        if config.nnodes > 1:
-            _log.info(
-                f"--mode {config.mode} is a single-node live view; this run shows the summary only"
-            )
-            return None
         return LiveView(config.mode, config.launcher_target, str(config.run_name))
+
+    def _close_live_view(self) -> None:
+        """End node 0's live view (the summary is printed next)."""
+        if self.live_view is not None:
+            self.live_view.close()
 
     def _watch_aggregator(self, manifest: Manifest) -> None:
         """Restart node 0's aggregator on the run's store when its process has exited, up to
