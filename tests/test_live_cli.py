@@ -120,7 +120,7 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
     for column in ("node", "step ms", "input", "fwd", "bwd", "opt", "other", "input %",
                    "CPU %", "idle s", "recent"):  # fmt: skip
         assert column in header, header
-    assert any(line.startswith("traceml tmux: 2 ranks, 1 nodes") for line in screen), screen
+    assert any(line.startswith("traceml tmux: 2 ranks, 1 node,") for line in screen), screen
     assert any(line.startswith("verdict so far: ") for line in screen), screen
     first, last = seen[0], seen[-1]
     for rank in (0, 1):
@@ -138,8 +138,13 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         time.sleep(1.0)
     final = tmux.everything()
     assert "TRACEML_EXIT=0" in final, final
-    after_table = final[final.rindex("verdict so far: "):]
-    assert "TraceML summary · run 'tmux'" in after_table, final
+    # Redrawn in place: one table in the whole scrollback, training's own output above it
+    # (printed through the table's console, never through it), the summary below.
+    assert final.count("traceml tmux: 2 ranks, 1 node,") == 1, final
+    title = final.index("traceml tmux: 2 ranks")
+    for rank in (0, 1):
+        assert -1 < final.find(f"faulty_ddp: rank {rank} trained {STEPS} steps") < title, final
+    assert "TraceML summary · run 'tmux'" in final[final.rindex("verdict so far: "):], final
     summary = load_summary(tmp_path / "logs" / "tmux")
     assert [r["steps_completed"] for r in summary["ranks"]] == [STEPS, STEPS]
 

@@ -21,6 +21,7 @@ where node 0's view is (:func:`node0_view_line`).
 
 from __future__ import annotations
 
+import codecs
 import sys
 import time
 
@@ -167,7 +168,7 @@ def table(reply, elapsed_s: float, run_name: str):
     Columns: node (and host), rank, steps (stored), step (median ms over the window), each
     part of the step (median ms), input (input wait share, %), GPU (its GPU's utilisation,
     %), GPU mem (CUDA peak allocated, else the GPU's memory used, MiB), CPU (the rank's
-    process, %, 100 = one core), idle (s since its last step; red when :func:`stalled`),
+    process, %, 100 = one core), idle (s since its last step; red when :func:`stalled`; how it ended once it did),
     recent (a sparkline of its latest step times on the job's scale). ``-``: not measured.
     """
     from rich.console import Group
@@ -180,8 +181,9 @@ def table(reply, elapsed_s: float, run_name: str):
     recent = [v for r in shown for v in r.recent_step_ms[-SPARK_WIDTH:]]
     low, high = (min(recent), max(recent)) if recent else (0.0, 0.0)
 
+    n_nodes = len(_by_node(reply.ranks))
     grid = Table(title=f"traceml {run_name}: {len(reply.ranks)} ranks, "
-                       f"{len(_by_node(reply.ranks))} nodes, {elapsed_s:.0f} s",
+                       f"{n_nodes} node{'' if n_nodes == 1 else 's'}, {elapsed_s:.0f} s",
                  title_justify="left", header_style="bold")  # fmt: skip
     for name in ("node", "rank", "steps", "step ms", *(label for _, label in _PARTS),
                  "input %", "GPU %", "GPU MiB", "CPU %", "idle s", "recent"):  # fmt: skip
@@ -200,7 +202,7 @@ def table(reply, elapsed_s: float, run_name: str):
                 mib(_opt(r, "gpu_memory_bytes")),
                 num(_opt(r, "cpu_pct"), 0),
                 Text(num(idle), style="bold red" if stalled(r, now) else "")
-                if idle is not None else r.end_state,
+                if idle is not None else NA if r.end_state == "running" else r.end_state,
                 sparkline(r.recent_step_ms[-SPARK_WIDTH:], low, high),
                 end_section=i == len(ranks) - 1,
             )
@@ -238,6 +240,53 @@ def node0_view_line(mode: str, node0_host: str, aggregator_target: str, run_name
     )
 
 
+class AboveTable:
+    """A binary stream that copies training output (torchrun's, :class:`~traceml.launcher.
+    torchrun.Tee`) to the terminal above node 0's live table, so the table stays whole.
+
+    Before the table is first drawn and after it closed, bytes go straight to ``target``;
+    while it is drawn, whole lines go through the table's console (which prints them above
+    it; ANSI colours kept) and a partial line waits for its end (or for :meth:`release`).
+    Called from the Tee's pump thread; rich's console serialises it with the redraws.
+
+    Args:
+        target: the terminal's binary stream (``sys.stdout.buffer`` or ``sys.stderr.buffer``).
+        view: the live view whose table it prints above.
+    """
+
+    def __init__(self, target, view: "LiveView") -> None:
+        self.target = target
+        self.view = view
+        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        self._pending = ""
+
+    def write(self, data: bytes) -> int:
+        """Print ``data`` (bytes); returns its length. Raises OSError on a closed terminal."""
+        live = self.view._live
+        if live is None:
+            self.release()
+            self.target.write(data)
+            return len(data)
+        from rich.text import Text
+
+        text = self._pending + self._decode(data)
+        lines, newline, self._pending = text.rpartition("\n")
+        if newline:
+            live.console.print(Text.from_ansi(lines), soft_wrap=True, highlight=False)
+        return len(data)
+
+    def flush(self) -> None:
+        if self.view._live is None:
+            self.target.flush()
+
+    def release(self) -> None:
+        """Write the partial line held back, if any, straight to ``target``."""
+        pending, self._pending = self._pending + self._decode(b"", final=True), ""
+        if pending:
+            self.target.write(pending.encode())
+            self.target.flush()
+
+
 class LiveView:
     """Refreshes node 0's live view from ``target`` (see the module docstring).
 
@@ -257,10 +306,23 @@ class LiveView:
         self._started = time.monotonic()
         self._next = self._started + self.refresh_s
         self._live = None  # rich.live.Live on a terminal, once drawn
+        self._above: list[AboveTable] = []
         try:
             self.in_place = self.out.isatty()
         except (OSError, ValueError):
             self.in_place = False
+
+    def consoles(self) -> tuple:
+        """The binary streams training's stdout and stderr are copied to: on a terminal,
+        streams that print above the table (:class:`AboveTable`; stderr too when it is the
+        terminal), else the launcher's own ``sys.stdout.buffer`` and ``sys.stderr.buffer``."""
+        out, err = sys.stdout.buffer, sys.stderr.buffer
+        if not self.in_place:
+            return out, err
+        out = AboveTable(out, self)
+        err = AboveTable(err, self) if sys.stderr.isatty() else err
+        self._above = [s for s in (out, err) if isinstance(s, AboveTable)]
+        return out, err
 
     def tick(self) -> bool:
         """Refresh if one is due (called about once a second by the launcher).
@@ -313,8 +375,10 @@ class LiveView:
     def close(self) -> None:
         """Leave the last table on the terminal (and its cursor shown) before the summary."""
         live, self._live = self._live, None
-        if live is not None:
-            try:
+        try:
+            if live is not None:
                 live.stop()
-            except (OSError, ValueError):
-                pass
+            for stream in self._above:
+                stream.release()
+        except (OSError, ValueError):
+            pass

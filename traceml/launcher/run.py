@@ -202,11 +202,12 @@ class Launch:
             return 2
 
         torchrun = self.torchrun = TorchrunProcess(config, run_dir)
+        self.live_view = self._live_view() if owner else None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         returncode = None
         try:
-            torchrun.start()
+            torchrun.start(self.live_view.consoles() if self.live_view else None)
             if self.interrupted:  # signalled while torchrun was starting
                 torchrun.forward_signal(self.interrupted)
             node_manifest.event(
@@ -294,7 +295,7 @@ class Launch:
         started_unix_s = time.time()
         partial_seen = False
         stall = StallNotice(self.run_dir.stall_file)
-        live = self.live_view = self._live_view()
+        live = self.live_view
         next_watch = time.monotonic() + WATCH_INTERVAL_S
         while True:
             returncode = torchrun.wait(AGGREGATOR_POLL_S)
