@@ -1,6 +1,7 @@
 """`traceml run --mode cli` for real: a 2-rank CPU job under tmux (the rich table redrawn in
-place on a terminal), the same job with stdout a pipe (one compact line per refresh), and two
-launchers on two network namespaces (node 0's view shows both nodes; node 1 says where it is).
+place on a terminal), the same job with stdout a pipe (one compact line per refresh), a job
+that stalls (the line flags both ranks), and two launchers on two network namespaces (node 0's
+view shows both nodes; node 1 says where it is).
 
 Each rank sleeps ``SLEEP_S`` inside every step (``tests/scripts/faulty_ddp.py --step-sleep``),
 so the step time the view shows is known to within the tiny model's few milliseconds.
@@ -12,11 +13,15 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 
 import pytest
-from conftest import SCRIPTS, free_port, load_summary, traceml_cmd, traceml_env
+from conftest import (
+    SCRIPTS, assert_all_gone, free_port, load_summary, process_family, start_traceml,
+    traceml_cmd, traceml_env,
+)  # fmt: skip
 from test_netns import HOST0, hosts, run_nodes  # noqa: F401 (hosts: the fixture)
 
 pytestmark = pytest.mark.slow
@@ -172,6 +177,42 @@ def test_piped_stdout_gets_one_compact_line_per_refresh(tmp_path):
         highest = high
         assert SLEEP_S * 1000 <= float(LINE.fullmatch(line)["step"]) < SLEEP_S * 3000, line
     assert "TraceML summary · run 'piped'" in result.stdout.split(with_steps[-1], 1)[1]
+
+
+def test_a_stalled_job_is_flagged_with_its_exact_step_count(tmp_path):
+    """Rank 1 stalls in the forward of step 20 and rank 0 waits for it in backward's
+    all-reduce: both stop at exactly 20 stored steps, and once their idle time passes
+    STALL_MIN_S (10 s) the line names both; SIGTERM then ends the run with its summary (the
+    exit code is torchrun's)."""
+    from traceml.launcher.live import STALL_MIN_S
+
+    args = job_args(tmp_path, "stall") + ["--fail", "stall", "--fail-rank", "1",
+                                          "--fail-step", "20"]  # fmt: skip
+    launcher = start_traceml(args, tmp_path, tmp_path / "stall", env=ENV)
+    processes = process_family(launcher.pid)
+    out = tmp_path / "stall.out"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and "STALLED" not in out.read_text():
+            assert launcher.poll() is None, (tmp_path / "stall.err").read_text()
+            time.sleep(0.5)
+        processes = process_family(launcher.pid)
+        stalled_line = next(line for line in out.read_text().splitlines() if "STALLED" in line)
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(120)
+    assert_all_gone(processes)
+    head, flagged = stalled_line.rsplit(" | STALLED ", 1)
+    assert node_parts(head) == {0: ("0-1", 20, 20)}, stalled_line
+    idle = re.fullmatch(r"rank 0 (\d+)s, rank 1 (\d+)s", flagged)
+    assert idle and all(int(s) >= STALL_MIN_S for s in idle.groups()), stalled_line
+    # Before the flag, the same ranks were shown idle but not yet stalled.
+    earlier = [line for line in out.read_text().splitlines()
+               if line.startswith("[traceml ") and "steps 20 idle" in line]  # fmt: skip
+    assert earlier and "STALLED" not in earlier[0], earlier
+    assert code == 1, (tmp_path / "stall.err").read_text()  # torchrun's, stopped by SIGTERM
+    summary = load_summary(tmp_path / "logs" / "stall")
+    assert [r["steps_completed"] for r in summary["ranks"]] == [20, 20]
 
 
 @pytest.mark.netns
