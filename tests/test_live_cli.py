@@ -175,7 +175,10 @@ def test_piped_stdout_gets_one_compact_line_per_refresh(tmp_path):
         assert ranks == "0-1" and 1 <= low <= high <= 150, line
         assert high >= highest, "steps stored never go down"
         highest = high
-        assert SLEEP_S * 1000 <= float(LINE.fullmatch(line)["step"]) < SLEEP_S * 3000, line
+        assert float(LINE.fullmatch(line)["step"]) >= SLEEP_S * 1000, line  # the sleep: a floor
+    # The median over the last window: the planted sleep plus the tiny model's CPU time (the
+    # first windows hold warm-up steps; a busy shared machine: < 3x).
+    assert float(LINE.fullmatch(with_steps[-1])["step"]) < SLEEP_S * 3000, with_steps[-1]
     assert "TraceML summary · run 'piped'" in result.stdout.split(with_steps[-1], 1)[1]
 
 

@@ -185,3 +185,37 @@ def test_live_ranks_take_counts_and_clock_from_the_aggregates():
                  "gpu_util_pct", "gpu_memory_bytes"):  # fmt: skip
         assert not r1.HasField(name), name
     live.close()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class Bytes(io.BytesIO):
+    def isatty(self) -> bool:
+        return False
+
+
+def test_training_output_prints_above_the_table_whole_lines_only():
+    """While the table is drawn, the copied training output goes through its console in
+    whole lines (a UTF-8 character split across chunks is kept whole); before it is drawn
+    and once it closed, bytes go straight through, the held-back partial line first."""
+    from traceml.launcher.live import LiveView
+
+    screen, raw = Terminal(), Bytes()
+    view = LiveView("cli", "127.0.0.1:1", "r", out=screen)
+    above = view.above(raw)
+    above.write(b"before\n")
+    assert raw.getvalue() == b"before\n"
+    view._draw(reply([rank(0, 0, 3, 0.1)]), 1.0)
+    drawn = len(screen.getvalue())
+    for chunk in (b"loss 0.5\nstep \xc3", b"\xa9t\xc3\xa9 2\npartial"):
+        above.write(chunk)
+    printed = screen.getvalue()[drawn:]
+    assert "loss 0.5\n" in printed and "step été 2\n" in printed and "partial" not in printed
+    assert raw.getvalue() == b"before\n"
+    view.close()
+    assert raw.getvalue() == b"before\npartial"
+    above.write(b" end\n")
+    assert raw.getvalue() == b"before\npartial end\n"

@@ -225,6 +225,7 @@ class Launch:
         except Abandon as abandon:
             return self._abandon(abandon.signum, returncode, node_manifest, run_manifest)
         except Exception as exc:  # fail-open: telemetry never changes the training's outcome
+            self._close_live_view()
             if returncode is None:
                 raise
             _log.warning(
