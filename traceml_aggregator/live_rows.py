@@ -19,8 +19,9 @@ from traceml import wire
 from traceml.report.flat import flatten
 from traceml_aggregator.live import LiveAggregates
 
-#: Latest step times sent per rank for the sparkline (the window's last ones).
-SPARK_STEPS = 48
+#: Latest step times sent per rank for the sparkline (the window's last ones). With them a
+#: row is about 350 bytes: 2.7 MiB for 8,000 ranks, inside gRPC's 4 MiB default message size.
+SPARK_STEPS = 24
 
 
 def summarize_reply(
