@@ -151,6 +151,13 @@ def test_node0_view_line_names_the_host_and_the_aggregator():
         "10.1.0.1 (aggregator 10.1.0.1:29765): watch node 0's terminal or job output "
         "(Slurm: task 0's output)"
     )
+    assert node0_view_line("dashboard", "n0", "n0:29765", "r", "http://n0:29766/?token=t") == (
+        "--mode dashboard: the live page of run r (every node) is served by node 0's "
+        "aggregator on n0: http://n0:29766/?token=t"
+    )
+    assert node0_view_line("dashboard", "n0", "n0:29765", "r").endswith(
+        "on n0: its URL is in node 0's launcher output"
+    )
 
 
 def test_live_ranks_take_counts_and_clock_from_the_aggregates():

@@ -218,7 +218,8 @@ def table(reply, elapsed_s: float, run_name: str):
     return Group(*lines)
 
 
-def node0_view_line(mode: str, node0_host: str, aggregator_target: str, run_name: str) -> str:
+def node0_view_line(mode: str, node0_host: str, aggregator_target: str, run_name: str,
+                    dashboard_url: str | None = None) -> str:  # fmt: skip
     """The one line a node other than 0 prints about the live view: where node 0's view is.
 
     Args:
@@ -227,9 +228,15 @@ def node0_view_line(mode: str, node0_host: str, aggregator_target: str, run_name
             ``--master-addr``).
         aggregator_target: ``host:port`` of node 0's aggregator.
         run_name: the run.
-
-    The ``--mode dashboard`` view adds its URL here (one place composes the line).
+        dashboard_url: ``--mode dashboard``: the page's URL on node 0, None when this node
+            cannot know it (then node 0's output has it).
     """
+    if mode == "dashboard":
+        where = dashboard_url or "its URL is in node 0's launcher output"
+        return (
+            f"--mode dashboard: the live page of run {run_name} (every node) is served by "
+            f"node 0's aggregator on {node0_host}: {where}"
+        )
     return (
         f"--mode {mode}: the live view of run {run_name} (every node) is drawn by node 0's "
         f"launcher on {node0_host} (aggregator {aggregator_target}): watch node 0's terminal "
