@@ -108,7 +108,8 @@ def render(renderable, width: int = 200) -> str:
 def test_table_groups_ranks_by_node_and_marks_the_stall():
     rows = [rank(0, 0, 120, 0.4, recent_step_ms=[8.0, 8.0, 16.0]), rank(1, 0, 118, 0.2),
             rank(2, 1, 40, 30.0, cpu_pct=97.0, gpu_util_pct=55.0, gpu_memory_bytes=3 << 20)]
-    out = [line.rstrip() for line in render(table(reply(rows, ranks="2"), 12.0, "demo")).splitlines()]
+    drawn = render(table(reply(rows, ranks="2"), 12.0, "demo"))
+    out = [line.rstrip() for line in drawn.splitlines()]
     assert out[0] == "traceml demo: 3 ranks, 2 nodes, 12 s"
     header = next(line for line in out if "rank" in line and "steps" in line)
     assert header.replace("┃", " ").split() == [
@@ -123,7 +124,9 @@ def test_table_groups_ranks_by_node_and_marks_the_stall():
         ("1 host1", "2", "40", "8.0", "0.5", "3.0"),
     ]
     assert [tuple(c[11:16]) for c in body] == [
-        ("-", "-", "-", "0.4", "▁▁█"), ("-", "-", "-", "0.2", ""), ("55", "3", "97", "30.0", ""),
+        ("-", "-", "-", "0.4", "▁▁█"),
+        ("-", "-", "-", "0.2", ""),
+        ("55", "3", "97", "30.0", ""),
     ]
     text = "\n".join(out)
     assert "verdict so far: INPUT_STRAGGLER (warning) ranks 2" in text

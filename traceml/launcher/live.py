@@ -168,8 +168,9 @@ def table(reply, elapsed_s: float, run_name: str):
     Columns: node (and host), rank, steps (stored), step (median ms over the window), each
     part of the step (median ms), input (input wait share, %), GPU (its GPU's utilisation,
     %), GPU mem (CUDA peak allocated, else the GPU's memory used, MiB), CPU (the rank's
-    process, %, 100 = one core), idle (s since its last step; red when :func:`stalled`; how it ended once it did),
-    recent (a sparkline of its latest step times on the job's scale). ``-``: not measured.
+    process, %, 100 = one core), idle (s since its last step; red when :func:`stalled`; how
+    it ended once it did), recent (a sparkline of its latest step times on the job's
+    scale). ``-``: not measured.
     """
     from rich.console import Group
     from rich.table import Table
@@ -380,8 +381,10 @@ class LiveView:
 
             # The launcher's own lines (stderr, looked up per line) print above the table
             # when they share its terminal.
-            self._live = Live(view, console=Console(file=self.out), auto_refresh=False,
-                              redirect_stdout=False, redirect_stderr=sys.stderr.isatty())  # fmt: skip
+            self._live = Live(
+                view, console=Console(file=self.out), auto_refresh=False,
+                redirect_stdout=False, redirect_stderr=sys.stderr.isatty(),
+            )  # fmt: skip
             self._live.start(refresh=True)
         else:
             self._live.update(view, refresh=True)
