@@ -5,8 +5,8 @@
 #
 # - a virtual environment in .venv (torch 2.13.0 CPU, the project with its test extras);
 # - as root, the system packages some tests need when missing: chromium (HTML report check),
-#   iproute2 (network-namespace tests); the Slurm lab installs its own packages
-#   (tests/slurm_lab/lab.sh);
+#   iproute2 (network-namespace tests), tmux (the live terminal view's test); the Slurm lab
+#   installs its own packages (tests/slurm_lab/lab.sh);
 # - the import contract (pyproject.toml's [tool.importlinter], see docs/architecture.md): a
 #   broken contract fails the script before any test runs;
 # - pytest; "no tests collected" (exit 5) is a failure, not a pass.
@@ -24,6 +24,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
   command -v chromium >/dev/null || missing+=(chromium fonts-liberation)
   command -v ip >/dev/null || missing+=(iproute2)
+  command -v tmux >/dev/null || missing+=(tmux)
   if [ ${#missing[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \

@@ -212,14 +212,15 @@ class AggregatorService(wire.AggregatorServicer):
         reason = self._foreign(request.run_name)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        from traceml.report.flat import flatten
+        from traceml_aggregator.live_rows import summarize_reply
 
         try:
             await self.writer.drain(SUMMARIZE_DRAIN_S)
-            metrics, labels = flatten(await self.live.summary())
+            return summarize_reply(
+                await self.live.summary(), self.live, with_ranks=request.with_ranks
+            )
         except Exception as exc:  # an analysis bug must not take the aggregator down
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
-        return wire.SummarizeReply(metrics=metrics, labels=labels)
 
 
     async def RegisterNode(self, request, context):

@@ -155,10 +155,12 @@ def register_node(target: str, claim, timeout_s: float = 10.0):
 
 
 def summarize(target: str, run_name: str, timeout_s: float):
-    """The verdict so far (a SummarizeReply), for the live views. Raises grpc.RpcError."""
+    """The verdict so far with one row per rank (a SummarizeReply with ``ranks``), for the
+    live views. Raises grpc.RpcError."""
     from traceml import wire
 
-    return endpoint.call(target, "Summarize", wire.SummarizeRequest(run_name=run_name), timeout_s)
+    request = wire.SummarizeRequest(run_name=run_name, with_ranks=True)
+    return endpoint.call(target, "Summarize", request, timeout_s)
 
 
 def finalize(target: str, run_name: str, budget_s: float, cancelled=None):

@@ -42,10 +42,10 @@ import sys
 import time
 
 from traceml import __version__, settings
-from traceml.core import log
+from traceml.core import endpoint, log
 from traceml.launcher import aggregator, claim, credentials
 from traceml.launcher.config import LaunchConfig, LaunchError
-from traceml.launcher.live import LiveView
+from traceml.launcher.live import LiveView, node0_view_line
 from traceml.launcher.stall import StallNotice
 from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher.torchrun import TorchrunProcess, exit_code
@@ -143,6 +143,8 @@ class Launch:
         self._finalizing = False
         #: True once node 0's aggregator served (there is a store to summarize).
         self._served = False
+        #: Node 0's live view while training runs (``--mode cli``/``dashboard``).
+        self.live_view: LiveView | None = None
 
     def run(self) -> int:
         """Launch, wait, finish; returns the exit code for the launcher."""
@@ -202,11 +204,12 @@ class Launch:
             return 2
 
         torchrun = self.torchrun = TorchrunProcess(config, run_dir)
+        self.live_view = self._live_view() if owner else None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         returncode = None
         try:
-            torchrun.start()
+            torchrun.start(self.live_view.consoles() if self.live_view else None)
             if self.interrupted:  # signalled while torchrun was starting
                 torchrun.forward_signal(self.interrupted)
             node_manifest.event(
@@ -218,11 +221,13 @@ class Launch:
             if self.health["status"] != "failed":  # node 0's sampler needs its own aggregator
                 self._start_sampler()
             returncode = self._wait_training(torchrun, run_manifest)
+            self._close_live_view()
             self._finalizing = True
             self._after_training(torchrun, returncode, node_manifest, run_manifest)
         except Abandon as abandon:
             return self._abandon(abandon.signum, returncode, node_manifest, run_manifest)
         except Exception as exc:  # fail-open: telemetry never changes the training's outcome
+            self._close_live_view()
             if returncode is None:
                 raise
             _log.warning(
@@ -258,6 +263,7 @@ class Launch:
         exited, else a shell's for the signal (128 + N)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # the end is under way: a third one is moot
+        self._close_live_view()
         _log.info(f"got {signal.Signals(signum).name} again: ending now, without a summary")
         if returncode is None and self.torchrun.process is not None:
             self.torchrun.kill()
@@ -282,12 +288,13 @@ class Launch:
         means a node will never join the rendezvous, so torchrun is stopped
         (:meth:`_watch_claims`). A failure of this watch only ends the watch.
         """
+        self._say_where_the_view_is(run_manifest is not None)
         if run_manifest is None:
             return torchrun.wait()
         started_unix_s = time.time()
         partial_seen = False
         stall = StallNotice(self.run_dir.stall_file)
-        live = self._live_view()
+        live = self.live_view
         next_watch = time.monotonic() + WATCH_INTERVAL_S
         while True:
             returncode = torchrun.wait(AGGREGATOR_POLL_S)
@@ -310,24 +317,38 @@ class Launch:
                 return torchrun.wait()
 
     def _live_view(self) -> LiveView | None:
-        """The ``--mode cli`` view of a single-node run (None otherwise); ``--mode dashboard``
-        prints the page's URL once (the aggregator serves the page, for every node)."""
+        """Node 0's ``--mode cli`` view of every node; None for ``summary`` and for
+        ``dashboard``, whose page the aggregator serves (:meth:`_say_where_the_view_is`)."""
+        config = self.config
+        if config.mode != "cli":
+            return None
+        return LiveView(config.launcher_target, str(config.run_name))
+
+    def _say_where_the_view_is(self, owner: bool) -> None:
+        """One line, once: node 0 in ``--mode dashboard`` prints the page's URL (when its
+        aggregator serves); every other node prints where node 0's view is."""
         config = self.config
         if config.mode == "summary":
-            return None
-        if config.mode == "dashboard":  # served by the aggregator: say where, once
-            if self.health["status"] == "serving":
+            return
+        if owner:
+            if config.mode == "dashboard" and self.health["status"] == "serving":
                 _log.info(
                     f"dashboard: {config.dashboard_url} (from another machine: see "
                     "docs/dashboard.md for an SSH tunnel)"
                 )
-            return None
-        if config.nnodes > 1:
-            _log.info(
-                f"--mode {config.mode} is a single-node live view; this run shows the summary only"
-            )
-            return None
-        return LiveView(config.mode, config.launcher_target, str(config.run_name))
+            return
+        node0_host = config.aggregator_host or config.master_addr
+        url = None
+        if config.mode == "dashboard" and config.run_token:
+            url = endpoint.dashboard_url(node0_host, config.dashboard_port, str(config.run_token))
+        _log.info(node0_view_line(
+            config.mode, node0_host, config.aggregator_target, str(config.run_name), url
+        ))  # fmt: skip
+
+    def _close_live_view(self) -> None:
+        """End node 0's live view (the summary is printed next)."""
+        if self.live_view is not None:
+            self.live_view.close()
 
     def _watch_aggregator(self, manifest: Manifest) -> None:
         """Restart node 0's aggregator on the run's store when its process has exited, up to

@@ -196,9 +196,16 @@ class TorchrunProcess:
         self.process: subprocess.Popen | None = None
         self.tees: list[Tee] = []
 
-    def start(self) -> None:
+    def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
-        bound to die with the launcher (:func:`_die_with_parent`)."""
+        bound to die with the launcher (:func:`_die_with_parent`).
+
+        Args:
+            consoles: the binary streams its stdout and stderr are copied to (the launcher's
+                ``sys.stdout.buffer`` and ``sys.stderr.buffer`` when None; node 0's live table
+                gives streams that print above it,
+                :meth:`traceml.launcher.live.LiveView.consoles`).
+        """
         self.run_dir.rank_ends.unlink(missing_ok=True)
         parent = os.getpid()
         self.process = subprocess.Popen(
@@ -211,9 +218,10 @@ class TorchrunProcess:
             preexec_fn=lambda: _die_with_parent(parent),
         )
         save = self.config.save_training_output
+        out, err = consoles or (sys.stdout.buffer, sys.stderr.buffer)
         self.tees = [
-            Tee(self.process.stdout, sys.stdout.buffer, self.run_dir.training_stdout if save else None),
-            Tee(self.process.stderr, sys.stderr.buffer, self.run_dir.training_stderr if save else None),
+            Tee(self.process.stdout, out, self.run_dir.training_stdout if save else None),
+            Tee(self.process.stderr, err, self.run_dir.training_stderr if save else None),
         ]
 
     def forward_signal(self, signum: int, _frame=None) -> None:
