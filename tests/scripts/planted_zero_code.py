@@ -6,7 +6,8 @@ forward sleeps FORWARD_MS, and the optimizer (an SGD subclass) sleeps OPTIMIZER_
 around the DDP model's call, and inside the optimizer's ``step()`` (its step call also runs
 torch's step hooks, where TraceML's own step-end work happens), and, with ``--truth-dir``,
 writes them per rank to ``truth_<rank>.json`` (``{"input": [ns per step], "forward": [...],
-"optimizer": [...]}``). ``--steps N`` optimizer steps (default 20).
+"optimizer": [...], "step_end": [perf_counter_ns after each optimizer step]}``). Every batch
+is 8 samples of 16 features. ``--steps N`` optimizer steps (default 20).
 """
 
 import argparse
@@ -74,7 +75,7 @@ def main() -> None:
     p.add_argument("--truth-dir", type=Path, default=None)
     args = p.parse_args()
     dist.init_process_group("gloo")
-    truth = {"input": [], "forward": [], "optimizer": []}
+    truth = {"input": [], "forward": [], "optimizer": [], "step_end": []}
     model = DDP(SlowModel())
     optimizer = SlowSGD(model.parameters(), truth["optimizer"], lr=0.01)
     batches = iter(DataLoader(SlowBatches(args.steps), batch_size=None, num_workers=0))
@@ -84,6 +85,7 @@ def main() -> None:
         loss = nn.functional.mse_loss(timed(truth["forward"], model, x), y)
         loss.backward()
         optimizer.step()
+        truth["step_end"].append(time.perf_counter_ns())
     if args.truth_dir is not None:
         (args.truth_dir / f"truth_{dist.get_rank()}.json").write_text(json.dumps(truth))
     dist.destroy_process_group()
