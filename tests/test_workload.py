@@ -290,3 +290,24 @@ def test_a_bad_peak_variable_is_refused_by_the_launcher_and_ignored_by_a_rank(
     monkeypatch.setenv("TRACEML_PEAK_TFLOPS", "312")
     assert LaunchConfig(script=str(script)).resolve().peak_tflops == 312.0
     assert workload.peak_tflops_setting() == 312.0
+
+
+def test_summary_metrics_and_compare_carry_throughput_and_mfu():
+    from traceml.report.compare import compare
+    from traceml.report.flat import flatten
+    from traceml.report.text import render_text
+
+    a, b = build_summary(_work_run(peak_tflops=0.5)), build_summary(_work_run())
+    metrics, _ = flatten(a)
+    job = a["analysis"]["throughput"]
+    assert {k: metrics[k] for k in ("samples_per_s", "tokens_per_s", "achieved_tflops",
+                                     "mfu_pct")} == {k: job[k] for k in (
+        "samples_per_s", "tokens_per_s", "achieved_tflops", "mfu_pct")}  # fmt: skip
+    assert "mfu_pct" not in flatten(b)[0]  # null on CPU: left out, never 0
+    rows = {r["name"]: r for r in compare(a, a)["metrics"]}
+    assert rows["samples_per_s"]["status"] == "unchanged" and not rows["samples_per_s"]["key"]
+    assert rows["mfu_pct"]["better"] == "higher"
+    row = {r["name"]: r for r in compare(a, b)["metrics"]}["mfu_pct"]  # B on CPU, no peak
+    assert (row["a"], row["b"], row["status"]) == (job["mfu_pct"], None, "not_comparable")
+    text = render_text(a)
+    assert "job: 1910.4 samples/s, 244537 tokens/s, MFU 17.9% (0.179 of 1.0 TFLOPS)" in text
