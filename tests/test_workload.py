@@ -311,3 +311,29 @@ def test_summary_metrics_and_compare_carry_throughput_and_mfu():
     assert (row["a"], row["b"], row["status"]) == (job["mfu_pct"], None, "not_comparable")
     text = render_text(a)
     assert "job: 1910.4 samples/s, 244537 tokens/s, MFU 17.9% (0.179 of 1.0 TFLOPS)" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("autocast, dtype", [(False, "fp32"), (True, "bf16")])
+def test_on_a_gpu_the_count_names_the_device_and_the_matmul_dtype(tracer, autocast, dtype):
+    """On CUDA: the device's name, the autocast dtype (bf16) or the parameters' (fp32, or
+    tf32 when float32 matmul precision allows it), the FLOPs as on CPU, and the table's peak."""
+    tracer, steps, sent = tracer
+    model = mlp().cuda()
+    loader = DataLoader(TensorDataset(torch.randn(3 * B, IN)), batch_size=B)
+    timer = ForwardTimer(model)
+    for (x,) in loader:
+        tracer.begin()
+        timer.install()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x.cuda())
+        out.float().sum().backward()
+        timer.remove()
+        tracer.end()
+    count = sent[0]
+    if not autocast and torch.get_float32_matmul_precision() != "highest":
+        dtype = "tf32"
+    assert (count.forward_flops, count.dtype) == (FORWARD_FLOPS, dtype)
+    assert count.device_name == torch.cuda.get_device_name()
+    peak, why = peaks.lookup(count.device_name, count.dtype)
+    assert (peak is None) == (not why.startswith("table: "))
