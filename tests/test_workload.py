@@ -310,7 +310,7 @@ def test_summary_metrics_and_compare_carry_throughput_and_mfu():
     row = {r["name"]: r for r in compare(a, b)["metrics"]}["mfu_pct"]  # B on CPU, no peak
     assert (row["a"], row["b"], row["status"]) == (job["mfu_pct"], None, "not_comparable")
     text = render_text(a)
-    assert "job: 1910.4 samples/s, 244537 tokens/s, MFU 17.9% (0.179 of 1.0 TFLOPS)" in text
+    assert "job: 1910.4 samples/s, 244537 tokens/s, MFU 17.9% (0.179 of 1 TFLOPS)" in text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -49,6 +49,11 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def _significant(value: float | None, digits: int = 6) -> float | None:
+    """``value`` to ``digits`` significant digits: a small CPU model's 1e-8 TFLOP/s is not 0."""
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
 def rank_mfu(rd: RankData, steps: StepColumns) -> Mfu:
     """``ranks[].throughput.mfu`` over ``steps`` (the rank's window steps)."""
     count = rd.flops
@@ -76,10 +81,10 @@ def rank_mfu(rd: RankData, steps: StepColumns) -> Mfu:
         count_ms=round(count["count_us"] / 1000.0, 3),
         dtype=count.get("dtype"),
         device_name=count.get("device_name"),
-        achieved_tflops=_round(tflops, 6),
+        achieved_tflops=_significant(tflops),
         peak_tflops=peak,
         peak_source=source if peak is not None else None,
-        mfu_pct=_round(100.0 * tflops / peak, 3) if tflops is not None and peak else None,
+        mfu_pct=_significant(100.0 * tflops / peak) if tflops is not None and peak else None,
         unavailable_reason=reason,
     )
 
@@ -120,8 +125,8 @@ def job_throughput(ranks: dict[int, RankThroughput]) -> JobThroughput:
         statistic=SUMMED,
         samples_per_s=_round(samples, 3),
         tokens_per_s=_round(tokens, 3),
-        achieved_tflops=_round(achieved, 6),
-        peak_tflops=_round(peak, 3),
-        mfu_pct=_round(100.0 * achieved / peak, 3) if achieved is not None and peak else None,
+        achieved_tflops=_significant(achieved),
+        peak_tflops=_significant(peak),
+        mfu_pct=_significant(100.0 * achieved / peak) if achieved is not None and peak else None,
         mfu_unavailable_reason=reason if peak is None or achieved is None else None,
     )

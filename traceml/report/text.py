@@ -135,13 +135,18 @@ def _step_table(summary: dict) -> list[str]:
     return lines
 
 
+def _sig(value: float | None) -> str:
+    """3 significant digits (a CPU model's 1.02e-08 TFLOP/s is not 0.000); ``-`` for None."""
+    return "-" if value is None else f"{value:.3g}"
+
+
 def _throughput(summary: dict) -> list[str]:
     """Samples/s, tokens/s and MFU (``analysis.throughput``, ``ranks[].throughput``), when
     any rank counted samples or FLOPs."""
     shown, _ = rank_rows(summary)
     rows = [
         [str(r["rank"]), num(t["samples_per_s"]), num(t["tokens_per_s"], 0),
-         num(t["mfu"]["achieved_tflops"], 3), num(t["mfu"]["mfu_pct"], 1),
+         _sig(t["mfu"]["achieved_tflops"]), _sig(t["mfu"]["mfu_pct"]),
          t["mfu"]["dtype"] or "-", num(t["mfu"]["peak_tflops"], 1)]
         for r in shown
         for t in [r.get("throughput")]
@@ -155,8 +160,8 @@ def _throughput(summary: dict) -> list[str]:
         figures.append(f"{num(job['tokens_per_s'], 0)} tokens/s")
     if job["mfu_pct"] is not None:
         figures.append(
-            f"MFU {num(job['mfu_pct'], 1)}% ({num(job['achieved_tflops'], 3)} of "
-            f"{num(job['peak_tflops'], 1)} TFLOPS)"
+            f"MFU {_sig(job['mfu_pct'])}% ({_sig(job['achieved_tflops'])} of "
+            f"{_sig(job['peak_tflops'])} TFLOPS)"
         )
     else:
         figures.append(f"MFU n/a ({job['mfu_unavailable_reason']})")
