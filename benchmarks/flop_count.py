@@ -3,7 +3,8 @@
 1. **FLOPs count** — the one forward :class:`traceml.sdk.workload.FlopsCounter` runs under
    ``torch.utils.flop_counter.FlopCounterMode`` (step 1 of a rank), against the same forward
    uncounted, side by side, ``--repeats`` times each on fresh counters: the median of each
-   (ms) and the added cost. Models: the 3-layer MLP of tests/test_workload.py scaled up
+   (ms) and the added cost. The first count of a process also pays the first use of the
+   dispatch machinery, which the medians leave out: a rank's ``count_ms`` shows it. Models: the 3-layer MLP of tests/test_workload.py scaled up
    (``Linear(256, 1024)``, ``ReLU``, ``Linear(1024, 256)``, batch 64) and, when transformers is
    installed, a 2-layer BERT built from a config (hidden 128, 4 heads, batch 8 x 64 tokens).
 2. **Batch shapes** — :func:`traceml.sdk.workload.batch_counts` on the batch kinds the

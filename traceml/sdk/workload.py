@@ -32,7 +32,10 @@ forward is one call on the training thread that the forward hook already wraps. 
 Cost: the counted forward runs with a Python dispatch mode on every op (and torch's module
 tracker on every module): on the loaded 2-core test machine, one thread, +20 ms for an MLP
 256-1024-256 on 64 samples (47 against 27 ms) and +232 ms for a 2-layer BERT on 8 x 64
-tokens (423 against 191 ms; ``benchmarks/flop_count.py``). Paid once per rank, in step 1,
+tokens (423 against 191 ms; ``benchmarks/flop_count.py``, counter already warm). A rank's one
+count also pays the first use of the dispatch machinery in its process: ``count_ms`` was
+30-550 ms in the 2-rank test runs of tests/test_frameworks.py (an MLP of 8.7 kFLOPs: 30-320
+ms; a 1-layer GPT-2: 260-550 ms). Paid once per rank, in step 1,
 which the analysis leaves out as warm-up (5 steps) on any run of 15 steps or more; its wall
 time is sent (``count_us``) and shown in the summary (``count_ms``).
 """
