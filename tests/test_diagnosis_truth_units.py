@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rundata_factory import rank, run_of, step
+from rundata_factory import gpu_sample, rank, run_of, step, system_sample
 from rundata_factory import steps as same_steps
 from traceml.analysis.outside import split_gap
 from traceml.analysis.summary import build_summary
@@ -187,7 +187,12 @@ def test_compare_interval_is_seeded_and_decides_the_gate():
 
 
 def test_every_finding_of_the_hand_built_runs_is_consistent():
-    from test_diagnosis_truth import check_consistent
+    """Every finding of every section, here and in the golden runs (memory, system and
+    health findings among them), states its statistic and agrees with it."""
+    from consistency import KIND_STATISTIC, all_findings, check_consistent
+    from test_summary_golden import SCENARIOS
+
+    from traceml.analysis.findings import KINDS
 
     def straggler(i, r):
         return step(i, forward=10 * MS + (30 * MS if r == 1 and i >= 32 else 0))
@@ -199,6 +204,7 @@ def test_every_finding_of_the_hand_built_runs_is_consistent():
         for i in range(60)
     ]
 
+    span_us = range(1000 * MS, 4000 * MS, 100 * MS)  # samples every 100 ms over the steps
     runs = {
         "eval": _eval_run(),
         "checkpoint": _ckpt_run(),
@@ -206,12 +212,27 @@ def test_every_finding_of_the_hand_built_runs_is_consistent():
         "straggler": run_of([rank(r, [straggler(i, r) for i in range(80)]) for r in (0, 1)]),
         "input": run_of([rank(r, same_steps(40, input_wait=20 * MS)) for r in (0, 1)]),
         "no_loader_pauses": run_of([rank(r, no_loader) for r in (0, 1)]),
+        # idle GPUs on a host whose RAM is nearly full
+        "host_pressure": run_of(
+            [rank(r, same_steps(40), uuid=f"GPU-0-{r}") for r in (0, 1)],
+            system={0: [system_sample(t, ram=0.97) for t in span_us]},
+            gpus={0: [gpu_sample(t, g, 5.0) for t in span_us for g in (0, 1)]},
+        ),
     }
-    kinds = {}
+    kinds, checked = {}, set()
     for name, run in runs.items():
         s = build_summary(run)
         kinds[name] = [f["kind"] for f in [s["primary_diagnosis"]] + s["findings"]["step_time"]]
-        for f in [s["primary_diagnosis"]] + s["findings"]["step_time"]:
+        for f in all_findings(s):
             check_consistent(f, name)
+            checked.add(f["kind"])
+    for name, make in SCENARIOS.items():
+        run, live = make()
+        for f in all_findings(build_summary(run, live=live)):
+            check_consistent(f, name)
+            checked.add(f["kind"])
+    # the memory and system kinds the hand-built runs have, each checked at least once
+    assert set(KIND_STATISTIC) - set(KINDS["health"]) <= checked, checked  # every one
+    assert {"RANK_CRASHED", "RANK_TERMINATED", "INSUFFICIENT_DATA"} <= checked, checked
     assert kinds["no_loader_pauses"] == ["STEP_SPIKES"]  # input-wait spikes, not INPUT_BOUND
     assert kinds["input"] == ["INPUT_BOUND"]

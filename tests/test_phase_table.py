@@ -98,12 +98,14 @@ def test_a_measurement_gives_its_fields_in_the_canonical_order():
     for i, p in enumerate(phases.PHASES):
         setattr(m, f"{p.name}_ns", (i + 1) * 1_000)
     m.peak_allocated_bytes, m.peak_reserved_bytes = 2**30, 2**31
+    m.samples, m.tokens, m.flops = 32, 4096, 3 * 10**12
     fields = m.fields()
     assert list(fields) == [f for f in phases.STEP_FIELDS if f in fields]
     assert fields == {
         "step": 7, "end_us": 9_000, "step_us": 5_000,
         **{p.cpu_field: i + 1 for i, p in enumerate(phases.PHASES)},
         "peak_allocated_bytes": 2**30, "peak_reserved_bytes": 2**31,
+        "samples": 32, "tokens": 4096, "flops": 3 * 10**12,
     }  # fmt: skip
 
 

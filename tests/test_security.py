@@ -294,6 +294,8 @@ def _with(batch: wire.Batch, **parts) -> wire.Batch:
          "node_rank_out_of_range"),
         (_batch(node_rank=2), "node_rank_out_of_range"),
         (_with(_batch(node_rank=0), finish=wire.RankFinish(steps_completed=3)), "not_a_rank"),
+        (_with(_batch(node_rank=0), flops_counts=wire.FlopsCount(step=1, forward_flops=8)),
+         "not_a_rank"),
         (_with(_batch(node_rank=0), identity=wire.RankIdentity(rank=0, world_size=2)),
          "not_a_rank"),
         (_with(_batch(node_rank=0), process_samples=wire.ProcessSample(rank=2)),

@@ -69,8 +69,8 @@ def test_steps_with_the_same_fields_in_another_order_join_one_group():
 
 
 def test_a_field_that_is_no_step_field_is_refused_by_name():
-    with pytest.raises(ValueError, match="^not a step field: loss_us, tokens$"):
-        add_steps(wire.Batch(), [{**cpu_step(1), "loss_us": 5, "tokens": 9}])
+    with pytest.raises(ValueError, match="^not a step field: loss_us, images$"):
+        add_steps(wire.Batch(), [{**cpu_step(1), "loss_us": 5, "images": 9}])
 
 
 def test_the_columns_name_every_field_of_the_schema():

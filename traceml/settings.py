@@ -82,6 +82,13 @@ AUTO_INSTRUMENT = Setting(
     "(as --no-auto-instrument does).",
 )
 
+PEAK_TFLOPS = Setting(
+    "TRACEML_PEAK_TFLOPS",
+    "",
+    "Peak TFLOPS of one rank's device that MFU is computed against (as --peak-tflops does); "
+    "unset: the documented GPU table (docs/reading-output.md), no MFU on CPU.",
+)
+
 # --- SDK -------------------------------------------------------------------------------------
 DISABLE = Setting("TRACEML_DISABLE", "0", "1 turns the SDK into a no-op.")
 STRICT = Setting(

@@ -36,7 +36,13 @@ from traceml import wire
 from traceml.analysis.rundata import RankData, RunData, StepColumns
 from traceml.analysis.summary import build_summary
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS, step_group_columns
-from traceml_aggregator.store import _GPU_FIELDS, _PROCESS_FIELDS, _SYSTEM_FIELDS, _optional
+from traceml_aggregator.store import (
+    _GPU_FIELDS,
+    _PROCESS_FIELDS,
+    _SYSTEM_FIELDS,
+    _optional,
+    flops_row,
+)
 
 #: Most recent steps kept per rank (the live analysis window before alignment and warm-up).
 WINDOW_STEPS = 512
@@ -53,6 +59,9 @@ _IDENTITY_COLUMNS = (
     "node_rank", "local_rank", "world_size", "local_world_size", "hostname", "pid",
     "start_unix_us", "torch_version", "cuda_version", "backend", "parallelism", "device",
     "gpu_uuid",
+)  # fmt: skip
+_FLOPS_COLUMNS = (
+    "rank", "restart", "step", "forward_flops", "count_us", "dtype", "device_name", "peak_tflops",
 )  # fmt: skip
 _by_step = operator.itemgetter("step")
 
@@ -79,6 +88,7 @@ class RankLive:
     last_step_unix_s: float | None = None
     process_samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_SAMPLES))
     earlier_attempts: dict[int, int] = field(default_factory=dict)
+    flops: dict | None = None  # as the store's rank_flops row
 
     def attempt(self, restart: int) -> bool:
         """Whether data of attempt ``restart`` belongs here: a later attempt starts afresh
@@ -178,6 +188,8 @@ class LiveAggregates:
                 end_us = group.end_us[list(group.step).index(last)]
                 start_us = (rl.identity or {}).get("start_unix_us") or 0
                 rl.last_step_unix_s = (start_us + end_us) / 1e6
+        for count in batch.flops_counts:
+            rl.flops = dict(zip(_FLOPS_COLUMNS, (rl.rank, restart) + flops_row(count)))
         if batch.HasField("finish"):
             f = batch.finish
             rl.finish = {
@@ -222,6 +234,7 @@ class LiveAggregates:
                 end=self.rank_ends.get(r),
                 process_samples=[p for p in rl.process_samples if p["restart"] == rl.restart],
                 earlier_attempts=dict(rl.earlier_attempts),
+                flops=rl.flops,
             )
         for r, end in self.rank_ends.items():
             ranks.setdefault(r, RankData(r, end=end))

@@ -8,8 +8,8 @@ queued for the store, :func:`check_batch` refuses one that cannot belong to this
 * ``identity_mismatch``: an identity of another rank or attempt than the batch's;
 * ``node_rank_out_of_range``: a node rank >= the run's node count (``--nnodes``), as sender,
   in an identity, or in a sample;
-* ``not_a_rank``: a node sampler's batch carrying what only a rank sends (steps, an
-  identity, a finish marker), which the store would otherwise file under rank 0.
+* ``not_a_rank``: a node sampler's batch carrying what only a rank sends (steps, a FLOPs
+  count, an identity, a finish marker), which the store would otherwise file under rank 0.
 
 The store refuses the rest, which needs what it holds: a restart count lower than one already
 stored for the sender (``restart_regressed``), and a second process sending as a (rank,
@@ -62,10 +62,11 @@ def check_batch(batch, world_size: int | None, nnodes: int | None) -> tuple[str,
     if sender == "rank":
         if world_size is not None and batch.rank >= world_size:
             return "rank_out_of_range", f"a batch of rank {batch.rank}: world size is {world_size}"
-    elif batch.step_groups or batch.HasField("identity") or batch.HasField("finish"):
+    elif (batch.step_groups or batch.flops_counts or batch.HasField("identity")
+          or batch.HasField("finish")):  # fmt: skip
         return "not_a_rank", (
-            f"a batch of node {batch.node_rank}'s sampler with steps, an identity or a finish "
-            "marker: only ranks send those"
+            f"a batch of node {batch.node_rank}'s sampler with steps, a FLOPs count, an "
+            "identity or a finish marker: only ranks send those"
         )
     elif nnodes is not None and batch.node_rank >= nnodes:
         return "node_rank_out_of_range", (

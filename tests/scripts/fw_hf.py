@@ -5,9 +5,8 @@ A 1-layer GPT-2 built from a config (no download) learns a synthetic token datas
 ``--callback`` the Trainer gets ``traceml.integrations.hf.TraceMLCallback``.
 """
 
-import argparse
-
 import torch
+from synthetic import arguments
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -25,11 +24,7 @@ class Tokens(Dataset):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--out", required=True)
-    p.add_argument("--callback", action="store_true")
-    args = p.parse_args()
+    args = arguments(8, framework=True).parse_args()
     config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=128, n_positions=16)
     model = GPT2LMHeadModel(config)
     training = TrainingArguments(

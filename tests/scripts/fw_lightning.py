@@ -5,10 +5,9 @@ a synthetic dataset, under torchrun (Lightning sees torchelastic's variables and
 ranks). With ``--callback`` the Trainer gets ``traceml.integrations.lightning.TraceMLCallback``.
 """
 
-import argparse
-
 import lightning.pytorch as pl
 import torch
+from synthetic import arguments
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,11 +29,7 @@ class Regression(pl.LightningModule):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--out", required=True)
-    p.add_argument("--callback", action="store_true")
-    args = p.parse_args()
+    args = arguments(8, framework=True).parse_args()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
     callbacks = []

@@ -15,15 +15,14 @@ Options: ``--steps N`` (default 25); ``--iterator-rank R``: rank R reads the sam
 through a plain Python generator instead of a DataLoader (default -1: none).
 """
 
-import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
+from synthetic import SlowBatches, arguments
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import traceml
 
@@ -33,24 +32,6 @@ OPTIMIZER_MS = 5.0
 
 #: Durations of the planted parts as they happened, ns, one per step each.
 TRUTH = {"input": [], "forward": [], "optimizer": []}
-
-
-class SlowBatches(Dataset):
-    """Whole batches (``batch_size=None``), DATASET_MS of sleep each."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        start = time.perf_counter_ns()
-        time.sleep(DATASET_MS / 1000)
-        g = torch.Generator().manual_seed(i)
-        batch = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
-        TRUTH["input"].append(time.perf_counter_ns() - start)
-        return batch
 
 
 class SlowModel(nn.Module):
@@ -78,16 +59,14 @@ class SlowSGD(torch.optim.SGD):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=25)
+    parser = arguments(25)
     parser.add_argument("--iterator-rank", type=int, default=-1)
-    parser.add_argument("--truth-dir", type=Path, default=None)
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
     traceml.init()
     model = SlowModel()
     optimizer = SlowSGD(model.parameters(), lr=0.01)
-    batches = SlowBatches(args.steps)
+    batches = SlowBatches(args.steps, DATASET_MS, TRUTH["input"])
     if rank == args.iterator_rank:
         source = (batches[i] for i in range(len(batches)))
     else:

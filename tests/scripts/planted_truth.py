@@ -34,11 +34,11 @@ from torch.utils.data import DataLoader, Dataset
 import traceml
 
 SCENARIOS = ("eval", "checkpoint", "late_straggler", "grad_accum", "warmup")
-EVAL_EVERY, EVAL_BATCHES, EVAL_BATCH_MS = 15, 4, 200.0
+EVAL_EVERY, EVAL_BATCHES, EVAL_BATCH_MS = 10, 4, 200.0
 CKPT_EVERY, CKPT_MS = 10, 300.0
 LATE_MS = 60.0
 ACCUM, ACCUM_FETCH_MS = 4, 20.0
-WARMUP_SLOW, WARMUP_FORWARD_MS, WARMUP_FETCH_MS = 15, 400.0, 200.0
+WARMUP_SLOW, WARMUP_FORWARD_MS, WARMUP_FETCH_MS = 10, 400.0, 200.0
 
 
 class Batches(Dataset):
@@ -72,9 +72,9 @@ class Model(nn.Module):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--scenario", choices=SCENARIOS, required=True)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--forward-ms", type=float, default=40.0)
-    p.add_argument("--onset", type=int, default=32)
+    p.add_argument("--onset", type=int, default=25)
     p.add_argument("--slowdown-pct", type=float, default=0.0)
     p.add_argument("--clock-out", required=True)
     args = p.parse_args()

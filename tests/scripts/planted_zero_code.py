@@ -6,36 +6,23 @@ forward sleeps FORWARD_MS, and the optimizer (an SGD subclass) sleeps OPTIMIZER_
 around the DDP model's call, and inside the optimizer's ``step()`` (its step call also runs
 torch's step hooks, where TraceML's own step-end work happens), and, with ``--truth-dir``,
 writes them per rank to ``truth_<rank>.json`` (``{"input": [ns per step], "forward": [...],
-"optimizer": [...]}``). ``--steps N`` optimizer steps (default 20).
+"optimizer": [...], "step_end": [perf_counter_ns after each optimizer step]}``). Every batch
+is 8 samples of 16 features. ``--steps N`` optimizer steps (default 20).
 """
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from synthetic import SlowBatches, arguments
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 DATASET_MS = 10.0
 FORWARD_MS = 20.0
 OPTIMIZER_MS = 5.0
-
-
-class SlowBatches(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        time.sleep(DATASET_MS / 1000)
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
 
 
 class SlowModel(nn.Module):
@@ -69,21 +56,19 @@ def timed(truth: list, call, *args):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--truth-dir", type=Path, default=None)
-    args = p.parse_args()
+    args = arguments(20).parse_args()
     dist.init_process_group("gloo")
-    truth = {"input": [], "forward": [], "optimizer": []}
+    truth = {"input": [], "forward": [], "optimizer": [], "step_end": []}
     model = DDP(SlowModel())
     optimizer = SlowSGD(model.parameters(), truth["optimizer"], lr=0.01)
-    batches = iter(DataLoader(SlowBatches(args.steps), batch_size=None, num_workers=0))
+    batches = iter(DataLoader(SlowBatches(args.steps, DATASET_MS), batch_size=None, num_workers=0))
     for _ in range(args.steps):
         x, y = timed(truth["input"], next, batches)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(timed(truth["forward"], model, x), y)
         loss.backward()
         optimizer.step()
+        truth["step_end"].append(time.perf_counter_ns())
     if args.truth_dir is not None:
         (args.truth_dir / f"truth_{dist.get_rank()}.json").write_text(json.dumps(truth))
     dist.destroy_process_group()

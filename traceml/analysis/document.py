@@ -185,6 +185,7 @@ class Analysis:
     clock: ClockInfo
     window: WindowInfo
     typical: Typical
+    throughput: JobThroughput
     thresholds: Annotated[dict[str, float], Keys(thresholds.as_dict())]
 
 
@@ -315,6 +316,83 @@ class OutsideSteps:
 
 
 @dataclass
+class Mfu:
+    """``ranks[].throughput.mfu``: the rank's model FLOPs and MFU over the window
+    (:mod:`traceml.analysis.throughput`; counted by :mod:`traceml.sdk.workload`)."""
+
+    statistic: Annotated[
+        str, Schema(const=SUMMED, description="FLOPs summed over the window steps / their "
+                    "summed wall time")
+    ]
+    counted_step: Annotated[
+        int | None, Schema(description="step whose first training forward was counted")
+    ]
+    forward_flops: Annotated[
+        int | None, Schema(description="FLOPs of that forward (FlopCounterMode; a "
+                           "multiply-add is 2)")
+    ]
+    flops_per_step: Annotated[
+        int | None, Schema(description="median model FLOPs of a window step: 3 x forward "
+                           "FLOPs x training forwards in the step")
+    ]
+    count_ms: Annotated[
+        MaybeMs, Schema(description="wall time of the counted forward, counting included, ms")
+    ]
+    dtype: Annotated[str | None, Schema(description="matmul dtype of the counted forward")]
+    device_name: Annotated[str | None, Schema(description="the rank's device (cpu, or the "
+                                              "CUDA device's name)")]
+    achieved_tflops: Annotated[float | None, Schema(description="model TFLOP/s achieved")]
+    peak_tflops: Annotated[float | None, Schema(description="dense peak TFLOPS it is "
+                                                "measured against")]
+    peak_source: Annotated[
+        str | None,
+        Schema(description="--peak-tflops, or 'table: <GPU> <dtype> dense' (null: no peak)"),
+    ]
+    mfu_pct: Annotated[float | None, Schema(description="achieved / peak, % (null: no peak "
+                                            "or no FLOPs: see unavailable_reason)")]
+    unavailable_reason: str | None
+
+
+@dataclass
+class RankThroughput:
+    """``ranks[].throughput``: samples, tokens and MFU over the window steps
+    (:mod:`traceml.analysis.throughput`; samples and tokens read from the DataLoader's batch
+    shapes by :mod:`traceml.sdk.workload`)."""
+
+    statistic: Annotated[
+        str, Schema(const=SUMMED, description="totals over the window steps / their summed "
+                    "wall time (step time, input wait and outside-step time included)")
+    ]
+    steps: Annotated[
+        int,
+        Schema(minimum=0, description="window steps with a sample count (a step without one "
+               "adds its time, no samples: a loader that fetches ahead)"),
+    ]
+    samples_per_s: Annotated[float | None, Schema(description="samples per second (null: no "
+                                                  "DataLoader batch with a tensor seen)")]
+    tokens_per_s: Annotated[float | None, Schema(description="token ids per second (null: "
+                                                 "the batches hold no token ids)")]
+    samples_per_step: Annotated[float | None, Schema(description="median samples per step")]
+    tokens_per_step: Annotated[float | None, Schema(description="median tokens per step")]
+    mfu: Mfu
+
+
+@dataclass
+class JobThroughput:
+    """``analysis.throughput``: the job's throughput and MFU, sums over the window ranks
+    (right for data parallelism; see :mod:`traceml.analysis.throughput`)."""
+
+    statistic: Annotated[str, Schema(const=SUMMED)]
+    samples_per_s: Annotated[float | None, Schema(description="samples/s, summed over ranks")]
+    tokens_per_s: Annotated[float | None, Schema(description="tokens/s, summed over ranks")]
+    achieved_tflops: Annotated[float | None, Schema(description="model TFLOP/s, summed")]
+    peak_tflops: Annotated[float | None, Schema(description="peaks, summed")]
+    mfu_pct: Annotated[float | None, Schema(description="achieved / peak, % (null unless "
+                                            "every window rank has both)")]
+    mfu_unavailable_reason: str | None
+
+
+@dataclass
 class RankSummary:
     """``ranks[]``: one rank's identity, end, counts, window figures, memory and process."""
 
@@ -357,6 +435,9 @@ class RankSummary:
         list[float],
         Schema(description="window step times without outside-step time, ms, every k-th "
                "step so that at most STEP_SAMPLE_MAX remain (traceml compare's bootstrap)"),
+    ]
+    throughput: Annotated[
+        RankThroughput | None, Schema(description="null: the rank is outside the window")
     ]
 
 

@@ -64,6 +64,20 @@ MEDIAN = "median_per_step"
 #: ... or all totals over the window steps (the percentage is a share of the summed time:
 #: time outside the steps, spikes).
 SUMMED = "share_of_summed_time"
+#: ``evidence.statistic`` of a memory or system finding: the highest reading over the run
+#: (the CUDA allocator's running peaks, the hottest GPU reading, the fullest RAM sample) ...
+PEAK = "peak_over_run"
+#: ... the median of a sampler's readings over the window's span (GPU utilisation, CPU) ...
+SAMPLED_MEDIAN = "median_over_samples"
+#: ... or the growth between the medians of the first and last thirds of the readings after
+#: warm-up (memory creep, :mod:`traceml.analysis.memory`).
+TREND = "growth_between_thirds"
+#: ``evidence.statistic`` of a health finding and of INSUFFICIENT_DATA: what happened to ranks,
+#: nodes or the telemetry, or what is missing (end states, restarts, counts of records), not a
+#: statistic of a series.
+EVENTS = "events"
+#: Every ``evidence.statistic``: each finding states the one its figures use.
+STATISTICS = (MEDIAN, SUMMED, PEAK, SAMPLED_MEDIAN, TREND, EVENTS)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from traceml.analysis.document import (
     TERMINATED,
     RankSummary,
 )
-from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.findings import EVENTS, Finding, ranks_text
 from traceml.analysis.rundata import RankData, RunData
 from traceml.analysis.schema import plain
 from traceml.core.ends import is_interrupted
@@ -135,8 +135,10 @@ def findings(run: RunData, ranks: list[RankSummary], *, live: bool) -> list[Find
     GPU_TIMING_UNRESOLVED, RESTARTED.
     """
     facts = Facts(run, ranks, live)
-    found = (rule(facts) for rule in RULES)
-    return [f for f in found if f is not None]
+    found = [f for f in (rule(facts) for rule in RULES) if f is not None]
+    for f in found:  # every health finding reports events: statistic first, as elsewhere
+        f.evidence = {"statistic": EVENTS, **f.evidence}
+    return found
 
 
 def rank_crashed(facts: Facts) -> Finding | None:

@@ -13,7 +13,7 @@ import math
 
 from traceml.analysis import thresholds as th
 from traceml.analysis.document import CREEP, PLATEAU, RankMemory, Trend
-from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.findings import PEAK, TREND, Finding, ranks_text
 from traceml.analysis.stats import median
 from traceml.analysis.rundata import RankData, RunData
 
@@ -115,6 +115,11 @@ def _pressure(memory: dict[int, RankMemory]) -> Finding | None:
         "shard optimizer state (FSDP/ZeRO); set "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation.",
         evidence={
+            "statistic": PEAK,
+            "rank": worst,
+            "pressure_pct": m.pressure_pct,
+            "peak_reserved_bytes": m.peak_reserved_bytes,
+            "gpu_total_bytes": m.gpu_total_bytes,
             "threshold_pct": th.MEMORY_PRESSURE_PCT,
             "per_rank_pressure_pct": {str(r): m.pressure_pct for r, m in pressed.items()},
         },
@@ -140,6 +145,7 @@ def _imbalance(memory: dict[int, RankMemory]) -> Finding | None:
         "Balance the work across ranks: uneven batches or sequence lengths, state "
         "kept only on one rank (rank-0 metrics, EMA copies), or an uneven model split.",
         evidence={
+            "statistic": PEAK,
             "highest_rank": high,
             "highest_bytes": peaks[high],
             "lowest_rank": low,
@@ -168,6 +174,8 @@ def _creep(memory: dict[int, RankMemory]) -> Finding | None:
         "without .detach()/.item(), caches keyed by step, hooks that store activations, "
         "a graph kept alive by retain_graph=True.",
         evidence={
+            "statistic": TREND,
+            "rank": worst,
             "per_rank_trend": {str(r): creeping[r].to_json() for r in sorted(creeping)},
             "threshold_pct": th.MEMORY_CREEP_PCT,
             "threshold_bytes": th.MEMORY_CREEP_MIN_BYTES,

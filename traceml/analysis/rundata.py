@@ -103,6 +103,9 @@ class RankData:
     end: dict | None = None  # from the node launcher's report, when any
     process_samples: list[dict] = field(default_factory=list)
     earlier_attempts: dict[int, int] = field(default_factory=dict)  # restart -> steps stored
+    #: How the rank counted its model FLOPs (``rank_flops`` row: step, forward_flops,
+    #: count_us, dtype, device_name, peak_tflops), None when it did not.
+    flops: dict | None = None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from traceml.analysis import thresholds as th
 from traceml.analysis.document import Typical
-from traceml.analysis.findings import MEDIAN, Finding, ranks_text
+from traceml.analysis.findings import EVENTS, MEDIAN, Finding, ranks_text
 from traceml.analysis.phases import Clock, Profile, missing_phases
 from traceml.analysis.stats import lower_median
 from traceml.analysis.window import Window
@@ -181,7 +181,11 @@ def no_step_data(window: Window, clock: Clock) -> Finding | None:
         "No step data: no rank reported a training step, so TraceML cannot say where "
         "step time goes (system and process figures are still reported).",
         HOW_TO_INSTRUMENT,
-        evidence={"missing": ["steps"], "ranks_without_steps": window.ranks_without_steps},
+        evidence={
+            "statistic": EVENTS,
+            "missing": ["steps"],
+            "ranks_without_steps": window.ranks_without_steps,
+        },
         ranks=window.ranks_without_steps,
     )
 
@@ -198,6 +202,7 @@ def too_few_steps(window: Window, clock: Clock) -> Finding | None:
         f"Run at least {th.MIN_WINDOW_STEPS + th.WARMUP_STEPS} steps so that warm-up can "
         "be left out; if a rank stopped early, see the health findings.",
         evidence={
+            "statistic": EVENTS,
             "missing": ["steps"],
             "window_steps": len(window.indices),
             "min_window_steps": th.MIN_WINDOW_STEPS,
@@ -220,7 +225,7 @@ def phases_never_measured(window: Window, clock: Clock) -> Finding | None:
         "Pass the model to traceml.trace_step(model) so forward is timed, call "
         "loss.backward() and optimizer.step() inside the traced step, or time custom code "
         'with traceml.phase("forward"|"backward"|"optimizer").',
-        evidence={"missing": sorted(lacking), "ranks_lacking": lacking},
+        evidence={"statistic": EVENTS, "missing": sorted(lacking), "ranks_lacking": lacking},
         ranks=sorted({r for ranks in lacking.values() for r in ranks}),
     )
 

@@ -25,6 +25,7 @@ from traceml.analysis import (
     step_time,
     system,
     thresholds,
+    throughput,
 )
 from traceml.analysis.document import (
     SCHEMA_VERSION,
@@ -36,6 +37,7 @@ from traceml.analysis.document import (
     OutsideSteps,
     RankEnd,
     RankSummary,
+    RankThroughput,
     RunInfo,
     Series,
     StepTime,
@@ -99,12 +101,14 @@ def rank_summary(
     outside_steps: dict | None = None,
     relative_score: dict[str, float | None] | None = None,
     in_step_us: list[int] = (),
+    work: RankThroughput | None = None,
 ) -> RankSummary:
     """``ranks[]`` entry: identity, end, counts, step time and phases over the window (None
     outside it), memory, process figures, series for the charts; ``outside_steps``
     (:func:`traceml.analysis.outside.rank_outside`), ``relative_score``
     (:func:`traceml.analysis.cost.relative_scores`) and the window's in-step times (µs, for
-    ``step_time_sample_ms``) come from the whole-window analyses."""
+    ``step_time_sample_ms``) and ``work`` (:func:`traceml.analysis.throughput.rank_throughput`)
+    come from the whole-window analyses."""
     ident = rd.identity or {}
     finish = rd.finish or {}
     return RankSummary(
@@ -137,6 +141,7 @@ def rank_summary(
         outside_steps=OutsideSteps(**outside_steps) if outside_steps else None,
         relative_score=relative_score,
         step_time_sample_ms=_sample(in_step_us),
+        throughput=work,
     )
 
 
@@ -249,6 +254,9 @@ def build(run: RunData, *, live: bool = False) -> Summary:
             run, clock, profs, in_step, primary, step_findings
         )
     scores = cost.relative_scores(profs)
+    work = {
+        r: throughput.rank_throughput(run.ranks[r], steps) for r, steps in window.steps.items()
+    }
     span = system.window_span_us(run, window)
     totals = memory.gpu_totals(run)
     ranks = [
@@ -262,6 +270,7 @@ def build(run: RunData, *, live: bool = False) -> Summary:
             outside_steps=outside_steps.get(r),
             relative_score=scores.get(r),
             in_step_us=in_step.get(r, ((), []))[1],
+            work=work.get(r),
         )
         for r, rd in run.ranks.items()
     ]
@@ -300,6 +309,7 @@ def build(run: RunData, *, live: bool = False) -> Summary:
             clock=_clock_info(clock),
             window=_window_info(window),
             typical=step_time.typical(profs),
+            throughput=throughput.job_throughput(work),
             thresholds=thresholds.as_dict(),
         ),
         ranks=ranks,

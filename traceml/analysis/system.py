@@ -21,7 +21,7 @@ from traceml.analysis.document import (
     NodeSystem,
     RankProcess,
 )
-from traceml.analysis.findings import Finding, ranks_text
+from traceml.analysis.findings import PEAK, SAMPLED_MEDIAN, Finding, ranks_text
 from traceml.analysis.stats import describe, median
 from traceml.analysis.window import Window
 from traceml.analysis.rundata import RankData, RunData
@@ -183,7 +183,7 @@ def _utilization(
         f"(median; lowest: node {worst['node_rank']} GPU {worst['nvml_index']}), "
         f"below {below:g}%.",
         advice,
-        evidence={"gpus": rows, "threshold_pct": below},
+        evidence={"statistic": SAMPLED_MEDIAN, "gpus": rows, "threshold_pct": below},
         ranks=ranks,
         nodes=sorted({r["node_rank"] for r in rows}),
     )
@@ -234,7 +234,7 @@ def high_gpu_temperature(facts: Facts) -> Finding | None:
         "it may throttle its clocks and straggle.",
         "Check the node's cooling and fan settings; compare with the straggler "
         "findings (a hot GPU is often the slow rank).",
-        evidence={"gpus": hot, "threshold_c": th.GPU_TEMP_HIGH_C},
+        evidence={"statistic": PEAK, "gpus": hot, "threshold_c": th.GPU_TEMP_HIGH_C},
         ranks=sorted({r for row in hot for r in row["ranks"]}),
         nodes=sorted({r["node_rank"] for r in hot}),
     )
@@ -259,6 +259,7 @@ def high_cpu(facts: Facts) -> Finding | None:
         "Lower DataLoader num_workers or threads (OMP_NUM_THREADS), move decoding to the "
         "GPU, or look for other processes on the node.",
         evidence={
+            "statistic": SAMPLED_MEDIAN,
             "per_node_cpu_percent_median": {
                 str(n.node_rank): n.system.cpu_percent.median for n in busy
             },
@@ -283,6 +284,7 @@ def high_ram(facts: Facts) -> Finding | None:
         "Fewer or lighter DataLoader workers (each holds a copy of the dataset object), "
         "smaller prefetch_factor, memory-mapped datasets.",
         evidence={
+            "statistic": PEAK,
             "per_node_ram_used_pct_max": {
                 str(n.node_rank): n.system.ram_used_pct_max for n in full
             },

@@ -13,7 +13,7 @@ analysis (:mod:`traceml.analysis.phases`), the reports and the live view.
 The step fields and their order. :data:`STEP_FIELDS` lists every field of a step in one
 canonical order: :data:`STEP_REQUIRED_FIELDS`, the phases' CPU-clock fields in table order,
 :data:`GPU_STEP_FIELD`, the phases' GPU-clock fields in table order, then
-:data:`MEMORY_FIELDS`. It is the order of the fields in ``StepColumns`` and of the store's
+:data:`MEMORY_FIELDS` and :data:`WORKLOAD_FIELDS`. It is the order of the fields in ``StepColumns`` and of the store's
 ``steps`` columns; within each clock the phases' field numbers increase in table order.
 ``tests/test_phase_table.py`` checks all of that against the generated descriptor and the
 .proto file.
@@ -115,6 +115,9 @@ STEP_REQUIRED_FIELDS = ("step", "end_us", "step_us")
 GPU_STEP_FIELD = "gpu_step_us"
 #: Peaks of the CUDA caching allocator (bytes): present on steps that read memory.
 MEMORY_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes")
+#: Work done by the step (:mod:`traceml.sdk.workload`): samples and token ids of its DataLoader
+#: batches (counts), its model FLOPs (present once the rank counted them).
+WORKLOAD_FIELDS = ("samples", "tokens", "flops")
 
 #: Fields a step may lack (not measured), in the canonical order.
 STEP_OPTIONAL_FIELDS = (
@@ -122,6 +125,7 @@ STEP_OPTIONAL_FIELDS = (
     + (GPU_STEP_FIELD,)
     + tuple(p.gpu_field for p in GPU_PHASES)
     + MEMORY_FIELDS
+    + WORKLOAD_FIELDS
 )
 #: Every field of a step, in the canonical order (that of ``StepColumns``).
 STEP_FIELDS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS

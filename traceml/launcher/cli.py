@@ -128,6 +128,11 @@ def run_command(
         help="zero-code steps and phases for a script that never calls trace_step "
         f"[default: on; ${settings.AUTO_INSTRUMENT.name}=0 turns it off]",
     ),
+    peak_tflops: Optional[float] = typer.Option(
+        None,
+        help="peak dense TFLOPS of one rank's device, for MFU (wins over the GPU table; "
+        f"gives CPU runs an MFU) [default: ${settings.PEAK_TFLOPS.name} or the table]",
+    ),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -169,6 +174,7 @@ def run_command(
         tls_key=tls_key,
         tls_ca=tls_ca,
         auto_instrument=auto_instrument,
+        peak_tflops=peak_tflops,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)

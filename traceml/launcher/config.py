@@ -9,6 +9,7 @@ from pathlib import Path
 
 from traceml import settings
 from traceml.core import endpoint
+from traceml.core.peaks import peak_tflops_error
 from traceml.core.rundir import validate_run_name
 
 MODES = ("summary", "cli", "dashboard")
@@ -96,6 +97,9 @@ class LaunchConfig:
     #: The CA certificate clients check the aggregator's against (``--tls-ca``, else
     #: ``TRACEML_TLS_CA``; node 0 defaults it to its own, self-signed, ``--tls-cert``).
     tls_ca: Path | None = None
+    #: Peak TFLOPS of one rank's device for MFU (``--peak-tflops``, else
+    #: ``TRACEML_PEAK_TFLOPS``; None: the GPU table, no MFU on CPU).
+    peak_tflops: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -187,6 +191,7 @@ class LaunchConfig:
             )
         if self.save_training_output is None:
             self.save_training_output = settings.env_bool(settings.SAVE_TRAINING_OUTPUT)
+        self._resolve_peak()
         if self.run_name is None:
             if self.nnodes > 1:
                 raise LaunchError(
@@ -223,6 +228,21 @@ class LaunchConfig:
         return endpoint.dashboard_url(
             str(self.aggregator_bind_host), self.dashboard_port, str(self.run_token)
         )
+
+    def _resolve_peak(self) -> None:
+        """``peak_tflops`` from its flag, else ``TRACEML_PEAK_TFLOPS``.
+
+        Raises:
+            LaunchError: the value is not a finite number > 0.
+        """
+        if self.peak_tflops is not None:
+            error = peak_tflops_error("--peak-tflops", self.peak_tflops)
+        else:
+            raw = settings.env_str(settings.PEAK_TFLOPS).strip()
+            error = peak_tflops_error(settings.PEAK_TFLOPS.name, raw) if raw else ""
+            self.peak_tflops = float(raw) if raw and not error else None
+        if error:
+            raise LaunchError(error)
 
     def _resolve_credentials(self) -> None:
         """The token and TLS files from their flags, else their variables; checked here.

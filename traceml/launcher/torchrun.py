@@ -71,6 +71,8 @@ def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
     env[settings.AGGREGATOR.name] = config.aggregator_target
     env[settings.LAUNCHED.name] = "1"
     env[RANK_ENDS_FILE_ENV] = str(run_dir.rank_ends)
+    if config.peak_tflops is not None:
+        env[settings.PEAK_TFLOPS.name] = repr(config.peak_tflops)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

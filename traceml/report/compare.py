@@ -5,7 +5,8 @@ delta (B - A) and a status: ``improved``, ``regressed`` or ``unchanged`` (within
 :data:`EQUIVALENT_PCT`). Step parts are judged against A's step time (input wait going from
 0.4 to 0.6 ms is +50% of itself but noise for the step). The verdict comes from the key
 metrics (step time, peak allocated memory, GPU utilisation), so it also works for CPU-only
-runs, which only have step time:
+runs, which only have step time; throughput and MFU are shown, not key (a bigger batch raises
+them while it slows the step, and the step-time verdict already judges the same job):
 
 * IMPROVEMENT — some key metric improved, none regressed;
 * REGRESSION — some key metric regressed, none improved;
@@ -64,6 +65,9 @@ METRICS = (
     *(_Metric(f"{p}_ms", "ms", True, False, vs_step=True) for p in PARTS),
     _Metric("peak_allocated_bytes", "bytes", True, True),
     _Metric("gpu_util_pct", "%", False, True),
+    _Metric("samples_per_s", "1/s", False, False),
+    _Metric("tokens_per_s", "1/s", False, False),
+    _Metric("mfu_pct", "%", False, False),
 )
 
 

@@ -20,7 +20,8 @@ def flatten(summary: dict) -> tuple[dict[str, float], dict[str, str]]:
     ``<part>_ms`` and ``<part>_pct`` for each part of the step (typical rank), ``window_steps``,
     ``world_size``, ``severity_level`` (0 info, 1 warning, 2 critical), ``impact_ms``,
     ``straggler_gap_ms``, ``gpu_util_pct`` (median over nodes), ``peak_allocated_bytes`` (max
-    over ranks), ``findings_warning``/``findings_critical`` (counts).
+    over ranks), ``findings_warning``/``findings_critical`` (counts), ``samples_per_s``,
+    ``tokens_per_s``, ``achieved_tflops`` and ``mfu_pct`` (the job's: sums over ranks).
     Labels: ``verdict`` (the primary kind), ``severity``, ``clock``, ``run_name``, and the
     ``ranks`` and ``nodes`` the verdict singles out (a straggler), comma-separated.
     """
@@ -46,6 +47,9 @@ def flatten(summary: dict) -> tuple[dict[str, float], dict[str, str]]:
             default=None,
         ),
     }
+    job = summary["analysis"].get("throughput") or {}  # absent from summaries made before it
+    for name in ("samples_per_s", "tokens_per_s", "achieved_tflops", "mfu_pct"):
+        metrics[name] = job.get(name)
     for part in PARTS:
         metrics[f"{part}_ms"] = typ["phase_median_ms"].get(part)
         metrics[f"{part}_pct"] = typ["phase_share_pct"].get(part)

@@ -1,8 +1,8 @@
 """``final_summary.txt``: the summary for a human, verdict first, at most 80 columns wide.
 
 Order: a one-line header (run, topology, window, clock), the verdict (what, why, next), the
-other findings, then compact tables: step time per rank, time outside the steps, memory,
-processes, nodes, rank ends.
+other findings, then compact tables: step time per rank, throughput and MFU, time outside the
+steps, memory, processes, nodes, rank ends.
 Everything comes from the summary document, so ``traceml view`` renders a saved JSON the same.
 """
 
@@ -135,6 +135,44 @@ def _step_table(summary: dict) -> list[str]:
     return lines
 
 
+def _sig(value: float | None) -> str:
+    """3 significant digits (a CPU model's 1.02e-08 TFLOP/s is not 0.000); ``-`` for None."""
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _throughput(summary: dict) -> list[str]:
+    """Samples/s, tokens/s and MFU (``analysis.throughput``, ``ranks[].throughput``), when
+    any rank counted samples or FLOPs."""
+    shown, _ = rank_rows(summary)
+    rows = [
+        [str(r["rank"]), num(t["samples_per_s"]), num(t["tokens_per_s"], 0),
+         _sig(t["mfu"]["achieved_tflops"]), _sig(t["mfu"]["mfu_pct"]),
+         t["mfu"]["dtype"] or "-", num(t["mfu"]["peak_tflops"], 1)]
+        for r in shown
+        for t in [r.get("throughput")]
+        if t and (t["samples_per_s"] is not None or t["mfu"]["forward_flops"] is not None)
+    ]  # fmt: skip
+    if not rows:
+        return []
+    job = summary["analysis"]["throughput"]
+    figures = [f"{num(job['samples_per_s'])} samples/s"]
+    if job["tokens_per_s"] is not None:
+        figures.append(f"{num(job['tokens_per_s'], 0)} tokens/s")
+    if job["mfu_pct"] is not None:
+        figures.append(
+            f"MFU {_sig(job['mfu_pct'])}% ({_sig(job['achieved_tflops'])} of "
+            f"{_sig(job['peak_tflops'])} TFLOPS)"
+        )
+    else:
+        figures.append(f"MFU n/a ({job['mfu_unavailable_reason']})")
+    lines = ["", "Throughput (window totals over wall time; job: sum over ranks)"]
+    lines += textwrap.wrap("job: " + ", ".join(figures), WIDTH, initial_indent="  ",
+                           subsequent_indent="    ")  # fmt: skip
+    return lines + _table(
+        ["rank", "samples/s", "tokens/s", "TFLOP/s", "MFU %", "dtype", "peak"], rows
+    )
+
+
 def _outside_table(summary: dict) -> list[str]:
     """Time outside the steps per rank (``ranks[].outside_steps``), when any rank paused."""
     shown, _ = rank_rows(summary)
@@ -253,6 +291,7 @@ def render_text(summary: dict) -> str:
     lines += _verdict(summary)
     lines += _findings(summary)
     lines += _step_table(summary)
+    lines += _throughput(summary)
     lines += _outside_table(summary)
     lines += _memory_table(summary)
     lines += _process_table(summary)

@@ -12,7 +12,8 @@ the CPU clock:
 * optimizer — ``Optimizer.step`` of any ``torch.optim.Optimizer`` (fused and foreach included),
   through torch's global optimizer step hooks;
 * DataLoader — ``__next__`` of every DataLoader iterator, also of iterators created before
-  ``init()`` (the method is replaced on the iterator base class);
+  ``init()`` (the method is replaced on the iterator base class); the batch's samples and
+  tokens are read from its shapes (:func:`traceml.sdk.workload.batch_counts`);
 * H2D — ``Tensor.to`` and ``Tensor.cuda`` calls that turn a host tensor into a CUDA tensor
   (``non_blocking=True`` and pinned memory included), made by the thread that called
   ``init()`` inside a step and outside the other phases (a copy inside the forward, backward,
@@ -42,6 +43,7 @@ import weakref
 
 from traceml.core import phases
 from traceml.sdk import step as step_mod
+from traceml.sdk import workload
 from traceml.sdk.step import StepTracer
 from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER
 
@@ -49,6 +51,7 @@ _now_ns = time.perf_counter_ns
 _tracer: StepTracer | None = None
 _installed = False
 _is_compiling = None  # torch.compiler.is_compiling, bound by install()
+_grad_enabled = None  # torch.is_grad_enabled, bound by install()
 _h2d_thread: int | None = None  # thread whose copies count as H2D (the one that called init())
 
 #: Phase names accepted by :func:`add_phase` (and ``traceml.phase``): the phases the hooks time
@@ -58,7 +61,7 @@ PHASES = tuple(p.name for p in phases.GPU_PHASES)
 
 def install(tracer: StepTracer) -> None:
     """Route phase timings to ``tracer`` and install the global hooks (once per process)."""
-    global _tracer, _installed, _is_compiling
+    global _tracer, _installed, _is_compiling, _grad_enabled
     _tracer = tracer
     if _installed:
         return
@@ -70,6 +73,7 @@ def install(tracer: StepTracer) -> None:
     from torch.utils.data import dataloader
 
     _is_compiling = torch.compiler.is_compiling
+    _grad_enabled = torch.is_grad_enabled
     torch.autograd.backward = _timed_backward(torch.autograd.backward)
     register_optimizer_step_pre_hook(_optimizer_pre)
     register_optimizer_step_post_hook(_optimizer_post)
@@ -172,8 +176,15 @@ class ForwardTimer:
             gpu.begin(FORWARD)
         tr.forward_depth = 1
         outer, tr.phase = tr.phase, step_mod.FORWARD
+        counter = None
+        if _grad_enabled():  # a training forward: its model FLOPs count (see workload)
+            tr.train_forwards += 1
+            if tr.flops_counter is not None and tr.steps_completed >= workload.COUNT_STEP:
+                counter = tr.flops_counter
         start = _now_ns()
         try:
+            if counter is not None:
+                return counter.count(tr, self._model(), forward, args, kwargs)
             return forward(*args, **kwargs)
         finally:
             tr.forward_ns = (tr.forward_ns or 0) + (_now_ns() - start)
@@ -280,11 +291,14 @@ def _timed_next(original):
             tr.auto.open()  # a zero-code step opens with its first batch
         tr.phase_depth += 1  # a copy made by the loader (collate_fn) is input time, not H2D
         outer, tr.phase = tr.phase, step_mod.DATALOADER
+        batch = None
         start = _now_ns()
         try:
-            return original(self)
+            batch = original(self)
+            return batch
         finally:
-            tr.add_dataloader(_now_ns() - start, id(self))
+            elapsed = _now_ns() - start
+            tr.add_dataloader(elapsed, id(self), *workload.batch_counts(batch))
             tr.phase_depth -= 1
             tr.phase = outer
 

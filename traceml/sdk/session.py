@@ -15,6 +15,7 @@ import time
 
 from traceml import settings
 from traceml.sdk import client as client_mod
+from traceml.sdk import workload
 from traceml.sdk.failopen import fail_open, warn
 from traceml.sdk.identity import RankInfo
 from traceml.sdk.step import StepTracer
@@ -50,6 +51,10 @@ class Session:
         )
         self.tracer = StepTracer(
             functools.partial(self.client.submit, client_mod.STEPS), time.perf_counter_ns()
+        )
+        self.tracer.flops_counter = workload.FlopsCounter(
+            functools.partial(self.client.submit, workload.FLOPS_COUNTS),
+            workload.peak_tflops_setting(),
         )
         self.extensions: list = []  # objects with close(): samplers, GPU timing
         #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.

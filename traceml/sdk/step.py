@@ -23,6 +23,9 @@ Definitions (all durations per step, in ns here and µs on the wire):
   inside the step body. A loop without a DataLoader has no DataLoader next, and its whole gap
   is its fetch;
 * forward, backward, optimizer, H2D: see :mod:`traceml.sdk.instrumentation`;
+* samples, tokens: of the DataLoader batches the DataLoader-next figure covers, from their
+  shapes; flops: the step's model FLOPs once the rank counted them (both
+  :mod:`traceml.sdk.workload`);
 * residual (computed by the analysis): step time minus the phases that were measured.
 """
 
@@ -32,6 +35,10 @@ import time
 from typing import Callable
 
 _now_ns = time.perf_counter_ns
+
+#: Model FLOPs of a training forward and its backward per forward FLOP (see
+#: :mod:`traceml.sdk.workload`).
+FWD_BWD_FACTOR = 3
 
 #: What a rank is doing now (:attr:`StepTracer.phase`, sent as ``Progress.phase``): between
 #: steps, inside a step but outside the phases below, or in one of them.
@@ -64,6 +71,9 @@ class StepMeasurement:
         "gpu",
         "peak_allocated_bytes",
         "peak_reserved_bytes",
+        "samples",
+        "tokens",
+        "flops",
         "origin_ns",
     )
 
@@ -71,6 +81,7 @@ class StepMeasurement:
         self.gpu = None
         self.peak_allocated_bytes = None
         self.peak_reserved_bytes = None
+        self.samples = self.tokens = self.flops = None
 
     def ready(self) -> bool:
         """True when no GPU timing is pending."""
@@ -107,6 +118,12 @@ class StepMeasurement:
         if self.peak_allocated_bytes is not None:
             fields["peak_allocated_bytes"] = self.peak_allocated_bytes
             fields["peak_reserved_bytes"] = self.peak_reserved_bytes
+        if self.samples is not None:
+            fields["samples"] = self.samples
+        if self.tokens is not None:
+            fields["tokens"] = self.tokens
+        if self.flops is not None:
+            fields["flops"] = self.flops
         return fields
 
 
@@ -148,6 +165,16 @@ class StepTracer:
         #: called last (``_pending_iterator``, its ``id()``).
         self.dataloader_pending_ns: int | None = None
         self._pending_iterator: int | None = None
+        #: Samples and tokens of those batches (:func:`traceml.sdk.workload.batch_counts`):
+        #: ``[samples, tokens]`` fetched since the previous step, and inside the open step.
+        self._pending_work: list = [None, None]
+        self._step_work: list = [None, None]
+        #: Training forwards (autograd on) of the open step, and the FLOPs of one (set once
+        #: counted by :attr:`flops_counter`, a :class:`traceml.sdk.workload.FlopsCounter`,
+        #: which is None once it ran or when counting is off).
+        self.train_forwards = 0
+        self.forward_flops: int | None = None
+        self.flops_counter = None
         self.forward_depth = 0
         #: Backward or optimizer calls in progress (a host-to-device copy inside one is its time).
         self.phase_depth = 0
@@ -164,7 +191,10 @@ class StepTracer:
         self.auto = None
 
     # -- phases: called by the instrumentation hooks --------------------------------------------
-    def add_dataloader(self, elapsed_ns: int, iterator: int = 0) -> None:
+    def add_dataloader(
+        self, elapsed_ns: int, iterator: int = 0, samples: int | None = None,
+        tokens: int | None = None,
+    ) -> None:  # fmt: skip
         """Account one DataLoader ``__next__`` call (inside or between steps).
 
         Args:
@@ -172,14 +202,22 @@ class StepTracer:
             iterator: ``id()`` of the DataLoader iterator. Between steps only the calls of the
                 iterator called last count (a call to another iterator starts over), so the
                 batches of an evaluation loader read between two steps are not input wait.
+            samples, tokens: the batch's counts (None: unknown, or no batch came).
         """
         if self.in_step:
             self.dataloader_in_step_ns += elapsed_ns
+            work = self._step_work
         elif iterator == self._pending_iterator and self.dataloader_pending_ns is not None:
             self.dataloader_pending_ns += elapsed_ns
+            work = self._pending_work
         else:
             self._pending_iterator = iterator
             self.dataloader_pending_ns = elapsed_ns
+            work = self._pending_work = [None, None]
+        if samples is not None:
+            work[0] = samples if work[0] is None else work[0] + samples
+        if tokens is not None:
+            work[1] = tokens if work[1] is None else work[1] + tokens
 
     # -- the step ---------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -200,6 +238,8 @@ class StepTracer:
         self.forward_ns = self.backward_ns = self.optimizer_ns = None
         self.h2d_ns = 0
         self.dataloader_in_step_ns = 0
+        self._step_work = [None, None]
+        self.train_forwards = 0
         self.forward_depth = self.phase_depth = self.optimizer_depth = 0
         if self.gpu_step_factory is not None:
             self.gpu_step = self.gpu_step_factory(self.steps_completed)
@@ -238,8 +278,15 @@ class StepTracer:
         m.forward_ns = self.forward_ns
         m.backward_ns = self.backward_ns
         m.optimizer_ns = self.optimizer_ns
+        m.samples, m.tokens = _work_sum(self._pending_work, self._step_work)
+        m.flops = (
+            self.forward_flops * FWD_BWD_FACTOR * self.train_forwards
+            if self.forward_flops is not None and self.train_forwards
+            else None
+        )
         self._last_end_ns = end_ns
         self.dataloader_pending_ns = self._pending_iterator = None
+        self._pending_work = [None, None]
         self.steps_completed += 1
         self._emit(m)
 
@@ -257,6 +304,7 @@ class StepTracer:
         fetched = self.dataloader_in_step_ns
         if fetched:
             self.dataloader_pending_ns = (self.dataloader_pending_ns or 0) + fetched
+            self._pending_work = list(_work_sum(self._pending_work, self._step_work))
 
     def abandon(self) -> None:
         """Close a step whose body raised: nothing is emitted, the counter does not move."""
@@ -265,3 +313,9 @@ class StepTracer:
         self.gpu_step = None
         self._last_end_ns = _now_ns()
         self.dataloader_pending_ns = self._pending_iterator = None
+        self._pending_work = [None, None]
+
+
+def _work_sum(a: list, b: list) -> tuple[int | None, int | None]:
+    """``(samples, tokens)`` of two ``[samples, tokens]`` counts (None + None is None)."""
+    return tuple(x if y is None else y if x is None else x + y for x, y in zip(a, b))

@@ -25,7 +25,7 @@ from traceml.wire.v1.service_pb2_grpc import (
     AggregatorStub,
     add_AggregatorServicer_to_server,
 )
-from traceml.wire.v1.step_pb2 import Progress, StepColumns
+from traceml.wire.v1.step_pb2 import FlopsCount, Progress, StepColumns
 
 
 def end_state_name(value: int) -> str:
@@ -41,6 +41,7 @@ __all__ = [
     "EndState",
     "FinalizeReply",
     "FinalizeRequest",
+    "FlopsCount",
     "GpuSample",
     "LiveRank",
     "NodeClaim",

@@ -120,6 +120,8 @@ def step_group_columns(group) -> tuple[tuple[str, ...], list[Sequence[int]]]:
 
 def record_count(batch) -> int:
     """Records in ``batch`` (a Batch): steps (the entries of its groups' ``step`` columns),
-    process samples and system samples."""
+    process samples, system samples and FLOPs counts."""
     steps = sum(len(group.step) for group in batch.step_groups)
-    return steps + len(batch.process_samples) + len(batch.system_samples)
+    return (
+        steps + len(batch.process_samples) + len(batch.system_samples) + len(batch.flops_counts)
+    )
