@@ -1,0 +1,244 @@
+"""What a cluster does to the telemetry path, on real `traceml run` jobs (gloo ranks, real
+signals, real network namespaces), and what is then counted:
+
+* a rank killed by SIGTERM sends its buffered steps and dies of SIGTERM, exactly as without
+  TraceML (stored + counted unsent = the steps its own log has);
+* a rank SIGKILLed after its buffer overflowed: the summary states its drops per rank from
+  the counts its batches carried, though no finish marker came;
+* Ctrl-C while node 0 finalizes against an aggregator that no longer answers: the launcher
+  returns within seconds and leaves no process and no port behind;
+* a 30 s partition between node 1 and node 0's aggregator: node 1's step time and memory do
+  not move, its telemetry resumes, and received + dropped = produced for every rank.
+
+Every script here is ``tests/scripts/faulty_ddp.py`` with ``--step-log``: each rank's own
+count of the steps it completed (one line per step, written inside the step).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import (
+    SCRIPTS,
+    aggregator_of,
+    assert_all_gone,
+    load_summary,
+    process_family,
+    query,
+    start_traceml,
+    wait_training_started,
+)
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(SCRIPTS / "faulty_ddp.py")
+
+
+def logged_steps(step_log: Path, rank: int) -> list[str]:
+    """The rank's own step log lines (``step <i> <end unix s> <step s>``)."""
+    path = step_log / f"rank{rank}.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def wait_logged(step_log: Path, rank: int, steps: int, launcher, err: Path, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while len(logged_steps(step_log, rank)) < steps:
+        assert launcher.poll() is None, err.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"rank {rank} never logged {steps} steps"
+        time.sleep(0.05)
+
+
+def rank_process(launcher, rank: int) -> psutil.Process:
+    """The worker process of global rank ``rank`` under ``launcher`` (torchrun's child whose
+    environment says RANK=<rank>)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "faulty_ddp.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+                    return p
+            except psutil.Error:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def rank_ends(run_dir: Path, node: int = 0) -> dict[int, dict]:
+    """Each local rank's end as the node's launcher recorded it (node manifest)."""
+    manifest = json.loads((run_dir / "nodes" / f"node_{node}" / "manifest.json").read_text())
+    return {r["rank"]: r for r in manifest["ranks"]}
+
+
+def stored_steps(run_dir: Path, rank: int) -> int:
+    return query(run_dir, "SELECT COUNT(*) FROM steps WHERE rank = ?", (rank,))[0][0]
+
+
+# --- 1. SIGTERM to one rank ---------------------------------------------------------------------
+def sigterm_rank_run(tmp_path: Path, port: int, label: str, env: dict) -> tuple:
+    """A 2-rank run whose rank 1 gets SIGTERM after 40 logged steps; (launcher exit code,
+    rank 1's end as torchrun saw it, run dir, step log dir)."""
+    step_log = tmp_path / f"steps-{label}"
+    step_log.mkdir()
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", label, "--aggregator-port", str(port),
+        "--logs-dir", str(tmp_path / "logs"), "--steps", "100000", "--step-sleep", "0.02",
+        "--step-log", str(step_log),
+    ]
+    err = tmp_path / f"{label}.err"
+    launcher = start_traceml(args, tmp_path, tmp_path / label, env=env)
+    try:
+        wait_logged(step_log, 1, 40, launcher, err)
+        rank_process(launcher, 1).send_signal(signal.SIGTERM)
+        code = launcher.wait(120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    end = rank_ends(tmp_path / "logs" / label)[1]
+    return code, {k: end.get(k) for k in ("end_state", "exit_code", "signal")}, step_log
+
+
+def test_a_rank_killed_by_sigterm_sends_its_last_steps_and_dies_of_sigterm(tmp_path, port):
+    # Nothing is sent before the signal (no interval, no batch threshold is reached): without
+    # the flush every step would be lost.
+    quiet = {"TRACEML_FLUSH_INTERVAL_SEC": "600", "TRACEML_BATCH_MAX_RECORDS": "60000"}
+    plain = sigterm_rank_run(tmp_path, port, "plain", {**quiet, "TRACEML_DISABLE": "1"})
+    traced = sigterm_rank_run(tmp_path, port, "traced", quiet)
+    # The exit torchrun and the launcher see is the one they see without TraceML.
+    assert traced[:2] == plain[:2]
+    assert traced[1] == {"end_state": "signaled", "exit_code": None, "signal": 15}
+    run_dir = tmp_path / "logs" / "traced"
+    logged = len(logged_steps(traced[2], 1))
+    (finish,) = query(
+        run_dir,
+        "SELECT steps_completed, records_dropped, end_state, reason FROM rank_finish "
+        "WHERE rank = 1",
+    )
+    assert finish[0] == logged
+    assert finish[2:] == ("signaled", "SIGTERM")
+    # stored + counted unsent = what the script's own log says it completed
+    assert stored_steps(run_dir, 1) + finish[1] == logged
+    summary = {r["rank"]: r for r in load_summary(run_dir)["ranks"]}
+    assert (summary[1]["steps_completed"], summary[1]["records_dropped"]) == (logged, finish[1])
+    assert summary[1]["records_received"] == logged - finish[1]
+
+
+# --- 3. drops counted without a finish marker ----------------------------------------------------
+def test_drops_of_a_rank_sigkilled_after_an_outage_are_in_the_summary(tmp_path, port):
+    """Rank 1 overflows its buffer of 40 records while the aggregator is stopped, completes its
+    300 steps and hangs; it is SIGKILLed once its telemetry caught up: no finish marker, and
+    the summary's figures are the last batch's counts."""
+    steps, buffer = 300, 40
+    step_log = tmp_path / "steps"
+    step_log.mkdir()
+    run_dir = tmp_path / "logs" / "dropkill"
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "dropkill", "--aggregator-port",
+        str(port), "--logs-dir", str(tmp_path / "logs"), "--steps", str(steps), "--step-sleep",
+        "0.05", "--fail-rank", "1", "--fail", "hang", "--settle-sec", "0", "--step-log",
+        str(step_log),
+    ]
+    env = {
+        "TRACEML_BUFFER_MAX_RECORDS": str(buffer),
+        "TRACEML_FLUSH_INTERVAL_SEC": "0.2",
+        "TRACEML_HEARTBEAT_SEC": "0.5",
+        "TRACEML_RPC_TIMEOUT_SEC": "1",
+    }
+    err = tmp_path / "dropkill.err"
+    launcher = start_traceml(args, tmp_path, tmp_path / "dropkill", env=env)
+    try:
+        wait_logged(step_log, 1, 20, launcher, err)
+        aggregator = aggregator_of(launcher)
+        aggregator.send_signal(signal.SIGSTOP)
+        time.sleep(8.0)  # 160 steps a rank: the buffer of 40 overflows
+        aggregator.send_signal(signal.SIGCONT)
+        wait_logged(step_log, 1, steps, launcher, err)
+        # Rank 1 hangs now: its last steps go out within a flush (0.2 s), and its heartbeats
+        # (every 0.5 s) carry its final counts. The store is the aggregator's alone meanwhile.
+        time.sleep(4.0)
+        rank_process(launcher, 1).kill()
+        code = launcher.wait(120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 1, err.read_text()[-3000:]  # rank 1 was SIGKILLed: torchrun's 1
+    assert query(run_dir, "SELECT rank FROM rank_finish") == [(0,)]  # none from rank 1
+    summary = load_summary(run_dir)
+    health = {r["rank"]: r for r in summary["run"]["telemetry_health"]["ranks"]}
+    received = stored_steps(run_dir, 1)
+    assert received < steps
+    assert health[1] == {
+        "rank": 1, "steps_produced": steps, "steps_received": received,
+        "steps_dropped": steps - received, "steps_unaccounted": 0,
+        "records_dropped": steps - received, "final": False,
+    }
+    ranks = {r["rank"]: r for r in summary["ranks"]}
+    assert (ranks[1]["steps_completed"], ranks[1]["records_received"],
+            ranks[1]["records_dropped"]) == (steps, received, steps - received)
+    assert ranks[1]["end"]["state"] == "signaled" and ranks[1]["end"]["signal"] == 9
+    # rank 0 finished: its figures came with its finish marker, and add up as well
+    assert health[0]["final"] is True
+    assert health[0]["steps_produced"] == len(logged_steps(step_log, 0)) == steps
+    assert health[0]["steps_received"] + health[0]["steps_dropped"] == steps
+    finding = next(
+        f for f in summary["findings"]["health"] if f["kind"] == "TELEMETRY_DROPPED"
+    )
+    assert f"rank 1: {steps - received} of {steps} steps not stored" in finding["summary"]
+    assert finding["evidence"]["1"] == {
+        "steps_completed": steps, "records_received": received, "records_dropped": steps - received
+    }
+
+
+# --- 4. Ctrl-C during finalization ---------------------------------------------------------------
+def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_seconds(
+    tmp_path, port
+):
+    """The aggregator is SIGSTOPped while training runs; training ends (the ranks give their
+    last batch 1 s), node 0 reports and finalizes against it and would wait for its calls'
+    deadlines (10 s, then the finalize budget). One SIGINT: the launcher returns within
+    FINALIZE_INTERRUPT_GRACE_S and a little, with torchrun's exit code (0), the aggregator
+    killed, the port free."""
+    from traceml.launcher.run import FINALIZE_INTERRUPT_GRACE_S
+
+    run_dir = tmp_path / "logs" / "slowfin"
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "slowfin", "--aggregator-port",
+        str(port), "--logs-dir", str(tmp_path / "logs"), "--steps", "60", "--step-sleep", "0.05",
+    ]
+    err = tmp_path / "slowfin.err"
+    launcher = start_traceml(args, tmp_path, tmp_path / "slowfin",
+                             env={"TRACEML_FINISH_TIMEOUT_SEC": "1"})
+    try:
+        wait_training_started(run_dir, launcher, err)
+        aggregator = aggregator_of(launcher)
+        family = process_family(launcher.pid)
+        aggregator.send_signal(signal.SIGSTOP)
+        manifest = run_dir / "nodes" / "node_0" / "manifest.json"
+        deadline = time.monotonic() + 120
+        while "training_ended" not in json.loads(manifest.read_text())["lifecycle"]:
+            assert launcher.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "training never ended"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the launcher waits on the stopped aggregator now
+        assert launcher.poll() is None
+        interrupted = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(120)
+        took = time.monotonic() - interrupted
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 0, err.read_text()[-3000:]
+    assert took < FINALIZE_INTERRUPT_GRACE_S + 3.0, took
+    assert_all_gone(family, timeout_s=5)
+    with socket.socket() as s:  # nothing listens on the aggregator's port any more
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+    text = err.read_text()
+    assert "got SIGINT: writing the summary with what is stored now" in text
+    assert "ending now" in text
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "abandoned"
