@@ -17,8 +17,12 @@ count of the steps it completed (one line per step, written inside the step).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import socket
+import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -242,3 +246,164 @@ def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_sec
     assert "got SIGINT: writing the summary with what is stored now" in text
     assert "ending now" in text
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "abandoned"
+# --- 2. a 30 s partition between node 1 and node 0 ----------------------------------------------
+HOST0, HOST1 = "10.233.0.1", "10.233.0.2"  # training (rendezvous, gloo)
+TEL0, TEL1 = "10.234.0.1", "10.234.0.2"  # telemetry: node 1 reaches node 0's aggregator here
+PARTITION_S = 30.0
+#: Buffer of the partition run, records: far less than the ~600 steps of the partition.
+PARTITION_BUFFER = 300
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_links():
+    """Two network namespaces joined by two veth pairs: one for training, one for telemetry;
+    the second can be cut alone. Yields ``(netns, {link: (ifname in ns 0, ifname in ns 1)})``;
+    removed, with anything still running in them, after."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and `ip` (iproute2) to create network namespaces")
+    tag = f"tmlp{os.getpid()}"
+    netns = [f"{tag}-0", f"{tag}-1"]
+    links = {"train": (f"{tag}t0", f"{tag}t1"), "tel": (f"{tag}m0", f"{tag}m1")}
+    created = []
+    try:
+        for ns in netns:
+            try:
+                ip("netns", "add", ns)
+            except subprocess.CalledProcessError as exc:
+                pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
+            created.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        for link, addrs in (("train", (HOST0, HOST1)), ("tel", (TEL0, TEL1))):
+            ends = links[link]
+            ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+            for ns, ifname, addr in zip(netns, ends, addrs):
+                ip("link", "set", ifname, "netns", ns)
+                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+                ip("-n", ns, "link", "set", ifname, "up")
+        yield netns, links
+    finally:
+        for ns in created:
+            pids = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True
+            ).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def rss_bytes(pid: int) -> int:
+    """The process's resident set, bytes (``VmRSS`` of /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def step_times(step_log: Path, rank: int) -> list[tuple[float, float]]:
+    """(end unix s, step s) of each step the rank logged."""
+    return [(float(e), float(d)) for _, _, e, d in (ln.split() for ln in logged_steps(step_log, rank))]
+
+
+def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_links, tmp_path):
+    from traceml.sdk.client import BUFFERED_RECORD_MAX_BYTES
+
+    netns, links = two_links
+    steps = 1400  # about 70 s at 0.05 s a step: the partition falls inside
+    step_log = tmp_path / "steps"
+    step_log.mkdir()
+    procs = {}
+    env = {
+        "TRACEML_RUN_TOKEN": "partition-token",
+        "TRACEML_BUFFER_MAX_RECORDS": str(PARTITION_BUFFER),
+        "TRACEML_FLUSH_INTERVAL_SEC": "0.5",
+        "TRACEML_RPC_TIMEOUT_SEC": "2",
+    }
+    for node in (1, 0):
+        args = [
+            "run", SCRIPT, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
+            f"--master-addr={HOST0}", "--run-name=partition", f"--logs-dir={tmp_path / f'host{node}'}",
+            f"--aggregator-host={TEL0}", "--steps", str(steps), "--step-sleep", "0.05",
+            "--step-log", str(step_log),
+        ]
+        procs[node] = start_traceml(
+            args, tmp_path, tmp_path / f"node{node}",
+            prefix=["ip", "netns", "exec", netns[node]],
+            env={**env, "GLOO_SOCKET_IFNAME": links["train"][node]},
+        )
+    err1 = tmp_path / "node1.err"
+    rss: list[tuple[float, int]] = []
+    try:
+        wait_logged(step_log, 1, 100, procs[1], err1)
+        rank1 = rank_process(procs[1], 1)
+        end_before = time.time() + 10.0
+        while time.time() < end_before:
+            rss.append((time.time(), rss_bytes(rank1.pid)))
+            time.sleep(0.25)
+        cut_at = time.time()
+        ip("-n", netns[1], "link", "set", links["tel"][1], "down")
+        while time.time() < cut_at + PARTITION_S:
+            rss.append((time.time(), rss_bytes(rank1.pid)))
+            time.sleep(0.25)
+        ip("-n", netns[1], "link", "set", links["tel"][1], "up")
+        restored_at = time.time()
+        deadline = time.monotonic() + 300
+        while any(p.poll() is None for p in procs.values()):
+            assert time.monotonic() < deadline, "a launcher did not return"
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert {n: p.returncode for n, p in procs.items()} == {0: 0, 1: 0}, (
+        (tmp_path / "node0.err").read_text()[-2000:] + err1.read_text()[-2000:]
+    )
+    assert restored_at + 10 < step_times(step_log, 1)[-1][0], "the run ended too soon after"
+
+    # Step time by the script's own clock: inside the partition as outside it (median, 5 %).
+    margin = 2.0
+    ratios = {}
+    for rank in (0, 1):
+        times = step_times(step_log, rank)[1:]
+        inside = [d for e, d in times if cut_at + margin < e < restored_at - margin]
+        outside = [d for e, d in times if not cut_at - margin < e < restored_at + margin]
+        ratios[rank] = statistics.median(inside) / statistics.median(outside)
+    print(f"\npartition: step time inside/outside {ratios}")
+    assert all(abs(ratio - 1) < 0.05 for ratio in ratios.values()), ratios
+
+    # Rank 1's memory during the partition stays within its buffer's documented bound.
+    before = statistics.median([b for t, b in rss if t < cut_at])
+    during = max(b for t, b in rss if t >= cut_at)
+    assert during - before <= PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES, (before, during)
+
+    # received + dropped = produced, exactly, for each rank; drops only where cut off.
+    run_dir = tmp_path / "host0" / "partition"
+    summary = load_summary(run_dir)
+    health = {r["rank"]: r for r in summary["run"]["telemetry_health"]["ranks"]}
+    for rank in (0, 1):
+        produced = len(logged_steps(step_log, rank))
+        assert produced == steps
+        h = health[rank]
+        assert h["final"] is True and h["steps_produced"] == produced
+        assert h["steps_received"] == stored_steps(run_dir, rank)
+        assert h["steps_received"] + h["steps_dropped"] == produced, h
+    assert health[0]["steps_dropped"] == 0
+    assert health[1]["steps_dropped"] > 0  # the small buffer did overflow
+    print(f"partition: rank 1 RSS +{(during - before) / 1024:.0f} KiB (bound "
+          f"{PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES / 1024:.0f} KiB); rank 1 stored "
+          f"{health[1]['steps_received']} + dropped {health[1]['steps_dropped']} = {steps}")
+
+    # Telemetry resumed: every step rank 1 ended once the link was back is stored, and node
+    # 1's sampler was heard again.
+    ends = dict(enumerate(e for e, _ in step_times(step_log, 1)))
+    after = {i for i, e in ends.items() if e > restored_at + 5.0}
+    stored = {s for (s,) in query(run_dir, "SELECT step FROM steps WHERE rank = 1")}
+    assert after and after <= stored
+    (last_sample,) = query(run_dir, "SELECT MAX(unix_us) FROM system_samples WHERE node_rank = 1")[0]
+    assert last_sample / 1e6 > restored_at + 5.0
