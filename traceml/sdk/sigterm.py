@@ -124,7 +124,9 @@ class _Terminator:
                 return
             if not data:
                 return
-            if signal.SIGTERM in data:  # other signals with Python handlers write here too
+            # Other signals with Python handlers write here too, and so does SIGTERM once the
+            # script has replaced this handler with its own: then its handler decides.
+            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self.on_signal:
                 self._note_arrival()
                 self._after_grace()
 
