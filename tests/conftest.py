@@ -136,6 +136,19 @@ def wait_training_started(run_dir: Path, launcher: subprocess.Popen, err_path: P
         time.sleep(0.1)
 
 
+def aggregator_of(launcher: subprocess.Popen) -> psutil.Process:
+    """Node 0's aggregator process under ``launcher`` (waits up to 60 s for it)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            if "traceml_aggregator" in " ".join(child.cmdline()):
+                return child
+        time.sleep(0.2)
+    raise AssertionError("no aggregator process")
+
+
 def process_family(pid: int) -> list[psutil.Process]:
     """``pid`` and every process under it (torchrun's ranks, node 0's aggregator)."""
     root = psutil.Process(pid)

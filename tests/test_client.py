@@ -55,6 +55,81 @@ def test_full_buffer_drops_are_counted_and_reported_in_the_finish_marker(aggrega
     assert warnings == []
 
 
+def test_every_batch_carries_the_running_counts_and_the_store_keeps_the_latest(aggregator):
+    """No finish marker is ever sent (a rank SIGKILLed later): the store still knows what the
+    client produced and dropped, from the counts of its last batch."""
+    client = make_client(
+        aggregator.target, "mine", [], flush_interval_s=3600, buffer_max_records=10
+    )
+    for i in range(15):
+        client.submit(client_mod.STEPS, step(i))
+    assert client.flush(30) is True
+    client.submit(client_mod.STEPS, step(15))
+    assert client.flush(30) is True
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT rank_finish.rank FROM rank_finish") == []
+    assert aggregator.query(
+        "SELECT seq, records_produced, records_dropped, steps_produced, steps_dropped "
+        "FROM sender_counts"
+    ) == [(2, 16, 5, 16, 5)]
+    assert aggregator.query("SELECT COUNT(*) FROM steps") == [(11,)]
+
+
+def test_a_bounded_close_counts_what_it_had_no_time_to_send_in_the_finish_marker(aggregator):
+    """3000 records, one per batch, and 1 s to close: past the cutoff (half the time) the rest
+    is given up, counted, and the finish marker still arrives; stored + unsent = produced."""
+    produced = 3000
+    client = make_client(
+        aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=1
+    )
+    for i in range(produced):
+        client.submit(client_mod.STEPS, step(i))
+    began = time.monotonic()
+    assert client.close(finish(produced), timeout_s=1.0) is True
+    assert time.monotonic() - began < 1.5
+    unsent = client.stats.dropped_unsent
+    assert unsent > 0 and client.stats.steps_dropped == unsent
+    assert aggregator.stop() == 0
+    (stored,) = aggregator.query("SELECT COUNT(*) FROM steps")[0]
+    assert stored + unsent == produced
+    assert aggregator.query("SELECT steps_completed, records_dropped FROM rank_finish") == [
+        (produced, unsent)
+    ]
+    assert aggregator.query("SELECT steps_produced, steps_dropped FROM sender_counts") == [
+        (produced, unsent)
+    ]
+
+
+def test_a_buffered_cpu_step_takes_less_than_the_documented_bound():
+    """BUFFERED_RECORD_MAX_BYTES (docs/telemetry.md) against tracemalloc: 20,000 steps of the
+    real tracer buffered by a client that never sends."""
+    import functools
+    import tracemalloc
+
+    from traceml.sdk.step import StepTracer
+
+    client = make_client(
+        "127.0.0.1:1", "mine", [], flush_interval_s=3600, batch_max_records=10**9,
+        buffer_max_records=10**9,
+    )
+    tracer = StepTracer(functools.partial(client.submit, client_mod.STEPS), time.perf_counter_ns())
+    count = 20_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for _ in range(count):
+            tracer.begin()
+            tracer.forward_ns, tracer.backward_ns, tracer.optimizer_ns = 10**8, 10**7, 10**6
+            tracer.end()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    per_record = sum(d.size_diff for d in after.compare_to(before, "filename")) / count
+    assert len(client._buffer) == count
+    assert 0 < per_record <= client_mod.BUFFERED_RECORD_MAX_BYTES, per_record
+    client.close(timeout_s=0.1)
+
+
 def test_a_step_the_wire_cannot_carry_is_dropped_alone_and_counted(aggregator):
     """One step with a negative duration (a measurement bug, e.g. a nested step before it was
     refused) in a batch of 512: before the fix the batch's conversion raised after the buffer
@@ -163,7 +238,9 @@ def test_close_is_bounded_when_the_aggregator_stops_answering(aggregator):
         os.kill(aggregator.process.pid, signal.SIGCONT)
     assert 2.0 <= elapsed < 15
     assert client.stats.send_failures >= 1
-    assert len(warnings) == 1 and "DEADLINE_EXCEEDED" in warnings[0]
+    assert len(warnings) == 2 and "DEADLINE_EXCEEDED" in warnings[0]
+    # step 1 was never acknowledged: said, with the time waited
+    assert warnings[1].startswith("telemetry not delivered at exit: 1 records (no acknowledgement")
 
 
 def test_a_forked_child_never_sends(aggregator):

@@ -114,7 +114,7 @@ def test_zero_code_run_reports_missing_steps_and_system_figures(store, tmp_path)
     s = _report(store, tmp_path, [])
     p = s["primary_diagnosis"]
     assert p["kind"] == "INSUFFICIENT_DATA"
-    assert p["evidence"] == {"missing": ["steps"], "ranks_without_steps": [0, 1]}
+    assert p["evidence"] == {"missing": ["steps"], "ranks_without_steps": [0, 1], "statistic": "events"}
     assert "traceml.init()" in p["action"] and "traceml.trace_step(model)" in p["action"]
     system = s["nodes"][0]["system"]
     assert system["samples"] == 5

@@ -12,25 +12,14 @@ import signal
 import statistics
 import time
 
-import psutil
 import pytest
-from conftest import SCRIPTS, load_summary, query, start_traceml
+from conftest import SCRIPTS, aggregator_of, load_summary, query, start_traceml
 
 pytestmark = pytest.mark.slow
 
 OUTAGE_S = 30.0
 STEP_SLEEP_S = 0.05
 STEPS = 1000  # about 50 s of training: the outage falls inside it
-
-
-def aggregator_of(launcher) -> psutil.Process:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for child in psutil.Process(launcher.pid).children(recursive=True):
-            if "traceml_aggregator" in " ".join(child.cmdline()):
-                return child
-        time.sleep(0.2)
-    raise AssertionError("no aggregator process")
 
 
 def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, port):

@@ -57,9 +57,18 @@ def _health():
 
 def _dropped_restarted():
     r0 = rank(0, steps(), restart=1, earlier_attempts={0: 12})
-    r0.finish.update(steps_completed=45, records_dropped=3, steps_gpu_unresolved=2)
+    dropped = 45 - len(r0.steps)
+    r0.finish.update(
+        steps_completed=45, records_dropped=dropped, steps_gpu_unresolved=2, last_seq=12
+    )
+    # the counts of r0's last batch, the one with its finish marker
+    r0.counts = {"seq": 12, "records_produced": 45, "records_dropped": dropped,
+                 "steps_produced": 45, "steps_dropped": dropped}
     r1 = rank(1, [], finish=False)
     r1.end = None
+    # r1 was killed without a finish marker: 4 steps dropped, 3 still buffered when last heard
+    r1.counts = {"seq": 9, "records_produced": 7, "records_dropped": 4, "steps_produced": 7,
+                 "steps_dropped": 4}
     return run_of([r0, r1]), False
 
 

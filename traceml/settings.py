@@ -116,6 +116,12 @@ RPC_TIMEOUT_SEC = Setting("TRACEML_RPC_TIMEOUT_SEC", "5", "Deadline of one Push 
 FINISH_TIMEOUT_SEC = Setting(
     "TRACEML_FINISH_TIMEOUT_SEC", "10", "How long a rank's exit waits to deliver its last batch."
 )
+SIGTERM_FLUSH_SEC = Setting(
+    "TRACEML_SIGTERM_FLUSH_SEC",
+    "2",
+    "How long a rank killed by SIGTERM takes to send what it buffered and its finish marker "
+    "before it dies of SIGTERM, s (records it had no time for are counted as unsent).",
+)
 SAMPLE_INTERVAL_SEC = Setting(
     "TRACEML_SAMPLE_INTERVAL_SEC", "1.0", "Period of the system and process samplers, s."
 )

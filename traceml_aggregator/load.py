@@ -64,6 +64,10 @@ def load(store: Store, missing: list[int]) -> RunData:
         rd = rank_data(row["rank"])
         if row["restart"] == rd.restart:
             rd.flops = dict(row)
+    for row in store.query("SELECT * FROM sender_counts"):
+        rd = rank_data(row["rank"])
+        if row["restart"] == rd.restart:
+            rd.counts = dict(row)
     for row in store.query("SELECT * FROM rank_ends"):
         rank_data(row["rank"]).end = dict(row)
     for row in store.query("SELECT * FROM process_samples ORDER BY unix_us"):

@@ -79,6 +79,11 @@ CREATE TABLE IF NOT EXISTS rank_flops (
     rank INTEGER NOT NULL, restart INTEGER NOT NULL, step INTEGER NOT NULL,
     forward_flops INTEGER NOT NULL, count_us INTEGER NOT NULL, dtype TEXT, device_name TEXT,
     peak_tflops REAL, PRIMARY KEY (rank, restart)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sender_counts (
+    rank INTEGER NOT NULL, restart INTEGER NOT NULL, seq INTEGER NOT NULL,
+    records_produced INTEGER NOT NULL, records_dropped INTEGER NOT NULL,
+    steps_produced INTEGER NOT NULL, steps_dropped INTEGER NOT NULL,
+    PRIMARY KEY (rank, restart)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS node_exits (
     node_rank INTEGER PRIMARY KEY, hostname TEXT, exit_code INTEGER NOT NULL,
     restart_count INTEGER NOT NULL, received_unix_us INTEGER NOT NULL);
@@ -270,6 +275,7 @@ class Store:
         process: list[tuple] = []
         system: list[tuple] = []
         gpus: list[tuple] = []
+        counts: dict[tuple[int, int], tuple] = {}  # (rank, restart) -> its latest SenderCounts
         results: list[WriteResult] = []
         touched: dict[tuple[str, int, int], int] = {}
         before: dict[tuple[str, int, int], int] = {}  # stored seqs as they were, to restore
@@ -321,6 +327,10 @@ class Store:
                     )
                 if batch.HasField("finish"):
                     self._write_finish(rank, restart, batch.finish, received_unix_us)
+                if sender == "rank" and batch.HasField("counts"):
+                    c = batch.counts
+                    counts[rank, restart] = (rank, restart, batch.seq, c.records_produced,
+                                             c.records_dropped, c.steps_produced, c.steps_dropped)
             for rank, restart, group in steps:
                 _insert_steps(db, rank, restart, group)
             if process:
@@ -329,6 +339,10 @@ class Store:
                 db.executemany("INSERT INTO system_samples VALUES (?,?,?,?,?,?,?)", system)
             if gpus:
                 db.executemany("INSERT INTO gpu_samples VALUES (?,?,?,?,?,?,?,?,?,?)", gpus)
+            if counts:  # a stream's batches are stored in order: the last one is the latest
+                db.executemany(
+                    "INSERT OR REPLACE INTO sender_counts VALUES (?,?,?,?,?,?,?)", counts.values()
+                )
             if touched:
                 db.executemany(
                     "INSERT OR REPLACE INTO streams VALUES (?,?,?,?)",

@@ -17,7 +17,10 @@ model (one all-reduce per step). Rank ``--fail-rank`` ends itself at the start o
 ``--step-sleep`` adds a planted sleep to every step (s), to make a run last without CPU work.
 ``--ignore-sigterm`` makes every rank ignore SIGTERM (a rank stuck in I/O that torchrun cannot
 stop in its grace period).
-Rank 0 prints ``faulty_ddp: training`` once its first step begins.
+Rank 0 prints ``faulty_ddp: training`` once its first step begins. ``--step-log DIR`` makes
+every rank append one line per completed step to ``DIR/rank<R>.log`` (``step <i> <end, Unix s>
+<step body, s>``, by the script's own clock), written unbuffered as the last statement of the
+step's ``with`` block: the script's own count of the steps it completed, whatever signal ends it.
 
 Before a failure it waits ``--settle-sec`` (default 1.5 s) so that every rank's telemetry of
 the completed steps is flushed (tests set ``TRACEML_FLUSH_INTERVAL_SEC`` well below that), then
@@ -53,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--settle-sec", type=float, default=1.5)
     p.add_argument("--mark", default="")
     p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--step-log", default="")
     return p.parse_args()
 
 
@@ -99,6 +103,11 @@ def main() -> None:
     layer = Stallable(16, 1)
     model = DDP(layer)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    step_log = None
+    if args.step_log:
+        step_log = os.open(
+            os.path.join(args.step_log, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        )
     for step in range(args.steps):
         if failing and args.fail not in ("hang", "stall") and step == args.fail_step:
             die(rank, args.fail, args.settle_sec, args.mark)
@@ -107,12 +116,16 @@ def main() -> None:
             layer.stall = True
         if rank == 0 and step == 0:
             print("faulty_ddp: training", flush=True)
+        began = time.perf_counter()
         with traceml.trace_step(model):
             time.sleep(args.step_sleep)
             x = torch.randn(8, 16)
             optimizer.zero_grad()
             model(x).pow(2).mean().backward()
             optimizer.step()
+            if step_log is not None:
+                took = time.perf_counter() - began
+                os.write(step_log, f"step {step} {time.time():.6f} {took:.6f}\n".encode())
     dist.destroy_process_group()
     if failing and args.fail == "hang":
         die(rank, "hang", args.settle_sec, args.mark)

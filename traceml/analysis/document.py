@@ -115,6 +115,38 @@ class AggregatorOutage:
 
 
 @dataclass
+class RankDelivery:
+    """``run.telemetry_health.ranks[]``: what one rank's client produced and gave up, from the
+    running totals that every batch carries (``SenderCounts``), so known even for a rank whose
+    finish marker never arrived (a rank SIGKILLed after an outage)."""
+
+    rank: Count
+    steps_produced: Annotated[
+        int, Schema(minimum=0, description="steps the rank handed to its client, as of its latest batch")
+    ]
+    steps_received: Annotated[int, Schema(minimum=0, description="steps stored")]
+    steps_dropped: Annotated[
+        int,
+        Schema(minimum=0, description="steps the client gave up: buffer full, unsendable, "
+               "unsent at exit (TRACEML_BUFFER_MAX_RECORDS, TRACEML_SIGTERM_FLUSH_SEC)"),
+    ]
+    steps_unaccounted: Annotated[
+        int,
+        Schema(minimum=0, description="steps produced as of the latest batch, neither stored "
+               "nor dropped: still buffered when the rank was last heard from (lost when it "
+               "was killed); 0 when the finish marker arrived"),
+    ]
+    records_dropped: Annotated[
+        int, Schema(minimum=0, description="records (steps and samples) the client gave up")
+    ]
+    final: Annotated[
+        bool,
+        Schema(description="the figures came with the rank's finish marker (its last word); "
+               "false: from its latest batch, the rank never finished its stream"),
+    ]
+
+
+@dataclass
 class TelemetryHealth:
     """``run.telemetry_health``: what happened to the telemetry path during the run."""
 
@@ -127,6 +159,10 @@ class TelemetryHealth:
     ]
     aggregator_outages: Annotated[
         list[AggregatorOutage], Schema(description="each restart, in order")
+    ]
+    ranks: Annotated[
+        list[RankDelivery],
+        Schema(description="per rank (those whose batches carried their totals), by rank"),
     ]
 
 

@@ -100,6 +100,11 @@ class RankData:
     identity: dict | None = None
     steps: StepColumns = NO_STEPS
     finish: dict | None = None
+    #: The latest running totals the rank's client sent (``records_produced``,
+    #: ``records_dropped``, ``steps_produced``, ``steps_dropped``; see ``SenderCounts`` in
+    #: ``proto/traceml/wire/v1/finish.proto``), with the ``seq`` of the batch that carried
+    #: them; None when no batch carried them.
+    counts: dict | None = None
     end: dict | None = None  # from the node launcher's report, when any
     process_samples: list[dict] = field(default_factory=list)
     earlier_attempts: dict[int, int] = field(default_factory=dict)  # restart -> steps stored

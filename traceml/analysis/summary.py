@@ -42,6 +42,7 @@ from traceml.analysis.document import (
     Series,
     StepTime,
     Summary,
+    RankDelivery,
     TelemetryHealth,
     WindowInfo,
 )
@@ -90,6 +91,21 @@ def _series(rd: RankData) -> Series:
     )
 
 
+def _delivery(rd: RankData) -> RankDelivery:
+    """``run.telemetry_health.ranks[]`` entry of a rank with ``counts``."""
+    c = rd.counts
+    received = len(rd.steps)
+    return RankDelivery(
+        rank=rd.rank,
+        steps_produced=c["steps_produced"],
+        steps_received=received,
+        steps_dropped=c["steps_dropped"],
+        steps_unaccounted=max(0, c["steps_produced"] - received - c["steps_dropped"]),
+        records_dropped=c["records_dropped"],
+        final=bool(rd.finish) and rd.finish.get("last_seq") == c["seq"],
+    )
+
+
 def rank_summary(
     rd: RankData,
     prof: Profile | None,
@@ -111,6 +127,7 @@ def rank_summary(
     come from the whole-window analyses."""
     ident = rd.identity or {}
     finish = rd.finish or {}
+    counts = rd.counts or {}
     return RankSummary(
         rank=rd.rank,
         restart=rd.restart,
@@ -119,9 +136,11 @@ def rank_summary(
         hostname=ident.get("hostname"),
         device=ident.get("device"),
         end=RankEnd(**health.end_state(rd, missing, live=live)),
-        steps_completed=finish["steps_completed"] if finish else len(rd.steps),
+        steps_completed=(
+            finish["steps_completed"] if finish else counts.get("steps_produced", len(rd.steps))
+        ),
         records_received=len(rd.steps),
-        records_dropped=finish.get("records_dropped"),
+        records_dropped=counts["records_dropped"] if counts else finish.get("records_dropped"),
         steps_gpu_unresolved=finish.get("steps_gpu_unresolved"),
         step_time_ms=(
             StepTime(*(_round(prof.step_ms[k]) for k in ("median", "mean", "p95", "max")))
@@ -295,6 +314,7 @@ def build(run: RunData, *, live: bool = False) -> Summary:
             telemetry_health=TelemetryHealth(
                 aggregator_restarts=len(run.aggregator_restarts),
                 aggregator_outages=[AggregatorOutage(**o) for o in run.aggregator_restarts],
+                ranks=[_delivery(rd) for rd in run.ranks.values() if rd.counts],
             ),
             rejected=dict(sorted(run.rejected.items())),
         ),

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 from traceml import __version__, settings
@@ -60,6 +62,10 @@ AGGREGATOR_POLL_S = 0.2
 #: Longest finalization after the launcher was interrupted (SIGTERM, SIGINT), s: Slurm sends
 #: SIGKILL 30 s after its SIGTERM (KillWait), and the summary must be written before.
 INTERRUPTED_FINALIZE_BUDGET_S = 10.0
+#: Longest time from a signal during finalization to the launcher's return, s: a summary that
+#: takes longer (an aggregator that stopped answering, a huge store) is given up, as after a
+#: second signal.
+FINALIZE_INTERRUPT_GRACE_S = 5.0
 
 
 class Abandon(BaseException):
@@ -145,6 +151,9 @@ class Launch:
         self._served = False
         #: Node 0's live view while training runs (``--mode cli``/``dashboard``).
         self.live_view: LiveView | None = None
+        #: Armed by a signal during finalization: signals the launcher again once
+        #: FINALIZE_INTERRUPT_GRACE_S has passed (see :meth:`_on_signal`).
+        self._overdue: threading.Timer | None = None
 
     def run(self) -> int:
         """Launch, wait, finish; returns the exit code for the launcher."""
@@ -234,6 +243,9 @@ class Launch:
                 f"warning: TraceML failed after training ({type(exc).__name__}: {exc}); "
                 f"exit code {exit_code(returncode)} is torchrun's"
             )
+        finally:
+            if self._overdue is not None:
+                self._overdue.cancel()
         return exit_code(returncode)
 
     def _on_signal(self, signum: int, _frame=None) -> None:
@@ -246,10 +258,27 @@ class Launch:
         self.interrupted = signum
         name = signal.Signals(signum).name
         if self._finalizing:
-            _log.info(f"got {name}: writing the summary with what is stored now (again: end at once)")
+            _log.info(
+                f"got {name}: writing the summary with what is stored now, within "
+                f"{FINALIZE_INTERRUPT_GRACE_S:g} s (again: end at once)"
+            )
+            # The main thread may wait on an aggregator that no longer answers (stopped, or
+            # writing a huge summary): past the grace, end as after a second signal.
+            self._overdue = threading.Timer(FINALIZE_INTERRUPT_GRACE_S, self._end_overdue, (signum,))
+            self._overdue.daemon = True
+            self._overdue.start()
         else:
             _log.info(f"got {name}: stopping training; the summary follows (again: end at once)")
             self.torchrun.forward_signal(signum)
+
+    def _end_overdue(self, signum: int) -> None:
+        """Timer thread: the summary after an interrupt is overdue; end as after a second
+        signal (the handler, on the main thread, raises :class:`Abandon`)."""
+        _log.info(
+            f"the summary is not written {FINALIZE_INTERRUPT_GRACE_S:g} s after "
+            f"{signal.Signals(signum).name}: ending now"
+        )
+        os.kill(os.getpid(), signum)
 
     def _abandon(
         self,
@@ -593,8 +622,10 @@ class Launch:
             return False
 
     def _stop_aggregator(self) -> None:
-        """Stop node 0's aggregator; its exit code goes into the health fields."""
-        self.health["exit_code"] = exit_code(aggregator.stop(self.aggregator_process))
+        """Stop node 0's aggregator (SIGKILL after 10 s, 2 s once interrupted); its exit code
+        goes into the health fields."""
+        timeout_s = 2.0 if self.interrupted else 10.0
+        self.health["exit_code"] = exit_code(aggregator.stop(self.aggregator_process, timeout_s))
         if self.health["status"] == "serving":
             self.health["status"] = "stopped"
 

@@ -25,9 +25,12 @@ and counted.
 
 What the client had to give up is counted, never silently lost: records refused because the
 buffer was full (``TRACEML_BUFFER_MAX_RECORDS``, the only bound: while the aggregator is out of
-reach, records accumulate there), steps holding a value the wire cannot carry, and records
-too large for any batch. The count travels in the rank's
-:class:`~traceml.wire.RankFinish`; :class:`ClientStats` also counts failed calls and resends.
+reach, records accumulate there), steps holding a value the wire cannot carry, records
+too large for any batch, and records still buffered when a bounded :meth:`TelemetryClient.close`
+had to send its finish marker (unsent at exit). The running totals travel in every batch
+(:class:`~traceml.wire.SenderCounts`), so the aggregator knows them even when no finish marker
+arrives; the total dropped is also in the rank's :class:`~traceml.wire.RankFinish`.
+:class:`ClientStats` also counts failed calls and resends.
 
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
 flight; measured with grpcio 1.85, streaming during fork() killed children and broke the parent's
@@ -75,6 +78,20 @@ MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 2
 #: Most bytes one step may take in a batch: a varint (at most 10 bytes) per field, plus its
 #: share of the group's column headers. An upper bound: steps are never measured one by one.
 _STEP_FIELD_BYTES, _STEP_OVERHEAD_BYTES = 11, 128
+
+#: Most memory one buffered record takes, bytes: the buffer's bound in memory is
+#: ``TRACEML_BUFFER_MAX_RECORDS`` times this (128 MiB at the default 65,536 records). A CPU step
+#: (its :class:`~traceml.sdk.step.StepMeasurement`, its integers and the deque slot) takes about
+#: 580 bytes, measured with tracemalloc (``tests/test_client.py`` checks it against this bound),
+#: and about 900 bytes of resident memory in a 30 s partition (``tests/test_telemetry_loss.py``);
+#: a GPU-timed step holds its CUDA events too, which come from a fixed pool, and a sample is a
+#: small protobuf message.
+BUFFERED_RECORD_MAX_BYTES = 2048
+
+#: What a bounded close keeps for the finish marker alone, s: past ``timeout_s`` minus this (or
+#: half of ``timeout_s``, whichever is later), records still buffered are counted as unsent and
+#: the next batch carries the finish marker.
+FINISH_RESERVE_S = 0.5
 
 #: Kinds of record a client can carry (the Batch fields they go to).
 STEPS = "step_groups"
@@ -131,11 +148,29 @@ class ClientStats:
     #: Steps with a value the wire cannot carry (negative, or beyond 64 bits): a bug of the
     #: measurement, never a reason to lose the rest of their batch.
     dropped_invalid: int = 0
+    #: Records still buffered when a bounded close gave the rest of its time to the finish
+    #: marker (:data:`FINISH_RESERVE_S`).
+    dropped_unsent: int = 0
+    #: Steps handed to :meth:`TelemetryClient.submit` (buffered or refused).
+    steps_produced: int = 0
+    #: Of :attr:`dropped`, steps.
+    steps_dropped: int = 0
 
     @property
     def dropped(self) -> int:
-        """All records this client could not deliver."""
-        return self.dropped_buffer_full + self.dropped_invalid + self.dropped_oversized
+        """All records this client gave up on (never sent, or refused before the buffer)."""
+        return (
+            self.dropped_buffer_full
+            + self.dropped_invalid
+            + self.dropped_oversized
+            + self.dropped_unsent
+        )
+
+    @property
+    def produced(self) -> int:
+        """All records handed to the client: :attr:`submitted` plus those the full buffer
+        refused."""
+        return self.submitted + self.dropped_buffer_full
 
 
 # --- fork hooks: shared by every client of the process ------------------------------------
@@ -238,6 +273,7 @@ class TelemetryClient:
         self._unreachable_warned = False
         self._retry_after_s = 0.0  # the aggregator's retry-after, once it pushed back
         self._finish = None  # RankFinish to send last, set by close()
+        self._unsent_cutoff = float("inf")  # monotonic s: a closing client sends the finish next
         self._rpc_lock = threading.Lock()
         self._inflight = None  # the Push call in flight (a grpc.Future), for the fork hook
         self._wake = threading.Event()
@@ -262,8 +298,13 @@ class TelemetryClient:
         """
         if self._dead:
             return
+        stats = self.stats
+        if kind == STEPS:
+            stats.steps_produced += 1
         if len(self._buffer) >= self.config.buffer_max_records:
-            self.stats.dropped_buffer_full += 1
+            stats.dropped_buffer_full += 1
+            if kind == STEPS:
+                stats.steps_dropped += 1
             return
         self._buffer.append((kind, item))
         self.stats.submitted += 1
@@ -274,6 +315,13 @@ class TelemetryClient:
     def close(self, finish=None, timeout_s: float = 10.0) -> bool:
         """Send what is buffered, then ``finish`` (a RankFinish) last; wait up to ``timeout_s``.
 
+        The finish marker gets the end of the time: records still buffered once
+        ``timeout_s - FINISH_RESERVE_S`` (at least half of ``timeout_s``) has passed are given up,
+        counted in ``stats.dropped_unsent`` and in the finish marker's ``records_dropped``, and
+        the next batch carries the marker. Records that were never acknowledged when the time is
+        over are named in one warning line (unless the aggregator was never reached: that
+        was said already).
+
         Returns True when every batch was acknowledged. Returns False without waiting longer
         when the aggregator rejected the run, or when a send fails and the aggregator was never
         reached (training has paid the warning, not the time); False after ``timeout_s`` when
@@ -282,13 +330,34 @@ class TelemetryClient:
         """
         if self._dead:
             return False
+        start = time.monotonic()
+        self._unsent_cutoff = start + max(timeout_s - FINISH_RESERVE_S, timeout_s / 2)
         self._finish = finish
         self._closing = True  # after _finish: the sender thread reads them in this order
         self._wake.set()
         self._done.wait(timeout_s)
         self._dead = True
         self._wake.set()
+        if not self._delivered and not self._rejected and self._ever_acked:
+            self._warn_undelivered(time.monotonic() - start)
         return self._delivered
+
+    def _warn_undelivered(self, waited_s: float) -> None:
+        """One line: records this closed client never had acknowledged (buffered or in flight)."""
+        from traceml.wire.records import record_count
+
+        pending = self._pending
+        waiting = len(self._buffer) + (record_count(pending) if pending is not None else 0)
+        if waiting:
+            self._warn(
+                f"telemetry not delivered at exit: {waiting} records (no acknowledgement "
+                f"within {waited_s:.1f} s); {self.stats.dropped} dropped before"
+            )
+
+    def wait_closed(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, for a :meth:`close` under way on another thread (or one
+        interrupted by a signal handler on this one) to finish; True when it did."""
+        return self._done.wait(timeout_s)
 
     # --- caller's thread: flush and one-off calls ---------------------------------------------
     def flush(self, timeout_s: float) -> bool:
@@ -383,6 +452,8 @@ class TelemetryClient:
         else:
             batch.node_rank = self.node_rank
         steps = []
+        if self._closing and self._finish is not None and time.monotonic() >= self._unsent_cutoff:
+            self._give_up_buffer()  # the finish marker goes in this batch
         while self._buffer and records < self.config.batch_max_records:
             kind, item = self._buffer[0]
             if kind == STEPS:
@@ -415,6 +486,7 @@ class TelemetryClient:
             del batch.step_groups[:]
             valid = [step for step in steps if _fits_wire(step)]
             self.stats.dropped_invalid += len(steps) - len(valid)
+            self.stats.steps_dropped += len(steps) - len(valid)
             add_steps(batch, valid)
         last = not self._buffer and self._closing and self._finish is not None
         now = time.monotonic()
@@ -431,6 +503,12 @@ class TelemetryClient:
         self._last_batch_at = now
         if progress is not None:
             batch.progress.steps_completed, batch.progress.phase = progress
+        stats = self.stats
+        counts = batch.counts
+        counts.records_produced = stats.produced
+        counts.records_dropped = stats.dropped
+        counts.steps_produced = stats.steps_produced
+        counts.steps_dropped = stats.steps_dropped
         batch.seq = self._next_seq
         self._next_seq += 1
         if batch.seq == 1 and self.identity is not None:
@@ -498,6 +576,15 @@ class TelemetryClient:
         self._pending = None
         self._buffer.clear()
         return True
+
+    def _give_up_buffer(self) -> None:
+        """Count every buffered record as unsent and empty the buffer (a bounded close whose
+        time for records is over)."""
+        buffer = self._buffer
+        steps = sum(1 for kind, _ in buffer if kind == STEPS)
+        self.stats.dropped_unsent += len(buffer)
+        self.stats.steps_dropped += steps
+        buffer.clear()
 
     def _drop_oversized(self, kind: str, size_bytes: int) -> None:
         """Count a record too large for any batch; warn for the first one."""

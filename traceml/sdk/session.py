@@ -18,6 +18,7 @@ from traceml.sdk import client as client_mod
 from traceml.sdk import workload
 from traceml.sdk.failopen import fail_open, warn
 from traceml.sdk.identity import RankInfo
+from traceml.sdk import sigterm
 from traceml.sdk.step import StepTracer
 
 
@@ -179,12 +180,19 @@ class Session:
                 "the outer step"
             )
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` began (the finish marker is on its way, or was sent)."""
+        return self._closed
+
     def record_exception(self, exc: BaseException) -> None:
         """Remember the exception that ends the process (reported in the finish marker)."""
         self._exception = exc
 
-    def close(self) -> None:
-        """Flush and send the finish marker; bounded by ``TRACEML_FINISH_TIMEOUT_SEC``."""
+    def close(self, timeout_s: float | None = None, signal_name: str = "") -> None:
+        """Flush and send the finish marker, within ``timeout_s`` (default
+        ``TRACEML_FINISH_TIMEOUT_SEC``). ``signal_name`` ("SIGTERM") marks an end by that
+        signal (:mod:`traceml.sdk.sigterm`): end state ``signaled``, the name as the reason."""
         if self._closed or client_mod.in_forked_child():
             return
         self._closed = True
@@ -196,13 +204,17 @@ class Session:
             except Exception as exc:
                 warn(f"telemetry extension failed to close: {exc}")
         finish = wire.RankFinish(steps_completed=self.tracer.steps_completed)
-        if self._exception is None:
+        if signal_name:
+            finish.end_state = wire.EndState.END_STATE_SIGNALED
+            finish.reason = signal_name
+        elif self._exception is None:
             finish.end_state = wire.EndState.END_STATE_COMPLETED
         else:
             finish.end_state = wire.EndState.END_STATE_FAILED
             finish.reason = f"{type(self._exception).__name__}: {self._exception}"[:500]
-        timeout = settings.env_float(settings.FINISH_TIMEOUT_SEC)
-        self.client.close(finish, timeout_s=timeout)
+        if timeout_s is None:
+            timeout_s = settings.env_float(settings.FINISH_TIMEOUT_SEC)
+        self.client.close(finish, timeout_s=timeout_s)
 
 
 def _process_group_backend() -> str:
@@ -271,3 +283,4 @@ def _install_exit_hooks(session: Session) -> None:
 
     sys.excepthook = excepthook
     atexit.register(session.close)
+    sigterm.install(session)

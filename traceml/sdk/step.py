@@ -189,6 +189,9 @@ class StepTracer:
         #: Zero-code step boundaries (a :class:`traceml.sdk.auto.AutoSteps`), None when the
         #: script marks its own steps; the first explicit :meth:`begin` turns them off.
         self.auto = None
+        #: Called once a step has ended and been emitted, when set: a SIGTERM that came inside
+        #: the step (:mod:`traceml.sdk.sigterm`) ends the process there.
+        self.on_step_end: Callable[[], None] | None = None
 
     # -- phases: called by the instrumentation hooks --------------------------------------------
     def add_dataloader(
@@ -289,6 +292,8 @@ class StepTracer:
         self._pending_work = [None, None]
         self.steps_completed += 1
         self._emit(m)
+        if self.on_step_end is not None:
+            self.on_step_end()
 
     def next_step(self) -> None:
         """Close the open step and open the next one at the same instant (zero-code steps

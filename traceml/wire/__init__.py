@@ -5,7 +5,7 @@ modules in ``traceml/wire/v1/`` are generated from them by ``tools/gen_proto.sh`
 (see ``docs/wire.md`` for why). This module re-exports the message classes under short names.
 """
 
-from traceml.wire.v1.finish_pb2 import EndState, NodeExit, RankEnd, RankFinish
+from traceml.wire.v1.finish_pb2 import EndState, NodeExit, RankEnd, RankFinish, SenderCounts
 from traceml.wire.v1.rank_pb2 import RankIdentity
 from traceml.wire.v1.samples_pb2 import GpuSample, ProcessSample, SystemSample
 from traceml.wire.v1.service_pb2 import (
@@ -53,6 +53,7 @@ __all__ = [
     "RankEnd",
     "RankFinish",
     "RankIdentity",
+    "SenderCounts",
     "StepColumns",
     "SummarizeReply",
     "SummarizeRequest",

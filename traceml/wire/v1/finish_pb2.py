@@ -14,19 +14,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctraceml/wire/v1/finish.proto\x12\x0ftraceml.wire.v1\"\xac\x01\n\nRankFinish\x12\x10\n\x08last_seq\x18\x01 \x01(\x04\x12\x17\n\x0fsteps_completed\x18\x02 \x01(\x04\x12\x17\n\x0frecords_dropped\x18\x03 \x01(\x04\x12\x1c\n\x14steps_gpu_unresolved\x18\x04 \x01(\x04\x12,\n\tend_state\x18\x05 \x01(\x0e\x32\x19.traceml.wire.v1.EndState\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\xaf\x01\n\x07RankEnd\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12,\n\tend_state\x18\x03 \x01(\x0e\x32\x19.traceml.wire.v1.EndState\x12\x16\n\texit_code\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06signal\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\tB\x0c\n\n_exit_codeB\t\n\x07_signal\"\x94\x01\n\x08NodeExit\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.traceml.wire.v1.RankEnd\x12\x15\n\rrestart_count\x18\x06 \x01(\r*\x86\x01\n\x08\x45ndState\x12\x19\n\x15\x45ND_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45ND_STATE_COMPLETED\x10\x01\x12\x14\n\x10\x45ND_STATE_FAILED\x10\x02\x12\x16\n\x12\x45ND_STATE_SIGNALED\x10\x03\x12\x18\n\x14\x45ND_STATE_TERMINATED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctraceml/wire/v1/finish.proto\x12\x0ftraceml.wire.v1\"\xac\x01\n\nRankFinish\x12\x10\n\x08last_seq\x18\x01 \x01(\x04\x12\x17\n\x0fsteps_completed\x18\x02 \x01(\x04\x12\x17\n\x0frecords_dropped\x18\x03 \x01(\x04\x12\x1c\n\x14steps_gpu_unresolved\x18\x04 \x01(\x04\x12,\n\tend_state\x18\x05 \x01(\x0e\x32\x19.traceml.wire.v1.EndState\x12\x0e\n\x06reason\x18\x06 \x01(\t\"p\n\x0cSenderCounts\x12\x18\n\x10records_produced\x18\x01 \x01(\x04\x12\x17\n\x0frecords_dropped\x18\x02 \x01(\x04\x12\x16\n\x0esteps_produced\x18\x03 \x01(\x04\x12\x15\n\rsteps_dropped\x18\x04 \x01(\x04\"\xaf\x01\n\x07RankEnd\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12,\n\tend_state\x18\x03 \x01(\x0e\x32\x19.traceml.wire.v1.EndState\x12\x16\n\texit_code\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06signal\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\tB\x0c\n\n_exit_codeB\t\n\x07_signal\"\x94\x01\n\x08NodeExit\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\'\n\x05ranks\x18\x05 \x03(\x0b\x32\x18.traceml.wire.v1.RankEnd\x12\x15\n\rrestart_count\x18\x06 \x01(\r*\x86\x01\n\x08\x45ndState\x12\x19\n\x15\x45ND_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45ND_STATE_COMPLETED\x10\x01\x12\x14\n\x10\x45ND_STATE_FAILED\x10\x02\x12\x16\n\x12\x45ND_STATE_SIGNALED\x10\x03\x12\x18\n\x14\x45ND_STATE_TERMINATED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'traceml.wire.v1.finish_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_ENDSTATE']._serialized_start=554
-  _globals['_ENDSTATE']._serialized_end=688
+  _globals['_ENDSTATE']._serialized_start=668
+  _globals['_ENDSTATE']._serialized_end=802
   _globals['_RANKFINISH']._serialized_start=50
   _globals['_RANKFINISH']._serialized_end=222
-  _globals['_RANKEND']._serialized_start=225
-  _globals['_RANKEND']._serialized_end=400
-  _globals['_NODEEXIT']._serialized_start=403
-  _globals['_NODEEXIT']._serialized_end=551
+  _globals['_SENDERCOUNTS']._serialized_start=224
+  _globals['_SENDERCOUNTS']._serialized_end=336
+  _globals['_RANKEND']._serialized_start=339
+  _globals['_RANKEND']._serialized_end=514
+  _globals['_NODEEXIT']._serialized_start=517
+  _globals['_NODEEXIT']._serialized_end=665
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,409 @@
+"""What a cluster does to the telemetry path, on real `traceml run` jobs (gloo ranks, real
+signals, real network namespaces), and what is then counted:
+
+* a rank killed by SIGTERM sends its buffered steps and dies of SIGTERM, exactly as without
+  TraceML (stored + counted unsent = the steps its own log has);
+* a rank SIGKILLed after its buffer overflowed: the summary states its drops per rank from
+  the counts its batches carried, though no finish marker came;
+* Ctrl-C while node 0 finalizes against an aggregator that no longer answers: the launcher
+  returns within seconds and leaves no process and no port behind;
+* a 30 s partition between node 1 and node 0's aggregator: node 1's step time and memory do
+  not move, its telemetry resumes, and received + dropped = produced for every rank.
+
+Every script here is ``tests/scripts/faulty_ddp.py`` with ``--step-log``: each rank's own
+count of the steps it completed (one line per step, written inside the step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import (
+    SCRIPTS,
+    aggregator_of,
+    assert_all_gone,
+    load_summary,
+    process_family,
+    query,
+    start_traceml,
+    wait_training_started,
+)
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(SCRIPTS / "faulty_ddp.py")
+
+
+def logged_steps(step_log: Path, rank: int) -> list[str]:
+    """The rank's own step log lines (``step <i> <end unix s> <step s>``)."""
+    path = step_log / f"rank{rank}.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def wait_logged(step_log: Path, rank: int, steps: int, launcher, err: Path, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while len(logged_steps(step_log, rank)) < steps:
+        assert launcher.poll() is None, err.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"rank {rank} never logged {steps} steps"
+        time.sleep(0.05)
+
+
+def rank_process(launcher, rank: int) -> psutil.Process:
+    """The worker process of global rank ``rank`` under ``launcher`` (torchrun's child whose
+    environment says RANK=<rank>)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "faulty_ddp.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+                    return p
+            except psutil.Error:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def rank_ends(run_dir: Path, node: int = 0) -> dict[int, dict]:
+    """Each local rank's end as the node's launcher recorded it (node manifest)."""
+    manifest = json.loads((run_dir / "nodes" / f"node_{node}" / "manifest.json").read_text())
+    return {r["rank"]: r for r in manifest["ranks"]}
+
+
+def stored_steps(run_dir: Path, rank: int) -> int:
+    return query(run_dir, "SELECT COUNT(*) FROM steps WHERE rank = ?", (rank,))[0][0]
+
+
+# --- 1. SIGTERM to one rank ---------------------------------------------------------------------
+def sigterm_rank_run(tmp_path: Path, port: int, label: str, env: dict) -> tuple:
+    """A 2-rank run whose rank 1 gets SIGTERM after 40 logged steps; (launcher exit code,
+    rank 1's end as torchrun saw it, run dir, step log dir)."""
+    step_log = tmp_path / f"steps-{label}"
+    step_log.mkdir()
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", label, "--aggregator-port", str(port),
+        "--logs-dir", str(tmp_path / "logs"), "--steps", "100000", "--step-sleep", "0.02",
+        "--step-log", str(step_log),
+    ]
+    err = tmp_path / f"{label}.err"
+    launcher = start_traceml(args, tmp_path, tmp_path / label, env=env)
+    try:
+        wait_logged(step_log, 1, 40, launcher, err)
+        rank_process(launcher, 1).send_signal(signal.SIGTERM)
+        code = launcher.wait(120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    end = rank_ends(tmp_path / "logs" / label)[1]
+    return code, {k: end.get(k) for k in ("end_state", "exit_code", "signal")}, step_log
+
+
+def test_a_rank_killed_by_sigterm_sends_its_last_steps_and_dies_of_sigterm(tmp_path, port):
+    # Nothing is sent before the signal (no interval, no batch threshold is reached): without
+    # the flush every step would be lost.
+    quiet = {"TRACEML_FLUSH_INTERVAL_SEC": "600", "TRACEML_BATCH_MAX_RECORDS": "60000"}
+    plain = sigterm_rank_run(tmp_path, port, "plain", {**quiet, "TRACEML_DISABLE": "1"})
+    traced = sigterm_rank_run(tmp_path, port, "traced", quiet)
+    # The exit torchrun and the launcher see is the one they see without TraceML.
+    assert traced[:2] == plain[:2]
+    assert traced[1] == {"end_state": "signaled", "exit_code": None, "signal": 15}
+    run_dir = tmp_path / "logs" / "traced"
+    logged = len(logged_steps(traced[2], 1))
+    (finish,) = query(
+        run_dir,
+        "SELECT steps_completed, records_dropped, end_state, reason FROM rank_finish "
+        "WHERE rank = 1",
+    )
+    assert finish[0] == logged
+    assert finish[2:] == ("signaled", "SIGTERM")
+    # stored + counted unsent = what the script's own log says it completed
+    assert stored_steps(run_dir, 1) + finish[1] == logged
+    summary = {r["rank"]: r for r in load_summary(run_dir)["ranks"]}
+    assert (summary[1]["steps_completed"], summary[1]["records_dropped"]) == (logged, finish[1])
+    assert summary[1]["records_received"] == logged - finish[1]
+
+
+# --- 3. drops counted without a finish marker ----------------------------------------------------
+def test_drops_of_a_rank_sigkilled_after_an_outage_are_in_the_summary(tmp_path, port):
+    """Rank 1 overflows its buffer of 40 records while the aggregator is stopped, completes its
+    300 steps and hangs; it is SIGKILLed once its telemetry caught up: no finish marker, and
+    the summary's figures are the last batch's counts."""
+    steps, buffer = 300, 40
+    step_log = tmp_path / "steps"
+    step_log.mkdir()
+    run_dir = tmp_path / "logs" / "dropkill"
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "dropkill", "--aggregator-port",
+        str(port), "--logs-dir", str(tmp_path / "logs"), "--steps", str(steps), "--step-sleep",
+        "0.05", "--fail-rank", "1", "--fail", "hang", "--settle-sec", "0", "--step-log",
+        str(step_log),
+    ]
+    env = {
+        "TRACEML_BUFFER_MAX_RECORDS": str(buffer),
+        "TRACEML_FLUSH_INTERVAL_SEC": "0.2",
+        "TRACEML_HEARTBEAT_SEC": "0.5",
+        "TRACEML_RPC_TIMEOUT_SEC": "1",
+    }
+    err = tmp_path / "dropkill.err"
+    launcher = start_traceml(args, tmp_path, tmp_path / "dropkill", env=env)
+    try:
+        wait_logged(step_log, 1, 20, launcher, err)
+        aggregator = aggregator_of(launcher)
+        aggregator.send_signal(signal.SIGSTOP)
+        time.sleep(8.0)  # 160 steps a rank: the buffer of 40 overflows
+        aggregator.send_signal(signal.SIGCONT)
+        wait_logged(step_log, 1, steps, launcher, err)
+        # Rank 1 hangs now: its last steps go out within a flush (0.2 s), and its heartbeats
+        # (every 0.5 s) carry its final counts. The store is the aggregator's alone meanwhile.
+        time.sleep(4.0)
+        rank_process(launcher, 1).kill()
+        code = launcher.wait(120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 1, err.read_text()[-3000:]  # rank 1 was SIGKILLed: torchrun's 1
+    assert query(run_dir, "SELECT rank FROM rank_finish") == [(0,)]  # none from rank 1
+    summary = load_summary(run_dir)
+    health = {r["rank"]: r for r in summary["run"]["telemetry_health"]["ranks"]}
+    received = stored_steps(run_dir, 1)
+    assert received < steps
+    assert health[1] == {
+        "rank": 1, "steps_produced": steps, "steps_received": received,
+        "steps_dropped": steps - received, "steps_unaccounted": 0,
+        "records_dropped": steps - received, "final": False,
+    }
+    ranks = {r["rank"]: r for r in summary["ranks"]}
+    assert (ranks[1]["steps_completed"], ranks[1]["records_received"],
+            ranks[1]["records_dropped"]) == (steps, received, steps - received)
+    assert ranks[1]["end"]["state"] == "signaled" and ranks[1]["end"]["signal"] == 9
+    # rank 0 finished: its figures came with its finish marker, and add up as well
+    assert health[0]["final"] is True
+    assert health[0]["steps_produced"] == len(logged_steps(step_log, 0)) == steps
+    assert health[0]["steps_received"] + health[0]["steps_dropped"] == steps
+    finding = next(
+        f for f in summary["findings"]["health"] if f["kind"] == "TELEMETRY_DROPPED"
+    )
+    assert f"rank 1: {steps - received} of {steps} steps not stored" in finding["summary"]
+    assert finding["evidence"]["1"] == {
+        "steps_completed": steps, "records_received": received, "records_dropped": steps - received
+    }
+
+
+# --- 4. Ctrl-C during finalization ---------------------------------------------------------------
+def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_seconds(
+    tmp_path, port
+):
+    """The aggregator is SIGSTOPped while training runs; training ends (the ranks give their
+    last batch 1 s), node 0 reports and finalizes against it and would wait for its calls'
+    deadlines (10 s, then the finalize budget). One SIGINT: the launcher returns within
+    FINALIZE_INTERRUPT_GRACE_S and a little, with torchrun's exit code (0), the aggregator
+    killed, the port free."""
+    from traceml.launcher.run import FINALIZE_INTERRUPT_GRACE_S
+
+    run_dir = tmp_path / "logs" / "slowfin"
+    args = [
+        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "slowfin", "--aggregator-port",
+        str(port), "--logs-dir", str(tmp_path / "logs"), "--steps", "60", "--step-sleep", "0.05",
+    ]
+    err = tmp_path / "slowfin.err"
+    launcher = start_traceml(args, tmp_path, tmp_path / "slowfin",
+                             env={"TRACEML_FINISH_TIMEOUT_SEC": "1"})
+    try:
+        wait_training_started(run_dir, launcher, err)
+        aggregator = aggregator_of(launcher)
+        family = process_family(launcher.pid)
+        aggregator.send_signal(signal.SIGSTOP)
+        manifest = run_dir / "nodes" / "node_0" / "manifest.json"
+        deadline = time.monotonic() + 120
+        while "training_ended" not in json.loads(manifest.read_text())["lifecycle"]:
+            assert launcher.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "training never ended"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the launcher waits on the stopped aggregator now
+        assert launcher.poll() is None
+        interrupted = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(120)
+        took = time.monotonic() - interrupted
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 0, err.read_text()[-3000:]
+    assert took < FINALIZE_INTERRUPT_GRACE_S + 3.0, took
+    assert_all_gone(family, timeout_s=5)
+    with socket.socket() as s:  # nothing listens on the aggregator's port any more
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+    text = err.read_text()
+    assert "got SIGINT: writing the summary with what is stored now" in text
+    assert "ending now" in text
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "abandoned"
+# --- 2. a 30 s partition between node 1 and node 0 ----------------------------------------------
+HOST0, HOST1 = "10.233.0.1", "10.233.0.2"  # training (rendezvous, gloo)
+TEL0, TEL1 = "10.234.0.1", "10.234.0.2"  # telemetry: node 1 reaches node 0's aggregator here
+PARTITION_S = 30.0
+#: Buffer of the partition run, records: far less than the ~600 steps of the partition.
+PARTITION_BUFFER = 300
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_links():
+    """Two network namespaces joined by two veth pairs: one for training, one for telemetry;
+    the second can be cut alone. Yields ``(netns, {link: (ifname in ns 0, ifname in ns 1)})``;
+    removed, with anything still running in them, after."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and `ip` (iproute2) to create network namespaces")
+    tag = f"tmlp{os.getpid()}"
+    netns = [f"{tag}-0", f"{tag}-1"]
+    links = {"train": (f"{tag}t0", f"{tag}t1"), "tel": (f"{tag}m0", f"{tag}m1")}
+    created = []
+    try:
+        for ns in netns:
+            try:
+                ip("netns", "add", ns)
+            except subprocess.CalledProcessError as exc:
+                pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
+            created.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        for link, addrs in (("train", (HOST0, HOST1)), ("tel", (TEL0, TEL1))):
+            ends = links[link]
+            ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+            for ns, ifname, addr in zip(netns, ends, addrs):
+                ip("link", "set", ifname, "netns", ns)
+                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+                ip("-n", ns, "link", "set", ifname, "up")
+        yield netns, links
+    finally:
+        for ns in created:
+            pids = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True
+            ).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def rss_bytes(pid: int) -> int:
+    """The process's resident set, bytes (``VmRSS`` of /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def step_times(step_log: Path, rank: int) -> list[tuple[float, float]]:
+    """(end unix s, step s) of each step the rank logged."""
+    return [(float(e), float(d)) for _, _, e, d in (ln.split() for ln in logged_steps(step_log, rank))]
+
+
+def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_links, tmp_path):
+    from traceml.sdk.client import BUFFERED_RECORD_MAX_BYTES
+
+    netns, links = two_links
+    steps = 1400  # about 70 s at 0.05 s a step: the partition falls inside
+    step_log = tmp_path / "steps"
+    step_log.mkdir()
+    procs = {}
+    env = {
+        "TRACEML_RUN_TOKEN": "partition-token",
+        "TRACEML_BUFFER_MAX_RECORDS": str(PARTITION_BUFFER),
+        "TRACEML_FLUSH_INTERVAL_SEC": "0.5",
+        "TRACEML_RPC_TIMEOUT_SEC": "2",
+    }
+    for node in (1, 0):
+        args = [
+            "run", SCRIPT, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
+            f"--master-addr={HOST0}", "--run-name=partition", f"--logs-dir={tmp_path / f'host{node}'}",
+            f"--aggregator-host={TEL0}", "--steps", str(steps), "--step-sleep", "0.05",
+            "--step-log", str(step_log),
+        ]
+        procs[node] = start_traceml(
+            args, tmp_path, tmp_path / f"node{node}",
+            prefix=["ip", "netns", "exec", netns[node]],
+            env={**env, "GLOO_SOCKET_IFNAME": links["train"][node]},
+        )
+    err1 = tmp_path / "node1.err"
+    rss: list[tuple[float, int]] = []
+    try:
+        wait_logged(step_log, 1, 100, procs[1], err1)
+        rank1 = rank_process(procs[1], 1)
+        end_before = time.time() + 10.0
+        while time.time() < end_before:
+            rss.append((time.time(), rss_bytes(rank1.pid)))
+            time.sleep(0.25)
+        cut_at = time.time()
+        ip("-n", netns[1], "link", "set", links["tel"][1], "down")
+        while time.time() < cut_at + PARTITION_S:
+            rss.append((time.time(), rss_bytes(rank1.pid)))
+            time.sleep(0.25)
+        ip("-n", netns[1], "link", "set", links["tel"][1], "up")
+        restored_at = time.time()
+        deadline = time.monotonic() + 300
+        while any(p.poll() is None for p in procs.values()):
+            assert time.monotonic() < deadline, "a launcher did not return"
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert {n: p.returncode for n, p in procs.items()} == {0: 0, 1: 0}, (
+        (tmp_path / "node0.err").read_text()[-2000:] + err1.read_text()[-2000:]
+    )
+    assert restored_at + 10 < step_times(step_log, 1)[-1][0], "the run ended too soon after"
+
+    # Step time by the script's own clock: inside the partition as outside it (median, 5 %).
+    margin = 2.0
+    ratios = {}
+    for rank in (0, 1):
+        times = step_times(step_log, rank)[1:]
+        inside = [d for e, d in times if cut_at + margin < e < restored_at - margin]
+        outside = [d for e, d in times if not cut_at - margin < e < restored_at + margin]
+        ratios[rank] = statistics.median(inside) / statistics.median(outside)
+    print(f"\npartition: step time inside/outside {ratios}")
+    assert all(abs(ratio - 1) < 0.05 for ratio in ratios.values()), ratios
+
+    # Rank 1's memory during the partition stays within its buffer's documented bound.
+    before = statistics.median([b for t, b in rss if t < cut_at])
+    during = max(b for t, b in rss if t >= cut_at)
+    assert during - before <= PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES, (before, during)
+
+    # received + dropped = produced, exactly, for each rank; drops only where cut off.
+    run_dir = tmp_path / "host0" / "partition"
+    summary = load_summary(run_dir)
+    health = {r["rank"]: r for r in summary["run"]["telemetry_health"]["ranks"]}
+    for rank in (0, 1):
+        produced = len(logged_steps(step_log, rank))
+        assert produced == steps
+        h = health[rank]
+        assert h["final"] is True and h["steps_produced"] == produced
+        assert h["steps_received"] == stored_steps(run_dir, rank)
+        assert h["steps_received"] + h["steps_dropped"] == produced, h
+    assert health[0]["steps_dropped"] == 0
+    assert health[1]["steps_dropped"] > 0  # the small buffer did overflow
+    print(f"partition: rank 1 RSS +{(during - before) / 1024:.0f} KiB (bound "
+          f"{PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES / 1024:.0f} KiB); rank 1 stored "
+          f"{health[1]['steps_received']} + dropped {health[1]['steps_dropped']} = {steps}")
+
+    # Telemetry resumed: every step rank 1 ended once the link was back is stored, and node
+    # 1's sampler was heard again.
+    ends = dict(enumerate(e for e, _ in step_times(step_log, 1)))
+    after = {i for i, e in ends.items() if e > restored_at + 5.0}
+    stored = {s for (s,) in query(run_dir, "SELECT step FROM steps WHERE rank = 1")}
+    assert after and after <= stored
+    (last_sample,) = query(run_dir, "SELECT MAX(unix_us) FROM system_samples WHERE node_rank = 1")[0]
+    assert last_sample / 1e6 > restored_at + 5.0
