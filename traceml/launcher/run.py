@@ -537,7 +537,7 @@ class Launch:
         from traceml.sdk.samplers import start_node_sampler
 
         try:
-            self.sampler = start_node_sampler(self.config)
+            self.sampler = start_node_sampler(self.config, self.torchrun.process.pid)
         except Exception as exc:
             _log.warning(f"warning: node sampler not started ({exc})")
 
