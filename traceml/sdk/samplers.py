@@ -354,8 +354,8 @@ def _children(
 
     psutil finds children by reading the parent of every process on the host: 3.5 ms per call
     with 80 processes (measured here), more on a busy node, once per sample. The kernel's
-    per-thread children lists cost one read per thread of the tree: ~2.9 ms of CPU per sample
-    for a 2-rank job walked from the launcher (66 reads), ~0.3 ms from torchrun with its
+    per-thread children lists cost one read per thread of the tree: 0.9-2.9 ms of CPU per
+    sample for a 2-rank job walked from the launcher (66 reads), 0.2 ms from torchrun with its
     workers pruned (measured on the loaded 2-core test machine). Without them (a kernel built
     without ``CONFIG_PROC_CHILDREN``, another OS) psutil's scan is used.
     """
