@@ -1,30 +1,41 @@
-"""Benchmarks (b) and (c): a 2-rank gloo DDP job under `traceml run` vs plain torchrun.
+"""Benchmarks (b), (c) and (d): a 2-rank gloo DDP job, plain torchrun vs ``traceml run``.
 
-The same job (``examples/ddp_minimal.py``) runs alternately both ways, in ABBA order so a
-drift of the machine's load hits both alike, ``--pairs`` times each:
+The same job (``examples/ddp_minimal.py``) runs three ways, ``--pairs`` rounds of each, the
+order rotated and reversed from round to round so a drift of the machine's load hits all alike:
 
-* A: ``traceml run examples/ddp_minimal.py --nproc-per-node=2 ... -- --steps N``;
-* B: ``python -m torch.distributed.run --nproc-per-node=2 examples/ddp_minimal.py --steps N``
-  (the script's ``traceml.init()`` warns and does nothing).
+* plain: ``python -m torch.distributed.run --nproc-per-node=2 examples/ddp_minimal.py ...``
+  (the script's ``traceml.init()`` warns and does nothing);
+* explicit: ``traceml run examples/ddp_minimal.py --nproc-per-node=2 ...``, steps marked by
+  ``traceml.trace_step``;
+* zero-code: the same with the script's ``--zero-code`` (no TraceML call in the script: steps
+  from the optimizer hooks, forward from the DDP wrapper, see docs/frameworks.md).
 
-(b) training-loop time: what rank 0 prints (``trained N steps in T s``), A/B ratio per pair
-and the median ratio (target <= 1.02).
-(c) whole-process wall time, start to exit: A − B per pair and the median (target <= +1.5 s),
-with where A's extra time goes, from the run manifest's lifecycle (Unix s of each event), and
-the CPU time of all the job's processes (launcher, aggregator, torchrun, ranks), which other
-load on the machine does not inflate the way it inflates wall time.
+(b) training-loop time: what rank 0 prints (``trained N steps in T s``); per round the ratio
+explicit/plain, zero-code/plain and zero-code/explicit, and their medians (targets: <= 1.02
+against plain, <= 1.01 zero-code against explicit). Wall time is what a loaded machine (this one
+is shared) inflates; the CPU figures below are not.
 
-With ``--zero-code`` the pair is instead, both under ``traceml run``, alternated the same way:
+(c) whole-process wall time, start to exit, explicit vs plain per round (target <= +1.5 s), with
+where the extra time goes, from the run manifest's lifecycle (Unix s of each event).
 
-* E (explicit): the job as above, its steps marked by ``traceml.trace_step``;
-* Z (zero-code): the same job with ``--zero-code`` (no TraceML call in the script: steps from
-  the optimizer hooks, forward from the DDP wrapper, see docs/frameworks.md);
+(d) CPU µs per training step of each component, measured between rank 0's ``at step K`` line
+(``--mark-step``, after warm-up) and its ``trained`` line: the per-thread CPU time
+(``/proc/<pid>/task/<tid>/schedstat``, ns; ``stat``'s utime+stime where that is missing) of every
+process of the job, read as each line arrives, divided by the steps in between. Components:
 
-(d) training-loop time Z/E per pair and the median ratio (target <= 1.01); and, from each run's
-telemetry (rank 0), the median step time after step 0 and step 0's time (zero-code finds its
-root model as its first step opens: a one-time cost there, not a per-step one).
+* rank (per rank), launcher (``traceml run``), aggregator, torchrun, each split by thread:
+  the main thread (a rank's training thread, where the SDK's hooks run; the launcher's watch
+  loop; the aggregator's event loop), TraceML's threads (OS names ``traceml-*``: a rank's
+  sender, see :mod:`traceml.core.threads`), gRPC core's own threads (``grpc_*``,
+  ``default-executo``, ``resolver-execu``, ``event_engine``...) and the rest (torch's and
+  gloo's in a rank; output tees in the launcher; SQLite and the live view in the aggregator);
+* node sampler: the launcher's ``traceml-sampler`` thread and its sender.
 
-Usage: ``python benchmarks/ddp_overhead.py [--pairs 5] [--steps 300] [--zero-code]``.
+Zero-code against explicit: the training thread's extra CPU per step, as a fraction of the
+explicit step time (loop time / steps; target <= 1 %), and step 0's time from each run's
+telemetry (zero-code finds its root model as its first step opens).
+
+Usage: ``python benchmarks/ddp_overhead.py [--pairs 7] [--steps 600] [--mark-step 100]``.
 """
 
 from __future__ import annotations
@@ -35,11 +46,11 @@ import itertools
 import json
 import os
 import re
-import resource
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +58,11 @@ from _common import ROOT, free_port, median
 
 SCRIPT = ROOT / "examples" / "ddp_minimal.py"
 _TRAINED = re.compile(r"trained (\d+) steps in ([\d.]+) s")
+_MARK = re.compile(r"^at step \d+$")
+KINDS = ("plain", "explicit", "zero-code")
+#: OS thread names of gRPC core's own threads (truncated to 15 bytes by the kernel).
+_GRPC_THREADS = ("grpc", "default-executo", "resolver-execu", "event_engine", "timer_manager")
+_TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 
 
 def env() -> dict:
@@ -56,36 +72,121 @@ def env() -> dict:
     return clean
 
 
-def run(argv: list[str], cwd: Path) -> tuple[float, float, float]:
-    """(whole-process wall s, training-loop s, CPU s of every process of the job)."""
-    cpu_before = _children_cpu_s()
-    start = time.perf_counter()
-    result = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        sys.exit(f"job failed ({result.returncode}): {' '.join(argv)}\n{result.stderr[-2000:]}")
-    loop = float(_TRAINED.search(result.stdout).group(2))
-    return wall, loop, _children_cpu_s() - cpu_before
+def _thread_cpu_ns(task_dir: str) -> int:
+    """CPU ns one thread has used: schedstat's first field (ns), else stat's utime+stime."""
+    try:
+        with open(f"{task_dir}/schedstat") as f:
+            return int(f.read().split()[0])
+    except FileNotFoundError:
+        with open(f"{task_dir}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) * _TICK_NS)
 
 
-def _children_cpu_s() -> float:
-    """User + system CPU s of every waited-for descendant (each job waits for its own)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def snapshot(root: int) -> dict[int, dict]:
+    """Every process of the tree under ``root``: pid -> {"ppid", "cmdline", "threads":
+    {tid: (OS name, CPU ns)}}. Processes and threads that end while it is read are left out."""
+    out: dict[int, dict] = {}
+    pending = [(root, 0)]
+    while pending:
+        pid, ppid = pending.pop()
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            threads = {}
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                task = f"/proc/{pid}/task/{tid}"
+                try:
+                    with open(f"{task}/comm") as f:
+                        name = f.read().strip()
+                    threads[int(tid)] = (name, _thread_cpu_ns(task))
+                    with open(f"{task}/children") as f:
+                        pending.extend((int(c), pid) for c in f.read().split())
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out[pid] = {"ppid": ppid, "cmdline": cmdline, "threads": threads}
+    return out
 
 
-def traceml_job(cwd: Path, name: str, steps: int, *script_args: str) -> list[str]:
+def components(root: int, before: dict, after: dict, steps: int, traced: bool) -> dict[str, float]:
+    """CPU µs per step of each component between two snapshots of ``root``'s tree (``root``:
+    the launcher when ``traced``, else torchrun; rank components: mean over the ranks). A
+    thread born in between counts from 0."""
+    procs = after
+    roles: dict[int, str] = {}
+    for pid, proc in procs.items():
+        if pid == root:
+            roles[pid] = "launcher" if traced else "torchrun"
+        elif traced and proc["ppid"] == root:
+            roles[pid] = "aggregator" if "traceml_aggregator" in proc["cmdline"] else "torchrun"
+        else:
+            roles[pid] = "rank"
+    totals: dict[str, float] = {}
+    ranks = sum(1 for role in roles.values() if role == "rank")
+
+    def add(key: str, ns: float, per: int = 1) -> None:
+        totals[key] = totals.get(key, 0.0) + ns / per / steps / 1000
+
+    for pid, proc in procs.items():
+        role = roles[pid]
+        old = before.get(pid, {"threads": {}})["threads"]
+        for tid, (name, ns) in proc["threads"].items():
+            used = ns - old.get(tid, (name, 0))[1]
+            if name == "traceml-sampler" or (name.startswith("traceml-client") and role == "launcher"):
+                add("node sampler", used)  # its thread and its sender
+            elif tid == pid:
+                add(f"{role}: main thread", used, ranks if role == "rank" else 1)
+            elif name.startswith("traceml"):
+                add(f"{role}: TraceML threads", used, ranks if role == "rank" else 1)
+            elif name.startswith(_GRPC_THREADS):
+                add(f"{role}: gRPC threads", used, ranks if role == "rank" else 1)
+            else:
+                add(f"{role}: other threads", used, ranks if role == "rank" else 1)
+    return totals
+
+
+class Run:
+    """One run of the job: its wall and loop times and CPU per component."""
+
+    def __init__(self, argv: list[str], cwd: Path, window_steps: int, traced: bool) -> None:
+        self.window_steps = window_steps
+        self.marks: list[dict] = []
+        start = time.perf_counter()
+        process = subprocess.Popen(
+            argv, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        stderr: list[str] = []
+        drain = threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True)
+        drain.start()
+        loop = None
+        for line in process.stdout:  # snapshots taken as the lines arrive
+            if _MARK.match(line.strip()) or (found := _TRAINED.search(line)):
+                self.marks.append(snapshot(process.pid))
+                if not _MARK.match(line.strip()):
+                    loop = float(found.group(2))
+        returncode = process.wait()
+        drain.join()
+        self.wall = time.perf_counter() - start
+        if returncode != 0 or loop is None or len(self.marks) != 2:
+            sys.exit(f"job failed ({returncode}): {' '.join(argv)}\n{''.join(stderr)[-2000:]}")
+        self.loop = loop
+        self.cpu_us = components(process.pid, *self.marks, window_steps, traced)
+
+
+def traceml_job(cwd: Path, name: str, steps: int, mark: int, *script_args: str) -> list[str]:
     return [
         sys.executable, "-m", "traceml", "run", str(SCRIPT), "--nproc-per-node=2",
         "--run-name", name, "--aggregator-port", str(free_port()), "--logs-dir", str(cwd),
-        "--", "--steps", str(steps), *script_args,
+        "--", "--steps", str(steps), "--mark-step", str(mark), *script_args,
     ]
 
 
-def plain_job(steps: int) -> list[str]:
+def plain_job(steps: int, mark: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(SCRIPT),
-        "--steps", str(steps),
+        "--steps", str(steps), "--mark-step", str(mark),
     ]
 
 
@@ -105,94 +206,119 @@ def phases(run_dir: Path, start_unix: float, end_unix: float) -> dict[str, float
     return serial | {"started->aggregator_serving (overlaps)": overlapped}
 
 
+def step_times_ms(run_dir: Path) -> list[float]:
+    """Rank 0's step times (ms) from the run's telemetry, in step order."""
+    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+        return [r[0] / 1000 for r in db.execute(
+            "SELECT step_us FROM steps WHERE rank = 0 ORDER BY step")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--zero-code", action="store_true", help="zero-code vs explicit steps")
+    parser.add_argument("--pairs", type=int, default=7, help="rounds of the three kinds")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--mark-step", type=int, default=100, help="start of the CPU window")
     args = parser.parse_args()
-    if args.zero_code:
-        zero_code_vs_explicit(args.pairs, args.steps)
-        return
-    walls: dict[str, list[float]] = {"traceml": [], "plain": []}
-    loops: dict[str, list[float]] = {"traceml": [], "plain": []}
-    cpus: dict[str, list[float]] = {"traceml": [], "plain": []}
+    window = args.steps - args.mark_step
+    runs: dict[str, list[Run]] = {kind: [] for kind in KINDS}
     launcher: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        cwd = Path(tmp)
-        for i in range(args.pairs):
-            order = ("traceml", "plain") if i % 2 == 0 else ("plain", "traceml")
-            for kind in order:
-                if kind == "traceml":
-                    name = f"bench-{i}"
-                    start_unix = time.time()
-                    wall, loop, cpu = run(traceml_job(cwd, name, args.steps), cwd)
-                    launcher.append(phases(cwd / name, start_unix, start_unix + wall))
-                else:
-                    wall, loop, cpu = run(plain_job(args.steps), cwd)
-                walls[kind].append(wall)
-                loops[kind].append(loop)
-                cpus[kind].append(cpu)
-            print(f"  pair {i}: loop {loops['traceml'][-1]:.3f} s vs {loops['plain'][-1]:.3f} s, "
-                  f"wall {walls['traceml'][-1]:.2f} s vs {walls['plain'][-1]:.2f} s", flush=True)
-
-    ratios = [a / b for a, b in zip(loops["traceml"], loops["plain"])]
-    deltas = [a - b for a, b in zip(walls["traceml"], walls["plain"])]
-    print(f"(b) training loop, 2-rank gloo DDP, {args.steps} steps, {args.pairs} A/B pairs "
-          "(target ratio <= 1.02)")
-    print(f"  median loop: traceml run {median(loops['traceml']):.3f} s, "
-          f"plain torchrun {median(loops['plain']):.3f} s")
-    print(f"  ratio per pair: {', '.join(f'{r:.3f}' for r in ratios)}; "
-          f"median {median(ratios):.3f}; ratio of medians "
-          f"{median(loops['traceml']) / median(loops['plain']):.3f}")
-    print("(c) whole-process wall time (target <= +1.5 s)")
-    print(f"  median wall: traceml run {median(walls['traceml']):.2f} s, "
-          f"plain torchrun {median(walls['plain']):.2f} s")
-    print(f"  extra per pair: {', '.join(f'{d:+.2f}' for d in deltas)} s; "
-          f"median {median(deltas):+.2f} s")
-    print(f"  CPU of all the job's processes, median: traceml run {median(cpus['traceml']):.2f} s, "
-          f"plain torchrun {median(cpus['plain']):.2f} s "
-          f"(+{median(cpus['traceml']) - median(cpus['plain']):.2f} s: what a busy machine "
-          "turns into wall time)")
-    print("  traceml run, median seconds between lifecycle events:")
-    for key in launcher[0]:
-        print(f"    {key:<40} {median([p[key] for p in launcher]):6.2f}")
-
-
-def zero_code_vs_explicit(pairs: int, steps: int) -> None:
-    """(d): the same job under ``traceml run``, steps marked by the script (E) or found by
-    zero-code instrumentation (Z), in ABBA order; prints loop seconds and Z/E ratios."""
-    loops: dict[str, list[float]] = {"explicit": [], "zero-code": []}
-    step_ms: dict[str, list[float]] = {"explicit": [], "zero-code": []}
     first_ms: dict[str, list[float]] = {"explicit": [], "zero-code": []}
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
-        for i in range(pairs):
-            order = ("explicit", "zero-code") if i % 2 == 0 else ("zero-code", "explicit")
-            for kind in order:
-                extra = ["--zero-code"] if kind == "zero-code" else []
-                _, loop, _ = run(traceml_job(cwd, f"{kind}-{i}", steps, *extra), cwd)
-                loops[kind].append(loop)
-                with contextlib.closing(sqlite3.connect(cwd / f"{kind}-{i}" / "telemetry.sqlite")) as db:
-                    times = [r[0] / 1000 for r in db.execute(
-                        "SELECT step_us FROM steps WHERE rank = 0 ORDER BY step")]
-                first_ms[kind].append(times[0])
-                step_ms[kind].append(median(times[1:]))
-            print(f"  pair {i}: loop zero-code {loops['zero-code'][-1]:.3f} s vs explicit "
-                  f"{loops['explicit'][-1]:.3f} s; median step {step_ms['zero-code'][-1]:.2f} vs "
-                  f"{step_ms['explicit'][-1]:.2f} ms; step 0 {first_ms['zero-code'][-1]:.0f} vs "
-                  f"{first_ms['explicit'][-1]:.0f} ms", flush=True)
-    ratios = [z / e for z, e in zip(loops["zero-code"], loops["explicit"])]
-    print(f"(d) training loop under traceml run, 2-rank gloo DDP, {steps} steps, {pairs} pairs "
-          "(target zero-code/explicit <= 1.01)")
-    print(f"  median loop: zero-code {median(loops['zero-code']):.3f} s, "
-          f"explicit {median(loops['explicit']):.3f} s")
-    print(f"  ratio per pair: {', '.join(f'{r:.3f}' for r in ratios)}; median {median(ratios):.3f}")
-    step_ratios = [z / e for z, e in zip(step_ms["zero-code"], step_ms["explicit"])]
-    print(f"  median step after step 0, ratio per pair: "
-          f"{', '.join(f'{r:.3f}' for r in step_ratios)}; median {median(step_ratios):.3f}")
+        for i in range(args.pairs):
+            order = KINDS[i % 3:] + KINDS[:i % 3]
+            for kind in order if i % 2 == 0 else order[::-1]:
+                if kind == "plain":
+                    run = Run(plain_job(args.steps, args.mark_step), cwd, window, traced=False)
+                else:
+                    name = f"{kind}-{i}"
+                    extra = ["--zero-code"] if kind == "zero-code" else []
+                    start_unix = time.time()
+                    argv = traceml_job(cwd, name, args.steps, args.mark_step, *extra)
+                    run = Run(argv, cwd, window, traced=True)
+                    first_ms[kind].append(step_times_ms(cwd / name)[0])
+                    if kind == "explicit":
+                        launcher.append(phases(cwd / name, start_unix, start_unix + run.wall))
+                runs[kind].append(run)
+            print(f"  round {i}: loop " + ", ".join(
+                f"{kind} {runs[kind][-1].loop:.3f} s" for kind in KINDS), flush=True)
+    report(args, runs, launcher, first_ms)
+
+
+def report(args, runs: dict, launcher: list, first_ms: dict) -> None:
+    """Print (b), (c) and (d) from the runs."""
+    loops = {kind: [r.loop for r in rs] for kind, rs in runs.items()}
+
+    def ratios(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(loops[a], loops[b])]
+
+    print(f"(b) training loop, 2-rank gloo DDP, {args.steps} steps, {args.pairs} rounds "
+          "(targets: <= 1.02 against plain, <= 1.01 zero-code against explicit)")
+    print("  median loop: " + ", ".join(f"{k} {median(v):.3f} s" for k, v in loops.items()))
+    for a, b in (("explicit", "plain"), ("zero-code", "plain"), ("zero-code", "explicit")):
+        r = ratios(a, b)
+        print(f"  {a}/{b} per round: {', '.join(f'{x:.3f}' for x in r)}; median {median(r):.3f}")
+    walls = {kind: [r.wall for r in rs] for kind, rs in runs.items()}
+    deltas = [a - b for a, b in zip(walls["explicit"], walls["plain"])]
+    print("(c) whole-process wall time, explicit vs plain (target <= +1.5 s)")
+    print(f"  median wall: explicit {median(walls['explicit']):.2f} s, "
+          f"plain {median(walls['plain']):.2f} s; extra per round: "
+          f"{', '.join(f'{d:+.2f}' for d in deltas)} s; median {median(deltas):+.2f} s")
+    print("  traceml run, median seconds between lifecycle events:")
+    for key in launcher[0]:
+        print(f"    {key:<40} {median([p[key] for p in launcher]):6.2f}")
+    window = args.steps - args.mark_step
+    print(f"(d) CPU µs per training step (steps {args.mark_step}..{args.steps - 1}, "
+          f"median of {args.pairs} runs; rank rows are per rank)")
+    keys = sorted({k for rs in runs.values() for r in rs for k in r.cpu_us}, key=_row_order)
+    print(f"  {'component':<28}" + "".join(f"{kind:>12}" for kind in KINDS))
+    totals = {}
+    for key in keys:
+        row = {kind: median([r.cpu_us.get(key, 0.0) for r in rs]) for kind, rs in runs.items()}
+        print(f"  {key:<28}" + "".join(f"{row[kind]:12.1f}" for kind in KINDS))
+    for kind, rs in runs.items():
+        totals[kind] = median([_job_total(r.cpu_us) for r in rs])
+    print(f"  {'all processes (2 ranks)':<28}" + "".join(f"{totals[k]:12.1f}" for k in KINDS))
+    for kind in ("explicit", "zero-code"):
+        own = median([_traceml_own(r.cpu_us) for r in runs[kind]])
+        print(f"  TraceML's own threads and processes ({kind}): {own:.1f} µs of CPU per step "
+              f"({100 * own / totals['plain']:.1f} % of plain's all-process CPU); all processes "
+              f"{totals[kind] - totals['plain']:+.1f} µs against plain (training threads "
+              "included: noisy on a loaded machine)")
+    train = {kind: [r.cpu_us["rank: main thread"] for r in rs] for kind, rs in runs.items()}
+    extra = [z - e for z, e in zip(train["zero-code"], train["explicit"])]
+    step_us = [1e6 * r.loop / args.steps for r in runs["explicit"]]
+    shares = [100 * x / s for x, s in zip(extra, step_us)]
+    print("zero-code vs explicit (target: within 1 % of the explicit step time)")
+    print(f"  training thread CPU, zero-code - explicit, per round: "
+          f"{', '.join(f'{x:+.1f}' for x in extra)} µs/step; median {median(extra):+.1f} µs "
+          f"= {median(shares):+.2f} % of explicit's step ({median(step_us):.0f} µs)")
     print(f"  step 0, median: zero-code {median(first_ms['zero-code']):.0f} ms, "
           f"explicit {median(first_ms['explicit']):.0f} ms")
+
+
+_ROLES = ("rank", "node sampler", "launcher", "aggregator", "torchrun")
+_THREADS = ("main thread", "TraceML threads", "gRPC threads", "other threads")
+
+
+def _row_order(key: str) -> tuple[int, int]:
+    role, _, threads = key.partition(": ")
+    return _ROLES.index(role), _THREADS.index(threads) if threads else -1
+
+
+def _traceml_own(cpu_us: dict[str, float]) -> float:
+    """CPU µs per step of what exists only under TraceML: a rank's TraceML and gRPC threads
+    (twice: 2 ranks), the node sampler, the launcher, the aggregator."""
+    rank = ("rank: TraceML threads", "rank: gRPC threads")
+    return sum(
+        v * (2 if k in rank else 1) for k, v in cpu_us.items()
+        if k in rank or k.startswith(("node sampler", "launcher", "aggregator"))
+    )
+
+
+def _job_total(cpu_us: dict[str, float]) -> float:
+    """CPU µs per step of the whole job (rank rows count once per rank: 2)."""
+    return sum(v * (2 if k.startswith("rank:") else 1) for k, v in cpu_us.items())
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ DistributedSampler.
 
 Options: ``--steps N`` optimizer steps per rank (default 50), ``--batch-size`` (32),
 ``--workers`` DataLoader workers (0), ``--hidden`` MLP width (256), ``--zero-code``: the same
-loop without TraceML's two lines (``traceml run`` then finds its steps by itself).
+loop without TraceML's two lines (``traceml run`` then finds its steps by itself),
+``--mark-step K``: rank 0 prints ``at step K`` as step K begins.
 Rank 0 ends with ``trained N steps in T s``: the training loop's wall time (benchmarks compare it
-with and without TraceML).
+with and without TraceML, and measure CPU time between the two lines).
 """
 
 import argparse
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--zero-code", action="store_true")
+    parser.add_argument("--mark-step", type=int, default=-1)
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -77,6 +79,8 @@ def main() -> None:
         for x, y in loader:
             if step >= args.steps:
                 break
+            if step == args.mark_step and rank == 0:
+                print(f"at step {step}", flush=True)
             with trace_step(model):
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)

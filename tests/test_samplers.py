@@ -54,7 +54,7 @@ def worker():
 
 def test_workers_are_torchrun_processes_not_their_children(worker):
     root = psutil.Process(worker.pid)
-    workers = Workers(lambda: [root, *root.children(recursive=True)])
+    workers = Workers(lambda known: [root, *root.children(recursive=True)])
     assert len(root.children()) == 1  # the forked child carries RANK too, and is left out
     found = workers.find()
     assert {pid: (rank, restart) for pid, (_, rank, restart) in found.items()} == {
@@ -82,7 +82,7 @@ def test_a_worker_is_recognised_once_it_has_exec_d():
     )
     proc = _spawn(code)
     try:
-        workers = Workers(lambda: [psutil.Process(proc.pid)])
+        workers = Workers(lambda known: [psutil.Process(proc.pid)])
         assert workers.find() == {}
         time.sleep(1.5)
         assert [(rank, restart) for _, rank, restart in workers.find().values()] == [(3, 0)]
@@ -92,7 +92,7 @@ def test_a_worker_is_recognised_once_it_has_exec_d():
 
 
 def test_an_sdk_rank_without_torchrun_samples_itself():
-    workers = Workers(lambda: [], extra=(os.getpid(), 7, 1))
+    workers = Workers(lambda known: [], extra=(os.getpid(), 7, 1))
     [sample] = workers.sample(unix_us=5)
     assert (sample.rank, sample.restart_count) == (7, 1)
     assert sample.rss_bytes > 0
@@ -172,3 +172,42 @@ def test_children_from_the_kernel_lists_match_psutils_scan(worker):
     assert {p.pid for p in _children(psutil.Process(worker.pid))} == {
         p.pid for p in psutil.Process(worker.pid).children()
     }
+
+
+def test_the_children_of_a_pruned_process_are_not_read(worker):
+    """A known worker's subtree (its DataLoader workers) is left out of the walk: the worker
+    is listed, its forked child is not."""
+    from traceml.sdk.samplers import _children
+
+    me = psutil.Process()
+    child = psutil.Process(worker.pid).children()[0].pid
+    assert {child, worker.pid} <= {p.pid for p in _children(me, recursive=True)}
+    pruned = {p.pid for p in _children(me, recursive=True, prune={worker.pid})}
+    assert worker.pid in pruned and child not in pruned
+
+
+def test_known_workers_are_pruned_from_the_next_walk(worker):
+    """Workers passes the processes it already knows carry torchrun's variables to its
+    candidates: none on the first look, the worker and its child from then on; the worker
+    alone is found both times."""
+    root = psutil.Process(worker.pid)
+    child = root.children()[0].pid
+    asked = []
+
+    def candidates(known):
+        asked.append(set(known))
+        return [root, *root.children(recursive=True)]
+
+    workers = Workers(candidates)
+    assert list(workers.find()) == list(workers.find()) == [worker.pid]
+    assert asked == [set(), {worker.pid, child}]
+
+
+def test_an_exited_process_has_no_children():
+    """torchrun has exited by the node sampler's last sample: its workers are none, no error."""
+    from traceml.sdk.samplers import _children
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = psutil.Process(proc.pid)
+    proc.wait()
+    assert _children(gone, recursive=True) == []

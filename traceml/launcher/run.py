@@ -47,6 +47,7 @@ from traceml import __version__, settings
 from traceml.core import endpoint, log
 from traceml.launcher import aggregator, claim, credentials
 from traceml.launcher.config import LaunchConfig, LaunchError
+from traceml.launcher.exits import ExitWatch
 from traceml.launcher.live import LiveView, node0_view_line
 from traceml.launcher.stall import StallNotice
 from traceml.core.rundir import Manifest, RunDir
@@ -56,9 +57,6 @@ from traceml.launcher.torchrun import TorchrunProcess, exit_code
 #: How often node 0's launcher renews its claim and looks for a partial summary while
 #: training runs, s.
 WATCH_INTERVAL_S = 1.0
-#: How often node 0's launcher checks that its aggregator process is alive, s (a waitpid: a
-#: dead one is restarted this long after it died, at most).
-AGGREGATOR_POLL_S = 0.2
 #: Longest finalization after the launcher was interrupted (SIGTERM, SIGINT), s: Slurm sends
 #: SIGKILL 30 s after its SIGTERM (KillWait), and the summary must be written before.
 INTERRUPTED_FINALIZE_BUDGET_S = 10.0
@@ -310,8 +308,9 @@ class Launch:
     def _wait_training(self, torchrun: TorchrunProcess, run_manifest: Manifest | None) -> int:
         """torchrun's return code, once it exits.
 
-        Meanwhile node 0 looks at its aggregator every :data:`WATCH_INTERVAL_S` and says, once
-        each, when it died (training goes on without telemetry) and when its watchdog wrote a
+        It sleeps until torchrun or its aggregator exits (:class:`ExitWatch`: a dead
+        aggregator is restarted as it dies) or its next watch is due. Meanwhile node 0 looks at
+        its aggregator every :data:`WATCH_INTERVAL_S` and says, once each, when it died (training goes on without telemetry) and when its watchdog wrote a
         partial summary because ranks never finished (training goes on: TraceML never stops a
         job; the user decides). The one exception: a node-rank claim the aggregator refused
         means a node will never join the rendezvous, so torchrun is stopped
@@ -325,25 +324,34 @@ class Launch:
         stall = StallNotice(self.run_dir.stall_file)
         live = self.live_view
         next_watch = time.monotonic() + WATCH_INTERVAL_S
-        while True:
-            returncode = torchrun.wait(AGGREGATOR_POLL_S)
-            if returncode is not None:
-                return returncode
-            try:
-                self._watch_aggregator(run_manifest)
-                if time.monotonic() < next_watch:
-                    continue
-                next_watch = time.monotonic() + WATCH_INTERVAL_S
-                if live is not None and not live.tick():
-                    live = None
-                partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
-                stall.poll(_log.warning)
-                self._watch_claims(torchrun, run_manifest)
-            except Exception as exc:
-                _log.warning(
-                    f"warning: stopped watching the aggregator ({type(exc).__name__}: {exc})"
-                )
-                return torchrun.wait()
+        exits = ExitWatch()  # wakes as torchrun or the aggregator exits, or at the next watch
+        try:
+            while True:
+                running = [
+                    p for p in (torchrun.process, self.aggregator_process)
+                    if p is not None and p.returncode is None
+                ]
+                exits.wait(running, next_watch - time.monotonic())
+                returncode = torchrun.wait(0)
+                if returncode is not None:
+                    return returncode
+                try:
+                    self._watch_aggregator(run_manifest)
+                    if time.monotonic() < next_watch:
+                        continue
+                    next_watch = time.monotonic() + WATCH_INTERVAL_S
+                    if live is not None and not live.tick():
+                        live = None
+                    partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
+                    stall.poll(_log.warning)
+                    self._watch_claims(torchrun, run_manifest)
+                except Exception as exc:
+                    _log.warning(
+                        f"warning: stopped watching the aggregator ({type(exc).__name__}: {exc})"
+                    )
+                    return torchrun.wait()
+        finally:
+            exits.close()
 
     def _live_view(self) -> LiveView | None:
         """Node 0's ``--mode cli`` view of every node; None for ``summary`` and for
@@ -597,7 +605,7 @@ class Launch:
         from traceml.sdk.samplers import start_node_sampler
 
         try:
-            self.sampler = start_node_sampler(self.config)
+            self.sampler = start_node_sampler(self.config, self.torchrun.process.pid)
         except Exception as exc:
             _log.warning(f"warning: node sampler not started ({exc})")
 

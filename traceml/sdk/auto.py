@@ -12,11 +12,13 @@ decides where steps begin and end, and which model's forward is timed:
 * the first step opens at the first DataLoader ``__next__``, backward or optimizer step;
 * input wait is the DataLoader ``__next__`` time inside the step (a loop that reads its
   batches some other way has an input wait of 0);
-* forward is the outermost call of each *root model*: the module no other module contains,
-  found by walking up from the module that owns an optimizer's first parameter (a DDP/FSDP
-  wrapper when there is one), for the optimizers that exist as the first step opens and for
-  each optimizer as it first steps. A forward that ran before the first step opened (step 0's
-  in a plain loop without a DataLoader) is not timed;
+* forward is the outermost call of each *root model*: the outermost module holding an
+  optimizer's first parameter (a DDP/FSDP wrapper when there is one), for the optimizers that
+  exist as the first step opens and for each optimizer as it first steps. It is looked for in
+  the calling frames first (:func:`frame_root_models`: the training loop's locals, a
+  Trainer's attributes), and only when they hold no such module in the garbage collector's
+  objects (:func:`root_models`, tenths of a second). A forward that ran before the first step
+  opened (step 0's in a plain loop without a DataLoader) is not timed;
 * an explicit ``trace_step`` wins: its first step ends zero-code steps for the rest of the
   process (the zero-code step open then is dropped as if it had never opened), so no step is
   counted twice.
@@ -29,8 +31,8 @@ steps stop; training goes on unchanged.
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
-
 from typing import Callable
 
 from traceml.sdk import instrumentation
@@ -80,8 +82,19 @@ class AutoSteps:
         self._on_model(model)
 
     def _time_roots(self, optimizers) -> None:
-        models, scanned = root_models(optimizers)
-        for optimizer in scanned:  # their roots are timed: no scan at their first step
+        """Time the root models of ``optimizers`` (None: every live optimizer), found in the
+        calling frames, else by the scan of live objects (the optimizers the frames did not
+        root)."""
+        models, rooted = frame_root_models(sys._getframe(1), optimizers)
+        if optimizers is None:
+            left = None if not rooted else []  # no optimizer in the frames: every live one
+        else:
+            done = {id(optimizer) for optimizer in rooted}
+            left = [optimizer for optimizer in optimizers if id(optimizer) not in done]
+        if left is None or left:
+            scanned_models, scanned = root_models(left)
+            models, rooted = models + scanned_models, rooted + scanned
+        for optimizer in rooted:  # their roots are timed: nothing to find at their first step
             self._rooted[id(optimizer)] = weakref.ref(optimizer)
         for model in models:
             self.time_forward(model)
@@ -173,6 +186,86 @@ def enable(session: Session | None, model=None) -> AutoSteps | None:
     return auto
 
 
+#: Most calling frames :func:`frame_root_models` looks at (a Trainer's stack is ~30 deep).
+MAX_FRAMES = 200
+
+
+def frame_root_models(frame, optimizers=None) -> tuple[list, list]:
+    """The root model of each optimizer, from what the calling frames hold: the outermost
+    ``torch.nn.Module`` among them that holds the optimizer's first parameter.
+
+    Looked at, in each frame from ``frame`` outwards (at most :data:`MAX_FRAMES`, TraceML's own
+    frames skipped): its local variables, and the attributes (``__dict__``) of its ``self``
+    (a Trainer's ``model``, ``model_wrapped``, ``optimizer``; a Lightning strategy's
+    ``_model``). The training loop holds its model and optimizer there in a plain loop and in
+    the HF ``Trainer``: microseconds to a millisecond, once per optimizer, against tenths of a
+    second for :func:`root_models`' scan. (Lightning fetches its first batch where no frame
+    holds the optimizer: the scan finds it then.) Among modules holding
+    the parameter, the one that contains the others (a DDP wrapper contains its module) wins.
+    On Python < 3.13, reading a function frame's locals makes CPython keep a snapshot of them
+    in the frame until it returns or they are read again (``frame.f_locals``): objects those
+    locals held at that instant (the loop's current batch, say) may live that long.
+
+    Args:
+        frame: the innermost frame to look at (``sys._getframe()``).
+        optimizers: ``torch.optim.Optimizer`` objects, or None for those the frames hold.
+
+    Returns:
+        ``(root models, the optimizers whose root was found)``; an optimizer whose parameter
+        no module in the frames holds is left out (the scan's to find), one without
+        parameters counts as found (nothing to time).
+    """
+    import torch
+
+    module_type, optimizer_type = torch.nn.Module, torch.optim.Optimizer
+    modules: dict[int, torch.nn.Module] = {}
+    found: dict[int, torch.optim.Optimizer] = {}
+    for value in _frame_values(frame):
+        kind = type(value)
+        if issubclass(kind, module_type):
+            modules.setdefault(id(value), value)
+        elif optimizers is None and issubclass(kind, optimizer_type):
+            found.setdefault(id(value), value)
+    roots, rooted = [], []
+    for optimizer in found.values() if optimizers is None else optimizers:
+        try:
+            first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        except Exception:  # an optimizer-like object in a frame, not usable
+            if optimizers is not None:
+                raise
+            continue
+        if first is not None:
+            owners = [m for m in modules.values() if any(p is first for p in m.parameters())]
+            if not owners:
+                continue
+            owner_ids = {id(m) for m in owners}
+            root = max(owners, key=lambda m: sum(id(sub) in owner_ids for sub in m.modules()))
+            if all(root is not r for r in roots):
+                roots.append(root)
+        rooted.append(optimizer)
+    return roots, rooted
+
+
+def _frame_values(frame):
+    """The local variables of ``frame`` and of each outer frame (TraceML's own left out), and
+    the attributes of each frame's ``self``; told apart by real type, never ``__class__``."""
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return
+        if not str(frame.f_globals.get("__name__", "")).startswith("traceml."):
+            local = frame.f_locals
+            yield from list(local.values())
+            owner = local.get("self")
+            if owner is not None:
+                try:
+                    state = object.__getattribute__(owner, "__dict__")
+                except Exception:  # no __dict__ (slots, builtins)
+                    state = None
+                if type(state) is dict:
+                    yield from list(state.values())
+        frame = frame.f_back
+
+
 def root_models(optimizers=None) -> tuple[list, list]:
     """The root model of each optimizer: the outermost module holding its first parameter.
 
@@ -183,9 +276,9 @@ def root_models(optimizers=None) -> tuple[list, list]:
         ``(root models, the optimizers looked at)``.
 
     One pass over the garbage collector's objects (every live ``torch.nn.Module`` and, with
-    None, optimizer): 0.2-0.5 s for 288k objects on a loaded 2-core machine; made as the first
-    step opens, and for an optimizer that pass did not see, at its first step. Among several parents of a module, the first one
-    found is followed. Objects are told apart by their real type (``type(obj)``), never
+    None, optimizer): 0.2-0.5 s for 288k objects on a loaded 2-core machine; made only for
+    what :func:`frame_root_models` did not find. Among several parents of a module, the first
+    one found is followed. Objects are told apart by their real type (``type(obj)``), never
     ``obj.__class__``, which some objects compute (and warn or raise on).
     """
     import torch

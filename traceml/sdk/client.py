@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from traceml import settings
+from traceml.core.threads import name_os_thread
 from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
 from traceml.sdk import failopen
 
@@ -394,6 +395,7 @@ class TelemetryClient:
 
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread()
         backoff = 0.0
         try:
             try:
