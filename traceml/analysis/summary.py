@@ -37,6 +37,7 @@ from traceml.analysis.document import (
     RankEnd,
     RankSummary,
     RunInfo,
+    SenderStream,
     Series,
     StepTime,
     Summary,
@@ -286,6 +287,7 @@ def build(run: RunData, *, live: bool = False) -> Summary:
             telemetry_health=TelemetryHealth(
                 aggregator_restarts=len(run.aggregator_restarts),
                 aggregator_outages=[AggregatorOutage(**o) for o in run.aggregator_restarts],
+                sender_streams=[SenderStream(**s) for s in run.sender_streams],
             ),
             rejected=dict(sorted(run.rejected.items())),
         ),
