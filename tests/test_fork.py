@@ -11,6 +11,7 @@ worker death, every step stored exactly once, and not one gRPC log line on stder
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -59,3 +60,9 @@ def test_forking_dataloader_while_streaming(tmp_path, attempt):
     # The stream was busy all along: about one batch per step, not a few big ones at exit.
     (stored_seq,) = agg.query("SELECT stored_seq FROM streams WHERE sender = 'rank'")[0]
     assert stored_seq >= STEPS // 2
+    # The fork hook ended the stream cleanly at each epoch's forks, and the next batch opened
+    # another: at least one stream per epoch, the last one closed after the finish marker.
+    (ledger,) = agg.query("SELECT value FROM meta WHERE key = 'sender_streams'")[0]
+    (rank_stream,) = [s for s in json.loads(ledger) if s["sender"] == "rank"]
+    assert (rank_stream["state"], rank_stream["finished"]) == ("closed", True)
+    assert rank_stream["streams"] >= EPOCHS

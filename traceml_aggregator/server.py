@@ -181,11 +181,16 @@ class AggregatorService(wire.AggregatorServicer):
         return await self._ingest(request, context, on_stream=False)
 
     async def Stream(self, request_iterator, context):
-        """One sender's stream: an Ack per batch, in order, once it is stored. How the
-        stream ended goes to :attr:`streams` (see :mod:`traceml_aggregator.streams`)."""
+        """One sender's stream: an Ack per batch, in order, once it is stored. How the stream
+        ended goes to :attr:`streams` (see :mod:`traceml_aggregator.streams`): closed after
+        the sender's ``closing`` message, lost otherwise (a dead peer's connection also ends
+        the request stream, so only that message tells a clean end)."""
         key, state = None, LOST
         try:
             async for batch in request_iterator:
+                if batch.closing:
+                    state = CLOSED
+                    continue
                 if key is None and batch.WhichOneof("sender") is not None:
                     key = StreamLedger.key(batch)
                     self.streams.opened(key)
@@ -193,8 +198,7 @@ class AggregatorService(wire.AggregatorServicer):
                 if key is not None and batch.HasField("finish") and ack.stored_seq >= batch.seq:
                     self.streams.finished(key)
                 yield ack
-            state = CLOSED
-        finally:  # also on cancellation: the sender cancelled, reset, or stopped answering
+        finally:  # also when cancelled: by the sender, a reset, or a keepalive timeout
             if key is not None:
                 self.streams.ended(key, state)
 

@@ -39,6 +39,7 @@ FORK_CLOSE_WAIT_S = 0.2
 #: Longest wait, s, for the reader thread of a cancelled stream (gRPC ends it locally).
 _CANCEL_WAIT_S = 1.0
 _END = object()  # ends the request iterator: the stream's half-close
+_CLOSING = wire.Batch(closing=True)  # the sender ends the stream on purpose (see service.proto)
 
 
 class ForkInterrupted(Exception):
@@ -88,8 +89,11 @@ class _Open:
             self.acks.put(StreamError(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"))
 
     def end(self, wait_s: float) -> None:
-        """Half-close, wait up to ``wait_s`` for the aggregator to end the call, else cancel;
-        returns once the reader thread is gone (or after :data:`_CANCEL_WAIT_S` more)."""
+        """Say ``closing`` (a clean end) and half-close, wait up to ``wait_s`` for the
+        aggregator to end the call, else cancel; returns once the reader thread is gone (or
+        after :data:`_CANCEL_WAIT_S` more)."""
+        if wait_s > 0:
+            self.requests.put(_CLOSING)
         self.requests.put(_END)
         self.reader.join(wait_s)
         if self.reader.is_alive():
