@@ -77,8 +77,6 @@ async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asy
                     t: dict, wire_kind: str, interval_s: float) -> None:
     """One simulated rank: connect, identity batch, then its batches one by one (one every
     ``interval_s`` at most), on one stream or one Push per batch (``wire_kind``)."""
-    import grpc
-
     from traceml import wire
 
     send = (_StreamSender if wire_kind == "stream" else _PushSender)(channel)
@@ -88,8 +86,7 @@ async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asy
         run_name=RUN, rank=rank, seq=1,
         identity=wire.RankIdentity(run_name=RUN, rank=rank, world_size=world, hostname="sim"),
     )
-    ack = await send(first.SerializeToString())
-    assert ack.stored_seq == 1, ack
+    await _until_acked(send, first.SerializeToString(), 1, t, None)
     t["first_acked"] = max(t["first_acked"], time.time())
     await go.wait()
     next_at = time.perf_counter()
@@ -97,21 +94,31 @@ async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asy
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         next_at += interval_s
         header = wire.Batch(run_name=RUN, rank=rank, seq=seq).SerializeToString()
-        while True:  # as the SDK does: send again until an acknowledgement covers it
-            try:
-                sent = time.perf_counter()
-                ack = await send(header + block)
-                t["ack_s"].append(time.perf_counter() - sent)
-            except grpc.RpcError as exc:
-                t["errors"][exc.code().name] = t["errors"].get(exc.code().name, 0) + 1
-                continue
-            if ack.retry_after_ms:
-                t["errors"]["PUSHED_BACK"] = t["errors"].get("PUSHED_BACK", 0) + 1
-                await asyncio.sleep(ack.retry_after_ms / 1000)
-            elif ack.stored_seq >= seq:
-                break
+        await _until_acked(send, header + block, seq, t, t["ack_s"])
     await send.close()
     t["done"] = max(t["done"], time.time())
+
+
+async def _until_acked(send, data: bytes, seq: int, t: dict, ack_s: list | None) -> None:
+    """As the SDK does: send ``data`` (batch ``seq``) again until an acknowledgement covers
+    it; failures and pushbacks counted in ``t["errors"]``, each ack's seconds in ``ack_s``."""
+    import grpc
+
+    while True:
+        try:
+            sent = time.perf_counter()
+            ack = await send(data)
+            if ack_s is not None:
+                ack_s.append(time.perf_counter() - sent)
+        except (grpc.RpcError, RuntimeError) as exc:
+            code = exc.code().name if isinstance(exc, grpc.RpcError) else "ENDED"
+            t["errors"][code] = t["errors"].get(code, 0) + 1
+            continue
+        if ack.retry_after_ms:
+            t["errors"]["PUSHED_BACK"] = t["errors"].get("PUSHED_BACK", 0) + 1
+            await asyncio.sleep(ack.retry_after_ms / 1000)
+        elif ack.stored_seq >= seq:
+            return
 
 
 class _PushSender:

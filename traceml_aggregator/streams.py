@@ -9,7 +9,7 @@ and attempt, how its latest stream ended:
 * ``lost``: it ended without the sender's close: the sender cancelled it, its connection was
   reset (the process died: its kernel resets it at once), or the server's keepalive got no
   answer (a host down or partitioned: within ``SERVER_KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS`` of
-  :mod:`traceml.core.transport`, 30 s). gRPC does not tell the server which of the three it was.
+  :mod:`traceml.core.transport`, 40 s). gRPC does not tell the server which of the three it was.
 
 With ``finished`` (the sender's finish marker was stored), a rank that exited cleanly
 (``closed``, finished) is told apart from one that vanished (``lost``, not finished). The

@@ -129,7 +129,7 @@ class SenderStream:
             enum=["open", "closed", "lost"],
             description="open: still open when the summary was built; closed: the sender "
             "closed it; lost: cancelled, connection reset, or no keepalive answer (within "
-            "30 s of the sender vanishing)",
+            "40 s of the sender vanishing)",
         ),
     ]
     finished: Annotated[bool, Schema(description="the sender's finish marker was stored")]
