@@ -151,3 +151,34 @@ def test_this_client_at_an_aggregator_of_another_version_stops_with_one_line():
         f"aggregator rejected telemetry: {expected} (FAILED_PRECONDITION); sending no more"]
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert refused.value.details() == expected
+
+
+def test_acknowledgements_that_time_out_leave_no_thread_behind(tmp_path):
+    """A paused aggregator (SIGSTOP): each batch's ack deadline (0.3 s) passes, the stream is
+    cancelled and a new one opened for the resend. Before the fix a cancelled stream left
+    gRPC's request-consumer thread blocked on its queue for good."""
+    with LiveAggregator(tmp_path / "run", "paused", world_size=1) as agg:
+        baseline = threading.active_count()
+        warnings: list[str] = []
+        client = make_client(agg.target, "paused", warnings, rpc_timeout_s=0.3,
+                             batch_max_records=1)
+        client.submit(client_mod.STEPS, step(0))
+        deadline = time.monotonic() + 30
+        while client.stats.acked < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        agg.process.send_signal(signal.SIGSTOP)
+        try:
+            client.submit(client_mod.STEPS, step(1))
+            time.sleep(3.0)  # several deadlines, each a cancelled stream
+        finally:
+            agg.process.send_signal(signal.SIGCONT)
+        assert client.stats.send_failures >= 3
+        assert client.close(finish(2), timeout_s=30) is True
+        deadline = time.monotonic() + 5
+        while threading.active_count() > baseline and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The sender thread has ended, and no stream left a thread of gRPC's behind.
+        assert threading.active_count() == baseline, [t.name for t in threading.enumerate()]
+        assert agg.stop() == 0
+    assert agg.query("SELECT COUNT(*) FROM steps") == [(2,)]

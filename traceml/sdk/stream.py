@@ -179,6 +179,9 @@ class BatchStream:
         self._lock.release()
 
     def _drop(self, current: _Open) -> None:
+        """Forget a failed stream; end its request iterator, so that gRPC's consumer thread,
+        blocked on the request queue, ends too."""
+        current.requests.put(_END)
         with self._lock:
             if self._open is current:
                 self._open = None
