@@ -4,7 +4,14 @@ A real ``traceml-aggregator`` process; ``--procs`` client processes simulate the
 rank with its own gRPC channel (its own TCP connection, as a rank in its own process has) on
 ``grpc.aio``, so a few processes hold a thousand connections. A rank behaves like the SDK's
 client: its first batch carries its identity, then one batch in flight at a time, the next one
-sent when the previous one is acknowledged (a failed call is sent again, and counted). Batches
+sent when the previous one is acknowledged (a failed call is sent again, and counted). Each
+rank count runs both wires side by side in the same run (``--wire``): ``stream``, the SDK's
+(one bidirectional ``Stream`` per rank, a batch up and its Ack down, ended with the
+``closing`` message), and ``unary`` (one ``Push`` call per batch, the wire before it).
+``--interval-sec 1`` paces each rank to one batch a second (ack latency and aggregator CPU at
+a realistic load); 0 sends as fast as acknowledgements come (records/s). ``--short`` is the
+CI smoke run: 8 ranks, a few small batches, both wires, both pacings; it must finish, not
+reach the targets. Batches
 are encoded before the clock starts (the per-batch header is joined to a pre-encoded block of
 records: protobuf allows that), so the clients spend their CPU on gRPC, not on protobuf.
 
@@ -18,7 +25,8 @@ To see what the token check costs, run this same file against the tree before it
 side by side (``PYTHONPATH=<other tree> python benchmarks/ingest.py``): a tree without the check
 ignores the metadata.
 
-Usage: ``python benchmarks/ingest.py [--ranks 256 1024] [--batches 20] [--records 100]``.
+Usage: ``python benchmarks/ingest.py [--ranks 1024 4096] [--batches 20] [--records 100]
+[--interval-sec 0 1] [--wire stream unary] [--short]``.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from _common import LiveAggregator, median, p99
 
 RUN = "ingest-bench"
 PUSH = "/traceml.wire.v1.Aggregator/Push"
+STREAM = "/traceml.wire.v1.Aggregator/Stream"
+WIRES = ("stream", "unary")
 #: The run token's metadata key (traceml.core.transport.TOKEN_METADATA_KEY), spelled out so the
 #: file also runs against a tree from before the token.
 TOKEN_METADATA = (("traceml-run-token", os.environ.get("TRACEML_RUN_TOKEN", "")),)
@@ -64,40 +74,110 @@ def step_blocks(batches: int, records: int) -> list[bytes]:
 
 
 async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asyncio.Event,
-                    t: dict) -> None:
-    """One simulated rank: connect, identity batch, then its batches one by one."""
-    import grpc
-
+                    t: dict, wire_kind: str, interval_s: float) -> None:
+    """One simulated rank: connect, identity batch, then its batches one by one (one every
+    ``interval_s`` at most), on one stream or one Push per batch (``wire_kind``)."""
     from traceml import wire
 
-    push = channel.unary_unary(PUSH, response_deserializer=wire.Ack.FromString)
+    send = (_StreamSender if wire_kind == "stream" else _PushSender)(channel)
     await channel.channel_ready()
     t["ready"] = max(t["ready"], time.time())
     first = wire.Batch(
         run_name=RUN, rank=rank, seq=1,
         identity=wire.RankIdentity(run_name=RUN, rank=rank, world_size=world, hostname="sim"),
     )
-    ack = await push(first.SerializeToString(), timeout=120, metadata=TOKEN_METADATA)
-    assert ack.stored_seq == 1, ack
+    await _until_acked(send, first.SerializeToString(), 1, t, None)
     t["first_acked"] = max(t["first_acked"], time.time())
     await go.wait()
+    next_at = time.perf_counter()
     for seq, block in enumerate(blocks, start=2):
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        next_at += interval_s
         header = wire.Batch(run_name=RUN, rank=rank, seq=seq).SerializeToString()
-        while True:  # as the SDK does: send again until an acknowledgement covers it
-            try:
-                sent = time.perf_counter()
-                ack = await push(header + block, timeout=120, metadata=TOKEN_METADATA)
-                t["ack_s"].append(time.perf_counter() - sent)
-            except grpc.RpcError as exc:
-                t["errors"][exc.code().name] = t["errors"].get(exc.code().name, 0) + 1
-                continue
-            if ack.stored_seq >= seq:
-                break
+        await _until_acked(send, header + block, seq, t, t["ack_s"])
+    await send.close()
     t["done"] = max(t["done"], time.time())
 
 
+async def _until_acked(send, data: bytes, seq: int, t: dict, ack_s: list | None) -> None:
+    """As the SDK does: send ``data`` (batch ``seq``) again until an acknowledgement covers
+    it; failures and pushbacks counted in ``t["errors"]``, each ack's seconds in ``ack_s``."""
+    import grpc
+
+    while True:
+        try:
+            sent = time.perf_counter()
+            ack = await send(data)
+            if ack_s is not None:
+                ack_s.append(time.perf_counter() - sent)
+        except (grpc.RpcError, RuntimeError) as exc:
+            code = exc.code().name if isinstance(exc, grpc.RpcError) else "ENDED"
+            t["errors"][code] = t["errors"].get(code, 0) + 1
+            continue
+        if ack.retry_after_ms:
+            t["errors"]["PUSHED_BACK"] = t["errors"].get("PUSHED_BACK", 0) + 1
+            await asyncio.sleep(ack.retry_after_ms / 1000)
+        elif ack.stored_seq >= seq:
+            return
+
+
+class _PushSender:
+    """A batch per unary Push."""
+
+    def __init__(self, channel) -> None:
+        from traceml import wire
+
+        self._push = channel.unary_unary(PUSH, response_deserializer=wire.Ack.FromString)
+
+    async def __call__(self, data: bytes):
+        return await self._push(data, timeout=120, metadata=TOKEN_METADATA)
+
+    async def close(self) -> None:
+        pass
+
+
+class _StreamSender:
+    """A batch up and its Ack down on one Stream, reopened after a failure; ended with the
+    ``closing`` message and a half-close, as the SDK ends it."""
+
+    def __init__(self, channel) -> None:
+        from traceml import wire
+
+        self._open = channel.stream_stream(STREAM, response_deserializer=wire.Ack.FromString)
+        self._call = None
+        self._closing = wire.Batch(closing=True).SerializeToString()
+
+    async def __call__(self, data: bytes):
+        if self._call is None:
+            self._call = self._open(metadata=TOKEN_METADATA)
+        try:
+            await self._call.write(data)
+            ack = await self._call.read()
+        except Exception:
+            self._call = None
+            raise
+        if ack is grpc_aio_eof():
+            self._call = None
+            raise RuntimeError("the aggregator ended the stream")
+        return ack
+
+    async def close(self) -> None:
+        if self._call is not None:
+            await self._call.write(self._closing)
+            await self._call.done_writing()
+            assert await self._call.read() is grpc_aio_eof()  # the aggregator ended it
+            await self._call.code()
+
+
+def grpc_aio_eof():
+    """grpc.aio's end-of-stream marker (what ``read()`` returns once the server ended it)."""
+    import grpc
+
+    return grpc.aio.EOF
+
+
 async def client_main(target: str, ranks: list[int], world: int, batches: int,
-                      records: int) -> dict:
+                      records: int, wire_kind: str, interval_s: float) -> dict:
     """A client process: its ranks' channels and tasks; the times it saw (Unix s)."""
     import grpc
 
@@ -111,7 +191,7 @@ async def client_main(target: str, ranks: list[int], world: int, batches: int,
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in ranks]
     t["created"] = time.time()
     tasks = [
-        asyncio.create_task(rank_task(ch, r, world, blocks, go, t))
+        asyncio.create_task(rank_task(ch, r, world, blocks, go, t, wire_kind, interval_s))
         for ch, r in zip(channels, ranks)
     ]
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
@@ -142,11 +222,16 @@ def viewer(target: str, stop: threading.Event, calls: list[float]) -> None:
         stop.wait(max(0.0, 1.0 - (time.perf_counter() - started)))
 
 
-def run_world(world: int, procs: int, batches: int, records: int, viewers: int) -> dict:
-    """One run of ``world`` ranks with ``viewers`` live viewers; prints and returns its
-    figures (records/s, ack median and p99 in s)."""
+def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
+              wire_kind: str = "stream", interval_s: float = 0.0,
+              summary_at_stop: bool = True) -> dict:
+    """One run of ``world`` ranks on ``wire_kind`` (``stream`` or ``unary``), each sending at
+    most a batch every ``interval_s``, with ``viewers`` live viewers; prints and returns its
+    figures (records/s, ack median and p99 in s, connect s, aggregator CPU % of a core, RSS
+    bytes). Without ``summary_at_stop`` the aggregator writes no summary when stopped."""
     with tempfile.TemporaryDirectory() as tmp, LiveAggregator(
-        Path(tmp) / "run", RUN, world_size=world
+        Path(tmp) / "run", RUN, world_size=world,
+        extra_args=() if summary_at_stop else ("--no-summary-at-stop",),
     ) as agg:
         rss_idle = peak_rss_bytes(agg.process.pid)
         clients = []
@@ -154,7 +239,7 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int) 
             ranks = list(range(p, world, procs))
             clients.append(subprocess.Popen(
                 [sys.executable, __file__, "--client", agg.target, json.dumps(ranks), str(world),
-                 str(batches), str(records)],
+                 str(batches), str(records), wire_kind, str(interval_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             ))
         for c in clients:
@@ -198,10 +283,12 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int) 
             errors[code] = errors.get(code, 0) + n
     assert stored == total, (stored, total)
     acks = [a for t in times for a in t["ack_s"]]
-    figures = {"rate": total / streaming, "ack_median": median(acks), "ack_p99": p99(acks)}
+    figures = {"rate": total / streaming, "ack_median": median(acks), "ack_p99": p99(acks),
+               "identified_s": identified, "cpu_pct": 100 * cpu_s / streaming,
+               "rss_peak": rss_peak}
     view = (f"{viewers} viewers ({len(calls)} Summarize calls, median "
             f"{median(calls) * 1000:.0f} ms)" if calls else f"{viewers} viewers")
-    print(f"  {world:>5} ranks, {view}: channels created {created:.2f} s, all connected {connected:.2f} s, "
+    print(f"  {wire_kind:>6} {world:>5} ranks, a batch every {interval_s:g} s, {view}: channels created {created:.2f} s, all connected {connected:.2f} s, "
           f"all identified {identified:.2f} s; "
           f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s "
           f"(aggregator CPU {cpu_s / total * 1e6:.1f} µs a record, "
@@ -214,31 +301,55 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int) 
 
 def main() -> None:
     if sys.argv[1:2] == ["--client"]:
-        target, ranks, world, batches, records = sys.argv[2:]
+        target, ranks, world, batches, records, wire_kind, interval_s = sys.argv[2:]
         t = asyncio.run(client_main(target, json.loads(ranks), int(world), int(batches),
-                                    int(records)))
+                                    int(records), wire_kind, float(interval_s)))
         print(json.dumps(t))
         return
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--batches", type=int, default=20, help="batches per rank (+ identity)")
     parser.add_argument("--records", type=int, default=100, help="step records per batch")
     parser.add_argument("--procs", type=int, default=2, help="client processes")
     parser.add_argument("--viewers", type=int, nargs="+", default=[0],
                         help="live viewers (Summarize at 1 Hz); each count is one run")
+    parser.add_argument("--wire", nargs="+", choices=WIRES, default=list(WIRES),
+                        help="the wires to run side by side, in this order")
+    parser.add_argument("--interval-sec", type=float, nargs="+", default=[0.0],
+                        help="least seconds between two batches of a rank; each is one run")
+    parser.add_argument("--no-summary", action="store_true",
+                        help="the aggregator writes no summary at stop (ingest figures only)")
+    parser.add_argument("--short", action="store_true",
+                        help="the CI smoke run: 8 ranks, 3 batches of 10 records, 0 and 0.2 s")
     args = parser.parse_args()
+    if args.short:
+        args.ranks, args.batches, args.records, args.interval_sec = [8], 3, 10, [0.0, 0.2]
     print(f"(d) ingest on loopback, {args.batches} batches x {args.records} records per rank, "
-          f"{args.procs} client processes (targets: >= 200k records/s, 1,024 connected < 1 s)")
+          f"{args.procs} client processes, wires {' and '.join(args.wire)} side by side "
+          "(targets, streaming: >= 400k records/s at 4,096 ranks, 4,096 connected and identified "
+          "<= 2 s; at a batch a second: ack p99 <= 200 ms and aggregator CPU <= 20 % of a core "
+          "at 1,024 ranks)")
     for world in args.ranks:
-        base = None
-        for viewers in args.viewers:
-            figures = run_world(world, args.procs, args.batches, args.records, viewers)
-            if base is None:
-                base = figures
-            else:
-                print(f"        {viewers} viewers against {args.viewers[0]}: ingest rate "
-                      f"x{figures['rate'] / base['rate']:.3f}, ack p99 "
-                      f"x{figures['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
+        for interval_s in args.interval_sec:
+            side = {}
+            for wire_kind in args.wire:
+                base = None
+                for viewers in args.viewers:
+                    figures = run_world(world, args.procs, args.batches, args.records, viewers,
+                                        wire_kind, interval_s, not args.no_summary)
+                    if base is None:
+                        base = side[wire_kind] = figures
+                    else:
+                        print(f"        {viewers} viewers against {args.viewers[0]}: ingest rate "
+                              f"x{figures['rate'] / base['rate']:.3f}, ack p99 "
+                              f"x{figures['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
+            if len(side) == 2:
+                st, un = side["stream"], side["unary"]
+                print(f"        stream against unary, {world} ranks, a batch every {interval_s:g} s: "
+                      f"records/s x{st['rate'] / un['rate']:.2f}, ack p99 "
+                      f"x{st['ack_p99'] / un['ack_p99']:.2f}, aggregator CPU "
+                      f"x{st['cpu_pct'] / un['cpu_pct']:.2f}, identified in "
+                      f"{st['identified_s']:.2f} s against {un['identified_s']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import sqlite3
 import subprocess
@@ -24,6 +25,14 @@ EXAMPLES = ROOT / "examples"
 #: so they carry it through the environment, as the ranks of a real run do.
 TEST_RUN_TOKEN = "traceml-test-run-token"
 os.environ["TRACEML_RUN_TOKEN"] = TEST_RUN_TOKEN
+
+
+#: gRPC C-core log lines (glog style: "E0521 12:00:00.000000 123 fork_posix.cc:75] ..."), and
+#: anything else that names gRPC, absl or an HTTP/2 GOAWAY (``too_many_pings``).
+GRPC_LINE = re.compile(
+    r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+\.(cc|h|cpp):\d+\]|grpc|absl|goaway|too_many_pings",
+    re.IGNORECASE,
+)
 
 
 def free_port() -> int:

@@ -112,7 +112,9 @@ HEARTBEAT_SEC = Setting(
     "While a rank has nothing to send (no step completes: a hang, a long evaluation), its "
     "sender still ships its progress (step count and phase) this often, s.",
 )
-RPC_TIMEOUT_SEC = Setting("TRACEML_RPC_TIMEOUT_SEC", "5", "Deadline of one Push RPC, s.")
+RPC_TIMEOUT_SEC = Setting(
+    "TRACEML_RPC_TIMEOUT_SEC", "5", "Longest wait for a batch's acknowledgement on the stream, s."
+)
 FINISH_TIMEOUT_SEC = Setting(
     "TRACEML_FINISH_TIMEOUT_SEC", "10", "How long a rank's exit waits to deliver its last batch."
 )

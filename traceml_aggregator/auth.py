@@ -1,6 +1,10 @@
 """The aggregator's gate: the run token on every call, and TLS when node 0 has a certificate.
 
-:class:`TokenInterceptor` is a ``grpc.aio`` server interceptor. It reads the
+:class:`TokenInterceptor` is a ``grpc.aio`` server interceptor. It first checks the wire
+version a call names (``traceml-wire-version``, see :data:`traceml.core.transport.WIRE_VERSION`):
+a client of another version is refused ``FAILED_PRECONDITION`` with one line naming both
+versions (counted, kind ``wire_version``); a call naming none comes from a client of before
+versioning, which spoke v1. Then it reads the
 ``traceml-run-token`` metadata of every call and compares it with the run's token in
 constant time (:func:`hmac.compare_digest`); a call without it, or with another one, is
 answered ``UNAUTHENTICATED`` before its message is even parsed, so nothing of it reaches a
@@ -19,7 +23,12 @@ from pathlib import Path
 
 import grpc
 
-from traceml.core.transport import TOKEN_METADATA_KEY
+from traceml.core.transport import (
+    TOKEN_METADATA_KEY,
+    VERSION_METADATA_KEY,
+    WIRE_VERSION,
+    version_mismatch,
+)
 from traceml_aggregator.senders import Rejections
 
 #: Method prefix of the health service, which needs no token (see the module docstring).
@@ -32,37 +41,65 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     Args:
         token: the run's token (non-empty).
         rejections: where refusals are counted.
+        wire_version: the wire version served (:data:`~traceml.core.transport.WIRE_VERSION`;
+            another only to test what a client of this tree meets at an aggregator of another).
     """
 
-    def __init__(self, token: str, rejections: Rejections) -> None:
+    def __init__(
+        self, token: str, rejections: Rejections, wire_version: int = WIRE_VERSION
+    ) -> None:
         if not token:
             raise ValueError("the run token must not be empty")
         self._token = token.encode("utf-8")
         self._rejections = rejections
-        self._deny = grpc.unary_unary_rpc_method_handler(self._refuse)
+        self._version = wire_version
 
     async def intercept_service(self, continuation, handler_call_details):
         """The call's handler, or the refusing one when the token is missing or wrong."""
         method = handler_call_details.method
         if method.startswith(HEALTH_PREFIX):
             return await continuation(handler_call_details)
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
-                if hmac.compare_digest(given, self._token):
-                    return await continuation(handler_call_details)
-                break
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        version = metadata.get(VERSION_METADATA_KEY, "")
+        if (version or "1") != str(self._version):  # none: a client of before versioning (v1)
+            self._rejections.refuse("wire_version", f"a call of {method} of wire v{version}")
+            return refusal(
+                await continuation(handler_call_details),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                version_mismatch(version, self._version),
+                ((VERSION_METADATA_KEY, str(self._version)),),
+            )
+        handler = await continuation(handler_call_details)
+        given = metadata.get(TOKEN_METADATA_KEY)
+        if given is not None:
+            given = given if isinstance(given, bytes) else given.encode("utf-8", "replace")
+            if hmac.compare_digest(given, self._token):
+                return handler
         self._rejections.refuse(
             "unauthenticated", f"a call of {method} without this run's token"
         )
-        return self._deny
-
-    @staticmethod
-    async def _refuse(_request: bytes, context) -> None:
-        await context.abort(
+        return refusal(
+            handler,
             grpc.StatusCode.UNAUTHENTICATED,
             "missing or wrong run token (TRACEML_RUN_TOKEN, or the run directory's run_token)",
         )
+
+
+def refusal(handler, code: grpc.StatusCode, details: str, trailing_metadata=()):
+    """A method handler that answers every call ``code`` with ``details`` (one line), of the
+    same kind (unary or bidirectional stream) as ``handler``, the refused method's own (None:
+    a method this aggregator does not have, answered as a unary call)."""
+
+    async def unary(_request: bytes, context) -> None:
+        await context.abort(code, details, trailing_metadata=trailing_metadata)
+
+    async def stream(_requests, context):
+        await context.abort(code, details, trailing_metadata=trailing_metadata)
+        yield  # an async generator, as a streaming handler must be
+
+    if handler is not None and handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 def server_credentials(cert: Path, key: Path):

@@ -127,11 +127,13 @@ def serve_command(
     tls_cert: Optional[Path] = typer.Option(None, help="TLS certificate, PEM"),
     tls_key: Optional[Path] = typer.Option(None, help="TLS private key, PEM"),
     max_concurrent_rpcs: Optional[int] = typer.Option(
-        None, help="calls in flight at most; more are answered RESOURCE_EXHAUSTED [default: 1024]"
+        None,
+        help="calls in flight at most, each sender's open stream included; more are answered "
+        "RESOURCE_EXHAUSTED [default: 16384]",
     ),
     max_queued_bytes: Optional[int] = typer.Option(
         None,
-        help="bound of the writer's queue, bytes; beyond it Push is answered RESOURCE_EXHAUSTED "
+        help="bound of the writer's queue, bytes; beyond it a batch is pushed back "
         "with a retry-after [default: 256 MiB]",
     ),
 ) -> int:

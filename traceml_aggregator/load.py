@@ -13,6 +13,7 @@ import operator
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData, StepColumns
 from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
+from traceml_aggregator.streams import STREAMS_META_KEY
 
 
 _attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row
@@ -97,4 +98,5 @@ def load(store: Store, missing: list[int]) -> RunData:
         stall=json.loads(meta[STALL_META_KEY]) if meta.get(STALL_META_KEY) else None,
         aggregator_restarts=json.loads(meta.get(RESTARTS_META_KEY) or "[]"),
         rejected=json.loads(meta.get(REJECTED_META_KEY) or "{}"),
+        sender_streams=json.loads(meta.get(STREAMS_META_KEY) or "[]"),
     )

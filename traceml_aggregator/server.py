@@ -1,5 +1,5 @@
-"""The aggregator's gRPC server (``grpc.aio``): Push, ReportNodeExit, Finalize, Summarize,
-RegisterNode, health.
+"""The aggregator's gRPC server (``grpc.aio``): Stream, Push, ReportNodeExit, Finalize,
+Summarize, RegisterNode, health.
 
 One event loop serves every rank's calls (thousands of concurrent streams cost coroutines, not
 threads); the single :class:`~traceml_aggregator.writer.Writer` stores what they bring. The
@@ -10,8 +10,11 @@ Every call but health's must carry the run token (:mod:`traceml_aggregator.auth`
 must come from one of the run's senders (:mod:`traceml_aggregator.senders`). The server's
 limits (docs/wire.md): messages of at most
 :data:`~traceml.core.transport.MAX_MESSAGE_BYTES` either way, at most
-``max_concurrent_rpcs`` calls in flight (more are answered ``RESOURCE_EXHAUSTED`` by gRPC),
-and the writer's queue bound, answered ``RESOURCE_EXHAUSTED`` with a retry-after.
+``max_concurrent_rpcs`` calls in flight (more are answered ``RESOURCE_EXHAUSTED`` by gRPC;
+each sender's stream is one of them for as long as it is open), and the writer's queue bound,
+answered with a retry-after (in the Ack on a stream, ``RESOURCE_EXHAUSTED`` on a Push). The
+open-files soft limit is raised to the hard limit at start: each stream's connection is a
+socket (:func:`raise_open_files_limit`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from traceml import wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log
 from traceml.core.rundir import DATABASE_NAME, RunDir
-from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
+from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
 from traceml_aggregator.auth import TokenInterceptor, server_credentials
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.hang import HangWatch
@@ -41,6 +44,7 @@ from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.senders import Rejections, check_batch
 from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
+from traceml_aggregator.streams import CLOSED, LOST, STREAMS_META_KEY, StreamLedger
 from traceml_aggregator.writer import MAX_QUEUED_BYTES, QueueFull, Writer
 
 _log = log.get("aggregator")
@@ -48,9 +52,10 @@ _log = log.get("aggregator")
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
 #: How long a Summarize call lets queued batches commit (and reach the live aggregates), s.
 SUMMARIZE_DRAIN_S = 2.0
-#: Default bound of calls in flight (``--max-concurrent-rpcs``): a rank, or a node sampler, has
-#: one Push in flight at a time, so this is about the senders one aggregator serves at once.
-MAX_CONCURRENT_RPCS = 1024
+#: Default bound of calls in flight (``--max-concurrent-rpcs``): a rank, or a node sampler, holds
+#: one stream open all along, so this bounds the senders one aggregator serves at once
+#: (docs/scale.md: 8,192 ranks and their nodes' samplers, with room for one-off calls).
+MAX_CONCURRENT_RPCS = 16384
 #: How long a client pushed back by a full writer queue waits before it sends again, ms.
 RETRY_AFTER_MS = 500
 
@@ -124,8 +129,10 @@ class AggregatorService(wire.AggregatorServicer):
         finalizer,
         rejections,
         live: LiveAggregates,
+        streams: StreamLedger,
     ):
         self.config = config
+        self.streams = streams
         self.writer = writer
         self.live = live
         self.state = state
@@ -141,7 +148,11 @@ class AggregatorService(wire.AggregatorServicer):
             )
         return ""
 
-    async def Push(self, request, context):
+    async def _ingest(self, request, context, on_stream: bool):
+        """Check ``request`` (a Batch), store it, and return its Ack. A full writer queue is
+        answered on a stream with an Ack carrying ``retry_after_ms``, on a Push with
+        ``RESOURCE_EXHAUSTED`` and the retry-after in trailing metadata; a failed store aborts
+        the call (``UNAVAILABLE``)."""
         reason = self._foreign(request.run_name)
         if reason:
             return wire.Ack(rejected=True, reason=reason)
@@ -154,6 +165,8 @@ class AggregatorService(wire.AggregatorServicer):
         try:
             result = await self.writer.store_batch(request)
         except QueueFull as exc:
+            if on_stream:
+                return wire.Ack(retry_after_ms=RETRY_AFTER_MS)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the aggregator is behind: {exc}; send again later",
@@ -166,6 +179,31 @@ class AggregatorService(wire.AggregatorServicer):
                 rejected=True, reason=self.rejections.refuse(result.kind, result.rejected)
             )
         return wire.Ack(stored_seq=result.stored_seq)
+
+    async def Push(self, request, context):
+        return await self._ingest(request, context, on_stream=False)
+
+    async def Stream(self, request_iterator, context):
+        """One sender's stream: an Ack per batch, in order, once it is stored. How the stream
+        ended goes to :attr:`streams` (see :mod:`traceml_aggregator.streams`): closed after
+        the sender's ``closing`` message, lost otherwise (a dead peer's connection also ends
+        the request stream, so only that message tells a clean end)."""
+        key, state = None, LOST
+        try:
+            async for batch in request_iterator:
+                if batch.closing:
+                    state = CLOSED
+                    continue
+                if key is None and batch.WhichOneof("sender") is not None:
+                    key = StreamLedger.key(batch)
+                    self.streams.opened(key)
+                ack = await self._ingest(batch, context, on_stream=True)
+                if key is not None and batch.HasField("finish") and ack.stored_seq >= batch.seq:
+                    self.streams.finished(key)
+                yield ack
+        finally:  # also when cancelled: by the sender, a reset, or a keepalive timeout
+            if key is not None:
+                self.streams.ended(key, state)
 
     def _node_exit_refusal(self, report) -> str:
         """Why ``report`` (a NodeExit) cannot be this run's, counted; "" when it can."""
@@ -240,6 +278,22 @@ class AggregatorService(wire.AggregatorServicer):
         )
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's open-files soft limit (``RLIMIT_NOFILE``) to its hard limit, as
+    far as the kernel allows (each sender's connection is a descriptor; the usual soft limit of
+    1,024 would refuse senders beyond ~1,000). Returns the ``(soft, hard)`` limits now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass  # the limit stays as it was; the aggregator serves what it can
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 class BindError(RuntimeError):
     """The aggregator could not listen on its host:port (in use, or no such address)."""
 
@@ -254,6 +308,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     Raises:
         BindError: the port cannot be bound.
     """
+    raise_open_files_limit()
     store = Store(config.run_dir / DATABASE_NAME)
     store.set_meta("run_name", config.run_name)
     if config.world_size:
@@ -265,6 +320,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
     )
 
     live = LiveAggregates(config.run_name, config.world_size)
+    streams = StreamLedger()
+    streams.restore(store.meta().get(STREAMS_META_KEY))
 
     def on_stored(batch) -> None:
         state.on_batch(batch)
@@ -283,21 +340,21 @@ async def serve(config: ServerConfig, ready=None) -> int:
     def reports(store_, missing):
         from traceml_aggregator.reports import write_reports
 
+        streams_json = streams.to_json()  # on the writer thread: a copy taken now, not a view
+
         store_.set_meta(REJECTED_META_KEY, json.dumps(rejections.counts, sort_keys=True))
+        store_.set_meta(STREAMS_META_KEY, streams_json)
         return write_reports(store_, config.run_dir, missing, html=config.html_report)
 
     finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s)
     server = grpc.aio.server(
         interceptors=[TokenInterceptor(config.run_token, rejections)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        options=[
-            ("grpc.so_reuseport", 0),  # a second aggregator on the port must fail, not share
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
+        # so_reuseport 0: a second aggregator on the port must fail, not share it.
+        options=[("grpc.so_reuseport", 0)] + server_options(),
     )
     wire.add_AggregatorServicer_to_server(
-        AggregatorService(config, writer, state, finalizer, rejections, live), server
+        AggregatorService(config, writer, state, finalizer, rejections, live, streams), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

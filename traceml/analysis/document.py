@@ -147,6 +147,32 @@ class RankDelivery:
 
 
 @dataclass
+class SenderStream:
+    """``run.telemetry_health.sender_streams[]``: how one sender's latest stream to the
+    aggregator ended (``traceml_aggregator/streams.py``). A rank that exited cleanly has
+    ``closed`` and ``finished``; one that vanished (killed, host lost) has ``lost``."""
+
+    sender: Annotated[str, Schema(enum=["rank", "node"], description="a rank's SDK or a node's sampler")]
+    id: Annotated[int, Schema(minimum=0, description="the rank, or the node rank")]
+    restart: Annotated[int, Schema(minimum=0, description="torchrun attempt")]
+    state: Annotated[
+        str,
+        Schema(
+            enum=["open", "closed", "lost"],
+            description="open: still open when the summary was built; closed: the sender "
+            "closed it; lost: cancelled, connection reset, or no keepalive answer (within "
+            "40 s of the sender vanishing)",
+        ),
+    ]
+    finished: Annotated[bool, Schema(description="the sender's finish marker was stored")]
+    streams: Annotated[
+        int, Schema(minimum=1, description="streams the sender opened (one more after each "
+                    "fork, outage or aggregator restart)")
+    ]
+    since_unix_s: Annotated[float, Schema(description="when the state was reached, unix seconds")]
+
+
+@dataclass
 class TelemetryHealth:
     """``run.telemetry_health``: what happened to the telemetry path during the run."""
 
@@ -163,6 +189,10 @@ class TelemetryHealth:
     ranks: Annotated[
         list[RankDelivery],
         Schema(description="per rank (those whose batches carried their totals), by rank"),
+    ]
+    sender_streams: Annotated[
+        list[SenderStream],
+        Schema(description="per sender and attempt, ranks first: how its stream ended"),
     ]
 
 

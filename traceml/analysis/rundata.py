@@ -133,3 +133,6 @@ class RunData:
     #: Calls the aggregator refused, by kind (``unauthenticated``, ``rank_out_of_range``, ...:
     #: see traceml_aggregator/senders.py); empty when none was.
     rejected: dict[str, int] = field(default_factory=dict)
+    #: How each sender's latest stream ended (see traceml_aggregator/streams.py for the
+    #: fields), ranks first; empty when the aggregator recorded none.
+    sender_streams: list[dict] = field(default_factory=list)

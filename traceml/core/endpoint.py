@@ -65,7 +65,7 @@ def seconds_error(flag: str, value: float) -> str:
     return f"{flag} must be a finite number > 0 (got {value})"
 
 
-def call(target: str, method: str, request, timeout_s: float):
+def call(target: str, method: str, request, timeout_s: float, credentials=None):
     """One unary RPC ``method`` (e.g. ``"Finalize"``) of the aggregator at ``target``, on a
     channel of its own (with the run token and TLS of :func:`traceml.core.transport.open_channel`)
     that is closed when the call returns.
@@ -74,12 +74,15 @@ def call(target: str, method: str, request, timeout_s: float):
         target: ``host:port`` (see :func:`target`).
         request: the method's request message (``traceml.wire``).
         timeout_s: deadline of the call, s.
+        credentials: a :class:`traceml.core.transport.Credentials`; from the environment when
+            None.
 
     Raises:
         grpc.RpcError: the call failed or timed out.
+        OSError: ``TRACEML_TLS_CA`` cannot be read (only when ``credentials`` is None).
     """
     from traceml import wire
     from traceml.core.transport import open_channel
 
-    with open_channel(target) as channel:
+    with open_channel(target, credentials=credentials) as channel:
         return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)

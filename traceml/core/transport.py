@@ -39,6 +39,29 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Trailing metadata of a ``RESOURCE_EXHAUSTED`` answer: how long the client waits before it
 #: sends the same batch again, ms.
 RETRY_AFTER_METADATA_KEY = "traceml-retry-after-ms"
+#: Version of the wire this tree speaks (the ``traceml.wire.v1`` package). Every client call
+#: carries it as :data:`VERSION_METADATA_KEY`; an aggregator of another version refuses the
+#: call with :func:`version_mismatch` (``FAILED_PRECONDITION``) before routing it, so a client
+#: and an aggregator of two versions fail with one line that names both, never with a decode
+#: error or a hang. That check is the one part of the wire no version may change.
+WIRE_VERSION = 1
+VERSION_METADATA_KEY = "traceml-wire-version"
+
+#: Keepalive, one policy for both sides (they must agree, or the server answers a client's
+#: pings with GOAWAY ``too_many_pings`` and the client logs it on the user's stderr). The
+#: client pings at most every :data:`CLIENT_KEEPALIVE_MS`, also while no call is open, and the
+#: server permits a ping every :data:`SERVER_MIN_PING_INTERVAL_MS`, which is shorter. The
+#: server pings each connection every :data:`SERVER_KEEPALIVE_MS` and drops it when no answer
+#: comes within :data:`KEEPALIVE_TIMEOUT_MS`: a sender that vanished (host down, partition) has
+#: its stream ended within ``SERVER_KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS`` (40 s); one whose
+#: process died, at once (its kernel resets the connection). The timeout is generous on purpose:
+#: on a host whose CPUs training saturates, gRPC's threads may answer a ping late (at a load of
+#: 13 per core, a 10 s timeout dropped connections of benchmarks/ingest.py's clients), and a
+#: dropped stream costs a reconnect and resends.
+CLIENT_KEEPALIVE_MS = 30_000
+SERVER_KEEPALIVE_MS = 20_000
+SERVER_MIN_PING_INTERVAL_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 20_000
 
 
 class TokenFileError(RuntimeError):
@@ -136,17 +159,48 @@ class Credentials:
         )
 
 
+def version_mismatch(client_version: str, server_version: int) -> str:
+    """The one line an aggregator of wire ``server_version`` refuses a client with, which sent
+    ``client_version`` ("" when it sent none: a client from before versioning)."""
+    client = f"v{client_version}" if client_version else "an unversioned wire"
+    return (
+        f"wire version mismatch: this client speaks traceml wire {client}, the aggregator "
+        f"speaks v{server_version}; use one TraceML version on every node"
+    )
+
+
 def channel_options() -> list[tuple[str, int]]:
-    """The message size bounds every client channel sets (the server sets the same)."""
+    """The message size bounds and keepalive every client channel sets (the server's
+    options, :func:`server_options`, agree with them)."""
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    """The aggregator's message size bounds and keepalive policy (see
+    :data:`CLIENT_KEEPALIVE_MS`)."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
 def open_channel(target: str, options: list | None = None, credentials: Credentials | None = None):
     """A synchronous gRPC channel to the aggregator at ``target`` (``host:port``) that sends
-    the run token with every call, over TLS when the credentials carry a CA.
+    the run token and :data:`WIRE_VERSION` with every call (unary and streaming), over TLS
+    when the credentials carry a CA.
 
     Args:
         target: the aggregator's ``host:port``.
@@ -166,16 +220,17 @@ def open_channel(target: str, options: list | None = None, credentials: Credenti
         )
     else:
         channel = grpc.insecure_channel(target, options=opts)
-    if creds.token:
-        channel = grpc.intercept_channel(channel, _token_interceptor(creds.token))
-    return channel
+    return grpc.intercept_channel(channel, _metadata_interceptor(creds.token))
 
 
-def _token_interceptor(token: str):
-    """A client interceptor that adds the run token to every unary call's metadata."""
+def _metadata_interceptor(token: str):
+    """A client interceptor that adds the wire version and the run token (when not "") to
+    every call's metadata, unary and streaming."""
     import grpc
 
-    entry = (TOKEN_METADATA_KEY, token)
+    entries = [(VERSION_METADATA_KEY, str(WIRE_VERSION))]
+    if token:
+        entries.append((TOKEN_METADATA_KEY, token))
 
     class _Details(grpc.ClientCallDetails):
         def __init__(self, details, metadata):
@@ -186,9 +241,13 @@ def _token_interceptor(token: str):
             self.wait_for_ready = details.wait_for_ready
             self.compression = details.compression
 
-    class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor):
+    class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
         def intercept_unary_unary(self, continuation, details, request):
-            metadata = list(details.metadata or ()) + [entry]
-            return continuation(_Details(details, metadata), request)
+            return continuation(_Details(details, list(details.metadata or ()) + entries), request)
 
-    return _TokenInterceptor()
+        def intercept_stream_stream(self, continuation, details, request_iterator):
+            return continuation(
+                _Details(details, list(details.metadata or ()) + entries), request_iterator
+            )
+
+    return _Interceptor()

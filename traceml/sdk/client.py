@@ -1,22 +1,25 @@
-"""The telemetry client: bounded buffer -> batches -> Push RPCs -> acknowledgements.
+"""The telemetry client: bounded buffer -> batches -> one stream -> acknowledgements.
 
 One :class:`TelemetryClient` serves one sender (a rank's SDK, or a node's sampler). The
 training thread only calls :meth:`TelemetryClient.submit`, which appends to a bounded deque
 (no lock, no I/O, no allocation beyond the deque slot). A daemon thread wakes every
 ``TRACEML_FLUSH_INTERVAL_SEC`` (or when ``TRACEML_BATCH_MAX_RECORDS`` records wait), turns
 buffered items into one :class:`~traceml.wire.Batch` with the next sequence number, and sends it
-with a unary ``Push``. One batch is in flight at a time: the aggregator acknowledges the highest
-sequence number it has durably stored, and until the batch is covered by an acknowledgement it
-is resent (after a failed call, with exponential backoff from 0.2 s to 5 s); new records wait in
-the buffer meanwhile. The aggregator ignores a sequence number it already stored, so a resend is
-never stored twice.
+on the sender's one bidirectional ``Stream`` (:class:`traceml.sdk.stream.BatchStream`, the
+transport: opened lazily, reopened after a failure). One batch is in flight at a time: the
+aggregator acknowledges the highest sequence number it has durably stored, and until the batch
+is covered by an acknowledgement it is resent (after a failed stream, on a new one, with
+exponential backoff from 0.2 s to 5 s); new records wait in the buffer meanwhile. The
+aggregator ignores a sequence number it already stored, so a resend is never stored twice.
 
 Every channel comes from :func:`traceml.core.transport.open_channel`: it carries the run
 token (``TRACEML_RUN_TOKEN``) with every call, over TLS when ``TRACEML_TLS_CA`` is set. An
 aggregator that answers ``UNAUTHENTICATED`` (another token) is treated like one that rejected
-the run: one warning, nothing more sent. One that answers ``RESOURCE_EXHAUSTED`` (its writer
-is behind) is pushing back: the client keeps the batch and sends it again after the
-retry-after the aggregator names (its own backoff without one), with no warning.
+the run: one warning, nothing more sent; so is one of another wire version (``FAILED_PRECONDITION``,
+one line naming both versions). One whose writer is behind pushes back (an Ack carrying
+``retry_after_ms``, or ``RESOURCE_EXHAUSTED`` when it serves its bound of calls): the client
+keeps the batch and sends it again after the retry-after the aggregator names (its own backoff
+without one), with no warning.
 
 A batch stays below :data:`MAX_BATCH_BYTES` (half the wire's message bound), whatever
 ``TRACEML_BATCH_MAX_RECORDS`` says: the client closes a batch before the record that would
@@ -34,13 +37,13 @@ arrives; the total dropped is also in the rank's :class:`~traceml.wire.RankFinis
 
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
 flight; measured with grpcio 1.85, streaming during fork() killed children and broke the parent's
-stream, and ``GRPC_ENABLE_FORK_SUPPORT=1`` hung the parent. So every RPC runs under one lock,
-and an ``os.register_at_fork`` hook takes that lock before fork() and releases it after, in the
-parent. A ``Push`` in flight is cancelled first (its batch is resent after the fork): during an
-outage a call waits for its whole deadline, and fork() (a DataLoader starting its workers) must
-not wait with it. A forked child marks every
-client dead and never touches gRPC: its copy of the sender thread does not exist, and
-:meth:`submit` becomes a no-op there.
+stream, and ``GRPC_ENABLE_FORK_SUPPORT=1`` hung the parent. So an ``os.register_at_fork`` hook
+ends every client's stream before fork() (a clean close, waiting a bounded 0.2 s, cancelled
+after that: an unreachable aggregator must not make fork() wait for a deadline; see
+:mod:`traceml.sdk.stream`) and keeps it closed until fork() returns; the next batch reopens it.
+One-off calls (:meth:`TelemetryClient.call`) run under a lock the hook takes as well. A forked
+child marks every client dead and never touches gRPC: its copy of the sender thread does not
+exist, and :meth:`submit` becomes a no-op there.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ BUFFERED_RECORD_MAX_BYTES = 2048
 #: the next batch carries the finish marker.
 FINISH_RESERVE_S = 0.5
 
+#: Longest wait, s, for the aggregator to end the stream after the last acknowledgement.
+_CLOSE_WAIT_S = 1.0
+
 #: Kinds of record a client can carry (the Batch fields they go to).
 STEPS = "step_groups"
 PROCESS_SAMPLES = "process_samples"
@@ -131,17 +137,18 @@ class ClientStats:
     dropped_buffer_full: int = 0
     #: Records larger than :data:`MAX_BATCH_BYTES` on their own (never sendable).
     dropped_oversized: int = 0
-    #: Push calls the aggregator pushed back (``RESOURCE_EXHAUSTED``): sent again later.
+    #: Sends the aggregator pushed back (its writer behind): sent again later.
     pushed_back: int = 0
     #: Records in batches the aggregator acknowledged.
     acked: int = 0
-    #: Push calls that returned an acknowledgement (batches).
+    #: Sends that returned an acknowledgement (batches).
     batches_sent: int = 0
     #: Batches covered by an acknowledgement.
     batches_acked: int = 0
-    #: Push calls that failed (unreachable, deadline exceeded, aborted by the aggregator).
+    #: Sends that failed (unreachable, no acknowledgement in time, stream ended by the
+    #: aggregator or by a fork).
     send_failures: int = 0
-    #: Push calls that carried a batch already sent once (after a failure or a stale ack).
+    #: Sends of a batch already sent once (after a failure or a stale ack).
     resends: int = 0
     #: Pending records converted at close before they were ready (steps whose CUDA events
     #: never completed: sent without GPU fields).
@@ -187,22 +194,29 @@ def in_forked_child() -> bool:
     return _in_forked_child
 
 
+#: The streams and one-off locks the fork hook holds through fork() (released in the parent).
+_held_for_fork: list = []
+
+
 def _before_fork() -> None:
     for client in list(_clients):
-        inflight = client._inflight
-        if inflight is not None:  # an outage must not hold fork() for the RPC deadline
-            inflight.cancel()
+        stream = client._stream
+        if stream is not None:  # ended with a bounded wait: see traceml.sdk.stream
+            stream.quiesce_for_fork()
+            _held_for_fork.append(stream.resume_after_fork)
         client._rpc_lock.acquire()
+        _held_for_fork.append(client._rpc_lock.release)
 
 
 def _after_fork_in_parent() -> None:
-    for client in list(_clients):
-        client._rpc_lock.release()
+    while _held_for_fork:
+        _held_for_fork.pop()()
 
 
 def _after_fork_in_child() -> None:
     global _in_forked_child
     _in_forked_child = True
+    _held_for_fork.clear()  # locks of the parent's threads: never used here
     for client in list(_clients):
         client._dead = True
     _clients.clear()
@@ -268,6 +282,7 @@ class TelemetryClient:
         self._next_seq = 1
         self._acked_seq = 0
         self._ever_acked = False
+        self._pushed_back_ever = False  # the aggregator answered, if only to push back
         self._rejected = False
         self._dead = False  # set in a forked child, or once the client is closed
         self._closing = False  # set by close(): the sender thread finishes the stream
@@ -275,12 +290,11 @@ class TelemetryClient:
         self._retry_after_s = 0.0  # the aggregator's retry-after, once it pushed back
         self._finish = None  # RankFinish to send last, set by close()
         self._unsent_cutoff = float("inf")  # monotonic s: a closing client sends the finish next
-        self._rpc_lock = threading.Lock()
-        self._inflight = None  # the Push call in flight (a grpc.Future), for the fork hook
+        self._rpc_lock = threading.Lock()  # one-off calls (call()), held by the fork hook
         self._wake = threading.Event()
         self._done = threading.Event()  # set by the sender thread when closing is over
         self._delivered = False  # everything, finish marker included, was acknowledged
-        self._stub = None
+        self._stream = None  # the BatchStream on self._channel, once connected
         self._channel = None
         _clients.add(self)
         self._thread = threading.Thread(
@@ -379,8 +393,9 @@ class TelemetryClient:
         return not self._rejected
 
     def call(self, method: str, request, timeout_s: float):
-        """One unary RPC of the aggregator (e.g. ``"Summarize"``) on a channel of its own, under
-        the fork lock, so that no fork() (a DataLoader worker) happens while it is in flight.
+        """One unary RPC of the aggregator (e.g. ``"Summarize"``, see
+        :func:`traceml.core.endpoint.call`) with this client's credentials, under the fork
+        lock, so that no fork() (a DataLoader worker) happens while it is in flight.
 
         Raises:
             grpc.RpcError: the call failed or timed out.
@@ -388,10 +403,10 @@ class TelemetryClient:
         """
         if _in_forked_child:
             raise RuntimeError("no telemetry RPC from a forked child")
-        from traceml import wire
+        from traceml.core import endpoint
 
-        with self._rpc_lock, self._open_channel() as channel:
-            return getattr(wire.AggregatorStub(channel), method)(request, timeout=timeout_s)
+        with self._rpc_lock:
+            return endpoint.call(self.target, method, request, timeout_s, self._credentials())
 
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -416,19 +431,22 @@ class TelemetryClient:
                 if self._retry_after_s and not ok:
                     backoff, self._retry_after_s = self._retry_after_s, 0.0
                 if self._closing and self._close_over(ok):
+                    if self._stream is not None:  # a clean end: the aggregator sees a close
+                        self._stream.close(_CLOSE_WAIT_S)
                     self._done.set()
                     return
         finally:
             self._close_channel()
 
     def _close_over(self, ok: bool) -> bool:
-        """Whether a closing client is done: all delivered, rejected, or never reached."""
+        """Whether a closing client is done: all delivered, rejected, or never reached (an
+        aggregator that pushed back was reached: the client keeps sending until close times out)."""
         if self._rejected:
             return True
         if ok and self._pending is None and not self._buffer and self._finish is None:
             self._delivered = True
             return True
-        return not ok and not self._ever_acked
+        return not ok and not (self._ever_acked or self._pushed_back_ever)
 
     def _flush(self) -> bool:
         """Send the pending batch, then new ones, until the buffer is drained or a send fails."""
@@ -524,41 +542,43 @@ class TelemetryClient:
         return batch
 
     def _send(self, batch) -> bool:
-        """One ``Push`` of ``batch``; True once an acknowledgement covers it (or the run was
+        """Send ``batch`` on the stream; True once an acknowledgement covers it (or the run was
         rejected), False when it must be sent again."""
         import grpc
 
+        from traceml.sdk.stream import ForkInterrupted
         from traceml.wire.records import record_count
 
-        with self._rpc_lock:
-            if self._dead:
+        if self._dead:
+            return False
+        if batch.seq <= self._sent_seq:
+            self.stats.resends += 1
+        self._sent_seq = max(self._sent_seq, batch.seq)
+        try:
+            ack = self._connect().push(batch, self.config.rpc_timeout_s)
+        except ForkInterrupted:  # the fork hook ended the stream: resent after the fork
+            self.stats.send_failures += 1
+            return False
+        except grpc.RpcError as exc:
+            self.stats.send_failures += 1
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
+                return self._give_up(f"{exc.details()} ({code.name})")
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the aggregator's bound of calls
+                self.stats.pushed_back += 1
+                self._pushed_back_ever = True
+                self._retry_after_s = _retry_after_s(exc)
                 return False
-            if batch.seq <= self._sent_seq:
-                self.stats.resends += 1
-            self._sent_seq = max(self._sent_seq, batch.seq)
-            try:
-                call = self._connect().Push.future(batch, timeout=self.config.rpc_timeout_s)
-                self._inflight = call
-                ack = call.result()
-            except grpc.FutureCancelledError:  # by the fork hook: resent after the fork
-                self.stats.send_failures += 1
-                return False
-            except grpc.RpcError as exc:
-                self.stats.send_failures += 1
-                code = exc.code() if hasattr(exc, "code") else None
-                if code == grpc.StatusCode.UNAUTHENTICATED:
-                    return self._give_up(f"{exc.details()} ({code.name})")
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self.stats.pushed_back += 1
-                    self._retry_after_s = _retry_after_s(exc)
-                    return False
-                self._on_unreachable(exc)
-                return False
-            finally:
-                self._inflight = None
+            self._on_unreachable(exc)
+            return False
         self.stats.batches_sent += 1
         if ack.rejected:
             return self._give_up(ack.reason)
+        if ack.retry_after_ms:  # the writer is behind: this batch was not taken
+            self.stats.pushed_back += 1
+            self._pushed_back_ever = True
+            self._retry_after_s = min(ack.retry_after_ms / 1000.0, 30.0)
+            return False
         if not self._ever_acked and self.target in _unreachable_targets:
             _unreachable_targets.discard(self.target)
             self._warn(f"aggregator at {self.target} reached; telemetry flowing")
@@ -597,23 +617,27 @@ class TelemetryClient:
                 f"{MAX_BATCH_BYTES} bytes; further ones are only counted (records_dropped)"
             )
 
-    def _open_channel(self, options: list | None = None):
-        from traceml.core.transport import Credentials, open_channel
+    def _credentials(self):
+        from traceml.core.transport import Credentials
 
         if self.credentials is None:
             self.credentials = Credentials.from_env()
-        return open_channel(self.target, options, self.credentials)
+        return self.credentials
 
     def _connect(self):
-        if self._stub is None:
-            from traceml import wire
+        """The stream (on a channel of this client's), opened on first use."""
+        if self._stream is None:
+            from traceml.core.transport import open_channel
+            from traceml.sdk.stream import BatchStream
 
-            self._channel = self._open_channel([("grpc.enable_retries", 0)])
-            self._stub = wire.AggregatorStub(self._channel)
-        return self._stub
+            self._channel = open_channel(
+                self.target, [("grpc.enable_retries", 0)], self._credentials()
+            )
+            self._stream = BatchStream(self._channel)
+        return self._stream
 
     def _on_unreachable(self, exc) -> None:
-        """A Push failed: warn once per process and endpoint, drop the channel."""
+        """A send failed: warn once per process and endpoint, drop the channel."""
         if not self._unreachable_warned:
             self._unreachable_warned = True
             if self.target not in _unreachable_targets:
@@ -626,13 +650,15 @@ class TelemetryClient:
         self._close_channel()
 
     def _close_channel(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
         if self._channel is not None:
             try:
                 self._channel.close()
             except Exception:
                 pass
         self._channel = None
-        self._stub = None
+        self._stream = None
 
 
 def _fits_wire(step: dict) -> bool:
@@ -656,4 +682,5 @@ def _load_wire() -> None:
     import grpc  # noqa: F401
 
     from traceml import wire  # noqa: F401
+    from traceml.sdk import stream  # noqa: F401
 

@@ -40,6 +40,11 @@ class AggregatorStub(object):
                 request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
                 response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
                 )
+        self.Stream = channel.stream_stream(
+                '/traceml.wire.v1.Aggregator/Stream',
+                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.Batch.SerializeToString,
+                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.Ack.FromString,
+                )
 
 
 class AggregatorServicer(object):
@@ -81,6 +86,15 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """A sender's one long-lived stream: batches up, one Ack per batch down, in order, each sent
+        once the batch is durably stored (what Push answers, on one HTTP/2 stream). The SDK's
+        ranks and the node samplers send this way; Push stays for one-off senders and tools.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +122,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.RegisterNode,
                     request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.FromString,
                     response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.Batch.FromString,
+                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -201,5 +220,22 @@ class Aggregator(object):
         return grpc.experimental.unary_unary(request, target, '/traceml.wire.v1.Aggregator/RegisterNode',
             traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
             traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/traceml.wire.v1.Aggregator/Stream',
+            traceml_dot_wire_dot_v1_dot_service__pb2.Batch.SerializeToString,
+            traceml_dot_wire_dot_v1_dot_service__pb2.Ack.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
