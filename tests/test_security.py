@@ -49,9 +49,9 @@ def forged_calls(run_name: str, world_size: int) -> list[tuple[str, object]]:
                       for i in range(50)])
     return [
         ("Push", steps),
-        ("RegisterNode", wire.NodeClaim(run_name=run_name, node_rank=0, nnodes=1,
-                                        hostname="forger", launcher_pid=1,
-                                        refusal="forged: stop the run")),
+        ("NodeSession", wire.NodeUp(claim=wire.NodeClaim(
+            run_name=run_name, node_rank=0, nnodes=1, hostname="forger", launcher_pid=1,
+            refusal="forged: stop the run"))),
         ("ReportNodeExit", wire.NodeExit(
             run_name=run_name, node_rank=0, hostname="forger", exit_code=9,
             ranks=[wire.RankEnd(rank=r, local_rank=r, end_state=wire.EndState.END_STATE_FAILED,
@@ -62,10 +62,14 @@ def forged_calls(run_name: str, world_size: int) -> list[tuple[str, object]]:
 
 
 def call(target: str, credentials: Credentials, method: str, request):
-    """One unary call of ``method``; its reply, or the grpc.RpcError it raised."""
+    """One call of ``method`` (NodeSession: a stream of ``request`` alone); its reply (a
+    stream's: the list of its messages), or the grpc.RpcError it raised."""
     with open_channel(target, credentials=credentials) as channel:
+        stub = wire.AggregatorStub(channel)
         try:
-            return getattr(wire.AggregatorStub(channel), method)(request, timeout=10)
+            if method == "NodeSession":
+                return list(stub.NodeSession(iter([request]), timeout=10))
+            return getattr(stub, method)(request, timeout=10)
         except grpc.RpcError as exc:
             return exc
 

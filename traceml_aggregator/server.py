@@ -1,5 +1,5 @@
 """The aggregator's gRPC server (``grpc.aio``): Push, ReportNodeExit, Finalize, Summarize,
-RegisterNode, health.
+NodeSession (:mod:`traceml_aggregator.sessions`), health.
 
 One event loop serves every rank's calls (thousands of concurrent streams cost coroutines, not
 threads); the single :class:`~traceml_aggregator.writer.Writer` stores what they bring. The
@@ -11,7 +11,8 @@ must come from one of the run's senders (:mod:`traceml_aggregator.senders`). The
 limits (docs/wire.md): messages of at most
 :data:`~traceml.core.transport.MAX_MESSAGE_BYTES` either way, at most
 ``max_concurrent_rpcs`` calls in flight (more are answered ``RESOURCE_EXHAUSTED`` by gRPC),
-and the writer's queue bound, answered ``RESOURCE_EXHAUSTED`` with a retry-after.
+and the writer's queue bound, answered ``RESOURCE_EXHAUSTED`` with a retry-after. Keepalive:
+:func:`~traceml.core.transport.server_keepalive_options`, the policy every client sets too.
 """
 
 from __future__ import annotations
@@ -33,14 +34,24 @@ from traceml import wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log
 from traceml.core.rundir import DATABASE_NAME, RunDir
-from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
+from traceml.core.transport import (
+    MAX_MESSAGE_BYTES,
+    RETRY_AFTER_METADATA_KEY,
+    server_keepalive_options,
+)
 from traceml_aggregator.auth import TokenInterceptor, server_credentials
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.senders import Rejections, check_batch
-from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
+from traceml_aggregator.sessions import NodeSessions
+from traceml_aggregator.store import (
+    NODE_LOSSES_META_KEY,
+    REJECTED_META_KEY,
+    RESTARTS_META_KEY,
+    Store,
+)
 from traceml_aggregator.writer import MAX_QUEUED_BYTES, QueueFull, Writer
 
 _log = log.get("aggregator")
@@ -128,7 +139,18 @@ class AggregatorService(wire.AggregatorServicer):
         self.state = state
         self.finalizer = finalizer
         self.rejections = rejections
-        self.nodes = NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes)
+        store = writer.store
+        self.sessions = NodeSessions(
+            NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes),
+            store_exit=self._store_node_exit,
+            finalize=self._finalize,
+            persist_losses=self._persist_losses,
+            foreign=self._foreign,
+            refuse=rejections.refuse,
+            losses=json.loads(store.meta().get(NODE_LOSSES_META_KEY) or "[]"),
+        )
+        if config.restart_reason and config.nnodes:  # the nodes that were in the run go on
+            self.sessions.expect(set(range(config.nnodes)) - state.exited_nodes.keys())
 
     def _foreign(self, run_name: str) -> str:
         if run_name != self.config.run_name:
@@ -181,19 +203,37 @@ class AggregatorService(wire.AggregatorServicer):
                 )
         return ""
 
+    async def _store_node_exit(self, report) -> str:
+        """Store a node's exit (``ReportNodeExit``, or a node session's); the refusal, or ""."""
+        reason = self._foreign(report.run_name) or self._node_exit_refusal(report)
+        if reason:
+            return reason
+        await self.writer.call(self.writer.store.write_node_exit, report, time.time_ns() // 1000)
+        self.state.on_node_exit(report)
+        self.live.on_node_exit(report)
+        return ""
+
+    async def _persist_losses(self, losses: list[dict]) -> None:
+        await self.writer.call(self.writer.store.set_meta, NODE_LOSSES_META_KEY, json.dumps(losses))
+
     async def ReportNodeExit(self, request, context):
-        reason = self._foreign(request.run_name) or self._node_exit_refusal(request)
+        reason = await self._store_node_exit(request)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        await self.writer.call(self.writer.store.write_node_exit, request, time.time_ns() // 1000)
-        self.state.on_node_exit(request)
-        self.live.on_node_exit(request)
         return wire.NodeExitAck()
+
+    async def NodeSession(self, request_iterator, context):
+        await self.sessions.serve(context)
 
     async def Finalize(self, request, context):
         reason = self._foreign(request.run_name)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        return await self._finalize(request)
+
+    async def _finalize(self, request):
+        """Finalize within ``request.timeout_s``; the FinalizeReply (Finalize, or a node
+        session's request)."""
         outcome = await self.finalizer.finalize(request.timeout_s)
         return wire.FinalizeReply(
             complete=not outcome.missing,
@@ -218,22 +258,6 @@ class AggregatorService(wire.AggregatorServicer):
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
         return wire.SummarizeReply(metrics=metrics, labels=labels)
 
-
-    async def RegisterNode(self, request, context):
-        reason = self._foreign(request.run_name)
-        if reason:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        accepted, refusal = self.nodes.claim(request)
-        if not accepted:
-            kind = (
-                "node_rank_out_of_range"
-                if self.config.nnodes is not None and request.node_rank >= self.config.nnodes
-                else "node_claim"
-            )
-            self.rejections.refuse(kind, f"a node claim: {refusal}")
-        return wire.NodeClaimReply(
-            accepted=accepted, reason=refusal, run_failure=self.nodes.run_failure
-        )
 
 
 class BindError(RuntimeError):
@@ -290,11 +314,11 @@ async def serve(config: ServerConfig, ready=None) -> int:
             ("grpc.so_reuseport", 0),  # a second aggregator on the port must fail, not share
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *server_keepalive_options(),
         ],
     )
-    wire.add_AggregatorServicer_to_server(
-        AggregatorService(config, writer, state, finalizer, rejections, live), server
-    )
+    service = AggregatorService(config, writer, state, finalizer, rejections, live)
+    wire.add_AggregatorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = endpoint.target(config.bind_host, config.port)
@@ -333,6 +357,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
     hang_watch = asyncio.get_running_loop().create_task(hangs.run(persist_stall, _log.warning))
+    node_watch = asyncio.get_running_loop().create_task(service.sessions.watch())
     if ready is not None:
         ready(port)
     # The analysis and report modules (~0.04 s) load once serving: neither on the way to
@@ -353,6 +378,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     watchdog.cancel()
     hang_watch.cancel()
+    node_watch.cancel()
     await server.stop(grace=1.0)
     if metrics_server is not None:
         metrics_server.shutdown()

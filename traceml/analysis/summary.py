@@ -32,6 +32,7 @@ from traceml.analysis.document import (
     Analysis,
     ClockInfo,
     Findings,
+    NodeLoss,
     NodeSummary,
     OutsideSteps,
     RankEnd,
@@ -286,6 +287,7 @@ def build(run: RunData, *, live: bool = False) -> Summary:
             telemetry_health=TelemetryHealth(
                 aggregator_restarts=len(run.aggregator_restarts),
                 aggregator_outages=[AggregatorOutage(**o) for o in run.aggregator_restarts],
+                node_losses=[NodeLoss(**n) for n in run.node_losses],
             ),
             rejected=dict(sorted(run.rejected.items())),
         ),

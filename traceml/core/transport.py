@@ -40,6 +40,28 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: sends the same batch again, ms.
 RETRY_AFTER_METADATA_KEY = "traceml-retry-after-ms"
 
+# --- keepalive: one policy, which every client channel and the server set ------------------
+#: A client pings its connection to the aggregator this often, ms, idle or not (HTTP/2 PING).
+KEEPALIVE_TIME_MS = 10_000
+#: A ping unanswered this long, ms, closes the connection: a stream on it fails UNAVAILABLE
+#: on the client and is cancelled on the server.
+KEEPALIVE_TIMEOUT_MS = 5_000
+#: The server accepts a client's pings as often as this, ms, with or without a call in flight:
+#: half of :data:`KEEPALIVE_TIME_MS`, so timer jitter never counts a ping strike and an idle
+#: connection never gets GOAWAY ``too_many_pings``. The server pings its clients every
+#: :data:`KEEPALIVE_TIME_MS` too, so it sees a dead peer within time + timeout (15 s).
+MIN_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 2
+#: A node launcher's heartbeat on its session stream, s (traceml/launcher/session.py).
+NODE_HEARTBEAT_INTERVAL_S = 2.0
+#: The aggregator marks a node lost once it has heard nothing from the node's launcher (no
+#: message on a session, no new session) for this long, s: two keepalive intervals plus the
+#: ping timeout (25 s), so a session that keepalive is still probing is never called lost,
+#: and a launcher that reconnects with its backoff (at most
+#: :data:`SESSION_MAX_BACKOFF_S`) after a short cut comes back before it.
+NODE_LOST_AFTER_S = (2 * KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000
+#: Longest wait of a node launcher between two attempts to reopen its session, s.
+SESSION_MAX_BACKOFF_S = 2.0
+
 
 class TokenFileError(RuntimeError):
     """The run token file cannot be used: unreadable, empty, or readable by other users."""
@@ -144,6 +166,30 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
+def client_keepalive_options() -> list[tuple[str, int]]:
+    """Channel options of the keepalive policy (see :data:`KEEPALIVE_TIME_MS`), client side."""
+    return [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_keepalive_options() -> list[tuple[str, int]]:
+    """Server options of the keepalive policy: accept the clients' pings
+    (:data:`MIN_PING_INTERVAL_MS`, with or without calls) and ping the clients as they do."""
+    return [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 def open_channel(target: str, options: list | None = None, credentials: Credentials | None = None):
     """A synchronous gRPC channel to the aggregator at ``target`` (``host:port``) that sends
     the run token with every call, over TLS when the credentials carry a CA.
@@ -172,7 +218,8 @@ def open_channel(target: str, options: list | None = None, credentials: Credenti
 
 
 def _token_interceptor(token: str):
-    """A client interceptor that adds the run token to every unary call's metadata."""
+    """A client interceptor that adds the run token to the metadata of every unary call and
+    every bidirectional stream."""
     import grpc
 
     entry = (TOKEN_METADATA_KEY, token)
@@ -186,9 +233,13 @@ def _token_interceptor(token: str):
             self.wait_for_ready = details.wait_for_ready
             self.compression = details.compression
 
-    class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor):
+    class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
         def intercept_unary_unary(self, continuation, details, request):
             metadata = list(details.metadata or ()) + [entry]
             return continuation(_Details(details, metadata), request)
+
+        def intercept_stream_stream(self, continuation, details, request_iterator):
+            metadata = list(details.metadata or ()) + [entry]
+            return continuation(_Details(details, metadata), request_iterator)
 
     return _TokenInterceptor()

@@ -35,10 +35,10 @@ class AggregatorStub(object):
                 request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeRequest.SerializeToString,
                 response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeReply.FromString,
                 )
-        self.RegisterNode = channel.unary_unary(
-                '/traceml.wire.v1.Aggregator/RegisterNode',
-                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
-                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
+        self.NodeSession = channel.stream_stream(
+                '/traceml.wire.v1.Aggregator/NodeSession',
+                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.SerializeToString,
+                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.FromString,
                 )
 
 
@@ -73,9 +73,9 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterNode(self, request, context):
-        """A node's launcher claims its node rank (idempotent: node 0 repeats it while training
-        runs, to learn when the run can no longer rendezvous).
+    def NodeSession(self, request_iterator, context):
+        """A node launcher's one session for the whole run (see NodeUp, NodeDown); the aggregator
+        knows the node lost when it breaks and does not come back in NODE_LOST_AFTER_S.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,10 +104,10 @@ def add_AggregatorServicer_to_server(servicer, server):
                     request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeRequest.FromString,
                     response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeReply.SerializeToString,
             ),
-            'RegisterNode': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterNode,
-                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.FromString,
-                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.SerializeToString,
+            'NodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.NodeSession,
+                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.FromString,
+                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,7 +188,7 @@ class Aggregator(object):
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
     @staticmethod
-    def RegisterNode(request,
+    def NodeSession(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -198,8 +198,8 @@ class Aggregator(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(request, target, '/traceml.wire.v1.Aggregator/RegisterNode',
-            traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
-            traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
+        return grpc.experimental.stream_stream(request_iterator, target, '/traceml.wire.v1.Aggregator/NodeSession',
+            traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.SerializeToString,
+            traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
