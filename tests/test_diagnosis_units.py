@@ -317,6 +317,45 @@ def test_crash_terminated_missing_and_node_failure_are_named():
     assert [r["end"]["state"] for r in s["ranks"]] == ["terminated", "signaled", "running"]
 
 
+def _loss(node, lost_s, resumed_s=None) -> dict:
+    return {"node_rank": node, "hostname": f"host{node}", "last_heard_unix_s": lost_s - 25.5,
+            "lost_unix_s": lost_s, "resumed_unix_s": resumed_s, "lost_after_s": 25.0}
+
+
+def test_a_node_lost_for_good_is_critical_and_its_missing_ranks_say_so():
+    """Node 1 (rank 1) lost at 10:00:00 UTC and never back: NODE_LOST is critical, and the
+    partial summary's RANK_MISSING names the loss; a node that came back is only told."""
+    ranks = [rank(0, steps()), rank(1, steps(), node=1, finish=False)]
+    ranks[1].end = None
+    run = run_of(ranks, missing=[1])
+    run.node_losses = [_loss(2, 36_000.0 - 60, 36_000.0 - 20), _loss(1, 36_000.0)]
+    s = build_summary(run)
+    health = {f["kind"]: f for f in s["findings"]["health"]}
+    lost = health["NODE_LOST"]
+    assert lost["severity"] == "critical" and lost["nodes"] == [1, 2]
+    assert lost["summary"] == (
+        "The aggregator lost node 2 (host2) at 09:59:00 UTC, back 40 s later; node 1 (host1) "
+        "at 10:00:00 UTC: nothing came from the node's launcher for 25 s (its session stream "
+        "broke)."
+    )
+    assert lost["action"].startswith("Node 1 never came back:")
+    assert health["RANK_MISSING"]["summary"].endswith(
+        " Node 1 was lost at 10:00:00 UTC: its launcher's session stream broke and did not "
+        "come back within 25 s."
+    )
+    assert s["run"]["telemetry_health"]["node_losses"] == run.node_losses
+
+
+def test_a_node_that_came_back_is_a_warning_and_names_no_rank():
+    run = run_of([rank(0, steps()), rank(1, steps(), node=1)])
+    run.node_losses = [_loss(1, 36_000.0, 36_012.0)]
+    s = build_summary(run)
+    assert kinds(s, "health") == ["NODE_LOST"]
+    (lost,) = s["findings"]["health"]
+    assert lost["severity"] == "warning" and lost["nodes"] == [1] and lost["ranks"] == []
+    assert "back 12 s later" in lost["summary"]
+
+
 def test_never_reported_and_dropped_telemetry():
     r0 = rank(0, steps())
     r0.finish.update(steps_completed=45, records_dropped=3)

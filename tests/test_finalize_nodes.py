@@ -19,7 +19,7 @@ from conftest import load_summary
 
 from traceml import wire
 from traceml.core.transport import open_channel
-from traceml.launcher.aggregator import finalize, report_node_exit
+from traceml.core.endpoint import call as rpc
 
 RUN = "nodes-report"
 COMPLETED = wire.EndState.END_STATE_COMPLETED
@@ -38,6 +38,10 @@ def finish_ranks(target: str, world_size: int) -> None:
             assert stub.Push(batch, timeout=10).stored_seq == 1
 
 
+def report_node_exit(target: str, report: wire.NodeExit) -> None:
+    rpc(target, "ReportNodeExit", report, 10.0)
+
+
 def node_exit(node_rank: int, code: int) -> wire.NodeExit:
     report = wire.NodeExit(run_name=RUN, node_rank=node_rank, hostname="h", exit_code=code)
     report.ranks.add(rank=node_rank, local_rank=0, end_state=COMPLETED, exit_code=code)
@@ -50,7 +54,8 @@ def timed_finalize(target: str, budget_s: float) -> tuple[list, threading.Thread
 
     def call() -> None:
         start = time.monotonic()
-        reply = finalize(target, RUN, budget_s)
+        reply = rpc(target, "Finalize", wire.FinalizeRequest(run_name=RUN, timeout_s=budget_s),
+                    budget_s + 30)
         result.append((reply, time.monotonic() - start))
 
     thread = threading.Thread(target=call)

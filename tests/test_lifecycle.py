@@ -19,7 +19,10 @@ import pytest
 
 from conftest import SCRIPTS, assert_rejected, free_port
 from live_aggregator import LiveAggregator, finish, make_client, step
+from traceml import wire
+from traceml.core.endpoint import call as rpc
 from traceml.launcher import aggregator
+from traceml.launcher.session import NodeSession
 from traceml.launcher.config import LaunchError
 from traceml.launcher.run import check_port_free
 from traceml.sdk.client import STEPS
@@ -43,17 +46,19 @@ def test_port_with_a_reuseport_listener_is_refused(tmp_path):
 
 def test_port_held_only_by_time_wait_is_free(tmp_path):
     """An aggregator SIGKILLed with connected clients leaves its side of each connection in
-    TIME_WAIT for 60 s; nothing listens, so the port is free for the next run."""
-    warnings: list[str] = []
+    TIME_WAIT for 60 s; nothing listens, so the port is free for the next run. The clients are
+    plain TCP connections that sent nothing: a gRPC client's stream would leave unread bytes
+    (pings, window updates) at the kill, and the kernel resets such a socket instead."""
     with LiveAggregator(tmp_path / "run", "tw") as agg:
-        clients = [make_client(agg.target, "tw", warnings) for _ in range(2)]
-        for client in clients:
-            client.submit(STEPS, step(0))
-            assert client.flush(10)
-        time.sleep(1.0)  # idle: a socket killed with unread bytes would reset, not TIME_WAIT
+        clients = [socket.create_connection(("127.0.0.1", agg.port), timeout=5) for _ in range(2)]
+        time.sleep(0.5)  # accepted by the server
         agg.kill()
         deadline = time.monotonic() + 10
+        states: set = set()
         while time.monotonic() < deadline:  # the clients see the close and close their ends
+            for client in clients:
+                if client.fileno() != -1 and client.recv(1) == b"":
+                    client.close()
             states = {
                 c.status for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == agg.port
             }
@@ -61,7 +66,7 @@ def test_port_held_only_by_time_wait_is_free(tmp_path):
                 break
             time.sleep(0.1)
         for client in clients:
-            client.close(timeout_s=0.1)
+            client.close()
         assert psutil.CONN_TIME_WAIT in states, states
         with socket.socket(socket.AF_INET6) as plain:  # the check as it was: no SO_REUSEADDR
             with pytest.raises(OSError) as refused:
@@ -139,7 +144,7 @@ def test_restarted_aggregator_knows_what_the_dead_one_stored(tmp_path):
                            f"{time.time() - 1.5:.3f}"]
         agg.start()
         started = time.monotonic()
-        reply = aggregator.finalize(agg.target, "again", 60)
+        reply = rpc(agg.target, "Finalize", wire.FinalizeRequest(run_name="again", timeout_s=60), 90)
         assert time.monotonic() - started < 10
         assert reply.complete and list(reply.missing_ranks) == [] and not reply.error
         summary = json.loads(open(reply.summary_json_path).read())
@@ -150,17 +155,28 @@ def test_restarted_aggregator_knows_what_the_dead_one_stored(tmp_path):
 
 
 def test_finalize_is_cut_short_by_a_signal(tmp_path):
-    """A Finalize waiting its 300 s budget for ranks that never come returns within 0.2 s of
-    the launcher's signal; the one that follows writes the partial summary at once."""
+    """A finalization asked over node 0's session, waiting its 300 s budget for ranks that
+    never come, returns within 0.2 s of the launcher's signal; the one that follows (which
+    replaces it at the aggregator) writes the partial summary at once, and only it does."""
     with LiveAggregator(tmp_path / "run", "cut", world_size=2) as agg:
-        asked = time.monotonic()
-        reply = aggregator.finalize(
-            agg.target, "cut", 300, cancelled=lambda: time.monotonic() - asked > 1.0
-        )
-        assert reply is None and time.monotonic() - asked < 3.0
-        reply = aggregator.finalize(agg.target, "cut", 0.01)
-        assert time.monotonic() - asked < 10.0
-        assert list(reply.missing_ranks) == [0, 1] and reply.summary_json_path
+        claim = wire.NodeClaim(run_name="cut", node_rank=0, nnodes=1,
+                               hostname=socket.gethostname(), launcher_pid=os.getpid())
+        session = NodeSession(agg.target, claim).start()
+        try:
+            assert session.wait_claim(30).accepted
+            asked = time.monotonic()
+            reply = session.finalize(
+                "cut", 300, cancelled=lambda: time.monotonic() - asked > 1.0
+            )
+            assert reply is None and time.monotonic() - asked < 3.0
+            reply = session.finalize("cut", 0.01)
+            assert time.monotonic() - asked < 10.0
+            assert list(reply.missing_ranks) == [0, 1] and reply.summary_json_path
+            written = os.stat(reply.summary_json_path).st_mtime_ns
+            time.sleep(1.0)  # the first request, dropped, writes nothing later
+            assert os.stat(reply.summary_json_path).st_mtime_ns == written
+        finally:
+            session.close()
         agg.stop()
 
 

@@ -15,13 +15,13 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 from conftest import EXAMPLES, free_port, run_traceml, start_traceml
 from test_slurm_flags import STEP_ENV
 
 from traceml import wire
-from traceml.launcher.aggregator import register_node, stop, wait_serving
+from traceml.launcher.aggregator import stop, wait_serving
+from traceml.launcher.session import NodeSession
 from traceml_aggregator.nodes import NodeRegistry
 
 
@@ -78,7 +78,9 @@ def test_a_stray_claim_never_fails_a_run_whose_nodes_all_joined():
 
 
 # --- over gRPC --------------------------------------------------------------------------------
-def test_register_node_over_grpc(tmp_path):
+def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
+    """Each claim opens a node session; a refused one fails the run, and the aggregator pushes
+    that down node 0's open session at once (no claim renewed, nothing polled)."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     with open(tmp_path / "aggregator.log", "wb") as log:
@@ -87,22 +89,39 @@ def test_register_node_over_grpc(tmp_path):
              "--run-name", "r", "--port", str(port), "--nnodes", "3"],
             stdin=subprocess.DEVNULL, stderr=log, start_new_session=True,
         )
+    sessions = []
+
+    def session(claim) -> NodeSession:
+        sessions.append(NodeSession(target, claim).start())
+        return sessions[-1]
+
     try:
         wait_serving(target, 60, aggregator)
         here = socket.gethostname()
-        reply = register_node(target, node_claim(0, host=here))
+        node0 = session(node_claim(0, host=here))
+        reply = node0.wait_claim(30)
         assert (reply.accepted, reply.reason, reply.run_failure) == (True, "", "")
-        assert register_node(target, node_claim(1)).accepted
-        reply = register_node(target, node_claim(1, host="n2", pid=5))
+        assert session(node_claim(1)).wait_claim(30).accepted
+        stray = session(node_claim(1, host="n2", pid=5))
+        reply = stray.wait_claim(30)
+        refused_at = time.monotonic()
         assert not reply.accepted and reply.run_failure == reply.reason
         assert "which the launcher on n1 (pid 100) holds" in reply.reason
-        # Node 0 renewing its claim learns that the run failed.
-        reply = register_node(target, node_claim(0, host=here))
-        assert reply.accepted and "which the launcher on n1 (pid 100) holds" in reply.run_failure
-        with pytest.raises(grpc.RpcError) as info:
-            register_node(target, node_claim(1, run_name="other"))
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # Pushed: node 0 hears it well within one heartbeat interval, on the session it
+        # opened first (its claim was never sent again).
+        while not node0.run_failure and time.monotonic() - refused_at < 5:
+            time.sleep(0.01)
+        assert time.monotonic() - refused_at < 0.5
+        assert node0.run_failure == reply.reason and (node0.opened, node0.breaks) == (1, 0)
+        # A session opened later learns it from its claim's verdict.
+        late = session(node_claim(0, host=here)).wait_claim(30)
+        assert late.accepted and late.run_failure == reply.reason
+        other = session(node_claim(1, run_name="other"))
+        assert other.wait_claim(30) is None
+        assert other.error.startswith("FAILED_PRECONDITION: run name 'other'")
     finally:
+        for s in sessions:
+            s.close()
         stop(aggregator)
     assert "refused a node claim: the launcher on n2 (pid 5)" in (
         tmp_path / "aggregator.log").read_text()

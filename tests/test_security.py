@@ -49,9 +49,9 @@ def forged_calls(run_name: str, world_size: int) -> list[tuple[str, object]]:
                       for i in range(50)])
     return [
         ("Push", steps),
-        ("RegisterNode", wire.NodeClaim(run_name=run_name, node_rank=0, nnodes=1,
-                                        hostname="forger", launcher_pid=1,
-                                        refusal="forged: stop the run")),
+        ("NodeSession", wire.NodeUp(claim=wire.NodeClaim(
+            run_name=run_name, node_rank=0, nnodes=1, hostname="forger", launcher_pid=1,
+            refusal="forged: stop the run"))),
         ("ReportNodeExit", wire.NodeExit(
             run_name=run_name, node_rank=0, hostname="forger", exit_code=9,
             ranks=[wire.RankEnd(rank=r, local_rank=r, end_state=wire.EndState.END_STATE_FAILED,
@@ -62,10 +62,14 @@ def forged_calls(run_name: str, world_size: int) -> list[tuple[str, object]]:
 
 
 def call(target: str, credentials: Credentials, method: str, request):
-    """One unary call of ``method``; its reply, or the grpc.RpcError it raised."""
+    """One call of ``method`` (NodeSession: a stream of ``request`` alone); its reply (a
+    stream's: the list of its messages), or the grpc.RpcError it raised."""
     with open_channel(target, credentials=credentials) as channel:
+        stub = wire.AggregatorStub(channel)
         try:
-            return getattr(wire.AggregatorStub(channel), method)(request, timeout=10)
+            if method == "NodeSession":
+                return list(stub.NodeSession(iter([request]), timeout=10))
+            return getattr(stub, method)(request, timeout=10)
         except grpc.RpcError as exc:
             return exc
 
@@ -340,3 +344,27 @@ def test_a_standalone_aggregator_without_a_token_makes_one_and_says_where(tmp_pa
             f"ranks: export TRACEML_RUN_TOKEN=$(cat {token_file})") in log
     assert token not in log
     assert "refused calls: unauthenticated 1;" in log
+
+
+def test_one_tls_validator_for_the_launcher_and_the_aggregator(tmp_path, monkeypatch):
+    """traceml/core/transport.TlsFiles.resolve: flags, else the variables; absolute paths; a
+    certificate without its key and a missing file are one-line refusals, the same for both
+    commands (the aggregator never reads the CA)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("c")
+    key.write_text("k")
+    for name in ("TRACEML_TLS_CERT", "TRACEML_TLS_KEY", "TRACEML_TLS_CA"):
+        monkeypatch.delenv(name, raising=False)
+    assert transport.TlsFiles.resolve(serves=True, reads_ca=True) == transport.TlsFiles()
+    node0 = transport.TlsFiles.resolve(cert, key, serves=True, reads_ca=True)
+    assert node0 == transport.TlsFiles(cert, key, cert)  # self-signed: the CA is the cert
+    monkeypatch.setenv("TRACEML_TLS_CA", str(cert))
+    monkeypatch.chdir(tmp_path)
+    other = transport.TlsFiles.resolve("cert.pem", "key.pem", serves=False, reads_ca=True)
+    assert other == transport.TlsFiles(cert, key, cert)
+    assert transport.TlsFiles.resolve(cert, key, serves=True, reads_ca=False).ca is None
+    with pytest.raises(transport.TlsFilesError, match="^--tls-cert and --tls-key go together$"):
+        transport.TlsFiles.resolve(cert, serves=True, reads_ca=False)
+    with pytest.raises(transport.TlsFilesError) as info:
+        transport.TlsFiles.resolve(cert, tmp_path / "none.pem", serves=True, reads_ca=False)
+    assert str(info.value) == f"--tls-key {tmp_path / 'none.pem'} not found"

@@ -32,7 +32,7 @@ from traceml.wire.records import add_steps
 
 RUN, WORLD = "fuzz", 2
 STEPS = 12
-METHODS = ("Push", "RegisterNode", "ReportNodeExit", "Finalize", "Summarize")
+METHODS = ("Push", "ReportNodeExit", "Finalize", "Summarize")
 TOKENS = {"valid": TEST_RUN_TOKEN, "none": "", "wrong": TEST_RUN_TOKEN[::-1]}
 U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
 # Small values most of the time, the edges sometimes.
@@ -55,8 +55,6 @@ def _seed_messages() -> dict[str, list[bytes]]:
     ])
     return {
         "Push": [batch.SerializeToString(), sampler.SerializeToString()],
-        "RegisterNode": [wire.NodeClaim(run_name=RUN, node_rank=1, nnodes=2, hostname="h",
-                                        launcher_pid=1).SerializeToString()],
         "ReportNodeExit": [node_exit.SerializeToString()],
         "Finalize": [wire.FinalizeRequest(run_name=RUN, timeout_s=0.5).SerializeToString()],
         "Summarize": [wire.SummarizeRequest(run_name=RUN).SerializeToString()],

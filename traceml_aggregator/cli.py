@@ -164,13 +164,11 @@ def serve_command(
     error = error or bad
     hang_timeout, bad = _seconds(hang_timeout_sec, settings.HANG_TIMEOUT_SEC, "--hang-timeout-sec")
     error = error or bad
-    tls_cert = tls_cert or _env_path(settings.TLS_CERT)
-    tls_key = tls_key or _env_path(settings.TLS_KEY)
-    if not error and (tls_cert is None) != (tls_key is None):
-        error = "--tls-cert and --tls-key go together"
-    for path in (tls_cert, tls_key):
-        if not error and path is not None and not path.is_file():
-            error = f"TLS file {path} not found"
+    try:
+        tls = transport.TlsFiles.resolve(tls_cert, tls_key, serves=True, reads_ca=False)
+    except transport.TlsFilesError as exc:
+        tls, error = transport.TlsFiles(), error or str(exc)
+    tls_cert, tls_key = tls.cert, tls.key
     for flag, value in (
         ("--max-concurrent-rpcs", max_concurrent_rpcs),
         ("--max-queued-bytes", max_queued_bytes),
@@ -232,12 +230,6 @@ def serve_command(
     except sqlite3.DatabaseError as exc:
         _log.error(f"error: cannot open the store in {run_dir}: {exc}")
     return 2
-
-
-def _env_path(setting: settings.Setting) -> Path | None:
-    """The path in ``setting``'s environment variable; None when it is unset or empty."""
-    value = settings.env_str(setting)
-    return Path(value) if value else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,12 @@ import operator
 
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData, StepColumns
-from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
+from traceml_aggregator.store import (
+    NODE_LOSSES_META_KEY,
+    REJECTED_META_KEY,
+    RESTARTS_META_KEY,
+    Store,
+)
 from traceml_aggregator.streams import STREAMS_META_KEY
 
 
@@ -97,6 +102,7 @@ def load(store: Store, missing: list[int]) -> RunData:
         missing=list(missing),
         stall=json.loads(meta[STALL_META_KEY]) if meta.get(STALL_META_KEY) else None,
         aggregator_restarts=json.loads(meta.get(RESTARTS_META_KEY) or "[]"),
+        node_losses=json.loads(meta.get(NODE_LOSSES_META_KEY) or "[]"),
         rejected=json.loads(meta.get(REJECTED_META_KEY) or "{}"),
         sender_streams=json.loads(meta.get(STREAMS_META_KEY) or "[]"),
     )

@@ -1,5 +1,5 @@
 """The aggregator's gRPC server (``grpc.aio``): Stream, Push, ReportNodeExit, Finalize,
-Summarize, RegisterNode, health.
+Summarize, NodeSession (:mod:`traceml_aggregator.sessions`), health.
 
 One event loop serves every rank's calls (thousands of concurrent streams cost coroutines, not
 threads); the single :class:`~traceml_aggregator.writer.Writer` stores what they bring. The
@@ -43,7 +43,13 @@ from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.senders import Rejections, check_batch
-from traceml_aggregator.store import REJECTED_META_KEY, RESTARTS_META_KEY, Store
+from traceml_aggregator.sessions import NodeSessions
+from traceml_aggregator.store import (
+    NODE_LOSSES_META_KEY,
+    REJECTED_META_KEY,
+    RESTARTS_META_KEY,
+    Store,
+)
 from traceml_aggregator.streams import CLOSED, LOST, STREAMS_META_KEY, StreamLedger
 from traceml_aggregator.writer import MAX_QUEUED_BYTES, QueueFull, Writer
 
@@ -138,7 +144,18 @@ class AggregatorService(wire.AggregatorServicer):
         self.state = state
         self.finalizer = finalizer
         self.rejections = rejections
-        self.nodes = NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes)
+        store = writer.store
+        self.sessions = NodeSessions(
+            NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes),
+            store_exit=self._store_node_exit,
+            finalize=self._finalize,
+            persist_losses=self._persist_losses,
+            foreign=self._foreign,
+            refuse=rejections.refuse,
+            losses=json.loads(store.meta().get(NODE_LOSSES_META_KEY) or "[]"),
+        )
+        if config.restart_reason and config.nnodes:  # the nodes that were in the run go on
+            self.sessions.expect(set(range(config.nnodes)) - state.exited_nodes.keys())
 
     def _foreign(self, run_name: str) -> str:
         if run_name != self.config.run_name:
@@ -222,19 +239,37 @@ class AggregatorService(wire.AggregatorServicer):
                 )
         return ""
 
+    async def _store_node_exit(self, report) -> str:
+        """Store a node's exit (``ReportNodeExit``, or a node session's); the refusal, or ""."""
+        reason = self._foreign(report.run_name) or self._node_exit_refusal(report)
+        if reason:
+            return reason
+        await self.writer.call(self.writer.store.write_node_exit, report, time.time_ns() // 1000)
+        self.state.on_node_exit(report)
+        self.live.on_node_exit(report)
+        return ""
+
+    async def _persist_losses(self, losses: list[dict]) -> None:
+        await self.writer.call(self.writer.store.set_meta, NODE_LOSSES_META_KEY, json.dumps(losses))
+
     async def ReportNodeExit(self, request, context):
-        reason = self._foreign(request.run_name) or self._node_exit_refusal(request)
+        reason = await self._store_node_exit(request)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        await self.writer.call(self.writer.store.write_node_exit, request, time.time_ns() // 1000)
-        self.state.on_node_exit(request)
-        self.live.on_node_exit(request)
         return wire.NodeExitAck()
+
+    async def NodeSession(self, request_iterator, context):
+        await self.sessions.serve(context)
 
     async def Finalize(self, request, context):
         reason = self._foreign(request.run_name)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        return await self._finalize(request)
+
+    async def _finalize(self, request):
+        """Finalize within ``request.timeout_s``; the FinalizeReply (Finalize, or a node
+        session's request)."""
         outcome = await self.finalizer.finalize(request.timeout_s)
         return wire.FinalizeReply(
             complete=not outcome.missing,
@@ -260,22 +295,6 @@ class AggregatorService(wire.AggregatorServicer):
         except Exception as exc:  # an analysis bug must not take the aggregator down
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
 
-
-    async def RegisterNode(self, request, context):
-        reason = self._foreign(request.run_name)
-        if reason:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        accepted, refusal = self.nodes.claim(request)
-        if not accepted:
-            kind = (
-                "node_rank_out_of_range"
-                if self.config.nnodes is not None and request.node_rank >= self.config.nnodes
-                else "node_claim"
-            )
-            self.rejections.refuse(kind, f"a node claim: {refusal}")
-        return wire.NodeClaimReply(
-            accepted=accepted, reason=refusal, run_failure=self.nodes.run_failure
-        )
 
 
 def raise_open_files_limit() -> tuple[int, int]:
@@ -353,9 +372,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
         # so_reuseport 0: a second aggregator on the port must fail, not share it.
         options=[("grpc.so_reuseport", 0)] + server_options(),
     )
-    wire.add_AggregatorServicer_to_server(
-        AggregatorService(config, writer, state, finalizer, rejections, live, streams), server
-    )
+    service = AggregatorService(config, writer, state, finalizer, rejections, live, streams)
+    wire.add_AggregatorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = endpoint.target(config.bind_host, config.port)
@@ -412,6 +430,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
     hang_watch = asyncio.get_running_loop().create_task(hangs.run(persist_stall, _log.warning))
+    node_watch = asyncio.get_running_loop().create_task(service.sessions.watch())
     if ready is not None:
         ready(port)
     # The analysis and report modules (~0.04 s) load once serving: neither on the way to
@@ -432,6 +451,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     watchdog.cancel()
     hang_watch.cancel()
+    node_watch.cancel()
     await server.stop(grace=1.0)
     if metrics_server is not None:
         metrics_server.shutdown()

@@ -101,6 +101,9 @@ _GPU_FIELDS = ("util_percent", "memory_used_bytes", "memory_total_bytes", "tempe
 #: ``meta`` key of the run's aggregator restarts: a JSON list, one entry per replacement
 #: aggregator (see :func:`traceml_aggregator.server.record_restart`).
 RESTARTS_META_KEY = "aggregator_restarts"
+#: ``meta`` key of the nodes the aggregator lost: a JSON list, one entry per loss (see
+#: :class:`traceml_aggregator.sessions.NodeSessions`).
+NODE_LOSSES_META_KEY = "node_losses"
 
 
 def _optional(message, names: tuple[str, ...]) -> tuple:

@@ -147,6 +147,30 @@ class RankDelivery:
 
 
 @dataclass
+class NodeLoss:
+    """``run.telemetry_health.node_losses[]``: a node the aggregator lost: its launcher's
+    session stream broke and no new one came within ``lost_after_s``
+    (:attr:`~traceml.analysis.rundata.RunData.node_losses`)."""
+
+    node_rank: Count
+    hostname: Annotated[str | None, Schema(description="the node's host, as its claim named it")]
+    last_heard_unix_s: Annotated[
+        float, Schema(description="the last message of the node's launcher, unix seconds")
+    ]
+    lost_unix_s: Annotated[
+        float, Schema(description="when the aggregator marked the node lost, unix seconds")
+    ]
+    resumed_unix_s: Annotated[
+        float | None,
+        Schema(description="when the node's session came back, unix seconds; null: never"),
+    ]
+    lost_after_s: Annotated[
+        float,
+        Schema(minimum=0, description="seconds of silence after which a node is lost"),
+    ]
+
+
+@dataclass
 class SenderStream:
     """``run.telemetry_health.sender_streams[]``: how one sender's latest stream to the
     aggregator ended (``traceml_aggregator/streams.py``). A rank that exited cleanly has
@@ -193,6 +217,9 @@ class TelemetryHealth:
     sender_streams: Annotated[
         list[SenderStream],
         Schema(description="per sender and attempt, ranks first: how its stream ended"),
+    ]
+    node_losses: Annotated[
+        list[NodeLoss], Schema(description="each node the aggregator lost, in order")
     ]
 
 

@@ -50,6 +50,7 @@ KINDS = {
         "RANK_MISSING",
         "RANK_NEVER_REPORTED",
         "NODE_FAILED",
+        "NODE_LOST",
         "RANK_WITHOUT_STEPS",
         "TELEMETRY_DROPPED",
         "GPU_TIMING_UNRESOLVED",

@@ -131,7 +131,7 @@ def findings(run: RunData, ranks: list[RankSummary], *, live: bool) -> list[Find
 
     Kinds: RANK_CRASHED, RANK_HUNG, RUN_INTERRUPTED, RANK_TERMINATED (ranks stopped after
     another failed; hung and interrupted ranks are left out), RANK_MISSING, RANK_NEVER_REPORTED,
-    NODE_FAILED, AGGREGATOR_RESTARTED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED,
+    NODE_FAILED, NODE_LOST, AGGREGATOR_RESTARTED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED,
     GPU_TIMING_UNRESOLVED, RESTARTED.
     """
     facts = Facts(run, ranks, live)
@@ -139,6 +139,27 @@ def findings(run: RunData, ranks: list[RankSummary], *, live: bool) -> list[Find
     for f in found:  # every health finding reports events: statistic first, as elsewhere
         f.evidence = {"statistic": EVENTS, **f.evidence}
     return found
+
+
+def _utc(unix_s: float) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(unix_s))
+
+
+def lost_note(facts: Facts, ranks) -> str:
+    """`` Node N (host) was lost at T ...`` for the nodes of ``ranks`` the aggregator lost and
+    never got back (:attr:`RunData.node_losses`); "" when none was."""
+    node_of = {r.rank: r.node_rank for r in facts.ranks}
+    nodes = {node_of.get(r) for r in ranks}
+    lost = [
+        loss
+        for loss in facts.run.node_losses
+        if loss["resumed_unix_s"] is None and loss["node_rank"] in nodes
+    ]
+    return "".join(
+        f" Node {loss['node_rank']} was lost at {_utc(loss['lost_unix_s'])}: its launcher's "
+        f"session stream broke and did not come back within {loss['lost_after_s']:g} s."
+        for loss in lost
+    )
 
 
 def rank_crashed(facts: Facts) -> Finding | None:
@@ -181,7 +202,7 @@ def rank_hung(facts: Facts) -> Finding | None:
     entries = stall["ranks"]
     stalled = [e["rank"] for e in entries]
     since = min(e["last_progress_unix_s"] for e in entries)
-    when = time.strftime("%H:%M:%S UTC", time.gmtime(since))
+    when = _utc(since)
     where = "; ".join(
         f"rank {e['rank']} after {e['steps_completed']} steps, in {e['phase']}, silent "
         f"{e['silent_s']:.0f} s{'' if e['alive'] else ', no sign of life'}"
@@ -201,7 +222,8 @@ def rank_hung(facts: Facts) -> Finding | None:
     return Finding(
         "RANK_HUNG",
         "critical",
-        f"{ranks_text(stalled).capitalize()} stopped making progress at {when} ({where}).",
+        f"{ranks_text(stalled).capitalize()} stopped making progress at {when} ({where})."
+        + lost_note(facts, stalled),
         look,
         evidence={
             "ranks": entries,
@@ -265,7 +287,7 @@ def rank_missing(facts: Facts) -> Finding | None:
         "RANK_MISSING",
         "critical",
         f"Partial summary: {ranks_text(missing)} never finished within the "
-        "finalization budget; their data may be incomplete.",
+        "finalization budget; their data may be incomplete." + lost_note(facts, missing),
         "Look for a hung rank (a collective waiting forever) in its training log; "
         "raise --finalize-timeout-sec on slow shared filesystems.",
         evidence={"missing_ranks": missing},
@@ -282,7 +304,7 @@ def rank_never_reported(facts: Facts) -> Finding | None:
         "RANK_NEVER_REPORTED",
         "warning",
         f"{ranks_text(silent).capitalize()} never reported: no identity, no finish "
-        "marker, no end state from a launcher.",
+        "marker, no end state from a launcher." + lost_note(facts, silent),
         "Check that every node ran `traceml run` with the same --run-name and could "
         "reach the aggregator (see its launcher's stderr).",
         evidence={"ranks": silent},
@@ -307,6 +329,44 @@ def node_failed(facts: Facts) -> Finding | None:
         "See the rank findings above and the node's training.stderr.log.",
         evidence={"exit_codes": {str(n): e["exit_code"] for n, e in failed.items()}},
         nodes=sorted(failed),
+    )
+
+
+def node_lost(facts: Facts) -> Finding | None:
+    """NODE_LOST: nodes whose launcher's session stream broke and did not come back within
+    the bound (:attr:`RunData.node_losses`): critical while one never came back, else a
+    warning (the session resumed and the telemetry was resent)."""
+    losses = facts.run.node_losses
+    if not losses:
+        return None
+    told = []
+    for loss in losses:
+        host = f" ({loss['hostname']})" if loss["hostname"] else ""
+        text = f"node {loss['node_rank']}{host} at {_utc(loss['lost_unix_s'])}"
+        resumed = loss["resumed_unix_s"]
+        if resumed is not None:
+            text += f", back {resumed - loss['lost_unix_s']:.0f} s later"
+        told.append(text)
+    gone = sorted({loss["node_rank"] for loss in losses if loss["resumed_unix_s"] is None})
+    if gone:
+        advice = (
+            f"Node {', '.join(map(str, gone))} never came back: its host died or was cut off "
+            "from node 0, or its launcher was killed; its ranks' ends after that time are "
+            "unknown. See that node's launcher stderr and the host's logs."
+        )
+    else:
+        advice = (
+            "Every lost node came back and resent its telemetry; if this recurs, look at the "
+            "network between the nodes and node 0."
+        )
+    return Finding(
+        "NODE_LOST",
+        "critical" if gone else "warning",
+        f"The aggregator lost {'; '.join(told)}: nothing came from the node's launcher for "
+        f"{losses[0]['lost_after_s']:g} s (its session stream broke).",
+        advice,
+        evidence={"node_losses": losses},
+        nodes=sorted({loss["node_rank"] for loss in losses}),
     )
 
 
@@ -424,6 +484,7 @@ RULES = (
     rank_missing,
     rank_never_reported,
     node_failed,
+    node_lost,
     aggregator_restarted,
     rank_without_steps,
     telemetry_dropped,

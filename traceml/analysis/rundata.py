@@ -130,6 +130,11 @@ class RunData:
     #: Node 0's aggregator restarts on this run's store, in order: ``{"reason": str,
     #: "gap_s": float (s without an aggregator), "restarted_unix_s": float}``.
     aggregator_restarts: list[dict] = field(default_factory=list)
+    #: Nodes the aggregator lost (a launcher's session stream broke and did not come back in
+    #: time; see traceml_aggregator/sessions.py), in order: ``{"node_rank": int, "hostname":
+    #: str | None, "last_heard_unix_s", "lost_unix_s", "resumed_unix_s" (None: never came
+    #: back), "lost_after_s"}`` (times: Unix s; ``lost_after_s``: the bound, s).
+    node_losses: list[dict] = field(default_factory=list)
     #: Calls the aggregator refused, by kind (``unauthenticated``, ``rank_out_of_range``, ...:
     #: see traceml_aggregator/senders.py); empty when none was.
     rejected: dict[str, int] = field(default_factory=dict)

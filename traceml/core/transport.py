@@ -63,6 +63,63 @@ SERVER_KEEPALIVE_MS = 20_000
 SERVER_MIN_PING_INTERVAL_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
+#: A node launcher's heartbeat on its session stream, s (traceml/launcher/session.py).
+NODE_HEARTBEAT_INTERVAL_S = 2.0
+#: The aggregator marks a node lost once it has heard nothing from the node's launcher (no
+#: message on a session, no new session) for this long, s: twelve heartbeats missed. Heartbeats,
+#: not keepalive, show that a node is alive, so this is shorter than the server's keepalive
+#: drop (``SERVER_KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS``, 40 s); a launcher that reconnects with
+#: its backoff (at most :data:`SESSION_MAX_BACKOFF_S`) after a short cut comes back before it.
+NODE_LOST_AFTER_S = 25.0
+#: Longest wait of a node launcher between two attempts to reopen its session, s.
+SESSION_MAX_BACKOFF_S = 2.0
+
+
+class TlsFilesError(ValueError):
+    """TLS files that cannot be used: a certificate without its key, or a file not there."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM files of ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` (None: not given)."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    @classmethod
+    def resolve(
+        cls, cert=None, key=None, ca=None, *, serves: bool, reads_ca: bool
+    ) -> "TlsFiles":
+        """The files from their flags, else ``TRACEML_TLS_CERT``/``_KEY``/``_CA``, absolute,
+        checked: the one validator of the launcher and the aggregator.
+
+        Args:
+            serves: this process's own aggregator serves with them: the certificate and its
+                key go together, and the CA defaults to the certificate (self-signed).
+            reads_ca: this process connects as a client and needs the CA (the aggregator does
+                not: ``ca`` stays None).
+
+        Raises:
+            TlsFilesError: one line: ``--tls-cert and --tls-key go together``, or
+                ``--tls-X PATH not found``.
+        """
+        def given(value, setting) -> Path | None:
+            value = value or settings.env_str(setting) or None
+            return None if value is None else Path(value).absolute()
+
+        cert, key = given(cert, settings.TLS_CERT), given(key, settings.TLS_KEY)
+        ca = given(ca, settings.TLS_CA) if reads_ca else None
+        if serves:
+            if (cert is None) != (key is None):
+                raise TlsFilesError("--tls-cert and --tls-key go together")
+            if reads_ca and ca is None:
+                ca = cert
+        for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+            if path is not None and not path.is_file():
+                raise TlsFilesError(f"{flag} {path} not found")
+        return cls(cert, key, ca)
+
 
 class TokenFileError(RuntimeError):
     """The run token file cannot be used: unreadable, empty, or readable by other users."""

@@ -144,16 +144,6 @@ def wait_serving(target: str, timeout_s: float, process: subprocess.Popen | None
             time.sleep(0.05)
 
 
-def report_node_exit(target: str, report, timeout_s: float = 10.0) -> None:
-    """Send this node's NodeExit. Raises grpc.RpcError on failure."""
-    endpoint.call(target, "ReportNodeExit", report, timeout_s)
-
-
-def register_node(target: str, claim, timeout_s: float = 10.0):
-    """Send this node's NodeClaim; returns the NodeClaimReply. Raises grpc.RpcError."""
-    return endpoint.call(target, "RegisterNode", claim, timeout_s)
-
-
 def summarize(target: str, run_name: str, timeout_s: float):
     """The verdict so far with one row per rank (a SummarizeReply with ``ranks``), for the
     live views. Raises grpc.RpcError."""
@@ -161,31 +151,6 @@ def summarize(target: str, run_name: str, timeout_s: float):
 
     request = wire.SummarizeRequest(run_name=run_name, with_ranks=True)
     return endpoint.call(target, "Summarize", request, timeout_s)
-
-
-def finalize(target: str, run_name: str, budget_s: float, cancelled=None):
-    """Ask for the final summary; returns the FinalizeReply, or None once ``cancelled()``
-    (checked every 0.2 s: a signal to the launcher is handled within that time, never held
-    up by the whole budget) returned True; the call is then cancelled.
-
-    Raises:
-        grpc.RpcError: the call failed or timed out.
-    """
-    import grpc
-
-    from traceml import wire
-    from traceml.core.transport import open_channel
-
-    request = wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s)
-    with open_channel(target) as channel:
-        future = wire.AggregatorStub(channel).Finalize.future(request, timeout=budget_s + 30.0)
-        while True:
-            try:
-                return future.result(timeout=0.2)
-            except grpc.FutureTimeoutError:
-                if cancelled is not None and cancelled():
-                    future.cancel()
-                    return None
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 10.0) -> int:

@@ -11,11 +11,11 @@ ways, each where the evidence is:
   no other node may be the master's host. A launcher whose claim fails here raises
   :class:`ClaimError` and tells node 0's aggregator (:func:`report_refusal`), so node 0 stops
   too instead of waiting;
-* at node 0's aggregator (``RegisterNode``, see ``traceml_aggregator/nodes.py``): every node's
-  launcher registers its claim before its torchrun starts; a rank held by another launcher, or
-  another ``--nnodes``, is refused;
-* on node 0, whose launcher repeats its own registration while training runs and stops its
-  torchrun once the aggregator says the run cannot rendezvous.
+* at node 0's aggregator (see ``traceml_aggregator/nodes.py``): every node's launcher sends
+  its claim first on its session stream (:mod:`traceml.launcher.session`) before its torchrun
+  starts; a rank held by another launcher, or another ``--nnodes``, is refused;
+* on every node whose session is open: the aggregator pushes the run's failure down each
+  session the moment it refuses a claim, and the launcher stops its torchrun.
 
 Telemetry stays fail-open: an aggregator that cannot be reached for a registration only costs
 the check, never the run.
@@ -172,17 +172,14 @@ def node_claim(config: LaunchConfig, refusal: str = ""):
     )
 
 
-def register(config: LaunchConfig, timeout_s: float = 10.0):
-    """Register this node's claim with node 0's aggregator; its ``NodeClaimReply``.
+def open_session(config: LaunchConfig, refusal: str = "", target: str = ""):
+    """Open this node's session with node 0's aggregator at ``target`` (default
+    ``config.launcher_target``), its claim first: a started
+    :class:`~traceml.launcher.session.NodeSession` (``refusal``: the launcher refuses itself,
+    and says why)."""
+    from traceml.launcher.session import NodeSession
 
-    Node 0 calls it again every watch interval: the reply's ``run_failure`` says when the run
-    can no longer rendezvous.
-
-    Raises:
-        grpc.RpcError: the aggregator did not answer (``FAILED_PRECONDITION``: it serves
-            another run name).
-    """
-    return aggregator.register_node(config.launcher_target, node_claim(config), timeout_s)
+    return NodeSession(target or config.launcher_target, node_claim(config, refusal)).start()
 
 
 def report_refusal(config: LaunchConfig, reason: str) -> str:
@@ -194,22 +191,23 @@ def report_refusal(config: LaunchConfig, reason: str) -> str:
     Returns:
         One line for the user: what node 0 was told, or why it could not be.
     """
-    import grpc
-
     from traceml.core.rundir import RunDir
     from traceml.launcher import credentials
 
     target = config.aggregator_target
     try:
         aggregator.wait_serving(target, float(config.aggregator_start_sec))
-        missing = credentials.obtain_now(
-            config, RunDir(config.run_dir, config.node_rank), float(config.aggregator_start_sec)
-        )
-        if missing:
-            return f"node 0 was not told ({missing})"
-        aggregator.register_node(target, node_claim(config, refusal=reason))
     except aggregator.AggregatorUnavailable as exc:
         return f"node 0 was not told ({exc})"
-    except grpc.RpcError as exc:
-        return f"node 0's aggregator at {target} was not told ({exc.code().name})"
+    missing = credentials.obtain_now(
+        config, RunDir(config.run_dir, config.node_rank), float(config.aggregator_start_sec)
+    )
+    if missing:
+        return f"node 0 was not told ({missing})"
+    session = open_session(config, refusal=reason, target=target)
+    try:
+        if session.wait_claim(float(config.aggregator_start_sec)) is None:
+            return f"node 0's aggregator at {target} was not told ({session.error or 'no answer'})"
+    finally:
+        session.close()
     return f"told node 0's aggregator at {target}: the run stops there too"

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from traceml import settings
-from traceml.core import endpoint
+from traceml.core import endpoint, transport
 from traceml.core.peaks import peak_tflops_error
 from traceml.core.rundir import validate_run_name
 
@@ -254,22 +254,14 @@ class LaunchConfig:
             self.run_token = settings.env_str(settings.RUN_TOKEN) or None
         elif not self.run_token.strip():
             raise LaunchError("--run-token must not be empty")
-        for name, setting in (
-            ("tls_cert", settings.TLS_CERT),
-            ("tls_key", settings.TLS_KEY),
-            ("tls_ca", settings.TLS_CA),
-        ):
-            value = getattr(self, name) or settings.env_str(setting) or None
-            setattr(self, name, None if value is None else Path(value).absolute())
-        if self.owns_aggregator:
-            if (self.tls_cert is None) != (self.tls_key is None):
-                raise LaunchError("--tls-cert and --tls-key go together (node 0's TLS)")
-            if self.tls_ca is None:
-                self.tls_ca = self.tls_cert
-        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
-                           ("--tls-ca", self.tls_ca)):
-            if path is not None and not path.is_file():
-                raise LaunchError(f"{flag} {path} not found")
+        try:
+            tls = transport.TlsFiles.resolve(
+                self.tls_cert, self.tls_key, self.tls_ca, serves=self.owns_aggregator,
+                reads_ca=True,
+            )
+        except transport.TlsFilesError as exc:
+            raise LaunchError(str(exc)) from None
+        self.tls_cert, self.tls_key, self.tls_ca = tls.cert, tls.key, tls.ca
 
     def to_manifest(self) -> dict:
         """The launch parameters as JSON-ready values."""

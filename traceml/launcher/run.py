@@ -3,19 +3,23 @@
 Node 0::
 
     check claim, port -> run dir -> run token file -> start aggregator -> torchrun
-    -> wait SERVING -> node sampler -> wait (watching the aggregator: restart it on the store if it died; the node claims)
-    -> report node exit -> Finalize (bounded; from the store if the aggregator is lost)
-    -> print summary -> stop aggregator -> exit code
+    -> wait SERVING -> open the node session (claim) -> node sampler
+    -> wait (watching the aggregator: restart it on the store if it died)
+    -> report node exit -> finalize (bounded; from the store if the aggregator is lost)
+    -> print summary -> close the session -> stop aggregator -> exit code
 
 Node r > 0::
 
     check claim -> run dir -> wait for node 0's aggregator and the run token (bounded)
-    -> register the claim
-    -> node sampler -> torchrun -> wait -> report node exit -> exit code
+    -> open the node session (claim; refused: stop)
+    -> node sampler -> torchrun -> wait -> report node exit -> close the session -> exit code
 
-A node-rank claim that cannot be right (see :mod:`traceml.launcher.claim`) stops the launch
-before torchrun on the node that makes it, and node 0 stops its torchrun once its aggregator
-says the run cannot rendezvous.
+Each node's launcher holds one session stream with node 0's aggregator
+(:mod:`traceml.launcher.session`): claim, heartbeats, the node's exit and node 0's
+finalization go up it, the run's failure and the summary come down. A node-rank claim that
+cannot be right (see :mod:`traceml.launcher.claim`) stops the launch before torchrun on the
+node that makes it, and every node whose session is open stops its torchrun once the
+aggregator pushes that the run cannot rendezvous.
 
 Node 0 starts torchrun without waiting for its aggregator to serve: the aggregator is ready in
 well under a second, while each rank imports torch and joins the process group for longer than
@@ -54,9 +58,11 @@ from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher.torchrun import TorchrunProcess, exit_code
 
 
-#: How often node 0's launcher renews its claim and looks for a partial summary while
-#: training runs, s.
+#: How often node 0's launcher looks for a partial summary and a stall while training runs, s.
 WATCH_INTERVAL_S = 1.0
+#: How long a launcher waits for the aggregator's verdict on its claim, and for its exit
+#: report to be stored, s.
+SESSION_ANSWER_S = 10.0
 #: Longest finalization after the launcher was interrupted (SIGTERM, SIGINT), s: Slurm sends
 #: SIGKILL 30 s after its SIGTERM (KillWait), and the summary must be written before.
 INTERRUPTED_FINALIZE_BUDGET_S = 10.0
@@ -139,6 +145,8 @@ class Launch:
         self.sampler = None
         #: Why the run cannot rendezvous, once node 0's aggregator says so ("" until then).
         self.run_failure = ""
+        #: This node's session with node 0's aggregator (None until opened).
+        self.session = None
         self.torchrun: TorchrunProcess | None = None
         #: The first SIGTERM/SIGINT the launcher got (None: not interrupted), and how many.
         self.interrupted: int | None = None
@@ -225,9 +233,11 @@ class Launch:
             if run_manifest:
                 run_manifest.event("training_started", status="training")
                 self._wait_aggregator_serving(run_manifest)
+                if self.health["status"] == "serving":
+                    self.session = claim.open_session(config)
             if self.health["status"] != "failed":  # node 0's sampler needs its own aggregator
                 self._start_sampler()
-            returncode = self._wait_training(torchrun, run_manifest)
+            returncode = self._wait_training(torchrun, run_manifest or node_manifest)
             self._close_live_view()
             self._finalizing = True
             self._after_training(torchrun, returncode, node_manifest, run_manifest)
@@ -297,6 +307,7 @@ class Launch:
             self.torchrun.wait(5.0)
         code = exit_code(returncode) if returncode is not None else 128 + signum
         self._stop_sampler()
+        self._close_session(0.5)
         if self.aggregator_process is not None:
             self.health["exit_code"] = exit_code(aggregator.stop(self.aggregator_process, 2.0))
             self.health["status"] = "stopped"
@@ -305,20 +316,19 @@ class Launch:
                 manifest.event("ended", status="abandoned", exit_code=code, signal=signum)
         return code
 
-    def _wait_training(self, torchrun: TorchrunProcess, run_manifest: Manifest | None) -> int:
+    def _wait_training(self, torchrun: TorchrunProcess, manifest: Manifest) -> int:
         """torchrun's return code, once it exits.
 
         It sleeps until torchrun or its aggregator exits (:class:`ExitWatch`: a dead
         aggregator is restarted as it dies) or its next watch is due. Meanwhile node 0 looks at
         its aggregator every :data:`WATCH_INTERVAL_S` and says, once each, when it died (training goes on without telemetry) and when its watchdog wrote a
         partial summary because ranks never finished (training goes on: TraceML never stops a
-        job; the user decides). The one exception: a node-rank claim the aggregator refused
-        means a node will never join the rendezvous, so torchrun is stopped
+        job; the user decides). The one exception, on every node: a node-rank claim the
+        aggregator refused means a node will never join the rendezvous, so torchrun is stopped
         (:meth:`_watch_claims`). A failure of this watch only ends the watch.
         """
-        self._say_where_the_view_is(run_manifest is not None)
-        if run_manifest is None:
-            return torchrun.wait()
+        owner = self.config.owns_aggregator
+        self._say_where_the_view_is(owner)
         started_unix_s = time.time()
         partial_seen = False
         stall = StallNotice(self.run_dir.stall_file)
@@ -336,15 +346,18 @@ class Launch:
                 if returncode is not None:
                     return returncode
                 try:
-                    self._watch_aggregator(run_manifest)
+                    self._watch_claims(torchrun, manifest)
+                    if owner:
+                        self._watch_aggregator(manifest)
                     if time.monotonic() < next_watch:
                         continue
                     next_watch = time.monotonic() + WATCH_INTERVAL_S
+                    if not owner:
+                        continue
                     if live is not None and not live.tick():
                         live = None
-                    partial_seen = partial_seen or self._watch_partial(run_manifest, started_unix_s)
+                    partial_seen = partial_seen or self._watch_partial(manifest, started_unix_s)
                     stall.poll(_log.warning)
-                    self._watch_claims(torchrun, run_manifest)
                 except Exception as exc:
                     _log.warning(
                         f"warning: stopped watching the aggregator ({type(exc).__name__}: {exc})"
@@ -463,23 +476,15 @@ class Launch:
         return True
 
     def _watch_claims(self, torchrun: TorchrunProcess, manifest: Manifest) -> None:
-        """Node 0 of several: renew its claim; stop torchrun (once) when the run has failed.
+        """Stop torchrun (once) when the session brought the run's failure.
 
-        The reply's ``run_failure`` is set once the aggregator refused another launcher's
+        The aggregator pushes it down every open session once it refused another launcher's
         claim before every node had joined: that node never starts its torchrun, so this
         one would wait in the rendezvous until torchrun's own timeout.
         """
-        if self.config.nnodes < 2 or self.run_failure:
+        if self.session is None or self.run_failure or not self.session.run_failure:
             return
-        import grpc
-
-        try:
-            reply = claim.register(self.config, timeout_s=WATCH_INTERVAL_S)
-        except grpc.RpcError:
-            return  # the aggregator's own health is _watch_aggregator's
-        self.run_failure = reply.run_failure or reply.reason
-        if not self.run_failure:
-            return
+        self.run_failure = self.session.run_failure
         manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
         _log.error(
             f"error: the run cannot rendezvous: {self.run_failure}; stopping training on this "
@@ -517,8 +522,11 @@ class Launch:
                 if not self._finalize(run_manifest):
                     self._finalize_from_store(run_manifest, report)
             finally:
+                self._close_session()
                 self._stop_aggregator()
             run_manifest.event("ended", status=status, exit_code=code, aggregator=self.health)
+        else:
+            self._close_session()
         node_manifest.event("ended", status=status, exit_code=code, telemetry_reported=telemetry_ok)
 
     def _say_output_not_saved(self, torchrun: TorchrunProcess) -> None:
@@ -556,22 +564,21 @@ class Launch:
         manifest.event("aggregator_serving", aggregator=self.health)
 
     def _register(self) -> bool:
-        """Node r > 0: claim this node's rank at node 0's aggregator; False when refused.
+        """Node r > 0: open this node's session, its claim first; False when refused.
 
-        An aggregator that cannot take the claim (another run name, an old version) costs
-        only the check: a warning, and the launch goes on.
+        An aggregator that does not answer the claim within :data:`SESSION_ANSWER_S` (another
+        run name, an old version) costs only the check: a warning, and the launch goes on.
         """
-        import grpc
-
-        try:
-            reply = claim.register(self.config)
-        except grpc.RpcError as exc:
+        self.session = claim.open_session(self.config)
+        reply = self.session.wait_claim(SESSION_ANSWER_S)
+        if reply is None:
             _log.warning(
-                f"warning: node 0's aggregator did not take this node's claim "
-                f"({exc.code().name}: {exc.details()})"
+                "warning: node 0's aggregator did not take this node's claim "
+                f"({self.session.error or f'no answer within {SESSION_ANSWER_S:g} s'})"
             )
             return True
         if not reply.accepted:
+            self._close_session()
             _log.error(f"error: node 0 refused this node: {reply.reason}")
         return reply.accepted
 
@@ -617,17 +624,21 @@ class Launch:
                 _log.warning(f"warning: node sampler did not stop cleanly ({exc})")
 
     def _report_node_exit(self, report) -> bool:
-        import grpc
-
-        try:
-            aggregator.report_node_exit(self.config.launcher_target, report)
-            return True
-        except grpc.RpcError as exc:
-            _log.warning(
-                "warning: could not report this node's exit to the aggregator "
-                f"({exc.code().name})"
-            )
+        """Send this node's exit up its session; True once stored (a warning otherwise)."""
+        if self.session is None:
             return False
+        if self.session.report_exit(report, SESSION_ANSWER_S):
+            return True
+        _log.warning(
+            "warning: could not report this node's exit to the aggregator "
+            f"({self.session.error or f'not stored within {SESSION_ANSWER_S:g} s'})"
+        )
+        return False
+
+    def _close_session(self, timeout_s: float = 2.0) -> None:
+        """End this node's session cleanly (the aggregator then knows it done, not lost)."""
+        if self.session is not None:
+            self.session.close(timeout_s)
 
     def _stop_aggregator(self) -> None:
         """Stop node 0's aggregator (SIGKILL after 10 s, 2 s once interrupted); its exit code
@@ -654,31 +665,32 @@ class Launch:
             return True  # said by _watch_claims: nothing ran, no summary
         if self.health["status"] != "serving":
             return not self._served  # lost (said by _aggregator_lost), or never served
-        import grpc
+        from traceml.launcher.session import SessionBroken
 
         budget = config.finalize_timeout_sec
         if self.interrupted:
             budget = min(budget, INTERRUPTED_FINALIZE_BUDGET_S)
         signals_before = self._signals
+        gone = lambda: self.aggregator_process.poll() is not None  # noqa: E731
         try:
-            reply = aggregator.finalize(
-                config.launcher_target,
+            reply = self.session.finalize(
                 str(config.run_name),
                 budget,
                 cancelled=lambda: self._signals != signals_before,
+                gone=gone,
             )
             if reply is None:  # a signal during the wait: now, with what is stored
-                reply = aggregator.finalize(config.launcher_target, str(config.run_name), 0.01)
-        except grpc.RpcError as exc:
+                reply = self.session.finalize(str(config.run_name), 0.01, gone=gone)
+        except SessionBroken as exc:
             if self.aggregator_process.poll() is not None:  # it died while finalizing
                 restarts = len(self.health["restarts"])
                 self._watch_aggregator(manifest)
                 if len(self.health["restarts"]) > restarts and self.health["status"] == "serving":
                     return self._finalize(manifest)  # a replacement serves: ask it
                 return False
-            self.health.update(status="failed", reason=f"finalize failed: {exc.code().name}")
+            self.health.update(status="failed", reason=f"finalize failed: {exc}")
             manifest.update(aggregator=self.health)
-            _log.warning(f"warning: no final summary: the aggregator failed ({exc.code().name})")
+            _log.warning(f"warning: no final summary: the aggregator failed ({exc})")
             return True
         if reply.error:
             self.health.update(status="failed", reason=reply.error)

@@ -35,15 +35,15 @@ class AggregatorStub(object):
                 request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeRequest.SerializeToString,
                 response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeReply.FromString,
                 )
-        self.RegisterNode = channel.unary_unary(
-                '/traceml.wire.v1.Aggregator/RegisterNode',
-                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
-                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
-                )
         self.Stream = channel.stream_stream(
                 '/traceml.wire.v1.Aggregator/Stream',
                 request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.Batch.SerializeToString,
                 response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.Ack.FromString,
+                )
+        self.NodeSession = channel.stream_stream(
+                '/traceml.wire.v1.Aggregator/NodeSession',
+                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.SerializeToString,
+                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.FromString,
                 )
 
 
@@ -51,7 +51,7 @@ class AggregatorServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request, context):
-        """A rank's (or a node sampler's) batch; acknowledged once durably stored.
+        """One batch of a one-off sender (tools, tests); acknowledged once durably stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,18 +78,18 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterNode(self, request, context):
-        """A node's launcher claims its node rank (idempotent: node 0 repeats it while training
-        runs, to learn when the run can no longer rendezvous).
+    def Stream(self, request_iterator, context):
+        """A sender's one long-lived stream: batches up, one Ack per batch down, in order, each sent
+        once the batch is durably stored (what Push answers, on one HTTP/2 stream). The SDK's
+        ranks and the node samplers send this way; Push stays for one-off senders and tools.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Stream(self, request_iterator, context):
-        """A sender's one long-lived stream: batches up, one Ack per batch down, in order, each sent
-        once the batch is durably stored (what Push answers, on one HTTP/2 stream). The SDK's
-        ranks and the node samplers send this way; Push stays for one-off senders and tools.
+    def NodeSession(self, request_iterator, context):
+        """A node launcher's one session for the whole run (see NodeUp, NodeDown); the aggregator
+        knows the node lost when it breaks and does not come back in NODE_LOST_AFTER_S.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,15 +118,15 @@ def add_AggregatorServicer_to_server(servicer, server):
                     request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeRequest.FromString,
                     response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.SummarizeReply.SerializeToString,
             ),
-            'RegisterNode': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterNode,
-                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.FromString,
-                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.SerializeToString,
-            ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
                     request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.Batch.FromString,
                     response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.Ack.SerializeToString,
+            ),
+            'NodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.NodeSession,
+                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.FromString,
+                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -207,23 +207,6 @@ class Aggregator(object):
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
     @staticmethod
-    def RegisterNode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(request, target, '/traceml.wire.v1.Aggregator/RegisterNode',
-            traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaim.SerializeToString,
-            traceml_dot_wire_dot_v1_dot_service__pb2.NodeClaimReply.FromString,
-            options, channel_credentials,
-            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
-
-    @staticmethod
     def Stream(request_iterator,
             target,
             options=(),
@@ -237,5 +220,22 @@ class Aggregator(object):
         return grpc.experimental.stream_stream(request_iterator, target, '/traceml.wire.v1.Aggregator/Stream',
             traceml_dot_wire_dot_v1_dot_service__pb2.Batch.SerializeToString,
             traceml_dot_wire_dot_v1_dot_service__pb2.Ack.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def NodeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/traceml.wire.v1.Aggregator/NodeSession',
+            traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.SerializeToString,
+            traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,267 @@
+"""This node's session with node 0's aggregator: one bidirectional stream for the whole run.
+
+Up, in order: the node's claim (:func:`traceml.launcher.claim.node_claim`; the first message
+of every session, a resumed one too), a heartbeat every
+:data:`~traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S`, the torchrun exit with the ranks'
+end states (:meth:`NodeSession.report_exit`), and from node 0 the finalization request
+(:meth:`NodeSession.finalize`). Down: the claim's verdict, the run's failure as soon as
+another node's claim is refused (:attr:`NodeSession.run_failure`: pushed, never polled), the
+exit's acknowledgement and the finalization result. The aggregator's side, and how it tells
+a lost node from one that ended: ``traceml_aggregator/sessions.py``.
+
+One daemon thread holds the stream. When it breaks (a network cut, node 0's aggregator
+restarted on the run's store), the thread opens a new one after a backoff (0.1 s doubling
+to :data:`~traceml.core.transport.SESSION_MAX_BACKOFF_S`, with jitter) and sends again what
+was not answered (the exit, the finalization request): nothing is lost, and the aggregator
+stores an exit report at most once per node (a later one replaces). The channel carries the
+run token, TLS and the keepalive policy every channel has
+(:func:`~traceml.core.transport.open_channel`).
+
+Fail-open: nothing here raises into the launch; a session that cannot be held costs the
+claim check and the pushes, never the training.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+
+from traceml.core import log
+from traceml.core.transport import NODE_HEARTBEAT_INTERVAL_S, SESSION_MAX_BACKOFF_S
+
+_log = log.get("launcher")
+
+#: First wait before a session is opened again, s (doubled per failed attempt).
+MIN_BACKOFF_S = 0.1
+#: How long :meth:`NodeSession.finalize` waits past the budget it asked for, s.
+FINALIZE_SLACK_S = 30.0
+#: Status codes after which opening the session again cannot help (another run, another
+#: token, an aggregator without NodeSession, a claim the aggregator could not parse).
+_PERMANENT = ("FAILED_PRECONDITION", "UNAUTHENTICATED", "UNIMPLEMENTED", "INVALID_ARGUMENT")
+_CLOSE = object()
+
+
+class SessionBroken(RuntimeError):
+    """The session cannot answer: it gave up (the reason), or the aggregator is gone."""
+
+
+class _Attempt:
+    """One stream: its outgoing queue, and whether it ended."""
+
+    def __init__(self) -> None:
+        self.outbox: queue.Queue = queue.Queue()
+        self.done = threading.Event()
+        self.call = None
+
+
+class NodeSession:
+    """The session of one node's launcher (see the module docstring).
+
+    Args:
+        target: node 0's aggregator, ``host:port`` (``LaunchConfig.launcher_target``).
+        claim: this launcher's :class:`~traceml.wire.NodeClaim`.
+    """
+
+    def __init__(self, target: str, claim) -> None:
+        self.target = target
+        self._claim = claim
+        self._cond = threading.Condition()
+        self._attempt = _Attempt()
+        self._closing = False
+        self._wake = threading.Event()
+        #: The aggregator's first verdict on the claim (a NodeClaimReply), None until then.
+        self.claim_reply = None
+        #: Why the run cannot rendezvous, once the aggregator said so ("" until then).
+        self.run_failure = ""
+        #: Why the session gave up for good ("" while it holds or retries).
+        self.error = ""
+        #: Streams that broke (each one reopened after a backoff).
+        self.breaks = 0
+        #: Sessions opened (the first one, and each resumed one).
+        self.opened = 0
+        self._exit = None
+        self._exit_stored = False
+        self._finalize_request = None
+        self._finalized = None
+        self._thread = threading.Thread(target=self._run, name="traceml-node-session", daemon=True)
+
+    def start(self) -> "NodeSession":
+        """Open the session in its thread; returns self."""
+        self._thread.start()
+        return self
+
+    # --- what the launcher asks ----------------------------------------------------------------
+    def wait_claim(self, timeout_s: float):
+        """The aggregator's verdict on the claim (NodeClaimReply), or None when none came
+        within ``timeout_s`` s or the session gave up (:attr:`error` says why)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.claim_reply is not None or self.error, timeout_s)
+            return self.claim_reply
+
+    def report_exit(self, report, timeout_s: float) -> bool:
+        """Send this node's :class:`~traceml.wire.NodeExit`; True once the aggregator stored it
+        (within ``timeout_s`` s; it is sent again on every resumed session until then)."""
+        with self._cond:
+            self._exit, self._exit_stored = report, False
+            self._send(self._up(exit=report))
+            self._cond.wait_for(lambda: self._exit_stored or self.error, timeout_s)
+            return self._exit_stored
+
+    def finalize(self, run_name: str, budget_s: float, cancelled=None, gone=None):
+        """Ask for the final summary (node 0); the FinalizeReply, or None once
+        ``cancelled()`` returned True (checked every 0.2 s; the caller asks again, with a
+        shorter budget: the aggregator drops the first request).
+
+        Raises:
+            SessionBroken: ``gone()`` returned True (the aggregator process died), the
+                session gave up, or no answer came within ``budget_s`` +
+                :data:`FINALIZE_SLACK_S`.
+        """
+        from traceml import wire
+
+        deadline = time.monotonic() + budget_s + FINALIZE_SLACK_S
+        with self._cond:
+            self._finalize_request = wire.FinalizeRequest(run_name=run_name, timeout_s=budget_s)
+            self._finalized = None
+            self._send(self._up(finalize=self._finalize_request))
+            while self._finalized is None:
+                if self.error:
+                    raise SessionBroken(self.error)
+                if gone is not None and gone():
+                    raise SessionBroken("the aggregator exited while finalizing")
+                if cancelled is not None and cancelled():
+                    return None
+                if time.monotonic() >= deadline:
+                    raise SessionBroken(f"no finalization result within {budget_s + FINALIZE_SLACK_S:g} s")
+                self._cond.wait(0.2)
+            self._finalize_request = None
+            return self._finalized
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """End the session cleanly (goodbye, then half-close: the aggregator knows this node
+        is done, not lost); a stream still open after ``timeout_s`` s is cancelled."""
+        from traceml import wire
+
+        with self._cond:
+            self._closing = True
+            self._attempt.outbox.put(self._up(goodbye=wire.NodeGoodbye()))
+            self._attempt.outbox.put(_CLOSE)
+        self._wake.set()
+        if self._thread.ident is None:
+            return
+        self._thread.join(timeout_s)
+        call = self._attempt.call
+        if self._thread.is_alive() and call is not None:
+            call.cancel()
+            self._thread.join(1.0)
+
+    # --- the thread ----------------------------------------------------------------------------
+    def _up(self, **kind):
+        from traceml import wire
+
+        return wire.NodeUp(**kind)
+
+    def _send(self, message) -> None:
+        """Queue ``message`` on the current stream (caller holds the condition)."""
+        self._attempt.outbox.put(message)
+
+    def _requests(self, attempt: _Attempt):
+        """The stream's messages: the claim, then what is queued, a heartbeat when idle."""
+        from traceml import wire
+
+        yield self._up(claim=self._claim)
+        heartbeat = self._up(heartbeat=wire.NodeHeartbeat())
+        while not attempt.done.is_set():
+            try:
+                message = attempt.outbox.get(timeout=NODE_HEARTBEAT_INTERVAL_S)
+            except queue.Empty:
+                message = heartbeat
+            if message is _CLOSE:
+                return
+            yield message
+
+    def _run(self) -> None:
+        try:
+            self._hold()
+        except Exception as exc:  # fail-open: the session never takes the launch down
+            with self._cond:
+                self.error = f"{type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+            _log.warning(f"warning: this node's session with the aggregator ended ({self.error})")
+
+    def _hold(self) -> None:
+        """Open the stream, read what comes down, reopen it after a backoff until closed."""
+        import grpc
+
+        from traceml import wire
+        from traceml.core.transport import open_channel
+
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", int(MIN_BACKOFF_S * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(MIN_BACKOFF_S * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(SESSION_MAX_BACKOFF_S * 1000)),
+        ]
+        backoff = MIN_BACKOFF_S
+        with open_channel(self.target, options) as channel:
+            stub = wire.AggregatorStub(channel)
+            while True:
+                with self._cond:
+                    if self._closing:
+                        return
+                    attempt = self._attempt
+                attempt.call = stub.NodeSession(self._requests(attempt))
+                try:
+                    for down in attempt.call:
+                        backoff = MIN_BACKOFF_S
+                        if not self._take(down):
+                            return  # the claim was refused: there is nothing more to say
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    if code is not None and code.name in _PERMANENT:
+                        with self._cond:
+                            self.error = f"{code.name}: {exc.details()}"
+                            self._cond.notify_all()
+                        _log.warning(
+                            f"warning: node 0's aggregator ended this node's session "
+                            f"({self.error})"
+                        )
+                        return
+                finally:
+                    with self._cond:
+                        attempt.done.set()
+                        self._attempt = self._resend(_Attempt())
+                        closing = self._closing
+                if closing:
+                    return
+                self.breaks += 1
+                self._wake.wait(backoff * random.uniform(0.5, 1.0))
+                backoff = min(2 * backoff, SESSION_MAX_BACKOFF_S)
+
+    def _resend(self, attempt: _Attempt) -> _Attempt:
+        """What the next stream sends again: the exit and the finalization request, when
+        they were not answered (caller holds the condition)."""
+        if self._exit is not None and not self._exit_stored:
+            attempt.outbox.put(self._up(exit=self._exit))
+        if self._finalize_request is not None:
+            attempt.outbox.put(self._up(finalize=self._finalize_request))
+        return attempt
+
+    def _take(self, down) -> bool:
+        """Act on one message from the aggregator; False when the session is over."""
+        kind = down.WhichOneof("kind")
+        with self._cond:
+            if kind == "claim":
+                if self.claim_reply is None:
+                    self.claim_reply = down.claim
+                self.opened += 1
+                self.run_failure = self.run_failure or down.claim.run_failure
+            elif kind == "run_failure":
+                self.run_failure = self.run_failure or down.run_failure
+            elif kind == "exit_stored":
+                self._exit_stored = True
+            elif kind == "finalized" and self._finalize_request is not None:
+                self._finalized = down.finalized
+            self._cond.notify_all()
+        return kind != "claim" or down.claim.accepted

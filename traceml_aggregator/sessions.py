@@ -1,0 +1,283 @@
+"""Each node launcher's session stream (``NodeSession``), and which nodes are lost.
+
+A node's launcher holds one bidirectional stream to node 0's aggregator for the whole run
+(``traceml/launcher/session.py``). Up come its claim (first, on every new session: see
+:class:`~traceml_aggregator.nodes.NodeRegistry`), a heartbeat every
+:data:`~traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S`, its torchrun's exit (stored like
+``ReportNodeExit``, answered ``exit_stored``) and, from node 0, the finalization request. Down
+go the claim's verdict and what the aggregator pushes to every open session: the run's failure
+once another node's claim was refused, and the finalization result.
+
+Liveness: a node whose claim was accepted is expected to speak until its launcher ends its
+session cleanly: a ``goodbye`` message, then the end of the stream. Any other end (a reset, a
+keepalive timeout, a cancel; also a bare end of stream, which gRPC may report when the
+connection dies) is a break. A node the aggregator has heard nothing from for
+:data:`~traceml.core.transport.NODE_LOST_AFTER_S` (25 s: no message on its session, no new
+session) is **lost**: a warning, and a record in the store's
+:data:`~traceml_aggregator.store.NODE_LOSSES_META_KEY` entry, which the summary's
+``run.telemetry_health.node_losses`` and the ``NODE_LOST`` finding read. The watch looks every
+:data:`LOST_CHECK_S`, so a node is marked lost between 25 and 26 s after the last message it
+sent, that is at most 25 + 2 + 1 = 28 s after its link went down. A lost node that opens a
+new session resumes: its record gets the time. An aggregator restarted on the run's store
+expects a session from every node whose exit is not stored, from the moment it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from traceml import wire
+from traceml.core import log
+from traceml.core.transport import NODE_LOST_AFTER_S
+from traceml_aggregator.nodes import NodeRegistry
+
+_log = log.get("aggregator")
+
+#: How often the aggregator looks for lost nodes, s.
+LOST_CHECK_S = 1.0
+
+
+class _Refused(Exception):
+    """A session message this run cannot take (the reason, for ``FAILED_PRECONDITION``)."""
+
+
+@dataclass(eq=False)
+class _Session:
+    """One open stream of one node's launcher."""
+
+    node_rank: int
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # NodeDown, None: replaced
+    finalizing: asyncio.Task | None = None
+    goodbye: bool = False
+
+
+@dataclass
+class _Node:
+    """What the aggregator knows of one node's launcher."""
+
+    hostname: str
+    last_heard_monotonic: float
+    last_heard_unix_s: float
+    session: _Session | None = None
+    #: The launcher ended its session cleanly: it is done, never lost.
+    ended: bool = False
+    #: The loss record while the node is lost (see :class:`NodeSessions`), else None.
+    lost: dict | None = None
+
+
+class NodeSessions:
+    """The aggregator's side of ``NodeSession``: claims, exits, pushes, liveness.
+
+    Args:
+        registry: the node-rank claims.
+        store_exit: ``async fn(NodeExit) -> str``: stores a node's exit; the refusal, or "".
+        finalize: ``async fn(FinalizeRequest) -> FinalizeReply``.
+        persist_losses: ``async fn(list[dict])``: stores every loss record so far.
+        foreign: ``fn(run_name) -> str``: why a run name is not this run's ("" when it is).
+        refuse: ``fn(kind, detail)``: counts a refused claim.
+        losses: loss records an earlier aggregator of this run stored.
+        lost_after_s: see :data:`~traceml.core.transport.NODE_LOST_AFTER_S`.
+    """
+
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        *,
+        store_exit,
+        finalize,
+        persist_losses,
+        foreign,
+        refuse,
+        losses: list[dict] | None = None,
+        lost_after_s: float = NODE_LOST_AFTER_S,
+    ) -> None:
+        self.registry = registry
+        self._store_exit = store_exit
+        self._finalize = finalize
+        self._persist = persist_losses
+        self._foreign = foreign
+        self._refuse = refuse
+        self.lost_after_s = lost_after_s
+        #: Every loss of this run, in order: ``{"node_rank", "hostname", "last_heard_unix_s",
+        #: "lost_unix_s", "resumed_unix_s" (None while lost), "lost_after_s"}``.
+        self.losses: list[dict] = list(losses or [])
+        self.nodes: dict[int, _Node] = {}
+
+    def expect(self, node_ranks) -> None:
+        """Expect a session from each of ``node_ranks`` from now on (a restarted aggregator:
+        the nodes whose exit is not stored); one that never comes is lost."""
+        now_m, now = time.monotonic(), time.time()
+        for rank in node_ranks:
+            self.nodes.setdefault(rank, _Node("", now_m, now))
+
+    # --- the stream --------------------------------------------------------------------------
+    async def serve(self, context) -> None:
+        """Serve one session on ``context`` (a ``grpc.aio`` stream-stream context)."""
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        if first.WhichOneof("kind") != "claim":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a node session starts with the node's claim"
+            )
+        claim = first.claim
+        reason = self._foreign(claim.run_name)
+        if reason:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        failure_before = self.registry.run_failure
+        accepted, refusal = self.registry.claim(claim)
+        if not accepted:
+            nnodes = self.registry.nnodes
+            kind = "node_rank_out_of_range" if nnodes is not None and claim.node_rank >= nnodes else "node_claim"
+            self._refuse(kind, f"a node claim: {refusal}")
+            if self.registry.run_failure != failure_before:
+                self._push(wire.NodeDown(run_failure=self.registry.run_failure))
+            await context.write(
+                wire.NodeDown(
+                    claim=wire.NodeClaimReply(
+                        accepted=False, reason=refusal, run_failure=self.registry.run_failure
+                    )
+                )
+            )
+            return
+        session = await self._open(claim)
+        await context.write(
+            wire.NodeDown(
+                claim=wire.NodeClaimReply(accepted=True, run_failure=self.registry.run_failure)
+            )
+        )
+        reader = asyncio.ensure_future(self._read(session, context))
+        get = None
+        try:
+            while True:
+                get = asyncio.ensure_future(session.outbox.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    try:
+                        reader.result()
+                    except _Refused as exc:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                    while not session.outbox.empty():  # what was answered before the end
+                        message = session.outbox.get_nowait()
+                        if message is not None:
+                            await context.write(message)
+                    return
+                message = get.result()
+                if message is None:  # a newer session of this node replaced this one
+                    return
+                await context.write(message)
+        finally:
+            reader.cancel()
+            if get is not None:
+                get.cancel()
+            self._close(session, session.goodbye)
+
+    async def _read(self, session: _Session, context) -> None:
+        """Take the session's messages until the end of the stream.
+
+        Raises:
+            _Refused: an exit report this run cannot take.
+        """
+        while True:
+            up = await context.read()
+            if up is grpc.aio.EOF:
+                return
+            self._heard(session.node_rank)
+            kind = up.WhichOneof("kind")
+            if kind == "goodbye":
+                session.goodbye = True
+            elif kind == "exit":
+                refusal = await self._store_exit(up.exit)
+                if refusal:
+                    raise _Refused(refusal)
+                session.outbox.put_nowait(wire.NodeDown(exit_stored=wire.NodeExitAck()))
+            elif kind == "finalize":
+                if session.finalizing is not None:
+                    session.finalizing.cancel()  # the launcher asks again: now, with less
+                session.finalizing = asyncio.ensure_future(self._finalize_and_push(up.finalize))
+
+    async def _finalize_and_push(self, request) -> None:
+        reply = await self._finalize(request)
+        self._push(wire.NodeDown(finalized=reply))
+
+    def _push(self, message) -> None:
+        """Queue ``message`` on every open session."""
+        for node in self.nodes.values():
+            if node.session is not None:
+                node.session.outbox.put_nowait(message)
+
+    async def _open(self, claim) -> _Session:
+        """A new session of ``claim``'s node: it replaces an open one, resumes a lost node."""
+        rank = claim.node_rank
+        session = _Session(rank)
+        node = self.nodes.get(rank)
+        if node is None:
+            node = self.nodes[rank] = _Node(claim.hostname, 0.0, 0.0)
+        if node.session is not None:
+            node.session.outbox.put_nowait(None)
+        node.hostname, node.session, node.ended = claim.hostname, session, False
+        self._heard(rank)
+        if node.lost is not None:
+            node.lost["resumed_unix_s"] = round(time.time(), 3)
+            lost_s = node.lost["resumed_unix_s"] - node.lost["lost_unix_s"]
+            node.lost = None
+            await self._persist(self.losses)
+            _log.info(f"node {rank} ({claim.hostname}) is back: its session resumed {lost_s:.1f} s after it was marked lost")
+        return session
+
+    def _heard(self, rank: int) -> None:
+        node = self.nodes[rank]
+        node.last_heard_monotonic, node.last_heard_unix_s = time.monotonic(), time.time()
+
+    def _close(self, session: _Session, clean: bool) -> None:
+        node = self.nodes.get(session.node_rank)
+        if node is None or node.session is not session:
+            return  # replaced: the newer session speaks for the node
+        node.session = None
+        if clean:
+            node.ended = True
+        else:
+            _log.info(
+                f"node {session.node_rank}'s session broke; it is lost unless it comes back "
+                f"within {self.lost_after_s:g} s of its last message"
+            )
+
+    # --- liveness ----------------------------------------------------------------------------
+    async def check_lost(self) -> list[int]:
+        """Mark lost every expected node silent for :attr:`lost_after_s`; the newly lost."""
+        now_m, now = time.monotonic(), time.time()
+        found = []
+        for rank, node in sorted(self.nodes.items()):
+            if node.ended or node.lost is not None:
+                continue
+            silent_s = now_m - node.last_heard_monotonic
+            if silent_s <= self.lost_after_s:
+                continue
+            node.lost = {
+                "node_rank": rank,
+                "hostname": node.hostname or None,
+                "last_heard_unix_s": round(node.last_heard_unix_s, 3),
+                "lost_unix_s": round(now, 3),
+                "resumed_unix_s": None,
+                "lost_after_s": self.lost_after_s,
+            }
+            self.losses.append(node.lost)
+            found.append(rank)
+            _log.warning(
+                f"warning: node {rank} ({node.hostname or '?'}) lost: nothing from its launcher "
+                f"for {silent_s:.0f} s (its session stream broke and did not come back)"
+            )
+        if found:
+            await self._persist(self.losses)
+        return found
+
+    async def watch(self) -> None:
+        """Run :meth:`check_lost` every :data:`LOST_CHECK_S` (until cancelled)."""
+        while True:
+            await asyncio.sleep(LOST_CHECK_S)
+            await self.check_lost()
