@@ -14,8 +14,9 @@ of the bucket; the two order statistics a percentile interpolates between are ea
 so, and the interpolation is a convex combination of them. Zero is counted exactly. Counts,
 sums, means and maxima are exact.
 
-A digest covers the rank's steps after its first :data:`~traceml.analysis.thresholds.WARMUP_STEPS`
-(the warm-up the window leaves out), not only the steps common to every rank as the window does;
+A digest covers the rank's steps from step index :data:`~traceml.analysis.thresholds.WARMUP_STEPS`
+on (the warm-up the window leaves out), not only the steps common to every rank as the window
+does; it does not depend on the order in which the steps arrive;
 the parts of a step are split exactly as :func:`traceml.analysis.phases.part_columns` splits
 them, on both clocks: the CPU clock over every step, the GPU clock over the GPU-timed ones.
 """
@@ -164,7 +165,6 @@ class RankDigest:
 
     Attributes:
         stored: steps folded in, warm-up included (the rank's stored steps: exact).
-        warmup_left: steps still to be left out as warm-up before counting.
         in_step: sketch of each step's time without its outside-step time (µs).
         in_step_sum, in_step_max: their exact sum and maximum (µs).
         clocks: ``"cpu"`` (every counted step) and ``"gpu"`` (GPU-timed ones) part statistics.
@@ -174,7 +174,6 @@ class RankDigest:
 
     def __init__(self) -> None:
         self.stored = 0
-        self.warmup_left = th.WARMUP_STEPS
         self.in_step = LogHistogram()
         self.in_step_sum = 0.0
         self.in_step_max: float | None = None
@@ -184,12 +183,13 @@ class RankDigest:
 
     @property
     def counted(self) -> int:
-        """Steps the statistics cover (stored minus warm-up)."""
+        """Steps the statistics cover (stored minus warm-up: the steps of index below
+        WARMUP_STEPS)."""
         return len(self.in_step)
 
     def fold(self, columns: Mapping[str, np.ndarray]) -> None:
         """Fold one run of steps in: step field -> float array, one value per step in step
-        order (NaN where not measured; a field not measured at all may be absent). ``step``,
+        order or not (NaN where not measured; a field not measured at all may be absent). ``step``,
         ``end_us`` and ``step_us`` must be present."""
         n = len(columns["step_us"])
         self.stored += n
@@ -199,13 +199,12 @@ class RankDigest:
                 peak = int(np.nanmax(values))
                 known = getattr(self, name)
                 setattr(self, name, peak if known is None else max(known, peak))
-        skip = min(self.warmup_left, n)
-        self.warmup_left -= skip
-        if skip == n:
-            return
-        if skip:
-            columns = {k: v[skip:] for k, v in columns.items()}
-            n -= skip
+        counted = columns["step"] >= th.WARMUP_STEPS
+        if not counted.all():
+            columns = {k: v[counted] for k, v in columns.items()}
+            n = len(columns["step"])
+            if not n:
+                return
         cpu = _parts(columns, n, CPU)
         in_step = columns["step_us"] - _zero(cpu["outside"])
         self.in_step.add(in_step)
