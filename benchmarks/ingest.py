@@ -18,7 +18,12 @@ To see what the token check costs, run this same file against the tree before it
 side by side (``PYTHONPATH=<other tree> python benchmarks/ingest.py``): a tree without the check
 ignores the metadata.
 
-Usage: ``python benchmarks/ingest.py [--ranks 256 1024] [--batches 20] [--records 100]``.
+With ``--viewers 0 4 --trials N`` the same run goes N times without and with 4 live viewers
+(``Summarize`` at 1 Hz each), alternating, and the medians of ingest rate and ack p99 are
+printed side by side with their ratios (target: within 5 %).
+
+Usage: ``python benchmarks/ingest.py [--ranks 256 1024] [--batches 20] [--records 100]
+[--viewers 0 4] [--trials 3]``.
 """
 
 from __future__ import annotations
@@ -225,21 +230,29 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100, help="step records per batch")
     parser.add_argument("--procs", type=int, default=2, help="client processes")
     parser.add_argument("--viewers", type=int, nargs="+", default=[0],
-                        help="live viewers (Summarize at 1 Hz); each count is one run")
+                        help="live viewers (Summarize at 1 Hz); each count is one run a trial")
+    parser.add_argument("--trials", type=int, default=1,
+                        help="runs of each viewer count, alternating; medians are compared")
     args = parser.parse_args()
     print(f"(d) ingest on loopback, {args.batches} batches x {args.records} records per rank, "
           f"{args.procs} client processes (targets: >= 200k records/s, 1,024 connected < 1 s)")
     for world in args.ranks:
-        base = None
-        for viewers in args.viewers:
-            figures = run_world(world, args.procs, args.batches, args.records, viewers)
-            if base is None:
-                base = figures
-            else:
-                print(f"        {viewers} viewers against {args.viewers[0]}: ingest rate "
-                      f"x{figures['rate'] / base['rate']:.3f}, ack p99 "
-                      f"x{figures['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
-
+        runs: dict[int, list[dict]] = {v: [] for v in args.viewers}
+        for _ in range(args.trials):  # alternating, so a busy machine slows every count alike
+            for viewers in args.viewers:
+                runs[viewers].append(run_world(world, args.procs, args.batches, args.records,
+                                               viewers))  # fmt: skip
+        medians = {v: {k: median([f[k] for f in fs]) for k in fs[0]} for v, fs in runs.items()}
+        base = medians[args.viewers[0]]
+        for viewers, m in medians.items():
+            line = (f"        {world} ranks, {viewers} viewers (median of {args.trials}): "
+                    f"ingest {m['rate'] / 1000:.0f}k records/s, ack p99 "
+                    f"{m['ack_p99'] * 1000:.1f} ms")  # fmt: skip
+            if viewers != args.viewers[0]:
+                line += (f"; against {args.viewers[0]} viewers: ingest rate "
+                         f"x{m['rate'] / base['rate']:.3f}, ack p99 "
+                         f"x{m['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
+            print(line)
 
 if __name__ == "__main__":
     main()

@@ -237,3 +237,41 @@ def test_offline_finalization_writes_the_live_summary_and_a_restart_keeps_the_st
     assert result.returncode == 0, result.stderr
     offline = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert _comparable(offline) == _comparable(live)
+
+
+_ORPHAN = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from test_live_aggregates import rank_batch
+from traceml_aggregator.live import LiveAggregates
+if __name__ == "__main__":
+    agg = LiveAggregates("r", 1)
+    agg.on_batch(rank_batch(0, 1, range(0, 30)))
+    asyncio.run(agg.summary())
+    (worker,) = agg._pool._processes.values()
+    print(worker.pid, flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.slow
+def test_the_analysis_process_ends_when_the_aggregator_is_killed(tmp_path):
+    import time
+
+    import psutil
+
+    script = tmp_path / "owner.py"
+    script.write_text(_ORPHAN)
+    owner = subprocess.Popen([sys.executable, str(script), os.path.dirname(__file__)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        worker = psutil.Process(int(owner.stdout.readline()))
+        assert worker.ppid() == owner.pid
+        owner.kill()  # SIGKILL: no shutdown of the pool
+        owner.wait(10)
+        deadline = time.monotonic() + 5.0
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the analysis process outlived the aggregator"
+            time.sleep(0.1)
+    finally:
+        owner.kill()

@@ -36,6 +36,8 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import operator
+import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -327,7 +329,10 @@ class LiveAggregates:
         started again when it died, e.g. killed: that query fails, the next one works)."""
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn")
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with_parent,
+                initargs=(os.getpid(),),
             )
         try:
             return await loop.run_in_executor(self._pool, _live_summary, run)
@@ -340,6 +345,23 @@ class LiveAggregates:
         """Stop the analysis process (after the running computation, if any)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+#: How often the analysis process checks that the aggregator still lives, s.
+PARENT_CHECK_S = 0.5
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """In the analysis process: exit within :data:`PARENT_CHECK_S` once the aggregator
+    ``parent_pid`` is gone, however it died (SIGKILL included): a worker waiting for its next
+    query would otherwise outlive it."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="traceml-live-parent", daemon=True).start()
 
 
 def _live_summary(run: RunData) -> dict:
