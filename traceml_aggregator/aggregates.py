@@ -5,9 +5,11 @@
 * ``window``: the most recent ``window_steps`` steps, full resolution, as one deque per step
   field (what the live analysis reads);
 * ``sample``: the series the final summary analyses: every step while the attempt has stored
-  at most :data:`SERIES_STEPS`; past that, a uniform sample of at most SERIES_STEPS steps,
+  at most ``series_steps`` (:func:`series_steps`: 1,024 up to 256 ranks, fewer for larger
+  worlds, so the whole run's series stays near :data:`SERIES_POINTS` steps); past that, a
+  uniform sample of at most that many steps,
   chosen by a hash of the step index (step s is kept at level L when the low L bits of
-  hash(s) are 0; when the sample outgrows SERIES_STEPS the level goes up and half of it is let
+  hash(s) are 0; when the sample outgrows its bound the level goes up and half of it is let
   go). The choice depends on the step index alone, so every rank keeps the same indices and
   the ranks still align step for step; being a hash, it does not alias with periodic work
   (a checkpoint every 100 steps is sampled like any other step). The last stored step is
@@ -19,8 +21,8 @@
 The digest and the sample are fed from the window's tail, :data:`FOLD_STEPS` steps at a time,
 so they cost no memory of their own beyond their bounded state. A group costs one C-level
 ``extend`` per field; each chunk of FOLD_STEPS steps about 150 NumPy calls plus O(the steps the
-sample keeps) in Python. The final summary reads O(SERIES_STEPS) steps per rank, whatever the
-run's length.
+sample keeps) in Python. The final summary reads at most ``series_steps`` steps per rank, whatever
+the run's length.
 """
 
 from __future__ import annotations
@@ -35,9 +37,21 @@ import numpy as np
 from traceml.analysis.digest import RankDigest
 from traceml.analysis.rundata import STEP_FIELDS, StepColumns
 
-#: Steps a rank's final series holds at full resolution; longer attempts are sampled to at
-#: most this many (see the module docstring).
+#: Most steps a rank's final series holds at full resolution; longer attempts are sampled to
+#: at most this many (see the module docstring).
 SERIES_STEPS = 1024
+#: Fewest steps a rank's final series holds, however large the world.
+SERIES_MIN_STEPS = 256
+#: Steps of all ranks' series together that the final summary's analysis is sized for (about
+#: 1 s of analysis on one core).
+SERIES_POINTS = 262_144
+
+
+def series_steps(world_size: int) -> int:
+    """A rank's series bound in a world of ``world_size`` ranks: SERIES_POINTS shared among
+    the ranks, between SERIES_MIN_STEPS and SERIES_STEPS (1,024 up to 256 ranks, 256 from
+    1,024 ranks on)."""
+    return max(SERIES_MIN_STEPS, min(SERIES_STEPS, SERIES_POINTS // max(1, world_size)))
 #: Steps folded into the digest and the sample at a time (at most the window's length): each
 #: attempt's steps are folded in chunks of exactly this many, in arrival order, so the same
 #: steps give the same digest however the batches cut them (the offline summary equals the
@@ -74,10 +88,18 @@ def _floats(chunk: dict[str, list]) -> dict[str, np.ndarray]:
 class _Series:
     """The digest and the sample (see the module docstring), folded a chunk at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
         self.digest = RankDigest()
         self.level = 0
         self.sample: dict[str, list] = {name: [] for name in STEP_FIELDS}
+
+    def copy(self) -> _Series:
+        """An independent copy."""
+        other = copy.copy(self)
+        other.digest = self.digest.copy()
+        other.sample = {name: list(kept) for name, kept in self.sample.items()}
+        return other
 
     def fold(self, chunk: dict[str, list]) -> None:
         """Fold ``chunk`` (step field -> its values, None where not measured) in."""
@@ -92,7 +114,7 @@ class _Series:
                 pick = operator.itemgetter(*picked, picked[0])  # a tuple even for one
                 for name, kept in self.sample.items():
                     kept.extend(pick(chunk[name])[:-1])
-        while len(self.sample["step"]) > SERIES_STEPS:
+        while len(self.sample["step"]) > self.bound:
             self.level += 1
             mask = _keep_mask(np.array(self.sample["step"], dtype=np.int64), self.level)
             stay = np.flatnonzero(mask).tolist()
@@ -104,14 +126,15 @@ class StepState:
 
     Args:
         window_steps: the live window's length (steps), at least :data:`FOLD_STEPS`.
+        series_steps: the final series' bound (:func:`series_steps`).
     """
 
-    def __init__(self, window_steps: int) -> None:
+    def __init__(self, window_steps: int, series_steps: int = SERIES_STEPS) -> None:
         self.window = {name: deque(maxlen=window_steps) for name in STEP_FIELDS}
         self.fold_steps = min(FOLD_STEPS, window_steps)
         self.pending = 0  # steps at the window's end not folded into the series yet
         self.last: dict[str, int | None] | None = None  # the highest step stored
-        self._series = _Series()
+        self._series = _Series(series_steps)
 
     def fold(self, names, columns) -> None:
         """Fold one step group in: ``names`` its measured fields, ``columns`` one sequence of
@@ -157,8 +180,8 @@ class StepState:
     def final(self) -> tuple[StepColumns, RankDigest | None]:
         """The final series and its digest, with the pending steps folded into copies (this
         state goes on as it was): every step and None while the attempt stored at most
-        :data:`SERIES_STEPS` steps, else the sample plus the last step, and the digest."""
-        series = copy.deepcopy(self._series)
+        ``series_steps`` steps, else the sample plus the last step, and the digest."""
+        series = self._series.copy()
         if self.pending:
             series.fold(self._tail(self.pending))
         columns = series.sample

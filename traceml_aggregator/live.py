@@ -46,7 +46,7 @@ from traceml import wire
 from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
 from traceml.analysis.summary import build_summary
 from traceml.wire.records import step_group_columns
-from traceml_aggregator.aggregates import StepState
+from traceml_aggregator.aggregates import SERIES_STEPS, StepState, series_steps
 from traceml_aggregator.load import load
 from traceml_aggregator.store import _GPU_FIELDS, _PROCESS_FIELDS, _SYSTEM_FIELDS, _optional
 
@@ -84,12 +84,17 @@ class RankLive:
     restart: int = 0
     identity: dict | None = None
     finish: dict | None = None
-    steps: StepState = field(default_factory=lambda: StepState(WINDOW_STEPS))
+    series_steps: int = SERIES_STEPS
+    steps: StepState | None = None
     steps_stored: int = 0
     last_step: int | None = None
     last_step_unix_s: float | None = None
     process_samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_SAMPLES))
     earlier_attempts: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.steps is None:
+            self.steps = StepState(WINDOW_STEPS, self.series_steps)
 
     def attempt(self, restart: int) -> bool:
         """Whether data of attempt ``restart`` belongs here: a later attempt starts afresh
@@ -99,7 +104,8 @@ class RankLive:
             if self.steps_stored:
                 self.earlier_attempts[self.restart] = self.steps_stored
             fresh = RankLive(self.rank, restart, earlier_attempts=self.earlier_attempts,
-                             process_samples=self.process_samples)
+                             process_samples=self.process_samples,
+                             series_steps=self.series_steps)  # fmt: skip
             self.__dict__.update(fresh.__dict__)
         return restart == self.restart
 
@@ -146,17 +152,22 @@ class LiveAggregates:
         self._lock: asyncio.Lock | None = None
         self._result: tuple[int, dict] | None = None  # (version, summary)
         self._next_start = 0.0  # loop.time() before which no computation starts
+        #: The world size the first identity named (sizes the ranks' series without the flag).
+        self._identity_world_size = 0
 
     def _rank(self, rank: int) -> RankLive:
         rl = self.ranks.get(rank)
         if rl is None:
-            rl = self.ranks[rank] = RankLive(rank)
+            world = self.world_size or self._identity_world_size or len(self.ranks) + 1
+            rl = self.ranks[rank] = RankLive(rank, series_steps=series_steps(world))
         return rl
 
     # --- updates (O(the batch)) ------------------------------------------------------------------
     def on_batch(self, batch) -> None:
         """Fold a committed batch (a wire Batch of this run) into the aggregates."""
         self.version += 1
+        if not self._identity_world_size and batch.HasField("identity"):
+            self._identity_world_size = batch.identity.world_size
         sender = batch.WhichOneof("sender") or "rank"
         restart = batch.restart_count
         if sender == "rank":
@@ -265,6 +276,7 @@ class LiveAggregates:
         """
         self.version += 1
         run = load(store, [], steps=False)
+        self._identity_world_size = self._identity_world_size or run.world_size
         for r, rd in run.ranks.items():
             rl = self._rank(r)
             rl.restart, rl.identity, rl.finish = rd.restart, rd.identity, rd.finish

@@ -23,6 +23,7 @@ them, on both clocks: the CPU clock over every step, the GPU clock over the GPU-
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 
@@ -62,6 +63,12 @@ class LogHistogram:
 
     def __len__(self) -> int:
         return self.zeros + int(self.counts.sum())
+
+    def copy(self) -> LogHistogram:
+        """An independent copy."""
+        other = LogHistogram()
+        other.zeros, other.offset, other.counts = self.zeros, self.offset, self.counts.copy()
+        return other
 
     def add(self, values: np.ndarray) -> None:
         """Count ``values`` (a float array, every value >= 0 and not NaN)."""
@@ -114,6 +121,13 @@ class _Clock:
         self.hist = {name: LogHistogram() for name in names}
         self.sums = dict.fromkeys(names, 0.0)
         self.measured = dict.fromkeys(names, 0)
+
+    def copy(self) -> _Clock:
+        """An independent copy."""
+        other = copy.copy(self)
+        other.hist = {name: h.copy() for name, h in self.hist.items()}
+        other.sums, other.measured = dict(self.sums), dict(self.measured)
+        return other
 
     def add(self, name: str, values: np.ndarray) -> None:
         present = values[~np.isnan(values)]
@@ -180,6 +194,13 @@ class RankDigest:
         self.clocks = {CPU: _Clock(), GPU: _Clock()}
         self.peak_allocated_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
+
+    def copy(self) -> RankDigest:
+        """An independent copy (O(the digest), not a deep copy of Python objects)."""
+        other = copy.copy(self)
+        other.in_step = self.in_step.copy()
+        other.clocks = {name: c.copy() for name, c in self.clocks.items()}
+        return other
 
     @property
     def counted(self) -> int:
