@@ -25,8 +25,12 @@ To see what the token check costs, run this same file against the tree before it
 side by side (``PYTHONPATH=<other tree> python benchmarks/ingest.py``): a tree without the check
 ignores the metadata.
 
+With ``--viewers 0 4 --trials N`` the same run goes N times without and with 4 live viewers
+(``Summarize`` at 1 Hz each), alternating, and the medians of ingest rate and ack p99 are
+printed side by side with their ratios (target: within 5 %).
+
 Usage: ``python benchmarks/ingest.py [--ranks 1024 4096] [--batches 20] [--records 100]
-[--interval-sec 0 1] [--wire stream unary] [--short]``.
+[--interval-sec 0 1] [--wire stream unary] [--viewers 0 4] [--trials 3] [--short]``.
 """
 
 from __future__ import annotations
@@ -312,7 +316,9 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100, help="step records per batch")
     parser.add_argument("--procs", type=int, default=2, help="client processes")
     parser.add_argument("--viewers", type=int, nargs="+", default=[0],
-                        help="live viewers (Summarize at 1 Hz); each count is one run")
+                        help="live viewers (Summarize at 1 Hz); each count is one run a trial")
+    parser.add_argument("--trials", type=int, default=1,
+                        help="runs of each viewer count, alternating; medians are compared")
     parser.add_argument("--wire", nargs="+", choices=WIRES, default=list(WIRES),
                         help="the wires to run side by side, in this order")
     parser.add_argument("--interval-sec", type=float, nargs="+", default=[0.0],
@@ -333,16 +339,21 @@ def main() -> None:
         for interval_s in args.interval_sec:
             side = {}
             for wire_kind in args.wire:
-                base = None
-                for viewers in args.viewers:
-                    figures = run_world(world, args.procs, args.batches, args.records, viewers,
-                                        wire_kind, interval_s, not args.no_summary)
-                    if base is None:
-                        base = side[wire_kind] = figures
-                    else:
-                        print(f"        {viewers} viewers against {args.viewers[0]}: ingest rate "
-                              f"x{figures['rate'] / base['rate']:.3f}, ack p99 "
-                              f"x{figures['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
+                runs: dict[int, list[dict]] = {v: [] for v in args.viewers}
+                for _ in range(args.trials):  # alternating: a busy machine slows each alike
+                    for viewers in args.viewers:
+                        runs[viewers].append(run_world(
+                            world, args.procs, args.batches, args.records, viewers, wire_kind,
+                            interval_s, not args.no_summary,
+                        ))  # fmt: skip
+                medians = {v: {k: median([f[k] for f in fs]) for k in fs[0]} for v, fs in runs.items()}
+                base = side[wire_kind] = medians[args.viewers[0]]
+                for viewers, m in medians.items():
+                    if viewers == args.viewers[0]:
+                        continue
+                    print(f"        {wire_kind}, {viewers} viewers against {args.viewers[0]} "
+                          f"(medians of {args.trials}): ingest rate x{m['rate'] / base['rate']:.3f}, "
+                          f"ack p99 x{m['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
             if len(side) == 2:
                 st, un = side["stream"], side["unary"]
                 print(f"        stream against unary, {world} ranks, a batch every {interval_s:g} s: "

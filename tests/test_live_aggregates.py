@@ -5,6 +5,7 @@ exact counts beyond it."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from traceml import wire
 from traceml.analysis.summary import build_summary
@@ -103,7 +104,7 @@ def test_the_window_keeps_the_latest_steps_and_the_counts_stay_exact(tmp_path):
     agg.on_batch(rank_batch(0, 2, range(1000, n)))
     rl = agg.ranks[0]
     assert rl.steps_stored == n and rl.last_step == n - 1
-    assert [s["step"] for s in rl.steps] == list(range(n - WINDOW_STEPS, n))
+    assert list(rl.steps.window["step"]) == list(range(n - WINDOW_STEPS, n))
     run = agg.run_data()
     assert run.world_size == 2 and sorted(run.ranks) == [0, 1]  # the identity's world size
     assert len(run.ranks[0].steps) == WINDOW_STEPS and len(run.ranks[1].steps) == 0
@@ -129,7 +130,7 @@ def test_viewers_share_one_computation_and_an_unchanged_run_is_not_recomputed(mo
 
     monkeypatch.setattr(live_mod, "_live_summary", counting)
     monkeypatch.setattr(live_mod, "ANALYSIS_DUTY", 1.0)  # no wait between computations
-    agg = LiveAggregates("r", 1)
+    agg = LiveAggregates("r", 1, executor=ThreadPoolExecutor(1))  # runs the patched function
     agg.on_batch(rank_batch(0, 1, range(0, 30)))
 
     async def scenario():
@@ -154,7 +155,7 @@ def test_a_slow_analysis_waits_at_most_the_gap_cap_before_the_next(monkeypatch):
 
     monkeypatch.setattr(live_mod, "_live_summary", slow)
     monkeypatch.setattr(live_mod, "ANALYSIS_MAX_GAP_S", 0.3)  # uncapped: 0.2 s * 9 = 1.8 s
-    agg = LiveAggregates("r", 1)
+    agg = LiveAggregates("r", 1, executor=ThreadPoolExecutor(1))
     agg.on_batch(rank_batch(0, 1, range(0, 30)))
 
     async def scenario():

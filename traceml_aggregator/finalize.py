@@ -134,12 +134,16 @@ class Finalizer:
     Args:
         state: the run state.
         writer: the store's writer.
-        write_reports: ``fn(store, missing) -> Outcome`` run on the writer thread.
+        write_reports: ``fn(store, missing, steps) -> Outcome`` run on the writer thread.
         budget_s: default finalization budget (the launcher's ``--finalize-timeout-sec``).
+        steps: ``fn() -> steps`` run on the event loop once the writer drained, whose result
+            is ``write_reports``'s ``steps`` (the live aggregates' snapshot:
+            :meth:`traceml_aggregator.live.LiveAggregates.final_steps`).
     """
 
-    def __init__(self, state: RunState, writer, write_reports, budget_s: float) -> None:
+    def __init__(self, state: RunState, writer, write_reports, budget_s: float, steps) -> None:
         self.state = state
+        self._steps = steps
         self.writer = writer
         self._write_reports = write_reports
         self.budget_s = budget_s
@@ -167,7 +171,7 @@ class Finalizer:
             try:
                 await self.writer.call(self.writer.store.checkpoint)
                 outcome = await self.writer.call(
-                    self._write_reports, self.writer.store, missing
+                    self._write_reports, self.writer.store, missing, self._steps()
                 )
             except Exception as exc:
                 outcome = Outcome(missing, error=f"{type(exc).__name__}: {exc}")

@@ -1,41 +1,53 @@
-"""Live aggregates: what the live views and ``traceml.summary()`` read, kept as batches commit.
+"""Live aggregates: what the live views, ``traceml.summary()`` and the final summary read, kept
+as batches commit.
 
 The :class:`~traceml_aggregator.writer.Writer` calls :meth:`LiveAggregates.on_batch` on the
 event loop with every batch right after its transaction committed (never a duplicate, never a
-refused one), so everything here is touched from the event loop only and needs no lock. Each
-call costs O(the batch): per rank a rolling window of its most recent
-:data:`WINDOW_STEPS` steps (the step dicts the loader builds, µs and bytes), its step count,
-its latest step and the wall clock of its end (``last_step_unix_s``), its identity and finish
-marker, its latest :data:`WINDOW_SAMPLES` process samples; per node its latest
-:data:`WINDOW_SAMPLES` system samples and GPU samples; the nodes' torchrun exits.
+refused one): the hook sits after the commit, whatever transport brought the batch. Everything
+here is touched from the event loop only and needs no lock. Each call costs O(the batch): per
+rank its steps (:class:`~traceml_aggregator.aggregates.StepState`: a rolling window of its most
+recent :data:`WINDOW_STEPS` steps as columns, the bounded series and digest of the final
+summary), its step count, its latest step and the wall clock of its end (``last_step_unix_s``),
+its identity and finish marker, its latest :data:`WINDOW_SAMPLES` process samples; per node its
+latest :data:`WINDOW_SAMPLES` system samples and GPU samples; the nodes' torchrun exits. After an
+aggregator restart (or for ``--finalize-only``), :meth:`LiveAggregates.seed` folds in what the
+store already holds, so the aggregates are those of an aggregator that saw every batch.
 
 :meth:`LiveAggregates.summary` answers ``Summarize``: it turns the windows into a
-:class:`~traceml.analysis.rundata.RunData` (O(ranks x window), on the loop) and runs the same
-:func:`~traceml.analysis.summary.build_summary` as the final summary on it, on a thread of its
-own (neither the writer's thread nor SQLite is touched). While a rank has stored at most
-:data:`WINDOW_STEPS` steps, its window holds all of them, so for such a run the live verdict
-and the final summary are computed from the same steps and agree.
+:class:`~traceml.analysis.rundata.RunData` (O(ranks x window) on the loop: tuples of the
+columns) and runs the same :func:`~traceml.analysis.summary.build_summary` as the final summary
+on it in a process of its own (spawned on the first query), so the analysis never takes the GIL
+from the thread that stores batches and the loop that sends acknowledgements. While a rank has
+stored at most :data:`WINDOW_STEPS` steps, its window holds all of them, so for such a run the
+live verdict and the final summary are computed from the same steps and agree.
+:meth:`LiveAggregates.final_steps` gives the final summary its steps (O(ranks)).
 
 Cost control: concurrent viewers share one computation, an unchanged run is answered from the
 last result, and a new computation starts at most :data:`ANALYSIS_DUTY` of the time (after a
 computation of t seconds the next waits ``t * (1 / ANALYSIS_DUTY - 1)``, at most
-:data:`ANALYSIS_MAX_GAP_S`), so any number of viewers keep the analysis thread (and its share
-of the GIL) at or below that fraction while a computation takes under 0.55 s.
+:data:`ANALYSIS_MAX_GAP_S`), so any number of viewers keep the analysis process at or below
+that fraction of a core while a computation takes under 0.55 s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
+import multiprocessing
 import operator
+import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from traceml import wire
-from traceml.analysis.rundata import RankData, RunData, StepColumns
+from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
 from traceml.analysis.summary import build_summary
-from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS, step_group_columns
+from traceml.wire.records import step_group_columns
+from traceml_aggregator.aggregates import SERIES_STEPS, StepState, series_steps
+from traceml_aggregator.load import load
 from traceml_aggregator.store import (
     _GPU_FIELDS,
     _PROCESS_FIELDS,
@@ -54,7 +66,6 @@ ANALYSIS_DUTY = 0.1
 #: most) gets an answer within this plus one computation even when the analysis is slow.
 ANALYSIS_MAX_GAP_S = 5.0
 
-_STEP_COLUMNS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
 _IDENTITY_COLUMNS = (
     "node_rank", "local_rank", "world_size", "local_world_size", "hostname", "pid",
     "start_unix_us", "torch_version", "cuda_version", "backend", "parallelism", "device",
@@ -63,7 +74,6 @@ _IDENTITY_COLUMNS = (
 _FLOPS_COLUMNS = (
     "rank", "restart", "step", "forward_flops", "count_us", "dtype", "device_name", "peak_tflops",
 )  # fmt: skip
-_by_step = operator.itemgetter("step")
 
 
 @dataclass
@@ -71,8 +81,9 @@ class RankLive:
     """One rank's live aggregates (its latest attempt, ``restart``).
 
     Attributes:
-        steps: the latest :data:`WINDOW_STEPS` steps, step field dicts (µs, bytes; None when
-            not measured), in arrival order.
+        steps: the attempt's steps (:class:`~traceml_aggregator.aggregates.StepState`): the
+            latest :data:`WINDOW_STEPS` as columns, the final summary's bounded series and
+            digest.
         steps_stored: steps of this attempt stored so far (all of them, not only the window).
         last_step: the highest step index stored, None before the first.
         last_step_unix_s: wall clock at the end of that step, s (``start_unix_us + end_us``).
@@ -82,13 +93,18 @@ class RankLive:
     restart: int = 0
     identity: dict | None = None
     finish: dict | None = None
-    steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
+    series_steps: int = SERIES_STEPS
+    steps: StepState | None = None
     steps_stored: int = 0
     last_step: int | None = None
     last_step_unix_s: float | None = None
     process_samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_SAMPLES))
     earlier_attempts: dict[int, int] = field(default_factory=dict)
     flops: dict | None = None  # as the store's rank_flops row
+
+    def __post_init__(self) -> None:
+        if self.steps is None:
+            self.steps = StepState(WINDOW_STEPS, self.series_steps)
 
     def attempt(self, restart: int) -> bool:
         """Whether data of attempt ``restart`` belongs here: a later attempt starts afresh
@@ -98,9 +114,21 @@ class RankLive:
             if self.steps_stored:
                 self.earlier_attempts[self.restart] = self.steps_stored
             fresh = RankLive(self.rank, restart, earlier_attempts=self.earlier_attempts,
-                             process_samples=self.process_samples)
+                             process_samples=self.process_samples,
+                             series_steps=self.series_steps)  # fmt: skip
             self.__dict__.update(fresh.__dict__)
         return restart == self.restart
+
+    def fold_steps(self, names, columns) -> None:
+        """Fold one group of this attempt's steps in (``names``, one column per name; steps
+        in step order)."""
+        self.steps.fold(names, columns)
+        self.steps_stored += len(columns[0])
+        last = self.steps.last
+        if last is not None and last["step"] != self.last_step:
+            self.last_step = last["step"]
+            start_us = (self.identity or {}).get("start_unix_us") or 0
+            self.last_step_unix_s = (start_us + last["end_us"]) / 1e6
 
 
 class LiveAggregates:
@@ -110,9 +138,17 @@ class LiveAggregates:
         run_name: the run's name (``run.run_name`` of the summary).
         world_size: ranks expected (the ``--world-size`` flag), None to take it from the
             ranks' identities.
+        executor: where the analysis runs; None (the aggregator's) for a spawned process of
+            its own, started on the first query (so the analysis never holds the GIL of the
+            process that stores batches and sends acknowledgements).
     """
 
-    def __init__(self, run_name: str, world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        world_size: int | None = None,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
         self.run_name = run_name
         self.world_size = world_size
         self.ranks: dict[int, RankLive] = {}
@@ -122,21 +158,26 @@ class LiveAggregates:
         self.rank_ends: dict[int, dict] = {}
         #: Changes applied so far (a summary computed at version v covers everything before).
         self.version = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-live")
+        self._pool = executor
         self._lock: asyncio.Lock | None = None
         self._result: tuple[int, dict] | None = None  # (version, summary)
         self._next_start = 0.0  # loop.time() before which no computation starts
+        #: The world size the first identity named (sizes the ranks' series without the flag).
+        self._identity_world_size = 0
 
     def _rank(self, rank: int) -> RankLive:
         rl = self.ranks.get(rank)
         if rl is None:
-            rl = self.ranks[rank] = RankLive(rank)
+            world = self.world_size or self._identity_world_size or len(self.ranks) + 1
+            rl = self.ranks[rank] = RankLive(rank, series_steps=series_steps(world))
         return rl
 
     # --- updates (O(the batch)) ------------------------------------------------------------------
     def on_batch(self, batch) -> None:
         """Fold a committed batch (a wire Batch of this run) into the aggregates."""
         self.version += 1
+        if not self._identity_world_size and batch.HasField("identity"):
+            self._identity_world_size = batch.identity.world_size
         sender = batch.WhichOneof("sender") or "rank"
         restart = batch.restart_count
         if sender == "rank":
@@ -172,22 +213,8 @@ class LiveAggregates:
             rl.identity.update((name, getattr(ident, name)) for name in _IDENTITY_COLUMNS)
         for group in batch.step_groups:
             names, columns = step_group_columns(group)
-            if not names:
-                continue
-            n = len(columns[0])
-            keep = min(n, WINDOW_STEPS)
-            blank = dict.fromkeys(_STEP_COLUMNS)
-            rl.steps.extend(
-                {**blank, **dict(zip(names, values))}
-                for values in zip(*(column[n - keep:] for column in columns))
-            )
-            rl.steps_stored += n
-            last = max(group.step)
-            if rl.last_step is None or last >= rl.last_step:
-                rl.last_step = last
-                end_us = group.end_us[list(group.step).index(last)]
-                start_us = (rl.identity or {}).get("start_unix_us") or 0
-                rl.last_step_unix_s = (start_us + end_us) / 1e6
+            if names:
+                rl.fold_steps(names, columns)
         for count in batch.flops_counts:
             rl.flops = dict(zip(_FLOPS_COLUMNS, (rl.rank, restart) + flops_row(count)))
         if batch.HasField("finish"):
@@ -229,7 +256,7 @@ class LiveAggregates:
                 r,
                 restart=rl.restart,
                 identity=dict(rl.identity) if rl.identity else None,
-                steps=StepColumns.from_dicts(sorted(rl.steps, key=_by_step)),
+                steps=rl.steps.window_columns(),
                 finish=rl.finish,
                 end=self.rank_ends.get(r),
                 process_samples=[p for p in rl.process_samples if p["restart"] == rl.restart],
@@ -253,6 +280,49 @@ class LiveAggregates:
             missing=[],
         )
 
+    def seed(self, store) -> None:
+        """Fold in what is already stored for the run: an earlier aggregator of this run (a
+        restart on the same store), or the whole run for ``--finalize-only``. Afterwards the
+        aggregates are what they would be had this aggregator received every stored batch: the
+        identities, finish markers, node exits and latest samples, and every stored step folded
+        in step order (one scan of the steps table, O(stored steps), before serving).
+        """
+        self.version += 1
+        run = load(store, [], steps=False)
+        self._identity_world_size = self._identity_world_size or run.world_size
+        for r, rd in run.ranks.items():
+            rl = self._rank(r)
+            rl.restart, rl.identity, rl.finish = rd.restart, rd.identity, rd.finish
+            rl.process_samples.extend(rd.process_samples)
+            if rd.end is not None:
+                self.rank_ends[r] = rd.end
+        for node, samples in run.system_samples.items():
+            self.system_samples[node] = deque(samples, maxlen=WINDOW_SAMPLES)
+        for node, samples in run.gpu_samples.items():
+            self.gpu_samples[node] = deque(samples, maxlen=WINDOW_SAMPLES * 8)
+        self.node_exits.update(run.node_exits)
+        fields = len(STEP_FIELDS)
+        sql = f"SELECT {', '.join(STEP_FIELDS)}, rank, restart FROM steps ORDER BY rank, restart, step"
+        for rows in store.stream(sql):
+            for (rank, restart), group in itertools.groupby(rows, _attempt):
+                group = list(group)
+                rl = self._rank(rank)
+                if rl.attempt(restart):
+                    rl.fold_steps(STEP_FIELDS, list(zip(*group))[:fields])
+                else:
+                    rl.earlier_attempts[restart] = rl.earlier_attempts.get(restart, 0) + len(group)
+
+    def final_steps(self) -> dict[int, tuple]:
+        """Each rank's steps for the final summary (on the event loop, then read anywhere):
+        rank -> ``(restart, series, digest or None, earlier_attempts)``, the series being all
+        the attempt's steps or, with a digest, their sample (see
+        :mod:`traceml_aggregator.aggregates`); the digest is a copy, so batches that still
+        arrive do not change it under the analysis."""
+        return {
+            r: (rl.restart, *rl.steps.final(), dict(rl.earlier_attempts))
+            for r, rl in self.ranks.items()
+        }
+
     async def summary(self) -> dict:
         """The live summary document (``build_summary(..., live=True)``) over the windows,
         covering every batch folded in before the call.
@@ -272,21 +342,73 @@ class LiveAggregates:
             await asyncio.sleep(max(0.0, self._next_start - loop.time()))
             version, run = self.version, self.run_data()
             started = loop.time()
-            summary = await loop.run_in_executor(self._pool, _live_summary, run)
+            summary = await self._analyse(loop, run)
             took = loop.time() - started
             gap = min(took * (1.0 / ANALYSIS_DUTY - 1.0), ANALYSIS_MAX_GAP_S)
             self._next_start = loop.time() + gap
             self._result = (version, summary)
             return summary
 
+    async def _analyse(self, loop, run: RunData) -> dict:
+        """``build_summary(run, live=True)`` in the analysis process (started on first use;
+        started again when it died, e.g. killed: that query fails, the next one works)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with_parent,
+                initargs=(os.getpid(),),
+            )
+        try:
+            return await loop.run_in_executor(self._pool, _live_summary, run)
+        except concurrent.futures.process.BrokenProcessPool:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+            raise
+
     def close(self) -> None:
-        """Stop the analysis thread (after the running computation, if any)."""
-        self._pool.shutdown(wait=True)
+        """Stop the analysis process (after the running computation, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+#: How often the analysis process checks that the aggregator still lives, s.
+PARENT_CHECK_S = 0.5
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """In the analysis process: exit within :data:`PARENT_CHECK_S` once the aggregator
+    ``parent_pid`` is gone, however it died (SIGKILL included): a worker waiting for its next
+    query would otherwise outlive it."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="traceml-live-parent", daemon=True).start()
 
 
 def _live_summary(run: RunData) -> dict:
     return build_summary(run, live=True)
 
 
+def with_steps(run: RunData, steps: dict[int, tuple]) -> RunData:
+    """``run`` (loaded without steps: :func:`traceml_aggregator.load.load` with
+    ``steps=False``) with each rank's steps of :meth:`LiveAggregates.final_steps`; returns
+    ``run``."""
+    for r, (restart, series, digest, earlier) in steps.items():
+        rd = run.ranks.setdefault(r, RankData(r))
+        if restart < rd.restart:
+            continue
+        if restart > rd.restart:  # steps of an attempt that sent no identity yet
+            rd.restart, rd.identity, rd.finish = restart, None, None
+        rd.steps, rd.digest, rd.earlier_attempts = series, digest, earlier
+    if run.ranks:
+        run.ranks = dict(sorted(run.ranks.items()))
+    return run
+
+
+_attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row
 _unix_us = operator.itemgetter("unix_us")
 _unix_index = operator.itemgetter("unix_us", "nvml_index")

@@ -24,19 +24,25 @@ from traceml_aggregator.streams import STREAMS_META_KEY
 _attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row
 
 
-def load(store: Store, missing: list[int]) -> RunData:
-    """Read the run from ``store``; ``missing`` lists the ranks finalization gave up on."""
+def load(store: Store, missing: list[int], *, steps: bool = True) -> RunData:
+    """Read the run from ``store``; ``missing`` lists the ranks finalization gave up on.
+
+    With ``steps=False`` the steps table is not read at all (no rank has steps, and a rank's
+    latest attempt is known from its identity and finish marker): the caller brings the steps,
+    as the final summary does from the live aggregates (:mod:`traceml_aggregator.live`).
+    """
     meta = store.meta()
     ranks: dict[int, RankData] = {}
 
     def rank_data(rank: int) -> RankData:
         return ranks.setdefault(rank, RankData(rank))
 
+    step_attempts = " UNION ALL SELECT rank, restart FROM steps" if steps else ""
     latest = {
         row["rank"]: row["restart"]
         for row in store.query(
             "SELECT rank, MAX(restart) AS restart FROM ("
-            " SELECT rank, restart FROM ranks UNION ALL SELECT rank, restart FROM steps"
+            f" SELECT rank, restart FROM ranks{step_attempts}"
             " UNION ALL SELECT rank, restart FROM rank_finish) GROUP BY rank"
         )
     }
@@ -54,7 +60,7 @@ def load(store: Store, missing: list[int]) -> RunData:
     )
     fields = slice(0, len(STEP_FIELDS))
     for (rank, restart), rows in itertools.groupby(
-        store.query(steps_sql, by_name=False), _attempt
+        store.query(steps_sql, by_name=False) if steps else (), _attempt
     ):
         rd = rank_data(rank)
         if restart == rd.restart:

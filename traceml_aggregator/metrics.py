@@ -63,10 +63,11 @@ def snapshot(live: LiveAggregates) -> tuple[list[dict], list[dict]]:
     ranks = []
     for r, rl in sorted(live.ranks.items()):
         node = (rl.identity or {}).get("node_rank")
-        fields = {name: [s[f] for s in rl.steps if s[f] is not None] for name, f in _PHASE_FIELDS}
+        window = rl.steps.window  # step field -> its column over the window
+        fields = {name: [v for v in window[f] if v is not None] for name, f in _PHASE_FIELDS}
         ranks.append({
             "rank": r, "node": "" if node is None else str(node),
-            "step_us": [s["step_us"] for s in rl.steps], "phases_us": fields,
+            "step_us": list(window["step_us"]), "phases_us": fields,
             "steps": rl.steps_stored, "last_step_unix_s": rl.last_step_unix_s,
             "dropped": (rl.finish or {}).get("records_dropped"),
             "process": rl.process_samples[-1] if rl.process_samples else None,

@@ -1,7 +1,9 @@
-"""The report files of a run, built from its store: ``final_summary.json``, ``.txt``, ``.html``.
+"""The report files of a run: ``final_summary.json``, ``.txt``, ``.html``.
 
 :func:`write_reports` runs at finalization, on the aggregator's writer thread (the live views
-and ``traceml.summary()`` are answered from :mod:`traceml_aggregator.live` instead).
+and ``traceml.summary()`` are answered from :mod:`traceml_aggregator.live` instead). The steps
+come from the live aggregates (bounded per rank, so finalization costs O(ranks), not O(stored
+steps)); everything else (identities, ends, samples) from the store.
 """
 
 from __future__ import annotations
@@ -19,11 +21,28 @@ from traceml.report import to_json
 from traceml.report.text import render_text
 from traceml_aggregator import load
 from traceml_aggregator.finalize import Outcome
+from traceml_aggregator.live import with_steps
 
 
-def write_reports(store, run_dir: Path, missing: list[int], *, html: bool) -> Outcome:
-    """Build the summary from ``store`` and write the report files into ``run_dir``."""
-    summary = build_summary(load.load(store, missing))
+def write_reports(
+    store, run_dir: Path, missing: list[int], *, html: bool, steps: dict | None = None
+) -> Outcome:
+    """Build the summary and write the report files into ``run_dir``.
+
+    Args:
+        store: the run's store.
+        run_dir: where the files go.
+        missing: ranks finalization gave up on.
+        html: also write ``final_summary.html``.
+        steps: the ranks' steps from the live aggregates
+            (:meth:`traceml_aggregator.live.LiveAggregates.final_steps`); None reads every
+            stored step from ``store`` instead (O(stored steps)).
+    """
+    if steps is None:
+        run = load.load(store, missing)
+    else:
+        run = with_steps(load.load(store, missing, steps=False), steps)
+    summary = build_summary(run)
     text = render_text(summary)
     outcome = Outcome(missing, text=text)
     outcome.json_path = run_dir / SUMMARY_JSON_NAME

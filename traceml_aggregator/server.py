@@ -341,6 +341,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     live = LiveAggregates(config.run_name, config.world_size)
     streams = StreamLedger()
     streams.restore(store.meta().get(STREAMS_META_KEY))
+    live.seed(store)  # after a restart: what the earlier aggregator stored
 
     def on_stored(batch) -> None:
         state.on_batch(batch)
@@ -356,16 +357,16 @@ async def serve(config: ServerConfig, ready=None) -> int:
         else:
             await writer.call(store.set_meta, STALL_META_KEY, json.dumps(record))
 
-    def reports(store_, missing):
+    def reports(store_, missing, steps):
         from traceml_aggregator.reports import write_reports
 
         streams_json = streams.to_json()  # on the writer thread: a copy taken now, not a view
 
         store_.set_meta(REJECTED_META_KEY, json.dumps(rejections.counts, sort_keys=True))
         store_.set_meta(STREAMS_META_KEY, streams_json)
-        return write_reports(store_, config.run_dir, missing, html=config.html_report)
+        return write_reports(store_, config.run_dir, missing, html=config.html_report, steps=steps)
 
-    finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s)
+    finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, live.final_steps)
     server = grpc.aio.server(
         interceptors=[TokenInterceptor(config.run_token, rejections)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
@@ -521,7 +522,12 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
         state = RunState(world_size=config.world_size, nnodes=config.nnodes)
         state.restore(store)
         store.checkpoint()
-        outcome = write_reports(store, config.run_dir, state.missing(), html=config.html_report)
+        live = LiveAggregates(config.run_name, config.world_size)
+        live.seed(store)  # the same aggregates, so the same summary, as the live aggregator's
+        outcome = write_reports(
+            store, config.run_dir, state.missing(), html=config.html_report,
+            steps=live.final_steps(),
+        )  # fmt: skip
     except Exception as exc:
         _log.error(f"error: no summary: {type(exc).__name__}: {exc}")
         return 1

@@ -497,6 +497,14 @@ class Store:
             cur.row_factory = sqlite3.Row
         return cur.execute(sql, params).fetchall()
 
+    def stream(self, sql: str, chunk_rows: int = 8192):
+        """The rows of a read-only query as plain tuples, ``chunk_rows`` at a time (lists):
+        a scan of millions of steps without holding them all."""
+        cur = self._db.cursor()
+        cur.execute(sql)
+        while rows := cur.fetchmany(chunk_rows):
+            yield rows
+
     def checkpoint(self) -> None:
         """Fold the WAL into the main database file (``wal_checkpoint(TRUNCATE)``)."""
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -41,8 +41,13 @@ def annotate_straggler(
     profiles: dict[int, Profile],
     world_size: int,
     floor_ms: float,
+    steps_per_index: float = 1.0,
 ) -> None:
-    """Add the onset (:func:`onset.straggler_onset`) and the cost to a straggler finding."""
+    """Add the onset (:func:`onset.straggler_onset`) and the cost to a straggler finding.
+
+    ``steps_per_index``: steps one window step stands for (above 1 when the series are samples:
+    :attr:`traceml.analysis.window.Window.steps_per_index`); ``cost_steps`` is scaled by it.
+    """
     ev = finding.evidence
     slow_rank, typical_rank = ev["slow_rank"], ev["typical_rank"]
     slow = clock.steps[slow_rank]
@@ -54,6 +59,7 @@ def annotate_straggler(
         if a is not None and b is not None
     ]
     onset.straggler_onset(finding, [g for _, g in pairs], [s for s, _ in pairs], floor_ms)
+    ev["cost_steps"] = round(ev["cost_steps"] * steps_per_index)
     wait = ev["after_ms"] if ev["onset_step"] is not None else ev["gap_ms"]
     ev["wait_ms_per_step"] = wait
     ev["world_size"] = world_size

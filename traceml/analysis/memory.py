@@ -70,14 +70,18 @@ def rank_memory(rd: RankData, totals: dict[str, int]) -> RankMemory:
     uuid = (rd.identity or {}).get("gpu_uuid") or None
     total = totals.get(uuid) if uuid else None
     peak_reserved = max(reserved) if reserved else None
-    if not alloc:
+    peak_allocated = max(alloc) if alloc else None
+    if rd.digest is not None:  # a sampled series: the digest's maxima are exact
+        peak_allocated = rd.digest.peak_allocated_bytes
+        peak_reserved = rd.digest.peak_reserved_bytes
+    if peak_allocated is None:
         reason = "no CUDA memory readings (CPU training, or no step data)"
     elif total is None:
         reason = "GPU total memory unknown (no NVML sample for this rank's GPU)"
     else:
         reason = None
     return RankMemory(
-        peak_allocated_bytes=max(alloc) if alloc else None,
+        peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved,
         gpu_total_bytes=total,
         pressure_pct=(

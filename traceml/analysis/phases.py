@@ -196,8 +196,21 @@ def in_step_us(steps: StepColumns) -> list[int]:
 
 
 def profiles(window: Window, clock: Clock) -> dict[int, Profile]:
-    """Profiles of every window rank over the window."""
-    return {rank: profile(rank, steps, clock) for rank, steps in window.steps.items()}
+    """Profiles of every window rank over the window; a rank whose steps are a sample takes
+    its figures (step time, part medians and shares, own compute) from its digest
+    (:meth:`traceml.analysis.digest.RankDigest.figures`), its ``parts`` from the sample."""
+    out = {}
+    for rank, steps in window.steps.items():
+        prof = out[rank] = profile(rank, steps, clock)
+        digest = window.digests.get(rank)
+        if digest is not None:
+            figures = digest.figures(clock.name)
+            prof.steps = digest.counted
+            prof.step_ms = figures["step_ms"]
+            prof.median_ms = figures["median_ms"]
+            prof.share_pct = figures["share_pct"]
+            prof.own_compute_ms = figures["own_compute_ms"]
+    return out
 
 
 def missing_phases(clock: Clock) -> dict[str, list[int]]:

@@ -12,8 +12,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
+
+if TYPE_CHECKING:
+    from traceml.analysis.digest import RankDigest
 
 #: Every step field, in column order: :data:`STEP_REQUIRED_FIELDS`, then the optional ones.
 STEP_FIELDS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
@@ -92,7 +96,9 @@ class RankData:
     """One rank (its latest attempt) as stored.
 
     ``steps`` holds the steps of that attempt as :class:`StepColumns`, in step order, with the
-    step fields of :mod:`traceml.wire.records` (µs, bytes; None when not measured).
+    step fields of :mod:`traceml.wire.records` (µs, bytes; None when not measured): all of
+    them, or, when ``digest`` is set, a uniform sample of them (the same step indices on every
+    rank; see :mod:`traceml_aggregator.aggregates`) whose per-rank figures come from the digest.
     """
 
     rank: int
@@ -111,6 +117,15 @@ class RankData:
     #: How the rank counted its model FLOPs (``rank_flops`` row: step, forward_flops,
     #: count_us, dtype, device_name, peak_tflops), None when it did not.
     flops: dict | None = None
+
+    #: The attempt's step statistics (:class:`traceml.analysis.digest.RankDigest`) when
+    #: ``steps`` is a sample of its steps; None when ``steps`` holds them all.
+    digest: RankDigest | None = None
+
+    @property
+    def steps_stored(self) -> int:
+        """Steps of this attempt stored (exact, sampled series or not)."""
+        return self.digest.stored if self.digest is not None else len(self.steps)
 
 
 @dataclass

@@ -96,7 +96,7 @@ def _series(rd: RankData) -> Series:
 def _delivery(rd: RankData) -> RankDelivery:
     """``run.telemetry_health.ranks[]`` entry of a rank with ``counts``."""
     c = rd.counts
-    received = len(rd.steps)
+    received = rd.steps_stored
     return RankDelivery(
         rank=rd.rank,
         steps_produced=c["steps_produced"],
@@ -139,9 +139,9 @@ def rank_summary(
         device=ident.get("device"),
         end=RankEnd(**health.end_state(rd, missing, live=live)),
         steps_completed=(
-            finish["steps_completed"] if finish else counts.get("steps_produced", len(rd.steps))
+            finish["steps_completed"] if finish else counts.get("steps_produced", rd.steps_stored)
         ),
-        records_received=len(rd.steps),
+        records_received=rd.steps_stored,
         records_dropped=counts["records_dropped"] if counts else finish.get("records_dropped"),
         steps_gpu_unresolved=finish.get("steps_gpu_unresolved"),
         step_time_ms=(
@@ -211,14 +211,14 @@ def _sample(values: Sequence[int]) -> list[float]:
     return [round(v / 1000.0, 3) for v in values[::stride]]
 
 
-def _onsets_and_costs(run, clock, profs, in_step, primary, others):
+def _onsets_and_costs(run, clock, profs, in_step, primary, others, steps_per_index=1.0):
     """Stragglers get their onset and cost; the job's SLOWDOWN or STEP_TIME_DRIFT joins the
     candidates (a straggler with an onset explains a slowdown); the largest impact leads."""
     found = [primary] + others
     for f in found:
         if f.kind.endswith("STRAGGLER"):
             floor = step_time.straggler_floor(f.evidence["step_time_ms"])
-            cost.annotate_straggler(f, clock, profs, run.world_size, floor)
+            cost.annotate_straggler(f, clock, profs, run.world_size, floor, steps_per_index)
     explained = any(f.evidence.get("onset_step") is not None for f in found)
     series = {r: (steps, [v / 1000.0 for v in values]) for r, (steps, values) in in_step.items()}
     found = [f for f in found if f.kind != step_time.COMPUTE_BOUND] + onset.job_findings(
@@ -272,7 +272,7 @@ def build(run: RunData, *, live: bool = False) -> Summary:
     )
     if primary.kind != step_time.INSUFFICIENT_DATA:
         primary, step_findings = _onsets_and_costs(
-            run, clock, profs, in_step, primary, step_findings
+            run, clock, profs, in_step, primary, step_findings, window.steps_per_index
         )
     scores = cost.relative_scores(profs)
     work = {

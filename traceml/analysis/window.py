@@ -24,12 +24,20 @@ class Window:
         indices: the window's step indices (the same for every rank), ascending.
         warmup_skipped: steps left out at the start.
         ranks_without_steps: ranks of the world that stored no step at all.
+        digests: rank -> its :class:`~traceml.analysis.digest.RankDigest`, for the ranks whose
+            steps are a sample (their profiles come from it).
+        steps_per_index: how many steps one window index stands for: 1 when every rank's steps
+            are all there; with sampled ranks, the most steps a digest counts divided by the
+            window's indices (what a count of window steps is scaled by, e.g. a straggler's
+            ``cost_steps``).
     """
 
     steps: dict[int, StepColumns] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)
     warmup_skipped: int = 0
     ranks_without_steps: list[int] = field(default_factory=list)
+    digests: dict = field(default_factory=dict)
+    steps_per_index: float = 1.0
 
     @property
     def ranks(self) -> list[int]:
@@ -48,9 +56,13 @@ def align(run: RunData) -> Window:
     skip = min(thresholds.WARMUP_STEPS, max(0, len(indices) - thresholds.MIN_WINDOW_STEPS))
     indices = indices[skip:]
     keep = set(indices)
+    digests = {r: run.ranks[r].digest for r in with_steps if run.ranks[r].digest is not None}
+    counted = max((d.counted for d in digests.values()), default=0)
     return Window(
         steps={r: steps.where("step", keep) for r, steps in with_steps.items()},
         indices=indices,
         warmup_skipped=skip,
         ranks_without_steps=without,
+        digests=digests,
+        steps_per_index=max(1.0, counted / len(indices)) if digests and indices else 1.0,
     )

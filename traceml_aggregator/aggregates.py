@@ -1,0 +1,203 @@
+"""One rank attempt's steps, kept as batches commit, in memory that does not grow with the run.
+
+:class:`StepState` folds each committed step group (the wire's columns) into:
+
+* ``window``: the most recent ``window_steps`` steps, full resolution, as one deque per step
+  field (what the live analysis reads);
+* ``sample``: the series the final summary analyses: every step while the attempt has stored
+  at most ``series_steps`` (:func:`series_steps`: 1,024 up to 256 ranks, fewer for larger
+  worlds, so the whole run's series stays near :data:`SERIES_POINTS` steps); past that, a
+  uniform sample of at most that many steps,
+  chosen by a hash of the step index (step s is kept at level L when the low L bits of
+  hash(s) are 0; when the sample outgrows its bound the level goes up and half of it is let
+  go). The choice depends on the step index alone, so every rank keeps the same indices and
+  the ranks still align step for step; being a hash, it does not alias with periodic work
+  (a checkpoint every 100 steps is sampled like any other step). The last stored step is
+  always part of the series (the rank's end);
+* ``digest``: the exact counts, sums and maxima and the quantile sketches of
+  :class:`traceml.analysis.digest.RankDigest`, read instead of the sample for the per-rank
+  figures once the sample is one.
+
+The digest and the sample are fed from the window's tail, :data:`FOLD_STEPS` steps at a time,
+so they cost no memory of their own beyond their bounded state. A group costs one C-level
+``extend`` per field; each chunk of FOLD_STEPS steps about 150 NumPy calls plus O(the steps the
+sample keeps) in Python. The final summary reads at most ``series_steps`` steps per rank, whatever
+the run's length.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections import deque
+from itertools import islice
+
+import numpy as np
+
+from traceml.analysis.digest import RankDigest
+from traceml.analysis.rundata import STEP_FIELDS, StepColumns
+
+#: Most steps a rank's final series holds at full resolution; longer attempts are sampled to
+#: at most this many (see the module docstring).
+SERIES_STEPS = 1024
+#: Fewest steps a rank's final series holds, however large the world.
+SERIES_MIN_STEPS = 256
+#: Steps of all ranks' series together that the final summary's analysis is sized for (about
+#: 1 s of analysis on one core).
+SERIES_POINTS = 262_144
+
+
+def series_steps(world_size: int) -> int:
+    """A rank's series bound in a world of ``world_size`` ranks: SERIES_POINTS shared among
+    the ranks, between SERIES_MIN_STEPS and SERIES_STEPS (1,024 up to 256 ranks, 256 from
+    1,024 ranks on)."""
+    return max(SERIES_MIN_STEPS, min(SERIES_STEPS, SERIES_POINTS // max(1, world_size)))
+#: Steps folded into the digest and the sample at a time (at most the window's length): each
+#: attempt's steps are folded in chunks of exactly this many, in arrival order, so the same
+#: steps give the same digest however the batches cut them (the offline summary equals the
+#: live one); the NumPy calls of a fold are shared by this many steps.
+FOLD_STEPS = 512
+_HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: a bijective mix of the step index
+_SHIFT = np.uint64(32)
+_NAN = float("nan")
+
+
+def _keep_mask(steps: np.ndarray, level: int) -> np.ndarray:
+    """Which of ``steps`` (int64 indices) the sample keeps at ``level``."""
+    if level == 0:
+        return np.ones(len(steps), dtype=bool)
+    mixed = (steps.astype(np.uint64) * _HASH) >> _SHIFT
+    return (mixed & np.uint64((1 << level) - 1)) == 0
+
+
+def _floats(chunk: dict[str, list]) -> dict[str, np.ndarray]:
+    """The measured fields of ``chunk`` as float arrays (NaN where not measured); a field
+    measured on none of its steps is left out. The common cases (a field on every step, or
+    on none) take no Python code per value."""
+    out = {}
+    for name, values in chunk.items():
+        absent = values.count(None)
+        if absent == len(values):
+            continue
+        if absent:
+            values = [_NAN if v is None else v for v in values]
+        out[name] = np.fromiter(values, dtype=np.float64, count=len(values))
+    return out
+
+
+class _Series:
+    """The digest and the sample (see the module docstring), folded a chunk at a time."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.digest = RankDigest()
+        self.level = 0
+        self.sample: dict[str, list] = {name: [] for name in STEP_FIELDS}
+
+    def copy(self) -> _Series:
+        """An independent copy."""
+        other = copy.copy(self)
+        other.digest = self.digest.copy()
+        other.sample = {name: list(kept) for name, kept in self.sample.items()}
+        return other
+
+    def fold(self, chunk: dict[str, list]) -> None:
+        """Fold ``chunk`` (step field -> its values, None where not measured) in."""
+        self.digest.fold(_floats(chunk))
+        if self.level == 0:
+            for name, kept in self.sample.items():
+                kept.extend(chunk[name])
+        else:
+            keep = _keep_mask(np.array(chunk["step"], dtype=np.int64), self.level)
+            picked = np.flatnonzero(keep).tolist()
+            if picked:
+                pick = operator.itemgetter(*picked, picked[0])  # a tuple even for one
+                for name, kept in self.sample.items():
+                    kept.extend(pick(chunk[name])[:-1])
+        while len(self.sample["step"]) > self.bound:
+            self.level += 1
+            mask = _keep_mask(np.array(self.sample["step"], dtype=np.int64), self.level)
+            stay = np.flatnonzero(mask).tolist()
+            self.sample = {name: [kept[i] for i in stay] for name, kept in self.sample.items()}
+
+
+class StepState:
+    """The steps of one rank attempt (see the module docstring).
+
+    Args:
+        window_steps: the live window's length (steps), at least :data:`FOLD_STEPS`.
+        series_steps: the final series' bound (:func:`series_steps`).
+    """
+
+    def __init__(self, window_steps: int, series_steps: int = SERIES_STEPS) -> None:
+        self.window = {name: deque(maxlen=window_steps) for name in STEP_FIELDS}
+        self.fold_steps = min(FOLD_STEPS, window_steps)
+        self.pending = 0  # steps at the window's end not folded into the series yet
+        self.last: dict[str, int | None] | None = None  # the highest step stored
+        self._series = _Series(series_steps)
+
+    def fold(self, names, columns) -> None:
+        """Fold one step group in: ``names`` its measured fields, ``columns`` one sequence of
+        ints per name (None allowed where not measured), steps in arrival order. Costs
+        O(the group): one C-level ``extend`` per field, and every :data:`FOLD_STEPS` steps one
+        chunk of NumPy work."""
+        n = len(columns[0])
+        if not n:
+            return
+        given = dict(zip(names, columns))
+        steps = given["step"]
+        highest = max(steps)
+        top = n - 1 if steps[n - 1] == highest else list(steps).index(highest)
+        if self.last is None or steps[top] >= self.last["step"]:
+            self.last = {name: (c[top] if (c := given.get(name)) is not None else None)
+                         for name in STEP_FIELDS}  # fmt: skip
+        start = 0
+        while start < n:  # pieces that fill the pending chunk at most
+            end = min(n, start + self.fold_steps - self.pending)
+            whole = start == 0 and end == n
+            for name, window in self.window.items():
+                column = given.get(name)
+                if column is None:
+                    window.extend((None,) * (end - start))
+                else:
+                    window.extend(column if whole else column[start:end])
+            self.pending += end - start
+            if self.pending == self.fold_steps:
+                self._series.fold(self._tail(self.pending))
+                self.pending = 0
+            start = end
+
+    def _tail(self, count: int) -> dict[str, list]:
+        """The last ``count`` window steps, as one list per step field."""
+        size = len(self.window["step"])
+        return {name: list(islice(w, size - count, size)) for name, w in self.window.items()}
+
+    @property
+    def digest(self) -> RankDigest:
+        """The digest of the steps folded so far (the pending ones excepted)."""
+        return self._series.digest
+
+    def final(self) -> tuple[StepColumns, RankDigest | None]:
+        """The final series and its digest, with the pending steps folded into copies (this
+        state goes on as it was): every step and None while the attempt stored at most
+        ``series_steps`` steps, else the sample plus the last step, and the digest."""
+        series = self._series.copy()
+        if self.pending:
+            series.fold(self._tail(self.pending))
+        columns = series.sample
+        if self.last is not None and self.last["step"] not in set(columns["step"]):
+            for name, column in columns.items():
+                column.append(self.last[name])
+        return _in_step_order(columns), (series.digest if series.level else None)
+
+    def window_columns(self) -> StepColumns:
+        """The live window, in step order."""
+        return _in_step_order({name: tuple(w) for name, w in self.window.items()})
+
+
+def _in_step_order(columns: dict) -> StepColumns:
+    steps = columns["step"]
+    if any(a > b for a, b in zip(steps, steps[1:])):
+        order = sorted(range(len(steps)), key=steps.__getitem__)
+        columns = {name: [c[i] for i in order] for name, c in columns.items()}
+    return StepColumns({name: tuple(c) for name, c in columns.items()})
