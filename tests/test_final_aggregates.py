@@ -22,6 +22,7 @@ from test_live_aggregates import feed, node_batch, rank_batch
 from traceml import wire
 from traceml.analysis import digest as digest_mod
 from traceml.analysis.summary import build_summary
+from traceml.core.endpoint import call as rpc
 from traceml.sdk.client import STEPS
 from traceml.wire.records import add_steps
 from traceml_aggregator.aggregates import SERIES_STEPS
@@ -223,7 +224,7 @@ def test_offline_finalization_writes_the_live_summary_and_a_restart_keeps_the_st
         reply = launcher_agg.summarize(agg.target, "restarted", 60.0)
         assert not reply.error, reply.error
         assert reply.metrics["window_steps"] == WINDOW_STEPS - 5  # seeded: the stored window
-        done = launcher_agg.finalize(agg.target, "restarted", 60.0)
+        done = rpc(agg.target, "Finalize", wire.FinalizeRequest(run_name="restarted", timeout_s=60), 90)
         assert not done.missing_ranks
         agg.stop()
     live = json.loads((tmp_path / "run" / "final_summary.json").read_text())

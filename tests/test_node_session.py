@@ -15,18 +15,14 @@ Needs root and ``ip`` (iproute2); skipped otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import signal
 import socket
-import subprocess
 import time
 
 import pytest
 
 from conftest import SCRIPTS, load_summary, query, start_traceml
+from netns_hosts import two_hosts
 from traceml.core.transport import NODE_HEARTBEAT_INTERVAL_S, NODE_LOST_AFTER_S
 from traceml_aggregator.sessions import LOST_CHECK_S
 
@@ -41,46 +37,11 @@ TRAIN = ("10.241.0.1", "10.241.0.2")
 TELEMETRY = ("10.242.0.1", "10.242.0.2")
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture
 def hosts():
-    """Namespaces ``<tag>-0`` and ``<tag>-1``, joined by veth ``<tag>t0/1`` (training) and
-    ``<tag>m0/1`` (telemetry); removed, with anything still running in them, after."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.skip("needs `ip` (iproute2)")
-    tag = f"tmls{os.getpid()}"
-    names = [f"{tag}-0", f"{tag}-1"]
-    created = []
-    try:
-        for ns in names:
-            try:
-                ip("netns", "add", ns)
-            except subprocess.CalledProcessError as exc:
-                pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
-            created.append(ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-        for kind, addrs in (("t", TRAIN), ("m", TELEMETRY)):
-            ip("link", "add", f"{tag}{kind}0", "type", "veth", "peer", "name", f"{tag}{kind}1")
-            for node, ns in enumerate(names):
-                ifname = f"{tag}{kind}{node}"
-                ip("link", "set", ifname, "netns", ns)
-                ip("-n", ns, "addr", "add", f"{addrs[node]}/24", "dev", ifname)
-                ip("-n", ns, "link", "set", ifname, "up")
-        yield tag, names
-    finally:
-        for ns in created:
-            pids = subprocess.run(
-                ["ip", "netns", "pids", ns], capture_output=True, text=True
-            ).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    """Namespaces joined by a training and a telemetry link (tests/netns_hosts.py)."""
+    with two_hosts("tmls", TRAIN, TELEMETRY) as two:
+        yield two
 
 
 def wait_for(condition, timeout_s: float, poll_s: float = 0.2):
@@ -94,7 +55,6 @@ def wait_for(condition, timeout_s: float, poll_s: float = 0.2):
 
 
 def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hosts, tmp_path):
-    tag, names = hosts
     procs = {}
     for node in (0, 1):
         args = [
@@ -105,9 +65,9 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
         ]
         if node == 0:
             args.append(f"--aggregator-bind-host={TELEMETRY[0]}")
-        env = {"GLOO_SOCKET_IFNAME": f"{tag}t{node}", "TRACEML_RUN_TOKEN": "cut-token"}
+        env = {"GLOO_SOCKET_IFNAME": hosts.links["train"][node], "TRACEML_RUN_TOKEN": "cut-token"}
         procs[node] = start_traceml(
-            args, tmp_path, tmp_path / f"node{node}", prefix=["ip", "netns", "exec", names[node]],
+            args, tmp_path, tmp_path / f"node{node}", prefix=["ip", "netns", "exec", hosts.netns[node]],
             env=env,
         )
     run_dir = tmp_path / "host0" / "cut"
@@ -116,11 +76,11 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
         assert wait_for(lambda: out0.exists() and "faulty_ddp: training" in out0.read_text(), 180), (
             tmp_path / "node0.err").read_text()
         time.sleep(2 * NODE_HEARTBEAT_INTERVAL_S)  # node 1's session and ranks are streaming
-        ip("-n", names[1], "link", "set", f"{tag}m1", "down")
+        hosts.set_link("tel", 1, "down")
         cut_at = time.time()
         time.sleep(CUT_S)  # past the bound: the aggregator marks node 1 lost meanwhile
         assert procs[0].poll() is None and procs[1].poll() is None  # training goes on
-        ip("-n", names[1], "link", "set", f"{tag}m1", "up")
+        hosts.set_link("tel", 1, "up")
         up_at = time.time()
         codes = {node: p.wait(300) for node, p in procs.items()}
     finally:

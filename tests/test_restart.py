@@ -56,8 +56,10 @@ def test_identities_and_finishes_per_attempt(restarted_run):
         "SELECT rank, restart, steps_completed, end_state FROM rank_finish "
         "ORDER BY restart, rank",
     )
-    # Rank 0 of attempt 0 was stopped by torchrun (SIGTERM): it sent no finish marker.
+    # Rank 0 of attempt 0 was stopped by torchrun (SIGTERM): its handler sent what it had and
+    # a finish marker saying so (traceml/sdk/sigterm.py) before it died of the signal.
     assert finishes == [
+        (0, 0, FIRST_STEPS, "signaled"),
         (1, 0, FIRST_STEPS, "failed"),
         (0, 1, STEPS, "completed"),
         (1, 1, STEPS, "completed"),

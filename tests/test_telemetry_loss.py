@@ -17,12 +17,9 @@ count of the steps it completed (one line per step, written inside the step).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -38,6 +35,7 @@ from conftest import (
     start_traceml,
     wait_training_started,
 )
+from netns_hosts import ip, two_hosts
 
 pytestmark = pytest.mark.slow
 
@@ -254,48 +252,13 @@ PARTITION_S = 30.0
 PARTITION_BUFFER = 300
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture
 def two_links():
-    """Two network namespaces joined by two veth pairs: one for training, one for telemetry;
-    the second can be cut alone. Yields ``(netns, {link: (ifname in ns 0, ifname in ns 1)})``;
-    removed, with anything still running in them, after."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and `ip` (iproute2) to create network namespaces")
-    tag = f"tmlp{os.getpid()}"
-    netns = [f"{tag}-0", f"{tag}-1"]
-    links = {"train": (f"{tag}t0", f"{tag}t1"), "tel": (f"{tag}m0", f"{tag}m1")}
-    created = []
-    try:
-        for ns in netns:
-            try:
-                ip("netns", "add", ns)
-            except subprocess.CalledProcessError as exc:
-                pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
-            created.append(ns)
-            ip("-n", ns, "link", "set", "lo", "up")
-        for link, addrs in (("train", (HOST0, HOST1)), ("tel", (TEL0, TEL1))):
-            ends = links[link]
-            ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
-            for ns, ifname, addr in zip(netns, ends, addrs):
-                ip("link", "set", ifname, "netns", ns)
-                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-                ip("-n", ns, "link", "set", ifname, "up")
-        yield netns, links
-    finally:
-        for ns in created:
-            pids = subprocess.run(
-                ["ip", "netns", "pids", ns], capture_output=True, text=True
-            ).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    """Namespaces joined by a training and a telemetry link (tests/netns_hosts.py): yields
+    ``(netns, {link: (ifname in ns 0, ifname in ns 1)})``."""
+    with two_hosts("tmlp", (HOST0, HOST1), (TEL0, TEL1)) as two:
+        yield two.netns, two.links
+
 
 
 def rss_bytes(pid: int) -> int:
