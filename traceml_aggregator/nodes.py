@@ -1,4 +1,5 @@
-"""Which launcher holds which node rank: the aggregator's side of ``RegisterNode``.
+"""Which launcher holds which node rank: the aggregator's side of a node's claim (the first
+message of its ``NodeSession``).
 
 Every node's launcher claims its ``--node-rank`` before its torchrun starts (see
 ``traceml/launcher/claim.py``). The aggregator runs on node 0 by construction, so rank 0
