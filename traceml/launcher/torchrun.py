@@ -10,7 +10,6 @@ turns its exit into a :class:`~traceml.wire.NodeExit` for the aggregator.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -27,6 +26,7 @@ from traceml.launcher.config import LaunchConfig
 from traceml.core.ends import interrupted_reason
 from traceml.core.rundir import RunDir
 from traceml.launcher.torchrun_main import AUTORUN_MODULE
+from traceml.launcher.torchrun_main import LAUNCHER_PID_ENV
 from traceml.launcher.torchrun_main import RANK_ENDS_FILE_ENV
 
 _log = log.get("launcher")
@@ -71,6 +71,7 @@ def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
     env[settings.AGGREGATOR.name] = config.aggregator_target
     env[settings.LAUNCHED.name] = "1"
     env[RANK_ENDS_FILE_ENV] = str(run_dir.rank_ends)
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     if config.peak_tflops is not None:
         env[settings.PEAK_TFLOPS.name] = repr(config.peak_tflops)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -172,23 +173,6 @@ class Tee:
             thread.join(timeout_s)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """``preexec_fn`` of torchrun: SIGTERM it when the launcher's thread dies, however the
-    launcher dies (``PR_SET_PDEATHSIG``); torchrun then stops its ranks as on any SIGTERM."""
-    if _libc is not None:
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the launcher died before the prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-#: ``prctl`` option from <linux/prctl.h>.
-PR_SET_PDEATHSIG = 1
-try:  # loaded before any fork: the preexec_fn must not load libraries
-    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _libc = None
-
-
 class TorchrunProcess:
     """One node's torchrun, started by :meth:`start`, awaited by :meth:`wait`."""
 
@@ -200,7 +184,13 @@ class TorchrunProcess:
 
     def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
-        bound to die with the launcher (:func:`_die_with_parent`).
+        bound to die with the launcher (``torchrun_main`` sets ``PR_SET_PDEATHSIG`` itself).
+
+        No ``preexec_fn``: with one, Python must ``fork()`` the launcher, whose gRPC threads
+        (node r > 0 holds its session stream by then) do not survive a fork made while they
+        are busy: gRPC skips its fork handlers, and the launcher aborted in ``epoll_wait``
+        (EBADF). Without one, Python starts the child through ``vfork()``, which runs no fork
+        handlers and copies no threads.
 
         Args:
             consoles: the binary streams its stdout and stderr are copied to (the launcher's
@@ -209,7 +199,6 @@ class TorchrunProcess:
                 :meth:`traceml.launcher.live.LiveView.consoles`).
         """
         self.run_dir.rank_ends.unlink(missing_ok=True)
-        parent = os.getpid()
         self.process = subprocess.Popen(
             torchrun_argv(self.config),
             env=worker_env(self.config, self.run_dir),
@@ -217,7 +206,6 @@ class TorchrunProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(parent),
         )
         save = self.config.save_training_output
         out, err = consoles or (sys.stdout.buffer, sys.stderr.buffer)

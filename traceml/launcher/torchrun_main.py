@@ -1,8 +1,9 @@
 """``python -m traceml.launcher.torchrun_main ARGS``: torchrun, plus a record of how each rank ended.
 
 This is ``torch.distributed.run.main`` itself (same argument parsing, same rendezvous, same
-exit codes), wrapped to catch torchrun's typed failure, :class:`ChildFailedError`, whose
-``failures`` map each failed global rank to its exit code, signal and error-file message. They
+exit codes), bound first to die with the launcher that started it, then wrapped to catch
+torchrun's typed failure, :class:`ChildFailedError`, whose ``failures`` map each failed global
+rank to its exit code, signal and error-file message. They
 are written as JSON to ``$TRACEML_RANK_ENDS_FILE`` for the launcher, which reports them to the
 aggregator, and then the exception continues exactly as under plain torchrun. When the ranks
 run ``--module traceml.sdk.autorun SCRIPT`` (zero-code steps), its "... FAILED" banner names
@@ -11,14 +12,35 @@ run ``--module traceml.sdk.autorun SCRIPT`` (zero-code steps), its "... FAILED" 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 
 from traceml.core import log
 
 #: Environment variable naming the JSON file this wrapper writes (set by the launcher).
 RANK_ENDS_FILE_ENV = "TRACEML_RANK_ENDS_FILE"
+#: Environment variable with the launcher's process id (set by the launcher).
+LAUNCHER_PID_ENV = "TRACEML_LAUNCHER_PID"
+#: ``prctl`` option from <linux/prctl.h>.
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """SIGTERM this process when the launcher's thread that started it dies, however it dies
+    (``PR_SET_PDEATHSIG``); torchrun then stops its ranks as on any SIGTERM. Set here rather
+    than in a ``preexec_fn``, which would make the launcher ``fork()`` (see
+    :meth:`traceml.launcher.torchrun.TorchrunProcess.start`); a launcher that died before
+    the ``prctl`` took effect is seen as a changed parent, and this process stops at once."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != launcher_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _reason(failure) -> str:
@@ -69,6 +91,9 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit():
+        _die_with_launcher(int(launcher))
     path = os.environ.pop(RANK_ENDS_FILE_ENV, "")
     argv = sys.argv[1:]
     try:
