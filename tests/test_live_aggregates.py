@@ -11,6 +11,7 @@ from traceml import wire
 from traceml.analysis.summary import build_summary
 from traceml.wire.records import add_steps
 from traceml_aggregator import live as live_mod
+from traceml_aggregator import live_analysis
 from traceml_aggregator.live import WINDOW_STEPS, LiveAggregates
 from traceml_aggregator.load import load
 from traceml_aggregator.store import Store
@@ -124,11 +125,11 @@ def test_a_new_attempt_starts_afresh_and_counts_the_earlier_one():
 def test_viewers_share_one_computation_and_an_unchanged_run_is_not_recomputed(monkeypatch):
     calls = []
 
-    def counting(run):
+    def counting(run, live):
         calls.append(run)
         return {"steps": sum(len(rd.steps) for rd in run.ranks.values())}
 
-    monkeypatch.setattr(live_mod, "_live_summary", counting)
+    monkeypatch.setattr(live_analysis, "build_summary", counting)
     monkeypatch.setattr(live_mod, "ANALYSIS_DUTY", 1.0)  # no wait between computations
     agg = LiveAggregates("r", 1, executor=ThreadPoolExecutor(1))  # runs the patched function
     agg.on_batch(rank_batch(0, 1, range(0, 30)))
@@ -149,11 +150,11 @@ def test_viewers_share_one_computation_and_an_unchanged_run_is_not_recomputed(mo
 def test_a_slow_analysis_waits_at_most_the_gap_cap_before_the_next(monkeypatch):
     import time
 
-    def slow(run):
+    def slow(run, live):
         time.sleep(0.2)
         return {"steps": sum(len(rd.steps) for rd in run.ranks.values())}
 
-    monkeypatch.setattr(live_mod, "_live_summary", slow)
+    monkeypatch.setattr(live_analysis, "build_summary", slow)
     monkeypatch.setattr(live_mod, "ANALYSIS_MAX_GAP_S", 0.3)  # uncapped: 0.2 s * 9 = 1.8 s
     agg = LiveAggregates("r", 1, executor=ThreadPoolExecutor(1))
     agg.on_batch(rank_batch(0, 1, range(0, 30)))
@@ -169,3 +170,54 @@ def test_a_slow_analysis_waits_at_most_the_gap_cap_before_the_next(monkeypatch):
     agg.close()
     assert result == {"steps": 40}
     assert 0.45 <= waited < 1.5  # the 0.3 s gap and a 0.2 s computation, not 1.8 s + 0.2 s
+
+
+def test_each_query_ships_only_what_arrived_since_and_the_mirror_equals_the_windows(monkeypatch):
+    """The analysis process is sent deltas: after a query, one batch of 10 steps of rank 1
+    ships those 10 steps and that rank alone; the process's mirror, kept from the deltas
+    through a window overflow, a new attempt, a node's samples and a node exit, gives the
+    same summary as the whole windows at every query."""
+    agg = LiveAggregates("r", 2, executor=ThreadPoolExecutor(1))  # the real analysis, in-process
+    monkeypatch.setattr(live_analysis, "_mirror", live_analysis.Mirror())
+    monkeypatch.setattr(live_mod, "ANALYSIS_DUTY", 1.0)  # no wait between computations
+    sent, analyse = [], live_analysis.analyse
+    monkeypatch.setattr(live_analysis, "analyse", lambda d: sent.append(d) or analyse(d))
+    steps = {0: 0, 1: 0}
+
+    def grow(rank: int, n: int, seq: int, restart: int = 0) -> None:
+        start = 0 if seq == 1 else steps[rank]
+        agg.on_batch(rank_batch(rank, seq, range(start, start + n), restart=restart,
+                                slow_input=4000 if rank else 0))  # fmt: skip
+        steps[rank] = start + n
+
+    async def query() -> None:
+        got = await agg.summary()
+        mirror = live_analysis._mirror
+        assert mirror.run_data() == agg.run_data()  # built by the same code from a whole delta
+        assert (mirror.node_exits, mirror.rank_ends) == (agg.node_exits, agg.rank_ends)
+        assert _comparable(got) == _comparable(build_summary(agg.run_data(), live=True))
+
+    async def scenario() -> None:
+        grow(0, 40, 1), grow(1, 40, 1), agg.on_batch(node_batch(1, START_US))
+        await query()
+        assert sent[-1].full and sorted(sent[-1].ranks) == [0, 1]
+        grow(1, 10, 2)
+        await query()
+        delta = sent[-1]
+        assert not delta.full and sorted(delta.ranks) == [1]
+        assert delta.ranks[1].steps["step"] == tuple(range(40, 50)) and not delta.ranks[1].reset
+        assert len(delta.ranks[1].process_samples) == 1
+        assert delta.system_samples == {} and delta.node_exits == {}
+        grow(0, WINDOW_STEPS + 7, 2), agg.on_batch(node_batch(2, START_US + 10**6))
+        await query()
+        assert sent[-1].ranks[0].reset and len(sent[-1].ranks[0].steps["step"]) == WINDOW_STEPS
+        assert [s["unix_us"] for s in sent[-1].system_samples[0]] == [START_US + 10**6]
+        grow(1, 20, 1, restart=1)  # a new attempt of rank 1
+        report = wire.NodeExit(run_name="r", node_rank=0, hostname="h0", exit_code=0)
+        agg.on_node_exit(report)
+        await query()
+        assert sent[-1].ranks[1].reset and sent[-1].ranks[1].restart == 1
+        assert list(sent[-1].node_exits) == [0]
+
+    asyncio.run(scenario())
+    agg.close()

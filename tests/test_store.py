@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from traceml import wire
 from traceml.wire.records import add_steps
 from traceml_aggregator.store import Store
+from traceml_aggregator.writer import Writer
 
 
 def batch(seq: int, steps: range, *, rank: int = 0, restart: int = 0, **fields) -> wire.Batch:
@@ -117,10 +120,6 @@ def test_finish_marker_and_identity_are_stored_with_their_batch(tmp_path):
 
 def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     """Batches queued together share a transaction; one that fails it fails alone."""
-    import asyncio
-
-    from traceml_aggregator.writer import Writer
-
     good = batch(1, range(3), rank=0)
     bad = batch(1, range(0), rank=1)
     add_steps(bad, [{"step": 0, "end_us": 2**64 - 1, "step_us": 1}])
@@ -142,6 +141,37 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     assert (bad_result.kind, bad_result.duplicate) == ("malformed", False)
     assert bad_result.rejected.startswith("a malformed batch (")
     assert (steps, batches_stored, stored) == (3, 1, [0])
+
+
+def test_drain_waits_for_what_was_queued_before_it_not_for_a_flood(tmp_path):
+    """A Summarize drains the writer under a flood of batches: it waits for the batches queued
+    before it, not for an empty queue, which a flood never leaves (it timed out then)."""
+    stored: list[int] = []
+
+    async def main():
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.seq))
+        early = [asyncio.ensure_future(writer.store_batch(batch(s, range(2)))) for s in (1, 2)]
+        await asyncio.sleep(0)
+        writer.start()
+        flooding, later = True, []
+
+        async def flood():  # the queue is never empty while it runs
+            while flooding and len(later) < 20_000:
+                later.append(asyncio.ensure_future(writer.store_batch(batch(len(later) + 3, range(1)))))
+                await asyncio.sleep(0)
+
+        flooder = asyncio.ensure_future(flood())
+        drained = await writer.drain(5.0)
+        seen, flooding = list(stored), False
+        await asyncio.gather(*early, flooder)
+        await asyncio.gather(*later)
+        await writer.close()
+        return drained, seen, len(later), len(stored)
+
+    drained, seen, flooded, total = asyncio.run(main())
+    assert drained is True
+    assert seen[:2] == [1, 2]
+    assert 0 < flooded < 20_000 and total == flooded + 2
 
 
 def test_a_second_process_reusing_the_stream_is_refused_not_dropped(tmp_path):

@@ -5,7 +5,7 @@
 * ``window``: the most recent ``window_steps`` steps, full resolution, as one deque per step
   field (what the live analysis reads);
 * ``sample``: the series the final summary analyses: every step while the attempt has stored
-  at most ``series_steps`` (:func:`series_steps`: 1,024 up to 256 ranks, fewer for larger
+  at most ``series_steps`` (:func:`series_steps`: 1,024 up to 128 ranks, fewer for larger
   worlds, so the whole run's series stays near :data:`SERIES_POINTS` steps); past that, a
   uniform sample of at most that many steps,
   chosen by a hash of the step index (step s is kept at level L when the low L bits of
@@ -41,17 +41,19 @@ from traceml.analysis.rundata import STEP_FIELDS, StepColumns
 #: at most this many (see the module docstring).
 SERIES_STEPS = 1024
 #: Fewest steps a rank's final series holds, however large the world.
-SERIES_MIN_STEPS = 256
+SERIES_MIN_STEPS = 128
 #: Steps of all ranks' series together that the final summary's analysis is sized for (about
-#: 1 s of analysis on one core).
-SERIES_POINTS = 262_144
+#: 1.7 s of analysis on one core of the 2-core test machine; 262,144 took 3.4 s).
+SERIES_POINTS = 131_072
 
 
 def series_steps(world_size: int) -> int:
     """A rank's series bound in a world of ``world_size`` ranks: SERIES_POINTS shared among
-    the ranks, between SERIES_MIN_STEPS and SERIES_STEPS (1,024 up to 256 ranks, 256 from
+    the ranks, between SERIES_MIN_STEPS and SERIES_STEPS (1,024 up to 128 ranks, 128 from
     1,024 ranks on)."""
     return max(SERIES_MIN_STEPS, min(SERIES_STEPS, SERIES_POINTS // max(1, world_size)))
+
+
 #: Steps folded into the digest and the sample at a time (at most the window's length): each
 #: attempt's steps are folded in chunks of exactly this many, in arrival order, so the same
 #: steps give the same digest however the batches cut them (the offline summary equals the
@@ -188,14 +190,11 @@ class StepState:
         if self.last is not None and self.last["step"] not in set(columns["step"]):
             for name, column in columns.items():
                 column.append(self.last[name])
-        return _in_step_order(columns), (series.digest if series.level else None)
-
-    def window_columns(self) -> StepColumns:
-        """The live window, in step order."""
-        return _in_step_order({name: tuple(w) for name, w in self.window.items()})
+        return in_step_order(columns), (series.digest if series.level else None)
 
 
-def _in_step_order(columns: dict) -> StepColumns:
+def in_step_order(columns: dict) -> StepColumns:
+    """``columns`` (step field -> sequence, one value per step) sorted by step index."""
     steps = columns["step"]
     if any(a > b for a, b in zip(steps, steps[1:])):
         order = sorted(range(len(steps)), key=steps.__getitem__)

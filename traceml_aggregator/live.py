@@ -13,13 +13,15 @@ latest :data:`WINDOW_SAMPLES` system samples and GPU samples; the nodes' torchru
 aggregator restart (or for ``--finalize-only``), :meth:`LiveAggregates.seed` folds in what the
 store already holds, so the aggregates are those of an aggregator that saw every batch.
 
-:meth:`LiveAggregates.summary` answers ``Summarize``: it turns the windows into a
-:class:`~traceml.analysis.rundata.RunData` (O(ranks x window) on the loop: tuples of the
-columns) and runs the same :func:`~traceml.analysis.summary.build_summary` as the final summary
-on it in a process of its own (spawned on the first query), so the analysis never takes the GIL
-from the thread that stores batches and the loop that sends acknowledgements. While a rank has
-stored at most :data:`WINDOW_STEPS` steps, its window holds all of them, so for such a run the
-live verdict and the final summary are computed from the same steps and agree.
+:meth:`LiveAggregates.summary` answers ``Summarize``: it runs the same
+:func:`~traceml.analysis.summary.build_summary` as the final summary over the windows, in a
+process of its own (spawned on the first query, at the lowest CPU priority: see
+:mod:`traceml_aggregator.live_analysis`), so the analysis never takes the GIL from the thread
+that stores batches and the loop that sends acknowledgements. The process keeps a mirror of the
+windows; each computation ships it only what changed since the previous one, so a query costs
+the loop O(the data that arrived since the last query). While a rank has stored at most
+:data:`WINDOW_STEPS` steps, its window holds all of them, so for such a run the live verdict and
+the final summary are computed from the same steps and agree.
 :meth:`LiveAggregates.final_steps` gives the final summary its steps (O(ranks)).
 
 Cost control: concurrent viewers share one computation, an unchanged run is answered from the
@@ -37,16 +39,24 @@ import itertools
 import multiprocessing
 import operator
 import os
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from traceml import wire
 from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
-from traceml.analysis.summary import build_summary
 from traceml.wire.records import step_group_columns
+from traceml_aggregator import live_analysis
 from traceml_aggregator.aggregates import SERIES_STEPS, StepState, series_steps
+from traceml_aggregator.live_analysis import (
+    WINDOW_GPU_SAMPLES,
+    WINDOW_SAMPLES,
+    WINDOW_STEPS,
+    LiveDelta,
+    Mirror,
+    RankDelta,
+    Tail,
+    last,
+)
 from traceml_aggregator.load import load
 from traceml_aggregator.store import (
     _GPU_FIELDS,
@@ -56,10 +66,6 @@ from traceml_aggregator.store import (
     flops_row,
 )
 
-#: Most recent steps kept per rank (the live analysis window before alignment and warm-up).
-WINDOW_STEPS = 512
-#: Most recent process samples per rank, and system samples per node, kept.
-WINDOW_SAMPLES = 256
 #: Largest fraction of wall time the live analysis may run (see the module docstring).
 ANALYSIS_DUTY = 0.1
 #: Longest pause between two computations, s: a viewer (``traceml.summary()`` waits 30 s at
@@ -98,7 +104,7 @@ class RankLive:
     steps_stored: int = 0
     last_step: int | None = None
     last_step_unix_s: float | None = None
-    process_samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_SAMPLES))
+    process_samples: Tail = field(default_factory=Tail)
     earlier_attempts: dict[int, int] = field(default_factory=dict)
     flops: dict | None = None  # as the store's rank_flops row
 
@@ -152,8 +158,8 @@ class LiveAggregates:
         self.run_name = run_name
         self.world_size = world_size
         self.ranks: dict[int, RankLive] = {}
-        self.system_samples: dict[int, deque] = {}
-        self.gpu_samples: dict[int, deque] = {}
+        self.system_samples: dict[int, Tail] = {}
+        self.gpu_samples: dict[int, Tail] = {}
         self.node_exits: dict[int, dict] = {}
         self.rank_ends: dict[int, dict] = {}
         #: Changes applied so far (a summary computed at version v covers everything before).
@@ -162,6 +168,14 @@ class LiveAggregates:
         self._lock: asyncio.Lock | None = None
         self._result: tuple[int, dict] | None = None  # (version, summary)
         self._next_start = 0.0  # loop.time() before which no computation starts
+        # What the analysis process was last sent: per rank (restart, steps stored, process
+        # samples appended), per node (system, GPU samples appended); what changed since.
+        self._shipped: dict[int, tuple[int, int, int]] = {}
+        self._shipped_nodes: dict[int, tuple[int, int]] = {}
+        self._changed_ranks: set[int] = set()
+        self._changed_ends: set[int] = set()
+        self._changed_exits: set[int] = set()
+        self._ship_whole = True  # the next delta is a whole one (a new analysis process)
         #: The world size the first identity named (sizes the ranks' series without the flag).
         self._identity_world_size = 0
 
@@ -182,6 +196,7 @@ class LiveAggregates:
         restart = batch.restart_count
         if sender == "rank":
             self._rank_data(batch, self._rank(batch.rank), restart)
+            self._changed_ranks.add(batch.rank)
         for s in batch.process_samples:
             # A node sampler reports for its local workers; a rank for itself.
             rank, attempt = (s.rank, s.restart_count) if sender == "node_rank" else (
@@ -191,12 +206,13 @@ class LiveAggregates:
             # Kept whatever the attempt: a sampler's rows of a new attempt may come before the
             # rank's own first batch; run_data() keeps those of the rank's latest attempt.
             self._rank(rank).process_samples.append(row)
+            self._changed_ranks.add(rank)
         for s in batch.system_samples:
             row = {"node_rank": s.node_rank, "unix_us": s.unix_us, "hostname": s.hostname}
             row.update(zip(_SYSTEM_FIELDS, _optional(s, _SYSTEM_FIELDS)))
             row["gpu_unavailable_reason"] = s.gpu_unavailable_reason or None
-            self.system_samples.setdefault(s.node_rank, deque(maxlen=WINDOW_SAMPLES)).append(row)
-            gpus = self.gpu_samples.setdefault(s.node_rank, deque(maxlen=WINDOW_SAMPLES * 8))
+            self.system_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_SAMPLES)).append(row)
+            gpus = self.gpu_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_GPU_SAMPLES))
             for g in s.gpus:
                 row = {"node_rank": s.node_rank, "unix_us": s.unix_us,
                        "nvml_index": g.nvml_index, "uuid": g.uuid}  # fmt: skip
@@ -230,12 +246,14 @@ class LiveAggregates:
     def on_node_exit(self, report) -> None:
         """Fold a node's torchrun exit (a wire NodeExit) in, as the store keeps it."""
         self.version += 1
+        self._changed_exits.add(report.node_rank)
         self.node_exits[report.node_rank] = {
             "node_rank": report.node_rank, "hostname": report.hostname,
             "exit_code": report.exit_code, "restart_count": report.restart_count,
             "received_unix_us": time.time_ns() // 1000,
         }  # fmt: skip
         for r in report.ranks:
+            self._changed_ends.add(r.rank)
             self.rank_ends[r.rank] = {
                 "rank": r.rank, "local_rank": r.local_rank, "node_rank": report.node_rank,
                 "end_state": wire.end_state_name(r.end_state),
@@ -245,40 +263,55 @@ class LiveAggregates:
 
     # --- reads -----------------------------------------------------------------------------------
     def run_data(self) -> RunData:
-        """The windows as a RunData (copies: the analysis may run while batches keep coming).
+        """The windows as a RunData (copies: the analysis may run while batches keep coming);
+        O(ranks x window). Ranks ``0 .. world_size - 1`` all appear (empty when nothing of
+        them arrived), the world size being the flag's, else the largest an identity names,
+        else the ranks seen."""
+        return Mirror().apply(self._delta(whole=True, sent=False)).run_data()
 
-        Ranks ``0 .. world_size - 1`` all appear (empty when nothing of them arrived), the
-        world size being the flag's, else the largest an identity names, else the ranks seen.
-        """
-        ranks: dict[int, RankData] = {}
-        for r, rl in self.ranks.items():
-            ranks[r] = RankData(
-                r,
+    def _delta(self, whole: bool, sent: bool = True) -> LiveDelta:
+        """What changed since the last delta sent to the analysis process, or everything
+        when ``whole``; with ``sent``, the marks of what was sent move on (without, it is a
+        copy: :meth:`run_data`). O(the data that arrived since), O(ranks x window) whole."""
+        delta = LiveDelta(whole, self.run_name, self.world_size)
+        ranks = self.ranks if whole else self._changed_ranks
+        for r in ranks:
+            rl = self.ranks.get(r)
+            if rl is None:
+                continue
+            restart, stored, appended = (-1, 0, 0) if whole else self._shipped.get(r, (-1, 0, 0))
+            window = rl.steps.window
+            new = rl.steps_stored - stored
+            reset = restart != rl.restart or new >= len(window["step"])
+            delta.ranks[r] = RankDelta(
                 restart=rl.restart,
-                identity=dict(rl.identity) if rl.identity else None,
-                steps=rl.steps.window_columns(),
+                reset=reset,
+                steps={name: tuple(w) if reset else tuple(last(w, new))
+                       for name, w in window.items()},  # fmt: skip
+                process_samples=rl.process_samples.since(appended),
+                identity=rl.identity,
                 finish=rl.finish,
-                end=self.rank_ends.get(r),
-                process_samples=[p for p in rl.process_samples if p["restart"] == rl.restart],
-                earlier_attempts=dict(rl.earlier_attempts),
                 flops=rl.flops,
+                earlier_attempts=dict(rl.earlier_attempts),
             )
-        for r, end in self.rank_ends.items():
-            ranks.setdefault(r, RankData(r, end=end))
-        world_size = self.world_size or max(
-            [(rd.identity or {}).get("world_size") or 0 for rd in ranks.values()] + [len(ranks)]
-        )
-        for r in range(world_size):
-            ranks.setdefault(r, RankData(r))
-        return RunData(
-            run_name=self.run_name,
-            world_size=world_size,
-            ranks=dict(sorted(ranks.items())),
-            node_exits=dict(self.node_exits),
-            system_samples={n: sorted(s, key=_unix_us) for n, s in self.system_samples.items()},
-            gpu_samples={n: sorted(s, key=_unix_index) for n, s in self.gpu_samples.items()},
-            missing=[],
-        )
+            if sent:
+                self._shipped[r] = (rl.restart, rl.steps_stored, rl.process_samples.appended)
+        for n in self.system_samples.keys() | self.gpu_samples.keys():
+            system, gpus = self.system_samples.get(n, Tail()), self.gpu_samples.get(n, Tail())
+            sent_system, sent_gpus = (0, 0) if whole else self._shipped_nodes.get(n, (0, 0))
+            if system.appended != sent_system:
+                delta.system_samples[n] = system.since(sent_system)
+            if gpus.appended != sent_gpus:
+                delta.gpu_samples[n] = gpus.since(sent_gpus)
+            if sent:
+                self._shipped_nodes[n] = (system.appended, gpus.appended)
+        exits = self.node_exits if whole else self._changed_exits
+        ends = self.rank_ends if whole else self._changed_ends
+        delta.node_exits = {n: self.node_exits[n] for n in exits}
+        delta.rank_ends = {r: self.rank_ends[r] for r in ends}
+        if sent:
+            self._changed_ranks, self._changed_exits, self._changed_ends = set(), set(), set()
+        return delta
 
     def seed(self, store) -> None:
         """Fold in what is already stored for the run: an earlier aggregator of this run (a
@@ -288,6 +321,7 @@ class LiveAggregates:
         in step order (one scan of the steps table, O(stored steps), before serving).
         """
         self.version += 1
+        self._ship_whole = True
         run = load(store, [], steps=False)
         self._identity_world_size = self._identity_world_size or run.world_size
         for r, rd in run.ranks.items():
@@ -297,9 +331,9 @@ class LiveAggregates:
             if rd.end is not None:
                 self.rank_ends[r] = rd.end
         for node, samples in run.system_samples.items():
-            self.system_samples[node] = deque(samples, maxlen=WINDOW_SAMPLES)
+            self.system_samples[node] = Tail(samples, maxlen=WINDOW_SAMPLES)
         for node, samples in run.gpu_samples.items():
-            self.gpu_samples[node] = deque(samples, maxlen=WINDOW_SAMPLES * 8)
+            self.gpu_samples[node] = Tail(samples, maxlen=WINDOW_GPU_SAMPLES)
         self.node_exits.update(run.node_exits)
         fields = len(STEP_FIELDS)
         sql = f"SELECT {', '.join(STEP_FIELDS)}, rank, restart FROM steps ORDER BY rank, restart, step"
@@ -340,57 +374,44 @@ class LiveAggregates:
                 return self._result[1]
             loop = asyncio.get_running_loop()
             await asyncio.sleep(max(0.0, self._next_start - loop.time()))
-            version, run = self.version, self.run_data()
+            version = self.version
             started = loop.time()
-            summary = await self._analyse(loop, run)
+            summary = await self._analyse(loop)
             took = loop.time() - started
             gap = min(took * (1.0 / ANALYSIS_DUTY - 1.0), ANALYSIS_MAX_GAP_S)
             self._next_start = loop.time() + gap
             self._result = (version, summary)
             return summary
 
-    async def _analyse(self, loop, run: RunData) -> dict:
-        """``build_summary(run, live=True)`` in the analysis process (started on first use;
-        started again when it died, e.g. killed: that query fails, the next one works)."""
+    async def _analyse(self, loop) -> dict:
+        """The live summary from the analysis process, sent what changed since the last call
+        (:func:`traceml_aggregator.live_analysis.analyse`). The process is started on first
+        use, and again when it died (e.g. killed: that query fails, the next one works, sent
+        the whole run)."""
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 1,
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_exit_with_parent,
+                initializer=live_analysis.start,
                 initargs=(os.getpid(),),
             )
+            self._ship_whole = True
+        delta = self._delta(whole=self._ship_whole)
+        self._ship_whole = False
         try:
-            return await loop.run_in_executor(self._pool, _live_summary, run)
+            return await loop.run_in_executor(self._pool, live_analysis.analyse, delta)
         except concurrent.futures.process.BrokenProcessPool:
             self._pool.shutdown(wait=False)
             self._pool = None
+            raise
+        except Exception:  # the mirror may hold part of the delta: start it afresh
+            self._ship_whole = True
             raise
 
     def close(self) -> None:
         """Stop the analysis process (after the running computation, if any)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-
-
-#: How often the analysis process checks that the aggregator still lives, s.
-PARENT_CHECK_S = 0.5
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """In the analysis process: exit within :data:`PARENT_CHECK_S` once the aggregator
-    ``parent_pid`` is gone, however it died (SIGKILL included): a worker waiting for its next
-    query would otherwise outlive it."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_CHECK_S)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="traceml-live-parent", daemon=True).start()
-
-
-def _live_summary(run: RunData) -> dict:
-    return build_summary(run, live=True)
 
 
 def with_steps(run: RunData, steps: dict[int, tuple]) -> RunData:

@@ -60,7 +60,11 @@ class Writer:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
         self._task: asyncio.Task | None = None
-        self._busy = False
+        #: Batches queued, and batches through a transaction (stored, duplicate or refused),
+        #: since the start: :meth:`drain` waits for the second to reach the first.
+        self._queued_total = 0
+        self._written_total = 0
+        self._written: asyncio.Condition | None = None
         #: Batches and records stored, and resent batches found already stored (not stored).
         self.batches_stored = 0
         self.records_stored = 0
@@ -90,6 +94,7 @@ class Writer:
             )
         future = asyncio.get_running_loop().create_future()
         self._queued_bytes += size_bytes
+        self._queued_total += 1
         self._queue.put_nowait((batch, future))
         try:
             return await future
@@ -101,12 +106,21 @@ class Writer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait until nothing is queued or being written; False when ``timeout_s`` ran out."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.qsize() or self._busy:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
+        """Wait until every batch queued before this call went through its transaction (later
+        ones do not hold it up, so a flood of batches cannot); False when ``timeout_s`` ran
+        out first."""
+        target = self._queued_total
+        if self._written_total >= target:
+            return True
+        if self._written is None:
+            self._written = asyncio.Condition()
+        try:
+            async with self._written:
+                await asyncio.wait_for(
+                    self._written.wait_for(lambda: self._written_total >= target), timeout_s
+                )
+        except asyncio.TimeoutError:
+            return False
         return True
 
     async def _run(self) -> None:
@@ -114,9 +128,13 @@ class Writer:
             items = [await self._queue.get()]
             while len(items) < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            self._busy = True
-            await self._write(items)
-            self._busy = False
+            try:
+                await self._write(items)
+            finally:
+                self._written_total += len(items)
+                if self._written is not None:
+                    async with self._written:
+                        self._written.notify_all()
 
     async def _write(self, items: list) -> None:
         """Store ``items`` ((batch, future) pairs) in one transaction and resolve the futures.

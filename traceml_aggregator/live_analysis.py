@@ -1,0 +1,224 @@
+"""The live analysis process: a mirror of the live windows, kept from deltas, and the analysis.
+
+:class:`~traceml_aggregator.live.LiveAggregates` keeps the windows on the aggregator's event
+loop; the analysis (:func:`~traceml.analysis.summary.build_summary`, O(ranks x window)) runs in
+a process of its own, so it never holds the GIL of the process that stores batches and sends
+acknowledgements. Each computation ships that process only what changed since the previous one
+(:class:`LiveDelta`: per rank its new steps, the window's last ones; new process, system and GPU
+samples; the small per-rank records that changed), so a live query costs the event loop
+O(the data that arrived since the last query), not O(ranks x window). The process keeps a
+:class:`Mirror` of the windows from those deltas and builds the :class:`RunData` there.
+
+The first delta after the process (re)starts is a whole one (``full``): the mirror starts
+afresh from it. ``LiveAggregates.run_data()`` (the dashboard's copy) is a whole delta applied to
+an empty mirror, so both paths build their RunData with the same code.
+
+The process runs at the lowest CPU priority (nice 19): on a saturated node, the live verdict
+waits for a free core rather than taking one from training or from the aggregator's ingest.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import islice
+
+from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
+from traceml.analysis.summary import build_summary
+from traceml_aggregator.aggregates import in_step_order
+
+#: Most recent steps kept per rank (the live analysis window before alignment and warm-up).
+WINDOW_STEPS = 512
+#: Most recent process samples per rank, and system samples per node, kept.
+WINDOW_SAMPLES = 256
+#: GPU samples kept per node (8 GPUs' worth of system samples).
+WINDOW_GPU_SAMPLES = WINDOW_SAMPLES * 8
+#: How often the analysis process checks that the aggregator still lives, s.
+PARENT_CHECK_S = 0.5
+
+
+class Tail(deque):
+    """A bounded deque that counts what was ever appended, so that a reader can ask for what
+    came after its last look (:meth:`since`) in O(the new items)."""
+
+    def __init__(self, items=(), maxlen: int = WINDOW_SAMPLES) -> None:
+        super().__init__((), maxlen)
+        self.appended = 0
+        self.extend(items)
+
+    def append(self, item) -> None:
+        super().append(item)
+        self.appended += 1
+
+    def extend(self, items) -> None:
+        items = list(items)
+        super().extend(items)
+        self.appended += len(items)
+
+    def since(self, mark: int) -> list:
+        """The items appended after the count was ``mark`` (those still held), oldest first."""
+        return last(self, self.appended - mark)
+
+
+def last(items: deque, count: int) -> list:
+    """The last ``count`` of ``items`` (all of them when fewer), oldest first; O(count)."""
+    if count >= len(items):
+        return list(items)
+    return list(islice(reversed(items), count))[::-1]
+
+
+@dataclass
+class RankDelta:
+    """What changed of one rank since the analysis process last heard of it.
+
+    Attributes:
+        restart: the rank's attempt.
+        reset: the mirror drops the rank's window first (a new attempt, a whole delta, or at
+            least a window of new steps).
+        steps: the new steps, oldest first (the window's last ones): step field -> tuple.
+        process_samples: the new process samples, oldest first.
+        identity, finish, flops, earlier_attempts: the rank's current records (small).
+    """
+
+    restart: int
+    reset: bool
+    steps: dict[str, tuple]
+    process_samples: list[dict]
+    identity: dict | None
+    finish: dict | None
+    flops: dict | None
+    earlier_attempts: dict[int, int]
+
+
+@dataclass
+class LiveDelta:
+    """What changed of the run since the analysis process last heard of it (see the module
+    docstring); ``full`` when it is the whole run (the mirror starts afresh)."""
+
+    full: bool
+    run_name: str
+    world_size: int | None
+    ranks: dict[int, RankDelta] = field(default_factory=dict)
+    system_samples: dict[int, list[dict]] = field(default_factory=dict)
+    gpu_samples: dict[int, list[dict]] = field(default_factory=dict)
+    node_exits: dict[int, dict] = field(default_factory=dict)
+    rank_ends: dict[int, dict] = field(default_factory=dict)
+
+
+@dataclass
+class _MirrorRank:
+    restart: int = 0
+    window: dict[str, deque] = field(default_factory=lambda: _window())
+    process_samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_SAMPLES))
+    identity: dict | None = None
+    finish: dict | None = None
+    flops: dict | None = None
+    earlier_attempts: dict[int, int] = field(default_factory=dict)
+
+
+def _window() -> dict[str, deque]:
+    return {name: deque(maxlen=WINDOW_STEPS) for name in STEP_FIELDS}
+
+
+class Mirror:
+    """The live windows as the analysis process knows them, kept from :class:`LiveDelta`\\ s."""
+
+    def __init__(self) -> None:
+        self.run_name = ""
+        self.world_size: int | None = None
+        self.ranks: dict[int, _MirrorRank] = {}
+        self.system_samples: dict[int, deque] = {}
+        self.gpu_samples: dict[int, deque] = {}
+        self.node_exits: dict[int, dict] = {}
+        self.rank_ends: dict[int, dict] = {}
+
+    def apply(self, delta: LiveDelta) -> Mirror:
+        """Fold ``delta`` in (a whole one replaces everything); returns this mirror."""
+        if delta.full:
+            self.__init__()
+        self.run_name, self.world_size = delta.run_name, delta.world_size
+        for r, d in delta.ranks.items():
+            mr = self.ranks.setdefault(r, _MirrorRank())
+            if d.reset:
+                mr.window = _window()
+            for name, values in d.steps.items():
+                mr.window[name].extend(values)
+            mr.process_samples.extend(d.process_samples)
+            mr.restart, mr.identity, mr.finish = d.restart, d.identity, d.finish
+            mr.flops, mr.earlier_attempts = d.flops, d.earlier_attempts
+        for n, rows in delta.system_samples.items():
+            self.system_samples.setdefault(n, deque(maxlen=WINDOW_SAMPLES)).extend(rows)
+        for n, rows in delta.gpu_samples.items():
+            self.gpu_samples.setdefault(n, deque(maxlen=WINDOW_GPU_SAMPLES)).extend(rows)
+        self.node_exits.update(delta.node_exits)
+        self.rank_ends.update(delta.rank_ends)
+        return self
+
+    def run_data(self) -> RunData:
+        """The windows as a RunData. Ranks ``0 .. world_size - 1`` all appear (empty when
+        nothing of them arrived), the world size being the flag's, else the largest an
+        identity names, else the ranks seen."""
+        ranks: dict[int, RankData] = {}
+        for r, mr in self.ranks.items():
+            ranks[r] = RankData(
+                r,
+                restart=mr.restart,
+                identity=dict(mr.identity) if mr.identity else None,
+                steps=in_step_order({name: tuple(w) for name, w in mr.window.items()}),
+                finish=mr.finish,
+                end=self.rank_ends.get(r),
+                process_samples=[p for p in mr.process_samples if p["restart"] == mr.restart],
+                earlier_attempts=dict(mr.earlier_attempts),
+                flops=mr.flops,
+            )
+        for r, end in self.rank_ends.items():
+            ranks.setdefault(r, RankData(r, end=end))
+        world_size = self.world_size or max(
+            [(rd.identity or {}).get("world_size") or 0 for rd in ranks.values()] + [len(ranks)]
+        )
+        for r in range(world_size):
+            ranks.setdefault(r, RankData(r))
+        return RunData(
+            run_name=self.run_name,
+            world_size=world_size,
+            ranks=dict(sorted(ranks.items())),
+            node_exits=dict(self.node_exits),
+            system_samples={n: sorted(s, key=_unix_us) for n, s in self.system_samples.items()},
+            gpu_samples={n: sorted(s, key=_unix_index) for n, s in self.gpu_samples.items()},
+            missing=[],
+        )
+
+
+# --- in the analysis process ---------------------------------------------------------------------
+_mirror = Mirror()
+
+
+def start(parent_pid: int) -> None:
+    """Initializer of the analysis process: the lowest CPU priority, and an exit within
+    :data:`PARENT_CHECK_S` once the aggregator ``parent_pid`` is gone, however it died (SIGKILL
+    included): a worker waiting for its next query would otherwise outlive it."""
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="traceml-live-parent", daemon=True).start()
+
+
+def analyse(delta: LiveDelta) -> dict:
+    """Fold ``delta`` into this process's mirror; the live summary document of the windows
+    (``build_summary(..., live=True)``)."""
+    return build_summary(_mirror.apply(delta).run_data(), live=True)
+
+
+_unix_us = operator.itemgetter("unix_us")
+_unix_index = operator.itemgetter("unix_us", "nvml_index")
