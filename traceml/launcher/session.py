@@ -24,11 +24,11 @@ claim check and the pushes, never the training.
 from __future__ import annotations
 
 import queue
-import random
 import threading
 import time
 
 from traceml.core import log
+from traceml.core.backoff import Backoff
 from traceml.core.transport import NODE_HEARTBEAT_INTERVAL_S, SESSION_MAX_BACKOFF_S
 
 _log = log.get("launcher")
@@ -203,7 +203,7 @@ class NodeSession:
             ("grpc.min_reconnect_backoff_ms", int(MIN_BACKOFF_S * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(SESSION_MAX_BACKOFF_S * 1000)),
         ]
-        backoff = MIN_BACKOFF_S
+        backoff = Backoff(MIN_BACKOFF_S, SESSION_MAX_BACKOFF_S)
         with open_channel(self.target, options) as channel:
             stub = wire.AggregatorStub(channel)
             while True:
@@ -214,7 +214,7 @@ class NodeSession:
                 attempt.call = stub.NodeSession(self._requests(attempt))
                 try:
                     for down in attempt.call:
-                        backoff = MIN_BACKOFF_S
+                        backoff.reset()
                         if not self._take(down):
                             return  # the claim was refused: there is nothing more to say
                 except grpc.RpcError as exc:
@@ -236,8 +236,7 @@ class NodeSession:
                 if closing:
                     return
                 self.breaks += 1
-                self._wake.wait(backoff * random.uniform(0.5, 1.0))
-                backoff = min(2 * backoff, SESSION_MAX_BACKOFF_S)
+                self._wake.wait(backoff.next())
 
     def _resend(self, attempt: _Attempt) -> _Attempt:
         """What the next stream sends again: the exit and the finalization request, when

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from traceml import settings
+from traceml.core.backoff import Backoff
 from traceml.core.threads import name_os_thread
 from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
 from traceml.sdk import failopen
@@ -99,6 +100,8 @@ FINISH_RESERVE_S = 0.5
 
 #: Longest wait, s, for the aggregator to end the stream after the last acknowledgement.
 _CLOSE_WAIT_S = 1.0
+#: First pause before the sender reconnects after a failed send, s (then doubling).
+FIRST_BACKOFF_S = 0.2
 
 #: Kinds of record a client can carry (the Batch fields they go to).
 STEPS = "step_groups"
@@ -125,7 +128,8 @@ class ClientConfig:
     #: Longest time without a batch while the client has a ``progress`` slot, seconds: a
     #: progress-only batch goes out then (the aggregator's evidence that the rank lives).
     heartbeat_s: float = field(default_factory=lambda: settings.env_float(settings.HEARTBEAT_SEC))
-    #: Longest pause between reconnect attempts, seconds (backoff doubles from 0.2 s).
+    #: Longest pause between reconnect attempts, seconds (the backoff doubles from
+    #: :data:`FIRST_BACKOFF_S`, jittered: :class:`~traceml.core.backoff.Backoff`).
     max_backoff_s: float = 5.0
 
 
@@ -411,14 +415,14 @@ class TelemetryClient:
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
         name_os_thread()
-        backoff = 0.0
+        backoff, wait = Backoff(FIRST_BACKOFF_S, self.config.max_backoff_s), 0.0
         try:
             try:
                 _load_wire()
             except ImportError:
                 pass  # the first send fails on it and says so
             while not self._dead:
-                self._wake.wait(backoff or self.config.flush_interval_s)
+                self._wake.wait(wait or self.config.flush_interval_s)
                 self._wake.clear()
                 if self._dead:
                     return
@@ -427,9 +431,11 @@ class TelemetryClient:
                 except Exception as exc:  # fail-open: a bug here must not kill training
                     self._warn(f"telemetry sender error ({type(exc).__name__}: {exc}); retrying")
                     ok = False
-                backoff = 0.0 if ok else min(max(backoff * 2, 0.2), self.config.max_backoff_s)
+                if ok:
+                    backoff.reset()
+                wait = 0.0 if ok else backoff.next()
                 if self._retry_after_s and not ok:
-                    backoff, self._retry_after_s = self._retry_after_s, 0.0
+                    wait, self._retry_after_s = self._retry_after_s, 0.0
                 if self._closing and self._close_over(ok):
                     if self._stream is not None:  # a clean end: the aggregator sees a close
                         self._stream.close(_CLOSE_WAIT_S)
