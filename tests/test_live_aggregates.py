@@ -193,7 +193,7 @@ def test_each_query_ships_only_what_arrived_since_and_the_mirror_equals_the_wind
     async def query() -> None:
         got = await agg.summary()
         mirror = live_analysis._mirror
-        assert mirror.run_data() == agg.run_data()  # built by the same code from a whole delta
+        assert mirror.run_data() == agg.run_data()  # kept from deltas == read from the windows
         assert (mirror.node_exits, mirror.rank_ends) == (agg.node_exits, agg.rank_ends)
         assert _comparable(got) == _comparable(build_summary(agg.run_data(), live=True))
 

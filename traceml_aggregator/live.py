@@ -52,10 +52,10 @@ from traceml_aggregator.live_analysis import (
     WINDOW_SAMPLES,
     WINDOW_STEPS,
     LiveDelta,
-    Mirror,
     RankDelta,
     Tail,
     last,
+    windows_run_data,
 )
 from traceml_aggregator.load import load
 from traceml_aggregator.store import (
@@ -111,6 +111,11 @@ class RankLive:
     def __post_init__(self) -> None:
         if self.steps is None:
             self.steps = StepState(WINDOW_STEPS, self.series_steps)
+
+    @property
+    def window(self) -> dict:
+        """The live window: step field -> deque of the latest steps, in arrival order."""
+        return self.steps.window
 
     def attempt(self, restart: int) -> bool:
         """Whether data of attempt ``restart`` belongs here: a later attempt starts afresh
@@ -267,12 +272,15 @@ class LiveAggregates:
         O(ranks x window). Ranks ``0 .. world_size - 1`` all appear (empty when nothing of
         them arrived), the world size being the flag's, else the largest an identity names,
         else the ranks seen."""
-        return Mirror().apply(self._delta(whole=True, sent=False)).run_data()
+        return windows_run_data(
+            self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
+            self.system_samples, self.gpu_samples,
+        )  # fmt: skip
 
-    def _delta(self, whole: bool, sent: bool = True) -> LiveDelta:
-        """What changed since the last delta sent to the analysis process, or everything
-        when ``whole``; with ``sent``, the marks of what was sent move on (without, it is a
-        copy: :meth:`run_data`). O(the data that arrived since), O(ranks x window) whole."""
+    def _delta(self, whole: bool) -> LiveDelta:
+        """What changed since the last delta sent to the analysis process (everything when
+        ``whole``), and the marks of what was sent move on. O(the data that arrived since),
+        O(ranks x window) when whole."""
         delta = LiveDelta(whole, self.run_name, self.world_size)
         ranks = self.ranks if whole else self._changed_ranks
         for r in ranks:
@@ -280,7 +288,7 @@ class LiveAggregates:
             if rl is None:
                 continue
             restart, stored, appended = (-1, 0, 0) if whole else self._shipped.get(r, (-1, 0, 0))
-            window = rl.steps.window
+            window = rl.window
             new = rl.steps_stored - stored
             reset = restart != rl.restart or new >= len(window["step"])
             delta.ranks[r] = RankDelta(
@@ -294,8 +302,7 @@ class LiveAggregates:
                 flops=rl.flops,
                 earlier_attempts=dict(rl.earlier_attempts),
             )
-            if sent:
-                self._shipped[r] = (rl.restart, rl.steps_stored, rl.process_samples.appended)
+            self._shipped[r] = (rl.restart, rl.steps_stored, rl.process_samples.appended)
         for n in self.system_samples.keys() | self.gpu_samples.keys():
             system, gpus = self.system_samples.get(n, Tail()), self.gpu_samples.get(n, Tail())
             sent_system, sent_gpus = (0, 0) if whole else self._shipped_nodes.get(n, (0, 0))
@@ -303,14 +310,12 @@ class LiveAggregates:
                 delta.system_samples[n] = system.since(sent_system)
             if gpus.appended != sent_gpus:
                 delta.gpu_samples[n] = gpus.since(sent_gpus)
-            if sent:
-                self._shipped_nodes[n] = (system.appended, gpus.appended)
+            self._shipped_nodes[n] = (system.appended, gpus.appended)
         exits = self.node_exits if whole else self._changed_exits
         ends = self.rank_ends if whole else self._changed_ends
         delta.node_exits = {n: self.node_exits[n] for n in exits}
         delta.rank_ends = {r: self.rank_ends[r] for r in ends}
-        if sent:
-            self._changed_ranks, self._changed_exits, self._changed_ends = set(), set(), set()
+        self._changed_ranks, self._changed_exits, self._changed_ends = set(), set(), set()
         return delta
 
     def seed(self, store) -> None:

@@ -26,8 +26,10 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
 from traceml.analysis.summary import build_summary
@@ -163,38 +165,59 @@ class Mirror:
         return self
 
     def run_data(self) -> RunData:
-        """The windows as a RunData. Ranks ``0 .. world_size - 1`` all appear (empty when
-        nothing of them arrived), the world size being the flag's, else the largest an
-        identity names, else the ranks seen."""
-        ranks: dict[int, RankData] = {}
-        for r, mr in self.ranks.items():
-            ranks[r] = RankData(
-                r,
-                restart=mr.restart,
-                identity=dict(mr.identity) if mr.identity else None,
-                steps=in_step_order({name: tuple(w) for name, w in mr.window.items()}),
-                finish=mr.finish,
-                end=self.rank_ends.get(r),
-                process_samples=[p for p in mr.process_samples if p["restart"] == mr.restart],
-                earlier_attempts=dict(mr.earlier_attempts),
-                flops=mr.flops,
-            )
-        for r, end in self.rank_ends.items():
-            ranks.setdefault(r, RankData(r, end=end))
-        world_size = self.world_size or max(
-            [(rd.identity or {}).get("world_size") or 0 for rd in ranks.values()] + [len(ranks)]
+        """The windows as a RunData (:func:`windows_run_data`)."""
+        return windows_run_data(
+            self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
+            self.system_samples, self.gpu_samples,
+        )  # fmt: skip
+
+
+def windows_run_data(
+    run_name: str,
+    world_size: int | None,
+    ranks: Mapping[int, Any],
+    rank_ends: Mapping[int, dict],
+    node_exits: Mapping[int, dict],
+    system_samples: Mapping[int, deque],
+    gpu_samples: Mapping[int, deque],
+) -> RunData:
+    """Live windows as a RunData (copies), for the mirror and for the aggregates themselves.
+
+    ``ranks`` maps a rank to its window: anything with ``restart``, ``identity``, ``window``
+    (step field -> deque), ``finish``, ``process_samples``, ``earlier_attempts`` and ``flops``.
+    Ranks ``0 .. world_size - 1`` all appear (empty when nothing of them arrived), the world
+    size being ``world_size``, else the largest an identity names, else the ranks seen; a
+    rank's process samples are those of its latest attempt. O(ranks x window).
+    """
+    out: dict[int, RankData] = {}
+    for r, w in ranks.items():
+        out[r] = RankData(
+            r,
+            restart=w.restart,
+            identity=dict(w.identity) if w.identity else None,
+            steps=in_step_order({name: tuple(c) for name, c in w.window.items()}),
+            finish=w.finish,
+            end=rank_ends.get(r),
+            process_samples=[p for p in w.process_samples if p["restart"] == w.restart],
+            earlier_attempts=dict(w.earlier_attempts),
+            flops=w.flops,
         )
-        for r in range(world_size):
-            ranks.setdefault(r, RankData(r))
-        return RunData(
-            run_name=self.run_name,
-            world_size=world_size,
-            ranks=dict(sorted(ranks.items())),
-            node_exits=dict(self.node_exits),
-            system_samples={n: sorted(s, key=_unix_us) for n, s in self.system_samples.items()},
-            gpu_samples={n: sorted(s, key=_unix_index) for n, s in self.gpu_samples.items()},
-            missing=[],
-        )
+    for r, end in rank_ends.items():
+        out.setdefault(r, RankData(r, end=end))
+    world_size = world_size or max(
+        [(rd.identity or {}).get("world_size") or 0 for rd in out.values()] + [len(out)]
+    )
+    for r in range(world_size):
+        out.setdefault(r, RankData(r))
+    return RunData(
+        run_name=run_name,
+        world_size=world_size,
+        ranks=dict(sorted(out.items())),
+        node_exits=dict(node_exits),
+        system_samples={n: sorted(s, key=_unix_us) for n, s in system_samples.items()},
+        gpu_samples={n: sorted(s, key=_unix_index) for n, s in gpu_samples.items()},
+        missing=[],
+    )
 
 
 # --- in the analysis process ---------------------------------------------------------------------
