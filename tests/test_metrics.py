@@ -60,6 +60,10 @@ def test_metrics_parse_and_their_step_counts_match_the_store(tmp_path):
         for rank, n in ((0, 300), (1, 1234)):
             for b in rank_batches(rank, n):
                 push(agg.target, b)
+        # rank 1's sender has dropped 7 records so far (buffer full): known before its finish
+        late = wire.Batch(run_name=RUN, rank=1, seq=len(rank_batches(1, 1234)) + 1)
+        late.counts.records_dropped, late.counts.records_produced = 7, 1250
+        push(agg.target, late)
         node = wire.Batch(run_name=RUN, node_rank=1, seq=1)
         s = node.system_samples.add(unix_us=START_US, node_rank=1, hostname="h1",
                                     cpu_percent=42.0, ram_used_bytes=1 << 30)  # fmt: skip
@@ -93,7 +97,8 @@ def test_metrics_parse_and_their_step_counts_match_the_store(tmp_path):
         ({"node": "1", "gpu": "3"}, 88.0)
     ]
     assert [s.value for s in families["traceml_node_cpu_percent"]] == [42.0]
-    assert families["traceml_records_dropped_total"] == []  # no finish marker yet
+    dropped = by_rank(families["traceml_records_dropped_total"], "traceml_records_dropped_total")
+    assert dropped == {"1": 7.0}  # rank 0's batches carried no counts, and no finish marker
 
 
 def test_a_bad_metrics_port_is_refused_in_one_line(tmp_path):

@@ -107,6 +107,9 @@ class RankLive:
     process_samples: Tail = field(default_factory=Tail)
     earlier_attempts: dict[int, int] = field(default_factory=dict)
     flops: dict | None = None  # as the store's rank_flops row
+    #: The attempt's latest running totals (the wire's SenderCounts: ``records_produced``,
+    #: ``records_dropped``, ``steps_produced``, ``steps_dropped``), None before a batch with them.
+    counts: dict | None = None
 
     def __post_init__(self) -> None:
         if self.steps is None:
@@ -236,6 +239,11 @@ class LiveAggregates:
             names, columns = step_group_columns(group)
             if names:
                 rl.fold_steps(names, columns)
+        if batch.HasField("counts"):
+            c = batch.counts
+            rl.counts = {"records_produced": c.records_produced,
+                         "records_dropped": c.records_dropped,
+                         "steps_produced": c.steps_produced, "steps_dropped": c.steps_dropped}  # fmt: skip
         for count in batch.flops_counts:
             rl.flops = dict(zip(_FLOPS_COLUMNS, (rl.rank, restart) + flops_row(count)))
         if batch.HasField("finish"):

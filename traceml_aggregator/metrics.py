@@ -16,8 +16,8 @@ Series (label ``rank`` is the global rank, ``node`` the node rank, "" when unkno
 * ``traceml_steps_total{rank,node}``: steps stored (this attempt);
 * ``traceml_last_step_timestamp_seconds{rank,node}``: wall clock at the end of the latest
   step (alert on ``time() - traceml_last_step_timestamp_seconds > 300``);
-* ``traceml_records_dropped_total{rank,node}``: records the rank dropped (from its finish
-  marker; absent while it runs);
+* ``traceml_records_dropped_total{rank,node}``: records the rank dropped so far (the running
+  totals every batch carries; absent before its first batch with them);
 * ``traceml_process_cpu_percent``, ``traceml_process_rss_bytes``,
   ``traceml_process_gpu_allocated_bytes{rank,node}``: the latest process sample;
 * ``traceml_node_cpu_percent``, ``traceml_node_ram_used_bytes{node}``, and
@@ -69,7 +69,7 @@ def snapshot(live: LiveAggregates) -> tuple[list[dict], list[dict]]:
             "rank": r, "node": "" if node is None else str(node),
             "step_us": list(window["step_us"]), "phases_us": fields,
             "steps": rl.steps_stored, "last_step_unix_s": rl.last_step_unix_s,
-            "dropped": (rl.finish or {}).get("records_dropped"),
+            "dropped": (rl.counts or rl.finish or {}).get("records_dropped"),
             "process": rl.process_samples[-1] if rl.process_samples else None,
         })  # fmt: skip
     nodes = []
@@ -114,7 +114,7 @@ class LiveCollector:
             labels=rl_labels,
         )  # fmt: skip
         dropped = GaugeMetricFamily(
-            "traceml_records_dropped_total", "records the rank dropped (known at its finish)",
+            "traceml_records_dropped_total", "records the rank dropped so far",
             labels=rl_labels,
         )  # fmt: skip
         proc = {
