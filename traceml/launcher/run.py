@@ -321,9 +321,10 @@ class Launch:
 
         It sleeps until torchrun or its aggregator exits (:class:`ExitWatch`: a dead
         aggregator is restarted as it dies) or its next watch is due. Meanwhile node 0 looks at
-        its aggregator every :data:`WATCH_INTERVAL_S` and says, once each, when it died (training goes on without telemetry) and when its watchdog wrote a
-        partial summary because ranks never finished (training goes on: TraceML never stops a
-        job; the user decides). The one exception, on every node: a node-rank claim the
+        its aggregator every :data:`WATCH_INTERVAL_S` and says, once each, when it died
+        (training goes on without telemetry) and when its watchdog wrote a partial summary
+        because ranks never finished (training goes on: TraceML never stops a job; the user
+        decides). The one exception, on every node: a node-rank claim the
         aggregator refused means a node will never join the rendezvous, so torchrun is stopped
         (:meth:`_watch_claims`). A failure of this watch only ends the watch.
         """
@@ -331,7 +332,7 @@ class Launch:
         self._say_where_the_view_is(owner)
         started_unix_s = time.time()
         partial_seen = False
-        stall = StallNotice(self.run_dir.stall_file)
+        stall = StallNotice(self.run_dir.stall_file) if owner else None
         live = self.live_view
         next_watch = time.monotonic() + WATCH_INTERVAL_S
         exits = ExitWatch()  # wakes as torchrun or the aggregator exits, or at the next watch
