@@ -221,3 +221,31 @@ def test_each_query_ships_only_what_arrived_since_and_the_mirror_equals_the_wind
 
     asyncio.run(scenario())
     agg.close()
+
+
+def test_the_live_summary_shows_the_runs_own_records_as_they_change(monkeypatch):
+    """A node lost, or a stall, changes the run's records while no batch arrives: the next
+    query recomputes (an unchanged run would be answered from the last result) and the live
+    verdict names them, as the final summary would."""
+    monkeypatch.setattr(live_analysis, "_mirror", live_analysis.Mirror())
+    monkeypatch.setattr(live_mod, "ANALYSIS_DUTY", 1.0)
+    agg = LiveAggregates("r", 2, executor=ThreadPoolExecutor(1))
+    records = {"node_losses": [], "stall": None}
+    agg.run_records = lambda: dict(records)
+    for r in (0, 1):
+        agg.on_batch(rank_batch(r, 1, range(0, 40)))
+    loss = {"node_rank": 1, "hostname": "h1", "last_heard_unix_s": 35_974.5,
+            "lost_unix_s": 36_000.0, "resumed_unix_s": None, "lost_after_s": 25.0}  # fmt: skip
+
+    async def scenario():
+        before = await agg.summary()
+        records["node_losses"] = [loss]
+        after = await agg.summary()
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    agg.close()
+    health = lambda s: [f["kind"] for f in s["findings"]["health"]]  # noqa: E731
+    assert "NODE_LOST" not in health(before)
+    assert "NODE_LOST" in health(after)
+    assert after["run"]["telemetry_health"]["node_losses"] == [loss]

@@ -41,6 +41,7 @@ import operator
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from traceml import wire
 from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
@@ -174,7 +175,7 @@ class LiveAggregates:
         self.version = 0
         self._pool = executor
         self._lock: asyncio.Lock | None = None
-        self._result: tuple[int, dict] | None = None  # (version, summary)
+        self._result: tuple[int, dict, dict] | None = None  # (version, run records, summary)
         self._next_start = 0.0  # loop.time() before which no computation starts
         # What the analysis process was last sent: per rank (restart, steps stored, process
         # samples appended), per node (system, GPU samples appended); what changed since.
@@ -184,6 +185,10 @@ class LiveAggregates:
         self._changed_ends: set[int] = set()
         self._changed_exits: set[int] = set()
         self._ship_whole = True  # the next delta is a whole one (a new analysis process)
+        #: Gives the run's own records a live summary shows (the aggregator's stall record,
+        #: node losses, refused calls, restarts: ``live_analysis.RUN_RECORDS`` -> value);
+        #: called on the loop at each query. None: no such records (set by the server).
+        self.run_records: Callable[[], dict] | None = None
         #: The world size the first identity named (sizes the ranks' series without the flag).
         self._identity_world_size = 0
 
@@ -282,14 +287,17 @@ class LiveAggregates:
         else the ranks seen."""
         return windows_run_data(
             self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
-            self.system_samples, self.gpu_samples,
+            self.system_samples, self.gpu_samples, self._run_records(),
         )  # fmt: skip
 
-    def _delta(self, whole: bool) -> LiveDelta:
+    def _run_records(self) -> dict:
+        return self.run_records() if self.run_records is not None else {}
+
+    def _delta(self, whole: bool, records: dict) -> LiveDelta:
         """What changed since the last delta sent to the analysis process (everything when
-        ``whole``), and the marks of what was sent move on. O(the data that arrived since),
-        O(ranks x window) when whole."""
-        delta = LiveDelta(whole, self.run_name, self.world_size)
+        ``whole``), with the run's ``records``; the marks of what was sent move on.
+        O(the data that arrived since), O(ranks x window) when whole."""
+        delta = LiveDelta(whole, self.run_name, self.world_size, run_records=records)
         ranks = self.ranks if whole else self._changed_ranks
         for r in ranks:
             rl = self.ranks.get(r)
@@ -381,25 +389,34 @@ class LiveAggregates:
             Exception: whatever the analysis raised (the caller reports it).
         """
         wanted = self.version
-        if self._result is not None and self._result[0] >= wanted:
-            return self._result[1]
+        if self._current(wanted):
+            return self._result[2]
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # one computation at a time, shared by every waiting viewer
-            if self._result is not None and self._result[0] >= wanted:
-                return self._result[1]
+            if self._current(wanted):
+                return self._result[2]
             loop = asyncio.get_running_loop()
             await asyncio.sleep(max(0.0, self._next_start - loop.time()))
-            version = self.version
+            version, records = self.version, self._run_records()
             started = loop.time()
-            summary = await self._analyse(loop)
+            summary = await self._analyse(loop, records)
             took = loop.time() - started
             gap = min(took * (1.0 / ANALYSIS_DUTY - 1.0), ANALYSIS_MAX_GAP_S)
             self._next_start = loop.time() + gap
-            self._result = (version, summary)
+            self._result = (version, records, summary)
             return summary
 
-    async def _analyse(self, loop) -> dict:
+    def _current(self, wanted: int) -> bool:
+        """Whether the last summary covers version ``wanted`` and the run's records as they
+        are now (a hang changes the stall record while no batch comes)."""
+        return (
+            self._result is not None
+            and self._result[0] >= wanted
+            and self._result[1] == self._run_records()
+        )
+
+    async def _analyse(self, loop, records: dict) -> dict:
         """The live summary from the analysis process, sent what changed since the last call
         (:func:`traceml_aggregator.live_analysis.analyse`). The process is started on first
         use, and again when it died (e.g. killed: that query fails, the next one works, sent
@@ -412,7 +429,7 @@ class LiveAggregates:
                 initargs=(os.getpid(),),
             )
             self._ship_whole = True
-        delta = self._delta(whole=self._ship_whole)
+        delta = self._delta(whole=self._ship_whole, records=records)
         self._ship_whole = False
         try:
             return await loop.run_in_executor(self._pool, live_analysis.analyse, delta)

@@ -113,6 +113,15 @@ class LiveDelta:
     gpu_samples: dict[int, list[dict]] = field(default_factory=dict)
     node_exits: dict[int, dict] = field(default_factory=dict)
     rank_ends: dict[int, dict] = field(default_factory=dict)
+    #: The run's own records, whole (each is O(events), not O(ranks x steps)): see
+    #: :data:`RUN_RECORDS`.
+    run_records: dict = field(default_factory=dict)
+
+
+#: The RunData fields a live summary takes from the aggregator's own state (the final summary
+#: reads them from the store's meta entries): the stall record of a hang, the nodes lost, the
+#: calls refused, the aggregator's restarts.
+RUN_RECORDS = ("stall", "node_losses", "rejected", "aggregator_restarts")
 
 
 @dataclass
@@ -141,6 +150,7 @@ class Mirror:
         self.gpu_samples: dict[int, deque] = {}
         self.node_exits: dict[int, dict] = {}
         self.rank_ends: dict[int, dict] = {}
+        self.run_records: dict = {}
 
     def apply(self, delta: LiveDelta) -> Mirror:
         """Fold ``delta`` in (a whole one replaces everything); returns this mirror."""
@@ -162,13 +172,14 @@ class Mirror:
             self.gpu_samples.setdefault(n, deque(maxlen=WINDOW_GPU_SAMPLES)).extend(rows)
         self.node_exits.update(delta.node_exits)
         self.rank_ends.update(delta.rank_ends)
+        self.run_records = delta.run_records
         return self
 
     def run_data(self) -> RunData:
         """The windows as a RunData (:func:`windows_run_data`)."""
         return windows_run_data(
             self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
-            self.system_samples, self.gpu_samples,
+            self.system_samples, self.gpu_samples, self.run_records,
         )  # fmt: skip
 
 
@@ -180,6 +191,7 @@ def windows_run_data(
     node_exits: Mapping[int, dict],
     system_samples: Mapping[int, deque],
     gpu_samples: Mapping[int, deque],
+    run_records: Mapping[str, Any],
 ) -> RunData:
     """Live windows as a RunData (copies), for the mirror and for the aggregates themselves.
 
@@ -187,7 +199,8 @@ def windows_run_data(
     (step field -> deque), ``finish``, ``process_samples``, ``earlier_attempts`` and ``flops``.
     Ranks ``0 .. world_size - 1`` all appear (empty when nothing of them arrived), the world
     size being ``world_size``, else the largest an identity names, else the ranks seen; a
-    rank's process samples are those of its latest attempt. O(ranks x window).
+    rank's process samples are those of its latest attempt; ``run_records`` gives the fields
+    of :data:`RUN_RECORDS` it holds. O(ranks x window).
     """
     out: dict[int, RankData] = {}
     for r, w in ranks.items():
@@ -217,6 +230,7 @@ def windows_run_data(
         system_samples={n: sorted(s, key=_unix_us) for n, s in system_samples.items()},
         gpu_samples={n: sorted(s, key=_unix_index) for n, s in gpu_samples.items()},
         missing=[],
+        **{name: run_records[name] for name in RUN_RECORDS if name in run_records},
     )
 
 

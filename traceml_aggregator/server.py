@@ -374,6 +374,11 @@ async def serve(config: ServerConfig, ready=None) -> int:
         options=[("grpc.so_reuseport", 0)] + server_options(),
     )
     service = AggregatorService(config, writer, state, finalizer, rejections, live, streams)
+    restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
+    live.run_records = lambda: {
+        "stall": hangs.record, "node_losses": list(service.sessions.losses),
+        "rejected": dict(rejections.counts), "aggregator_restarts": list(restarts),
+    }  # fmt: skip
     wire.add_AggregatorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -423,6 +428,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     if config.restart_reason:
         down_since = config.down_since_unix_s if config.down_since_unix_s is not None else time.time()
         entry = await writer.call(record_restart, store, config.restart_reason, down_since)
+        restarts.append(entry)
         _log.info(
             f"restarted on the run's store after {entry['gap_s']:g} s "
             f"without an aggregator ({config.restart_reason})"
