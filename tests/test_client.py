@@ -100,6 +100,22 @@ def test_a_bounded_close_counts_what_it_had_no_time_to_send_in_the_finish_marker
     ]
 
 
+def test_a_rank_client_sends_its_first_record_at_once_and_the_rest_at_the_interval(aggregator):
+    """first_record_at_once (a rank's SDK): the first step goes without waiting for the flush
+    interval (an hour here); the second waits for it."""
+    client = make_client(
+        aggregator.target, "mine", [], flush_interval_s=3600, first_record_at_once=True
+    )
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.acked == 1, timeout_s=20)
+    client.submit(client_mod.STEPS, step(1))
+    time.sleep(0.5)
+    assert (client.stats.acked, client.stats.batches_sent, len(client._buffer)) == (1, 1, 1)
+    assert client.close(finish(2), timeout_s=30) is True
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
+
+
 def test_a_buffered_cpu_step_takes_less_than_the_documented_bound():
     """BUFFERED_RECORD_MAX_BYTES (docs/telemetry.md) against tracemalloc: 20,000 steps of the
     real tracer buffered by a client that never sends."""

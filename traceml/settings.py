@@ -95,7 +95,7 @@ STRICT = Setting(
     "TRACEML_STRICT", "0", "1 lets SDK errors raise into training (for debugging TraceML)."
 )
 FLUSH_INTERVAL_SEC = Setting(
-    "TRACEML_FLUSH_INTERVAL_SEC", "1.0", "Longest time a record waits before it is sent, s."
+    "TRACEML_FLUSH_INTERVAL_SEC", "2.0", "Longest time a record waits before it is sent, s."
 )
 BATCH_MAX_RECORDS = Setting(
     "TRACEML_BATCH_MAX_RECORDS", "512", "Records that trigger a send before the interval."

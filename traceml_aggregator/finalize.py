@@ -41,6 +41,8 @@ class RunState:
     exited_nodes: dict[int, set[int]] = field(default_factory=dict)
     first_end_monotonic: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set once, with :attr:`first_end_monotonic` (the watchdog sleeps on it, not on a timer).
+    first_end: asyncio.Event = field(default_factory=asyncio.Event)
 
     def restore(self, store) -> None:
         """Take what an earlier aggregator of this run stored (a restart on the same store):
@@ -72,6 +74,7 @@ class RunState:
     def _mark_end(self) -> None:
         if self.first_end_monotonic is None:
             self.first_end_monotonic = time.monotonic()
+            self.first_end.set()
         self.changed.set()
 
     def is_done(self, rank: int) -> bool:
@@ -187,8 +190,7 @@ class Finalizer:
 
     async def watchdog(self) -> None:
         """Write a partial summary if ranks are still missing a budget after the first end."""
-        while self.state.first_end_monotonic is None:
-            await asyncio.sleep(0.2)
+        await self.state.first_end.wait()
         deadline = self.state.first_end_monotonic + self.budget_s
         missing = await self.state.wait_done(deadline)
         if missing and self.last is None:

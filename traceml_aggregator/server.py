@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from traceml import wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log
+from traceml.core.heap import freeze_startup_objects
 from traceml.core.rundir import DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
 from traceml_aggregator.auth import TokenInterceptor, server_credentials
@@ -444,6 +445,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     # SERVING nor in the Finalize that the end of the run waits for.
     import traceml.report  # noqa: F401
 
+    freeze_startup_objects()  # start-up is over: see traceml/core/heap.py
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if config.owned:

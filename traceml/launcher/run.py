@@ -49,6 +49,7 @@ import time
 
 from traceml import __version__, settings
 from traceml.core import endpoint, log
+from traceml.core.heap import freeze_startup_objects
 from traceml.launcher import aggregator, claim, credentials
 from traceml.launcher.config import LaunchConfig, LaunchError
 from traceml.launcher.exits import ExitWatch
@@ -330,6 +331,7 @@ class Launch:
         """
         owner = self.config.owns_aggregator
         self._say_where_the_view_is(owner)
+        freeze_startup_objects()  # start-up is over: see traceml/core/heap.py
         started_unix_s = time.time()
         partial_seen = False
         stall = StallNotice(self.run_dir.stall_file) if owner else None

@@ -3,7 +3,8 @@
 One :class:`TelemetryClient` serves one sender (a rank's SDK, or a node's sampler). The
 training thread only calls :meth:`TelemetryClient.submit`, which appends to a bounded deque
 (no lock, no I/O, no allocation beyond the deque slot). A daemon thread wakes every
-``TRACEML_FLUSH_INTERVAL_SEC`` (or when ``TRACEML_BATCH_MAX_RECORDS`` records wait), turns
+``TRACEML_FLUSH_INTERVAL_SEC`` (or when ``TRACEML_BATCH_MAX_RECORDS`` records wait, and, for a
+rank, at its first record: see :attr:`ClientConfig.first_record_at_once`), turns
 buffered items into one :class:`~traceml.wire.Batch` with the next sequence number, and sends it
 on the sender's one bidirectional ``Stream`` (:class:`traceml.sdk.stream.BatchStream`, the
 transport: opened lazily, reopened after a failure). One batch is in flight at a time: the
@@ -131,6 +132,12 @@ class ClientConfig:
     #: Longest pause between reconnect attempts, seconds (the backoff doubles from
     #: :data:`FIRST_BACKOFF_S`, jittered: :class:`~traceml.core.backoff.Backoff`).
     max_backoff_s: float = 5.0
+    #: Send the first record at once rather than a flush interval later (a rank's SDK sets it):
+    #: opening the stream, and the aggregator's intake of the sender's first batch (its
+    #: identity), are one-off costs that then come with the first step, in the warm-up, instead
+    #: of landing an interval into training, and the aggregator knows the rank from its first
+    #: step on.
+    first_record_at_once: bool = False
 
 
 @dataclass
@@ -326,8 +333,10 @@ class TelemetryClient:
                 stats.steps_dropped += 1
             return
         self._buffer.append((kind, item))
-        self.stats.submitted += 1
-        if len(self._buffer) >= self.config.batch_max_records:
+        stats.submitted += 1
+        if len(self._buffer) >= self.config.batch_max_records or (
+            stats.submitted == 1 and self.config.first_record_at_once
+        ):
             self._wake.set()
 
     # --- shutdown ---------------------------------------------------------------------------

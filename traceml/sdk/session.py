@@ -49,6 +49,7 @@ class Session:
             restart_count=info.restart_count,
             identity=self._identity,
             progress=self._progress,
+            config=client_mod.ClientConfig(first_record_at_once=True),
         )
         self.tracer = StepTracer(
             functools.partial(self.client.submit, client_mod.STEPS), time.perf_counter_ns()
