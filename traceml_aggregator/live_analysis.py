@@ -10,8 +10,8 @@ O(the data that arrived since the last query), not O(ranks x window). The proces
 :class:`Mirror` of the windows from those deltas and builds the :class:`RunData` there.
 
 The first delta after the process (re)starts is a whole one (``full``): the mirror starts
-afresh from it. ``LiveAggregates.run_data()`` (the dashboard's copy) is a whole delta applied to
-an empty mirror, so both paths build their RunData with the same code.
+afresh from it. The mirror and ``LiveAggregates.run_data()`` (the dashboard's copy) build their
+RunData with the same :func:`windows_run_data`.
 
 The process runs at a low CPU priority (:data:`NICE`): on a saturated node the scheduler gives
 it about a tenth of a core's share against a busy process, so the live verdict comes later
