@@ -143,6 +143,9 @@ class Mirror:
     """The live windows as the analysis process knows them, kept from :class:`LiveDelta`\\ s."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.run_name = ""
         self.world_size: int | None = None
         self.ranks: dict[int, _MirrorRank] = {}
@@ -155,7 +158,7 @@ class Mirror:
     def apply(self, delta: LiveDelta) -> Mirror:
         """Fold ``delta`` in (a whole one replaces everything); returns this mirror."""
         if delta.full:
-            self.__init__()
+            self._reset()
         self.run_name, self.world_size = delta.run_name, delta.world_size
         for r, d in delta.ranks.items():
             mr = self.ranks.setdefault(r, _MirrorRank())

@@ -118,17 +118,10 @@ def part_columns(steps: StepColumns, clock: Clock) -> dict[str, Sequence[int | N
     columns["input_wait"], outside_us = split_gap(
         columns["input_wait"], steps["dataloader_next_us"]
     )
-    phase_columns = list(columns.values())
-    if None not in outside_us and not any(None in c for c in phase_columns):
-        # every phase on every step (the common case): no per-step filtering, 3x faster
-        residual = [max(0, step_us - outside - sum(phases))
-                    for step_us, outside, *phases in zip(steps["step_us"], outside_us,
-                                                         *phase_columns)]  # fmt: skip
-    else:
-        residual = []
-        for step_us, outside, *phases in zip(steps["step_us"], outside_us, *phase_columns):
-            measured = [v for v in phases if v is not None]
-            residual.append(max(0, step_us - (outside or 0) - sum(measured)) if measured else None)
+    residual = []
+    for step_us, outside, *phases in zip(steps["step_us"], outside_us, *columns.values()):
+        measured = [v for v in phases if v is not None]
+        residual.append(max(0, step_us - (outside or 0) - sum(measured)) if measured else None)
     columns["residual"] = residual
     columns["outside"] = outside_us
     return columns
