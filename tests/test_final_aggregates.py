@@ -175,6 +175,25 @@ def test_the_aggregates_seeded_from_the_store_equal_those_of_the_aggregator_that
     store.close()
 
 
+def test_the_analysis_process_is_at_a_low_priority_from_its_start():
+    """The process is created at NICE, not reniced once its interpreter has started up (that
+    start-up, ~0.6 s of CPU, would take CPU from ingest); the aggregator's own thread keeps
+    its priority."""
+    import psutil
+
+    from traceml_aggregator import live_analysis
+
+    base = os.nice(0)
+    pool = live_analysis.spawn(os.getpid())
+    try:
+        (worker,) = pool._processes.values()
+        assert psutil.Process(worker.pid).nice() == min(19, base + live_analysis.NICE)
+        assert pool.submit(os.nice, 0).result(60) == min(19, base + live_analysis.NICE)
+        assert os.nice(0) == base
+    finally:
+        pool.shutdown()
+
+
 def test_the_live_analysis_runs_in_a_process_of_its_own_and_survives_its_death():
     import psutil
 

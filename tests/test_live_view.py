@@ -22,7 +22,7 @@ from traceml.launcher.live import (
     table,
 )
 from traceml_aggregator.live import LiveAggregates
-from traceml_aggregator.live_rows import SPARK_STEPS, live_ranks
+from traceml_aggregator.live_rows import SPARK_STEPS, LiveRows
 
 NOW = 1_800_000_000.0
 
@@ -184,7 +184,14 @@ def test_live_ranks_take_counts_and_clock_from_the_aggregates():
     }  # fmt: skip
     rl = live._rank(0)
     rl.identity, rl.steps_stored, rl.last_step_unix_s = {"gpu_uuid": "GPU-a"}, 1234, NOW
-    r0, r1 = live_ranks(summary, live)
+    rows = LiveRows()
+
+    def reply() -> wire.SummarizeReply:
+        out = wire.SummarizeReply()
+        rows.fill(out, summary, live)
+        return out
+
+    r0, r1 = reply().ranks
     assert (r0.rank, r0.node_rank, r0.hostname, r0.steps_stored) == (0, 0, "h0", 1234)
     assert (r0.last_step_unix_s, r0.step_time_ms, r0.input_wait_pct) == (NOW, 20.0, 10.0)
     assert dict(r0.phase_median_ms) == {"input_wait": 2.0, "forward": 9.0}
@@ -194,6 +201,10 @@ def test_live_ranks_take_counts_and_clock_from_the_aggregates():
     for name in ("node_rank", "last_step_unix_s", "step_time_ms", "input_wait_pct", "cpu_pct",
                  "gpu_util_pct", "gpu_memory_bytes"):  # fmt: skip
         assert not r1.HasField(name), name
+    # the next reply from the same summary: the summary's figures reused, the aggregates' new
+    rl.steps_stored, rl.last_step_unix_s = 1240, NOW + 2
+    r0 = reply().ranks[0]
+    assert (r0.steps_stored, r0.last_step_unix_s, r0.step_time_ms) == (1240, NOW + 2, 20.0)
     live.close()
 
 

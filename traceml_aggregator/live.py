@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import multiprocessing
 import operator
 import os
 import time
@@ -55,6 +54,7 @@ from traceml_aggregator.live_analysis import (
     LiveDelta,
     RankDelta,
     Tail,
+    analysis_steps,
     last,
     windows_run_data,
 )
@@ -295,9 +295,12 @@ class LiveAggregates:
 
     def _delta(self, whole: bool, records: dict) -> LiveDelta:
         """What changed since the last delta sent to the analysis process (everything when
-        ``whole``), with the run's ``records``; the marks of what was sent move on.
-        O(the data that arrived since), O(ranks x window) when whole."""
-        delta = LiveDelta(whole, self.run_name, self.world_size, run_records=records)
+        ``whole``), with the run's ``records``; the marks of what was sent move on. A rank's
+        steps are its new ones, at most the :func:`analysis_steps` latest (all the analysis
+        covers): O(the data that arrived since), O(ranks x analysis steps) at most."""
+        world = self.world_size or self._identity_world_size or len(self.ranks)
+        keep = analysis_steps(world)
+        delta = LiveDelta(whole, self.run_name, self.world_size, keep, run_records=records)
         ranks = self.ranks if whole else self._changed_ranks
         for r in ranks:
             rl = self.ranks.get(r)
@@ -306,11 +309,11 @@ class LiveAggregates:
             restart, stored, appended = (-1, 0, 0) if whole else self._shipped.get(r, (-1, 0, 0))
             window = rl.window
             new = rl.steps_stored - stored
-            reset = restart != rl.restart or new >= len(window["step"])
+            reset = restart != rl.restart or new >= min(keep, len(window["step"]))
             delta.ranks[r] = RankDelta(
                 restart=rl.restart,
                 reset=reset,
-                steps={name: tuple(w) if reset else tuple(last(w, new))
+                steps={name: tuple(last(w, keep if reset else new))
                        for name, w in window.items()},  # fmt: skip
                 process_samples=rl.process_samples.since(appended),
                 identity=rl.identity,
@@ -422,12 +425,7 @@ class LiveAggregates:
         use, and again when it died (e.g. killed: that query fails, the next one works, sent
         the whole run)."""
         if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                1,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=live_analysis.start,
-                initargs=(os.getpid(),),
-            )
+            self._pool = live_analysis.spawn(os.getpid())
             self._ship_whole = True
         delta = self._delta(whole=self._ship_whole, records=records)
         self._ship_whole = False

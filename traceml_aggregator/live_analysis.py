@@ -21,6 +21,8 @@ a query at 256 ranks wait 7-9 s on the saturated 2-core test machine).
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import operator
 import os
 import threading
@@ -35,8 +37,14 @@ from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
 from traceml.analysis.summary import build_summary
 from traceml_aggregator.aggregates import in_step_order
 
-#: Most recent steps kept per rank (the live analysis window before alignment and warm-up).
+#: Most recent steps kept per rank (the live views' window before alignment and warm-up).
 WINDOW_STEPS = 512
+#: Steps (ranks x steps per rank) the live analysis covers at most, so that it stays cheap as
+#: the world grows: ``build_summary`` costs about 0.9 ms a rank plus 3 µs a step here (256
+#: ranks: 1.5 s of CPU over 512 steps each, 0.48 s over 128). See :func:`analysis_steps`.
+ANALYSIS_POINTS = 32_768
+#: Fewest steps per rank the live analysis covers, however large the world.
+ANALYSIS_MIN_STEPS = 32
 #: Most recent process samples per rank, and system samples per node, kept.
 WINDOW_SAMPLES = 256
 #: GPU samples kept per node (8 GPUs' worth of system samples).
@@ -84,8 +92,9 @@ class RankDelta:
     Attributes:
         restart: the rank's attempt.
         reset: the mirror drops the rank's window first (a new attempt, a whole delta, or at
-            least a window of new steps).
-        steps: the new steps, oldest first (the window's last ones): step field -> tuple.
+            least as many new steps as the analysis covers).
+        steps: the new steps, oldest first (the window's last ones, at most as many as the
+            analysis covers): step field -> tuple.
         process_samples: the new process samples, oldest first.
         identity, finish, flops, earlier_attempts: the rank's current records (small).
     """
@@ -108,6 +117,9 @@ class LiveDelta:
     full: bool
     run_name: str
     world_size: int | None
+    #: Each rank's latest steps the analysis covers (:func:`analysis_steps`); a rank's
+    #: ``steps`` hold at most that many.
+    analysis_steps: int = WINDOW_STEPS
     ranks: dict[int, RankDelta] = field(default_factory=dict)
     system_samples: dict[int, list[dict]] = field(default_factory=dict)
     gpu_samples: dict[int, list[dict]] = field(default_factory=dict)
@@ -135,6 +147,14 @@ class _MirrorRank:
     earlier_attempts: dict[int, int] = field(default_factory=dict)
 
 
+def analysis_steps(world_size: int) -> int:
+    """Steps per rank the live analysis covers (each rank's latest ones) in a world of
+    ``world_size`` ranks: :data:`ANALYSIS_POINTS` shared among the ranks, between
+    :data:`ANALYSIS_MIN_STEPS` and :data:`WINDOW_STEPS` (the whole window up to 64 ranks, 128
+    steps at 256 ranks, 32 from 1,024 ranks on)."""
+    return max(ANALYSIS_MIN_STEPS, min(WINDOW_STEPS, ANALYSIS_POINTS // max(1, world_size)))
+
+
 def _window() -> dict[str, deque]:
     return {name: deque(maxlen=WINDOW_STEPS) for name in STEP_FIELDS}
 
@@ -148,6 +168,7 @@ class Mirror:
     def _reset(self) -> None:
         self.run_name = ""
         self.world_size: int | None = None
+        self.analysis_steps = WINDOW_STEPS
         self.ranks: dict[int, _MirrorRank] = {}
         self.system_samples: dict[int, deque] = {}
         self.gpu_samples: dict[int, deque] = {}
@@ -160,6 +181,7 @@ class Mirror:
         if delta.full:
             self._reset()
         self.run_name, self.world_size = delta.run_name, delta.world_size
+        self.analysis_steps = delta.analysis_steps
         for r, d in delta.ranks.items():
             mr = self.ranks.setdefault(r, _MirrorRank())
             if d.reset:
@@ -179,10 +201,12 @@ class Mirror:
         return self
 
     def run_data(self) -> RunData:
-        """The windows as a RunData (:func:`windows_run_data`)."""
+        """What the live analysis covers, as a RunData (:func:`windows_run_data`): each rank's
+        latest ``analysis_steps`` steps (the last delta's)."""
         return windows_run_data(
             self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
             self.system_samples, self.gpu_samples, self.run_records,
+            steps=self.analysis_steps,
         )  # fmt: skip
 
 
@@ -195,6 +219,7 @@ def windows_run_data(
     system_samples: Mapping[int, deque],
     gpu_samples: Mapping[int, deque],
     run_records: Mapping[str, Any],
+    steps: int = WINDOW_STEPS,
 ) -> RunData:
     """Live windows as a RunData (copies), for the mirror and for the aggregates themselves.
 
@@ -203,7 +228,7 @@ def windows_run_data(
     Ranks ``0 .. world_size - 1`` all appear (empty when nothing of them arrived), the world
     size being ``world_size``, else the largest an identity names, else the ranks seen; a
     rank's process samples are those of its latest attempt; ``run_records`` gives the fields
-    of :data:`RUN_RECORDS` it holds. O(ranks x window).
+    of :data:`RUN_RECORDS` it holds; each rank's latest ``steps`` steps. O(ranks x steps).
     """
     out: dict[int, RankData] = {}
     for r, w in ranks.items():
@@ -211,7 +236,7 @@ def windows_run_data(
             r,
             restart=w.restart,
             identity=dict(w.identity) if w.identity else None,
-            steps=in_step_order({name: tuple(c) for name, c in w.window.items()}),
+            steps=in_step_order({name: tuple(last(c, steps)) for name, c in w.window.items()}),
             finish=w.finish,
             end=rank_ends.get(r),
             process_samples=[p for p in w.process_samples if p["restart"] == w.restart],
@@ -241,14 +266,39 @@ def windows_run_data(
 _mirror = Mirror()
 
 
-def start(parent_pid: int) -> None:
-    """Initializer of the analysis process: a low CPU priority (:data:`NICE`), and an exit within
-    :data:`PARENT_CHECK_S` once the aggregator ``parent_pid`` is gone, however it died (SIGKILL
-    included): a worker waiting for its next query would otherwise outlive it."""
-    try:
-        os.nice(NICE)
-    except OSError:
-        pass
+def spawn(parent_pid: int) -> concurrent.futures.ProcessPoolExecutor:
+    """The analysis process (a one-process pool, started now), at a low CPU priority
+    (:data:`NICE`) from its first instruction: it is created by a thread of its own that lowers
+    its own priority first (on Linux a nice value belongs to a thread, and a child inherits its
+    creator's). Its start-up, a new interpreter importing the aggregator's modules and the
+    analysis (~0.6 s of CPU), would otherwise run at the aggregator's priority and take that
+    CPU from ingest. The pool's own threads in the aggregator (which pickle the deltas and read
+    the results) are created by that thread too, so they run at :data:`NICE` as well. The
+    process exits within :data:`PARENT_CHECK_S` once the aggregator ``parent_pid`` is gone."""
+    pool = concurrent.futures.ProcessPoolExecutor(
+        1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_watch_parent,
+        initargs=(parent_pid,),
+    )
+
+    def start() -> None:
+        try:
+            os.nice(NICE)
+        except OSError:
+            pass
+        pool.submit(int)  # starts the process and the pool's threads, from this thread
+
+    thread = threading.Thread(target=start, name="traceml-live-spawn")
+    thread.start()
+    thread.join()
+    return pool
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Initializer of the analysis process: exit within :data:`PARENT_CHECK_S` once the
+    aggregator ``parent_pid`` is gone, however it died (SIGKILL included): a worker waiting for
+    its next query would otherwise outlive it."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:

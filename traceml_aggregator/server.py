@@ -42,6 +42,7 @@ from traceml_aggregator.auth import TokenInterceptor, server_credentials
 from traceml_aggregator.finalize import Finalizer, RunState
 from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates
+from traceml_aggregator.live_rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.senders import Rejections, check_batch
 from traceml_aggregator.sessions import NodeSessions
@@ -142,6 +143,7 @@ class AggregatorService(wire.AggregatorServicer):
         self.streams = streams
         self.writer = writer
         self.live = live
+        self._live_rows = LiveRows()
         self.state = state
         self.finalizer = finalizer
         self.rejections = rejections
@@ -286,13 +288,11 @@ class AggregatorService(wire.AggregatorServicer):
         reason = self._foreign(request.run_name)
         if reason:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
-        from traceml_aggregator.live_rows import summarize_reply
 
         try:
             await self.writer.drain(SUMMARIZE_DRAIN_S)
-            return summarize_reply(
-                await self.live.summary(), self.live, with_ranks=request.with_ranks
-            )
+            rows = self._live_rows if request.with_ranks else None
+            return summarize_reply(await self.live.summary(), self.live, rows)
         except Exception as exc:  # an analysis bug must not take the aggregator down
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
 
