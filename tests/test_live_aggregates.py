@@ -258,13 +258,43 @@ def test_the_live_analysis_covers_fewer_steps_per_rank_as_the_world_grows():
     assert [live_analysis.analysis_steps(n) for n in sizes] == [512, 512, 504, 128, 32, 32]
     agg = LiveAggregates("r", 256)
     agg.on_batch(rank_batch(0, 1, range(0, 300)))
-    run = live_analysis.Mirror().apply(agg._delta(whole=True, records={})).run_data()
+    run = live_analysis.Mirror().apply(asyncio.run(agg._delta(whole=True, records={}))).run_data()
     assert run.world_size == 256 and sorted(run.ranks) == list(range(256))
     assert list(run.ranks[0].steps["step"]) == list(range(172, 300))  # the latest 128
     assert len(agg.run_data().ranks[0].steps) == 300  # the views' window keeps them all
     agg.on_batch(rank_batch(0, 2, range(300, 310)))
-    delta = agg._delta(whole=False, records={})  # 10 new steps: those alone
+    delta = asyncio.run(agg._delta(whole=False, records={}))  # 10 new steps: those alone
     assert delta.ranks[0].steps["step"] == tuple(range(300, 310)) and not delta.ranks[0].reset
     agg.on_batch(rank_batch(0, 3, range(310, 510)))
-    delta = agg._delta(whole=False, records={})  # 200 new steps: the latest 128 of them
+    delta = asyncio.run(agg._delta(whole=False, records={}))  # 200 new steps: the latest 128 of them
     assert delta.ranks[0].steps["step"] == tuple(range(382, 510)) and delta.ranks[0].reset
+
+
+def test_a_delta_gives_the_loop_back_and_loses_nothing_that_arrives_meanwhile():
+    """A delta of 100 changed ranks returns to the event loop between slices of 32 ranks;
+    steps folded meanwhile go in this delta (a rank not copied yet) or the next (a rank
+    already copied), and a mirror kept from the deltas equals the windows."""
+    agg = LiveAggregates("r", 100)
+    for r in range(100):
+        agg.on_batch(rank_batch(r, 1, range(0, 20)))
+
+    async def scenario():
+        whole = await agg._delta(whole=True, records={})
+        for r in range(100):
+            agg.on_batch(rank_batch(r, 2, range(20, 25)))
+        task = asyncio.ensure_future(agg._delta(whole=False, records={}))
+        await asyncio.sleep(0)  # the delta copies its first slice, then yields
+        assert not task.done()
+        agg.on_batch(rank_batch(0, 3, range(25, 35)))  # copied already: the next delta
+        agg.on_batch(rank_batch(99, 3, range(25, 35)))  # not copied yet: this delta
+        first = await task
+        return whole, first, await agg._delta(whole=False, records={})
+
+    whole, first, second = asyncio.run(scenario())
+    assert first.ranks[0].steps["step"] == tuple(range(20, 25))
+    assert first.ranks[99].steps["step"] == tuple(range(20, 35))
+    assert sorted(second.ranks) == [0, 99]
+    assert second.ranks[0].steps["step"] == tuple(range(25, 35))
+    assert second.ranks[99].steps["step"] == ()
+    mirror = live_analysis.Mirror().apply(whole).apply(first).apply(second)
+    assert mirror.run_data() == agg.run_data()

@@ -72,6 +72,8 @@ ANALYSIS_DUTY = 0.1
 #: Longest pause between two computations, s: a viewer (``traceml.summary()`` waits 30 s at
 #: most) gets an answer within this plus one computation even when the analysis is slow.
 ANALYSIS_MAX_GAP_S = 5.0
+#: Ranks copied into a delta between two returns to the event loop (see ``_delta``).
+DELTA_SLICE_RANKS = 32
 
 _IDENTITY_COLUMNS = (
     "node_rank", "local_rank", "world_size", "local_world_size", "hostname", "pid",
@@ -293,16 +295,25 @@ class LiveAggregates:
     def _run_records(self) -> dict:
         return self.run_records() if self.run_records is not None else {}
 
-    def _delta(self, whole: bool, records: dict) -> LiveDelta:
+    async def _delta(self, whole: bool, records: dict) -> LiveDelta:
         """What changed since the last delta sent to the analysis process (everything when
         ``whole``), with the run's ``records``; the marks of what was sent move on. A rank's
         steps are its new ones, at most the :func:`analysis_steps` latest (all the analysis
-        covers): O(the data that arrived since), O(ranks x analysis steps) at most."""
+        covers): O(the data that arrived since), O(ranks x analysis steps) at most. The loop
+        is given back every :data:`DELTA_SLICE_RANKS` ranks (at 256 ranks a delta is ~15 ms
+        of copies, far longer when the writer's thread holds the GIL meanwhile), so no
+        acknowledgement waits for a whole delta; what arrives meanwhile is in this delta or the
+        next one, never lost: each rank is copied, and its marks moved, at one go."""
         world = self.world_size or self._identity_world_size or len(self.ranks)
         keep = analysis_steps(world)
         delta = LiveDelta(whole, self.run_name, self.world_size, keep, run_records=records)
-        ranks = self.ranks if whole else self._changed_ranks
-        for r in ranks:
+        ranks = list(self.ranks if whole else self._changed_ranks)
+        exits = list(self.node_exits if whole else self._changed_exits)
+        ends = list(self.rank_ends if whole else self._changed_ends)
+        self._changed_ranks, self._changed_exits, self._changed_ends = set(), set(), set()
+        for i, r in enumerate(ranks):
+            if i and not i % DELTA_SLICE_RANKS:
+                await asyncio.sleep(0)
             rl = self.ranks.get(r)
             if rl is None:
                 continue
@@ -330,11 +341,8 @@ class LiveAggregates:
             if gpus.appended != sent_gpus:
                 delta.gpu_samples[n] = gpus.since(sent_gpus)
             self._shipped_nodes[n] = (system.appended, gpus.appended)
-        exits = self.node_exits if whole else self._changed_exits
-        ends = self.rank_ends if whole else self._changed_ends
         delta.node_exits = {n: self.node_exits[n] for n in exits}
         delta.rank_ends = {r: self.rank_ends[r] for r in ends}
-        self._changed_ranks, self._changed_exits, self._changed_ends = set(), set(), set()
         return delta
 
     def seed(self, store) -> None:
@@ -427,7 +435,7 @@ class LiveAggregates:
         if self._pool is None:
             self._pool = live_analysis.spawn(os.getpid())
             self._ship_whole = True
-        delta = self._delta(whole=self._ship_whole, records=records)
+        delta = await self._delta(whole=self._ship_whole, records=records)
         self._ship_whole = False
         try:
             return await loop.run_in_executor(self._pool, live_analysis.analyse, delta)
