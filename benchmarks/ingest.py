@@ -9,9 +9,10 @@ rank count runs both wires side by side in the same run (``--wire``): ``stream``
 (one bidirectional ``Stream`` per rank, a batch up and its Ack down, ended with the
 ``closing`` message), and ``unary`` (one ``Push`` call per batch, the wire before it).
 ``--interval-sec 1`` paces each rank to one batch a second (ack latency and aggregator CPU at
-a realistic load); 0 sends as fast as acknowledgements come (records/s). ``--short`` is the
-CI smoke run: 8 ranks, a few small batches, both wires, both pacings; it must finish, not
-reach the targets. Batches
+a realistic load), all ranks at the same instants, as the SDK's senders of ranks that start
+and step together (``--spread``: each at a random phase of the interval, an alternative measured
+in docs/scale.md); 0 sends as fast as acknowledgements come (records/s). ``--short`` is the CI smoke run: 8 ranks, a few small batches, both wires,
+both pacings; it must finish, not reach the targets. Batches
 are encoded before the clock starts (the per-batch header is joined to a pre-encoded block of
 records: protobuf allows that), so the clients spend their CPU on gRPC, not on protobuf.
 
@@ -27,7 +28,8 @@ ignores the metadata.
 
 With ``--viewers 0 4 --trials N`` the same run goes N times without and with 4 live viewers
 (``Summarize`` at 1 Hz each), alternating, and the medians of ingest rate and ack p99 are
-printed side by side with their ratios (target: within 5 %).
+printed side by side with their ratios, and the median of the ratios of each back-to-back pair
+(which a machine whose speed drifts during the trials distorts less) (target: within 5 %).
 
 Usage: ``python benchmarks/ingest.py [--ranks 1024 4096] [--batches 20] [--records 100]
 [--interval-sec 0 1] [--wire stream unary] [--viewers 0 4] [--trials 3] [--short]``.
@@ -39,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -78,9 +81,12 @@ def step_blocks(batches: int, records: int) -> list[bytes]:
 
 
 async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asyncio.Event,
-                    t: dict, wire_kind: str, interval_s: float) -> None:
+                    t: dict, wire_kind: str, interval_s: float, spread: bool) -> None:
     """One simulated rank: connect, identity batch, then its batches one by one (one every
-    ``interval_s`` at most), on one stream or one Push per batch (``wire_kind``)."""
+    ``interval_s`` at most), on one stream or one Push per batch (``wire_kind``). Paced, every
+    rank sends at the same instants, as the SDK's senders of ranks that start and step together
+    do; ``spread``, each rank's first batch comes a random fraction of the interval later (an
+    alternative the SDK does not take: docs/scale.md)."""
     from traceml import wire
 
     send = (_StreamSender if wire_kind == "stream" else _PushSender)(channel)
@@ -93,7 +99,7 @@ async def rank_task(channel, rank: int, world: int, blocks: list[bytes], go: asy
     await _until_acked(send, first.SerializeToString(), 1, t, None)
     t["first_acked"] = max(t["first_acked"], time.time())
     await go.wait()
-    next_at = time.perf_counter()
+    next_at = time.perf_counter() + (random.Random(rank).uniform(0, interval_s) if spread else 0.0)
     for seq, block in enumerate(blocks, start=2):
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         next_at += interval_s
@@ -181,7 +187,7 @@ def grpc_aio_eof():
 
 
 async def client_main(target: str, ranks: list[int], world: int, batches: int,
-                      records: int, wire_kind: str, interval_s: float) -> dict:
+                      records: int, wire_kind: str, interval_s: float, spread: bool) -> dict:
     """A client process: its ranks' channels and tasks; the times it saw (Unix s)."""
     import grpc
 
@@ -195,7 +201,7 @@ async def client_main(target: str, ranks: list[int], world: int, batches: int,
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in ranks]
     t["created"] = time.time()
     tasks = [
-        asyncio.create_task(rank_task(ch, r, world, blocks, go, t, wire_kind, interval_s))
+        asyncio.create_task(rank_task(ch, r, world, blocks, go, t, wire_kind, interval_s, spread))
         for ch, r in zip(channels, ranks)
     ]
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
@@ -228,9 +234,10 @@ def viewer(target: str, stop: threading.Event, calls: list[float]) -> None:
 
 def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
               wire_kind: str = "stream", interval_s: float = 0.0,
-              summary_at_stop: bool = True) -> dict:
+              summary_at_stop: bool = True, spread: bool = False) -> dict:
     """One run of ``world`` ranks on ``wire_kind`` (``stream`` or ``unary``), each sending at
-    most a batch every ``interval_s``, with ``viewers`` live viewers; prints and returns its
+    most a batch every ``interval_s`` (all at the same instants unless ``spread``: see
+    :func:`rank_task`), with ``viewers`` live viewers; prints and returns its
     figures (records/s, ack median and p99 in s, connect s, aggregator CPU % of a core, RSS
     bytes). Without ``summary_at_stop`` the aggregator writes no summary when stopped."""
     with tempfile.TemporaryDirectory() as tmp, LiveAggregator(
@@ -243,7 +250,7 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
             ranks = list(range(p, world, procs))
             clients.append(subprocess.Popen(
                 [sys.executable, __file__, "--client", agg.target, json.dumps(ranks), str(world),
-                 str(batches), str(records), wire_kind, str(interval_s)],
+                 str(batches), str(records), wire_kind, str(interval_s), str(int(spread))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             ))
         for c in clients:
@@ -292,7 +299,8 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
                "rss_peak": rss_peak}
     view = (f"{viewers} viewers ({len(calls)} Summarize calls, median "
             f"{median(calls) * 1000:.0f} ms)" if calls else f"{viewers} viewers")
-    print(f"  {wire_kind:>6} {world:>5} ranks, a batch every {interval_s:g} s, {view}: channels created {created:.2f} s, all connected {connected:.2f} s, "
+    pacing = " (spread)" if spread and interval_s else ""
+    print(f"  {wire_kind:>6} {world:>5} ranks, a batch every {interval_s:g} s{pacing}, {view}: channels created {created:.2f} s, all connected {connected:.2f} s, "
           f"all identified {identified:.2f} s; "
           f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s "
           f"(aggregator CPU {cpu_s / total * 1e6:.1f} µs a record, "
@@ -305,9 +313,9 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
 
 def main() -> None:
     if sys.argv[1:2] == ["--client"]:
-        target, ranks, world, batches, records, wire_kind, interval_s = sys.argv[2:]
+        target, ranks, world, batches, records, wire_kind, interval_s, spread = sys.argv[2:]
         t = asyncio.run(client_main(target, json.loads(ranks), int(world), int(batches),
-                                    int(records), wire_kind, float(interval_s)))
+                                    int(records), wire_kind, float(interval_s), spread == "1"))
         print(json.dumps(t))
         return
     parser = argparse.ArgumentParser()
@@ -323,6 +331,8 @@ def main() -> None:
                         help="the wires to run side by side, in this order")
     parser.add_argument("--interval-sec", type=float, nargs="+", default=[0.0],
                         help="least seconds between two batches of a rank; each is one run")
+    parser.add_argument("--spread", action="store_true",
+                        help="paced ranks start at random phases of the interval, not together")
     parser.add_argument("--no-summary", action="store_true",
                         help="the aggregator writes no summary at stop (ingest figures only)")
     parser.add_argument("--short", action="store_true",
@@ -344,16 +354,21 @@ def main() -> None:
                     for viewers in args.viewers:
                         runs[viewers].append(run_world(
                             world, args.procs, args.batches, args.records, viewers, wire_kind,
-                            interval_s, not args.no_summary,
+                            interval_s, not args.no_summary, args.spread,
                         ))  # fmt: skip
                 medians = {v: {k: median([f[k] for f in fs]) for k in fs[0]} for v, fs in runs.items()}
                 base = side[wire_kind] = medians[args.viewers[0]]
                 for viewers, m in medians.items():
                     if viewers == args.viewers[0]:
                         continue
+                    pairs = list(zip(runs[viewers], runs[args.viewers[0]]))
+                    paired = {k: median([a[k] / b[k] for a, b in pairs]) for k in ("rate", "ack_p99")}
                     print(f"        {wire_kind}, {viewers} viewers against {args.viewers[0]} "
                           f"(medians of {args.trials}): ingest rate x{m['rate'] / base['rate']:.3f}, "
-                          f"ack p99 x{m['ack_p99'] / base['ack_p99']:.3f} (target: within 5 %)")
+                          f"ack p99 x{m['ack_p99'] / base['ack_p99']:.3f}; median of the "
+                          f"{args.trials} back-to-back pairs' ratios: ingest rate "
+                          f"x{paired['rate']:.3f}, ack p99 x{paired['ack_p99']:.3f} "
+                          f"(target: within 5 %)")
             if len(side) == 2:
                 st, un = side["stream"], side["unary"]
                 print(f"        stream against unary, {world} ranks, a batch every {interval_s:g} s: "

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import random
 
+#: The jitter's random source: the operating system's (``os.urandom`` at each draw), never the
+#: process's shared ``random`` state, which training seeds and uses: a script draws the same
+#: numbers with and without TraceML, and ranks seeded alike still jitter apart.
+_JITTER = random.SystemRandom()
+
 
 class Backoff:
     """Waits that double from ``first_s`` to at most ``max_s`` (s), one step per failed
@@ -32,4 +37,4 @@ class Backoff:
     def next(self) -> float:
         """The wait before the next attempt, s (in ``[step / 2, step]``)."""
         self._step = min(2 * self._step, self.max_s) if self._step else self.first_s
-        return self._step * random.uniform(0.5, 1.0)
+        return self._step * _JITTER.uniform(0.5, 1.0)
