@@ -151,8 +151,8 @@ class GrowingRun:
     def version(self) -> int:
         return self._version
 
-    def run_data(self) -> RunData:
-        return _run(self.last_step)
+    async def snapshot(self, summary: dict | None, version: int) -> Snapshot:
+        return Snapshot(_run(self.last_step), summary, live=True, version=version)
 
     async def summary(self) -> dict:
         return SUMMARY
@@ -213,7 +213,8 @@ def test_a_stored_run_is_read_only_and_a_held_store_is_refused(tmp_path):
     writer.close()
     before = (tmp_path / "telemetry.sqlite").read_bytes()
     source = StoredSource(tmp_path)
-    assert source.run_data().run_name == "held" and source.version() == 0
+    snapshot = asyncio.run(source.snapshot(None, source.version()))
+    assert snapshot.tables["run"]["run_name"] == "held" and source.version() == 0
     assert (tmp_path / "telemetry.sqlite").read_bytes() == before
 
 

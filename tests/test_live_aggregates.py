@@ -298,3 +298,30 @@ def test_a_delta_gives_the_loop_back_and_loses_nothing_that_arrives_meanwhile():
     assert second.ranks[99].steps["step"] == ()
     mirror = live_analysis.Mirror().apply(whole).apply(first).apply(second)
     assert mirror.run_data() == agg.run_data()
+
+
+def test_the_dashboards_snapshot_is_built_from_the_mirror_as_from_the_windows(monkeypatch):
+    """LiveAggregates.snapshot builds the dashboard's Snapshot in the analysis process, from
+    the mirror kept by deltas: the same frame as a Snapshot of the windows themselves, after a
+    first snapshot and after new steps."""
+    from traceml_aggregator.dashboard.frames import Cursor, Snapshot
+
+    monkeypatch.setattr(live_analysis, "_mirror", live_analysis.Mirror())
+    agg = LiveAggregates("r", 2, executor=ThreadPoolExecutor(1))  # the process's code, in-process
+
+    def frame(snapshot) -> dict:
+        return {k: v for k, v in snapshot.frame(Cursor()).items() if k != "run"}
+
+    async def scenario() -> None:
+        for r in (0, 1):
+            agg.on_batch(rank_batch(r, 1, range(0, 40), slow_input=4000 * r))
+        summary = await agg.summary()
+        for version in (1, 2):
+            got = await agg.snapshot(summary, version)
+            want = Snapshot(agg.run_data(), summary, live=True, version=version)
+            assert got.version == version and frame(got) == frame(want)
+            assert got.frame(Cursor())["steps"]["1"]["step"] == list(range(0, 40 + 10 * (version - 1)))
+            agg.on_batch(rank_batch(1, 2, range(40, 50)))
+
+    asyncio.run(scenario())
+    agg.close()

@@ -1,17 +1,20 @@
-"""The live analysis process: a mirror of the live windows, kept from deltas, and the analysis.
+"""The live analysis process: a mirror of the live windows, kept from deltas, the analysis and
+the dashboard's snapshots.
 
 :class:`~traceml_aggregator.live.LiveAggregates` keeps the windows on the aggregator's event
-loop; the analysis (:func:`~traceml.analysis.summary.build_summary`, O(ranks x window)) runs in
-a process of its own, so it never holds the GIL of the process that stores batches and sends
-acknowledgements. Each computation ships that process only what changed since the previous one
-(:class:`LiveDelta`: per rank its new steps, the window's last ones; new process, system and GPU
-samples; the small per-rank records that changed), so a live query costs the event loop
-O(the data that arrived since the last query), not O(ranks x window). The process keeps a
-:class:`Mirror` of the windows from those deltas and builds the :class:`RunData` there.
+loop; the analysis (:func:`~traceml.analysis.summary.build_summary`, O(ranks x steps)) and the
+dashboard's :class:`~traceml_aggregator.dashboard.frames.Snapshot` are built in a process of its
+own, so neither holds the GIL of the process that stores batches and sends acknowledgements.
+Each call ships that process only what changed since the previous one (:class:`LiveDelta`: per
+rank its new steps, at most those the analysis covers; new process, system and GPU samples; the
+small per-rank records that changed), so it costs the event loop O(the data that arrived since
+the last call), not O(ranks x window). The process keeps a :class:`Mirror` of the windows from
+those deltas and builds the :class:`RunData` there. The analysis covers each rank's latest
+:func:`analysis_steps` steps, so that its cost stays bounded as the world grows.
 
 The first delta after the process (re)starts is a whole one (``full``): the mirror starts
-afresh from it. The mirror and ``LiveAggregates.run_data()`` (the dashboard's copy) build their
-RunData with the same :func:`windows_run_data`.
+afresh from it. The mirror and ``LiveAggregates.run_data()`` build their RunData with the same
+:func:`windows_run_data`.
 
 The process runs at a low CPU priority (:data:`NICE`): on a saturated node the scheduler gives
 it about a tenth of a core's share against a busy process, so the live verdict comes later
@@ -36,6 +39,7 @@ from typing import Any
 from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
 from traceml.analysis.summary import build_summary
 from traceml_aggregator.aggregates import in_step_order
+from traceml_aggregator.dashboard.frames import Snapshot
 
 #: Most recent steps kept per rank (the live views' window before alignment and warm-up).
 WINDOW_STEPS = 512
@@ -200,13 +204,14 @@ class Mirror:
         self.run_records = delta.run_records
         return self
 
-    def run_data(self) -> RunData:
-        """What the live analysis covers, as a RunData (:func:`windows_run_data`): each rank's
-        latest ``analysis_steps`` steps (the last delta's)."""
+    def run_data(self, steps: int | None = None) -> RunData:
+        """The windows as a RunData (:func:`windows_run_data`): each rank's latest ``steps``
+        steps, by default those the live analysis covers (the last delta's
+        ``analysis_steps``)."""
         return windows_run_data(
             self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
             self.system_samples, self.gpu_samples, self.run_records,
-            steps=self.analysis_steps,
+            steps=steps or self.analysis_steps,
         )  # fmt: skip
 
 
@@ -312,6 +317,14 @@ def analyse(delta: LiveDelta) -> dict:
     """Fold ``delta`` into this process's mirror; the live summary document of the windows
     (``build_summary(..., live=True)``)."""
     return build_summary(_mirror.apply(delta).run_data(), live=True)
+
+
+def snapshot(delta: LiveDelta, summary: dict | None, version: int) -> Snapshot:
+    """Fold ``delta`` into this process's mirror; the dashboard's snapshot of the whole
+    windows (each rank's latest steps as the mirror holds them: at least those the analysis
+    covers, up to :data:`WINDOW_STEPS`) with ``summary``, covering ``version``."""
+    run = _mirror.apply(delta).run_data(steps=WINDOW_STEPS)
+    return Snapshot(run, summary, live=True, version=version)
 
 
 _unix_us = operator.itemgetter("unix_us")

@@ -17,10 +17,10 @@ wrong (compared in constant time, :func:`hmac.compare_digest`); a header
 
 Cost: one :class:`~traceml_aggregator.dashboard.frames.Snapshot` at most every
 :data:`REFRESH_S`, and only while someone watches and the data changed, shared by every viewer;
-each viewer then costs only its new points (and the tables: O(ranks)). The snapshot's
-``run_data()`` copy is taken on the loop (O(ranks x window) for the live aggregates), the
-snapshot itself is built on a thread; building takes at most :data:`BUILD_DUTY` of the time
-(figures: ``benchmarks/dashboard.py``).
+each viewer then costs only its new points (and the tables: O(ranks)). A live snapshot is built
+in the live analysis process from its mirror of the windows, the loop paying only what changed
+since the last one; a stored run's on a thread. Building takes at most :data:`BUILD_DUTY` of the
+time (figures: ``benchmarks/dashboard.py``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ STATIC_DIR = Path(__file__).with_name("static")
 REFRESH_S = 1.0
 #: Seconds between two keep-alive comments on an idle event stream.
 KEEPALIVE_S = 15.0
-#: Largest fraction of wall time spent building snapshots (the copy of the live windows on the
-#: event loop, the rest on a thread), as the live analysis's ANALYSIS_DUTY bounds its own.
+#: Largest fraction of wall time spent building snapshots (in the live analysis process, or on
+#: a thread for a stored run), as the live analysis's ANALYSIS_DUTY bounds its own.
 BUILD_DUTY = 0.1
 #: Seconds after the last viewer's last request when the live verdict stops being refreshed.
 IDLE_AFTER_S = 10.0
@@ -108,10 +108,7 @@ class Hub:
             )
             if not fresh:
                 started = time.monotonic()
-                run, summary = self.source.run_data(), self._summary
-                self._snapshot = await asyncio.to_thread(
-                    Snapshot, run, summary, live=self.source.live, version=key[0]
-                )
+                self._snapshot = await self.source.snapshot(self._summary, key[0])
                 self._built_for = key
                 took = time.monotonic() - started
                 self._next_build = time.monotonic() + max(

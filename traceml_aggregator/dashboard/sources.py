@@ -4,19 +4,21 @@ A source answers three things (the whole boundary between the dashboard and the 
 aggregator, so a change in how the live aggregates are kept touches only :class:`LiveSource`):
 
 * ``version()``: a counter that changes whenever the data may have changed;
-* ``run_data()``: the run as a :class:`~traceml.analysis.rundata.RunData` (a copy; called on
-  the event loop);
+* ``await snapshot(summary, version)``: the run's
+  :class:`~traceml_aggregator.dashboard.frames.Snapshot` with ``summary``, built off the event
+  loop;
 * ``await summary()``: the run's summary document, or None while there is none.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
-from traceml.analysis.rundata import RunData
 from traceml.core.rundir import DATABASE_NAME, SUMMARY_JSON_NAME
 from traceml.core import log
+from traceml_aggregator.dashboard.frames import Snapshot
 
 _log = log.get("aggregator")
 
@@ -36,9 +38,11 @@ class LiveSource:
         """Changes applied to the aggregates so far."""
         return self._live.version
 
-    def run_data(self) -> RunData:
-        """The windows as a RunData: O(ranks x window)."""
-        return self._live.run_data()
+    async def snapshot(self, summary: dict | None, version: int) -> Snapshot:
+        """The windows' snapshot, built in the live analysis process
+        (:meth:`~traceml_aggregator.live.LiveAggregates.snapshot`): the loop pays only what
+        changed since the last one."""
+        return await self._live.snapshot(summary, version)
 
     async def summary(self) -> dict | None:
         """The live summary document; None when its analysis failed (said once)."""
@@ -88,9 +92,9 @@ class StoredSource:
         """Always 0: a stored run does not change."""
         return 0
 
-    def run_data(self) -> RunData:
-        """The whole stored run."""
-        return self._run
+    async def snapshot(self, summary: dict | None, version: int) -> Snapshot:
+        """The whole stored run's snapshot, built on a thread."""
+        return await asyncio.to_thread(Snapshot, self._run, summary, live=False, version=version)
 
     async def summary(self) -> dict | None:
         """``final_summary.json``, or the summary computed from the store."""
