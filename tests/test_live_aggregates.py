@@ -325,3 +325,22 @@ def test_the_dashboards_snapshot_is_built_from_the_mirror_as_from_the_windows(mo
 
     asyncio.run(scenario())
     agg.close()
+
+
+def test_a_snapshot_does_not_wait_for_the_live_summarys_pause(monkeypatch):
+    """While a live summary waits out its pause between two computations (holding its own
+    lock), the dashboard's snapshot is built at once."""
+    monkeypatch.setattr(live_analysis, "_mirror", live_analysis.Mirror())
+    agg = LiveAggregates("r", 2, executor=ThreadPoolExecutor(1))
+    agg.on_batch(rank_batch(0, 1, range(0, 40)))
+
+    async def scenario() -> None:
+        agg._next_start = asyncio.get_running_loop().time() + 30  # the next summary in 30 s
+        waiting = asyncio.ensure_future(agg.summary())
+        await asyncio.sleep(0.05)
+        snapshot = await asyncio.wait_for(agg.snapshot(None, 7), 5)
+        assert snapshot.version == 7 and not waiting.done()
+        waiting.cancel()
+
+    asyncio.run(scenario())
+    agg.close()

@@ -176,7 +176,8 @@ class LiveAggregates:
         #: Changes applied so far (a summary computed at version v covers everything before).
         self.version = 0
         self._pool = executor
-        self._lock: asyncio.Lock | None = None
+        self._lock: asyncio.Lock | None = None  # the live summary's: one computation at a time
+        self._ship_lock: asyncio.Lock | None = None  # see _in_analysis_process
         self._result: tuple[int, dict, dict] | None = None  # (version, run records, summary)
         self._next_start = 0.0  # loop.time() before which no computation starts
         # What the analysis process was last sent: per rank (restart, steps stored, process
@@ -432,33 +433,39 @@ class LiveAggregates:
         windows with ``summary`` (the live verdict), built in the analysis process from its
         mirror (:func:`traceml_aggregator.live_analysis.snapshot`): the event loop pays the
         delta only, not a copy of every window, and the building (~0.3 s at 256 ranks) holds
-        no GIL of the aggregator. One computation at a time, with the live summary's.
+        no GIL of the aggregator. It never waits for the live summary's pause between two
+        computations (the dashboard bounds its own share of the time).
 
         Raises:
             Exception: whatever building it raised (the process's death included).
         """
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            return await self._in_analysis_process(
-                self._run_records(), live_analysis.snapshot, summary, version
-            )
+        return await self._in_analysis_process(
+            self._run_records(), live_analysis.snapshot, summary, version
+        )
 
     async def _in_analysis_process(self, records: dict, fn, *args):
         """``fn(delta, *args)`` in the analysis process (a function of
         :mod:`traceml_aggregator.live_analysis`), ``delta`` being what changed since the last
-        call, with the run's ``records``. The process is started on first use, and again when
-        it died (e.g. killed: that call fails, the next one works, sent the whole run)."""
-        if self._pool is None:
-            self._pool = live_analysis.spawn(os.getpid())
-            self._ship_whole = True
-        delta = await self._delta(whole=self._ship_whole, records=records)
-        self._ship_whole = False
+        call, with the run's ``records``. Deltas reach the process in the order they were made
+        (one process, calls queued in order). The process is started on first use, and again
+        when it died (e.g. killed: that call fails, the next one works, sent the whole run)."""
+        if self._ship_lock is None:
+            self._ship_lock = asyncio.Lock()
+        pool = None
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, delta, *args)
+            async with self._ship_lock:  # a delta made and queued at one go
+                if self._pool is None:
+                    self._pool = live_analysis.spawn(os.getpid())
+                    self._ship_whole = True
+                pool = self._pool
+                delta = await self._delta(whole=self._ship_whole, records=records)
+                self._ship_whole = False
+                result = asyncio.get_running_loop().run_in_executor(pool, fn, delta, *args)
+            return await result
         except concurrent.futures.process.BrokenProcessPool:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+            if self._pool is pool:
+                pool.shutdown(wait=False)
+                self._pool = None
             raise
         except Exception:  # the mirror may hold part of the delta: start it afresh
             self._ship_whole = True
