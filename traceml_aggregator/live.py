@@ -19,9 +19,11 @@ process of its own (spawned on the first query, at a low CPU priority: see
 :mod:`traceml_aggregator.live_analysis`), so the analysis never takes the GIL from the thread
 that stores batches and the loop that sends acknowledgements. The process keeps a mirror of the
 windows; each computation ships it only what changed since the previous one, so a query costs
-the loop O(the data that arrived since the last query). While a rank has stored at most
-:data:`WINDOW_STEPS` steps, its window holds all of them, so for such a run the live verdict and
-the final summary are computed from the same steps and agree.
+the loop O(the data that arrived since the last query). The analysis covers each rank's latest
+:func:`~traceml_aggregator.live_analysis.analysis_steps` steps (512 up to 64 ranks, fewer
+beyond); while every rank has stored at most that many, the live verdict and the final summary
+are computed from the same steps and agree. :meth:`LiveAggregates.snapshot` builds the
+dashboard's snapshot in the same process, from the same mirror.
 :meth:`LiveAggregates.final_steps` gives the final summary its steps (O(ranks)).
 
 Cost control: concurrent viewers share one computation, an unchanged run is answered from the
