@@ -8,7 +8,7 @@ median over ``--reps`` runs each:
   process after one new step per rank (the only part on the loop: the share of the loop one
   refresh a second takes while a page is open and the run changes);
 * ``snapshot``: building the :class:`~traceml_aggregator.dashboard.frames.Snapshot` from the
-  windows, ms (done in the analysis process, at nice 10, off the aggregator's GIL);
+  windows, ms (done in the analysis process, at nice 19, off the aggregator's GIL);
 * ``first`` / ``next``: a new viewer's first frame and a viewer's next frame after one new step
   per rank, ms to build and encode (on the loop), and their JSON size, KiB.
 

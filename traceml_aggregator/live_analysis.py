@@ -16,10 +16,11 @@ The first delta after the process (re)starts is a whole one (``full``): the mirr
 afresh from it. The mirror and ``LiveAggregates.run_data()`` build their RunData with the same
 :func:`windows_run_data`.
 
-The process runs at a low CPU priority (:data:`NICE`): on a saturated node the scheduler gives
-it about a tenth of a core's share against a busy process, so the live verdict comes later
-rather than taking CPU from training or from the aggregator's ingest (nice 19, a sixtieth, made
-a query at 256 ranks wait 7-9 s on the saturated 2-core test machine).
+The process runs at the lowest CPU priority (:data:`NICE`): on a saturated node the scheduler
+gives it the CPU that training and the aggregator's ingest leave, so the live verdict comes later
+rather than taking CPU from them. At 256 ranks on the saturated 2-core test machine a query
+waits 4-8 s at nice 19 as at nice 10 (a computation costs ~0.4 s of CPU: see
+:data:`ANALYSIS_POINTS`), while nice 10 still took about a tenth of a core's share.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ ANALYSIS_MIN_STEPS = 32
 WINDOW_SAMPLES = 256
 #: GPU samples kept per node (8 GPUs' worth of system samples).
 WINDOW_GPU_SAMPLES = WINDOW_SAMPLES * 8
-#: The analysis process's nice value (Linux CFS weight 110 against 1,024 at nice 0).
-NICE = 10
+#: The analysis process's nice value (Linux CFS weight 15 against 1,024 at nice 0).
+NICE = 19
 #: How often the analysis process checks that the aggregator still lives, s.
 PARENT_CHECK_S = 0.5
 
