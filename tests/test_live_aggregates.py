@@ -253,21 +253,21 @@ def test_the_live_summary_shows_the_runs_own_records_as_they_change(monkeypatch)
 
 def test_the_live_analysis_covers_fewer_steps_per_rank_as_the_world_grows():
     """The analysis covers at most ANALYSIS_POINTS steps in all: the whole 512-step window up
-    to 64 ranks, then 32,768 / world steps, never fewer than 32; each rank's latest ones."""
-    sizes = [1, 64, 65, 256, 1024, 8000]
-    assert [live_analysis.analysis_steps(n) for n in sizes] == [512, 512, 504, 128, 32, 32]
+    to 32 ranks, then 16,384 / world steps, never fewer than 32; each rank's latest ones."""
+    sizes = [1, 32, 33, 256, 512, 8000]
+    assert [live_analysis.analysis_steps(n) for n in sizes] == [512, 512, 496, 64, 32, 32]
     agg = LiveAggregates("r", 256)
     agg.on_batch(rank_batch(0, 1, range(0, 300)))
     run = live_analysis.Mirror().apply(asyncio.run(agg._delta(whole=True, records={}))).run_data()
     assert run.world_size == 256 and sorted(run.ranks) == list(range(256))
-    assert list(run.ranks[0].steps["step"]) == list(range(172, 300))  # the latest 128
+    assert list(run.ranks[0].steps["step"]) == list(range(236, 300))  # the latest 64
     assert len(agg.run_data().ranks[0].steps) == 300  # the views' window keeps them all
     agg.on_batch(rank_batch(0, 2, range(300, 310)))
     delta = asyncio.run(agg._delta(whole=False, records={}))  # 10 new steps: those alone
     assert delta.ranks[0].steps["step"] == tuple(range(300, 310)) and not delta.ranks[0].reset
     agg.on_batch(rank_batch(0, 3, range(310, 510)))
-    delta = asyncio.run(agg._delta(whole=False, records={}))  # 200 new steps: the latest 128 of them
-    assert delta.ranks[0].steps["step"] == tuple(range(382, 510)) and delta.ranks[0].reset
+    delta = asyncio.run(agg._delta(whole=False, records={}))  # 200 new steps: the latest 64 of them
+    assert delta.ranks[0].steps["step"] == tuple(range(446, 510)) and delta.ranks[0].reset
 
 
 def test_a_delta_gives_the_loop_back_and_loses_nothing_that_arrives_meanwhile():

@@ -20,7 +20,7 @@ process of its own (spawned on the first query, at a low CPU priority: see
 that stores batches and the loop that sends acknowledgements. The process keeps a mirror of the
 windows; each computation ships it only what changed since the previous one, so a query costs
 the loop O(the data that arrived since the last query). The analysis covers each rank's latest
-:func:`~traceml_aggregator.live_analysis.analysis_steps` steps (512 up to 64 ranks, fewer
+:func:`~traceml_aggregator.live_analysis.analysis_steps` steps (512 up to 32 ranks, fewer
 beyond); while every rank has stored at most that many, the live verdict and the final summary
 are computed from the same steps and agree. :meth:`LiveAggregates.snapshot` builds the
 dashboard's snapshot in the same process, from the same mirror.

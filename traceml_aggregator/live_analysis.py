@@ -19,7 +19,7 @@ afresh from it. The mirror and ``LiveAggregates.run_data()`` build their RunData
 The process runs at the lowest CPU priority (:data:`NICE`): on a saturated node the scheduler
 gives it the CPU that training and the aggregator's ingest leave, so the live verdict comes later
 rather than taking CPU from them. At 256 ranks on the saturated 2-core test machine a query
-waits 4-8 s at nice 19 as at nice 10 (a computation costs ~0.4 s of CPU: see
+waits 4-8 s at nice 19 as at nice 10 (a computation then cost ~0.4 s of CPU: see
 :data:`ANALYSIS_POINTS`), while nice 10 still took about a tenth of a core's share.
 """
 
@@ -45,9 +45,11 @@ from traceml_aggregator.dashboard.frames import Snapshot
 #: Most recent steps kept per rank (the live views' window before alignment and warm-up).
 WINDOW_STEPS = 512
 #: Steps (ranks x steps per rank) the live analysis covers at most, so that it stays cheap as
-#: the world grows: ``build_summary`` costs about 0.9 ms a rank plus 3 µs a step here (256
-#: ranks: 1.5 s of CPU over 512 steps each, 0.48 s over 128). See :func:`analysis_steps`.
-ANALYSIS_POINTS = 32_768
+#: the world grows: ``build_summary`` costs about 0.9 ms a rank plus a few µs a step here (256
+#: ranks: 1.5 s of CPU over 512 steps each, 0.48 s over 128, 0.29 s over 64). At 256 ranks and
+#: 128 steps each, 4 viewers still cost the 2-core test machine's ingest 5-7 %; at 64, none
+#: measurable (``benchmarks/ingest.py --viewers 0 4``). See :func:`analysis_steps`.
+ANALYSIS_POINTS = 16_384
 #: Fewest steps per rank the live analysis covers, however large the world.
 ANALYSIS_MIN_STEPS = 32
 #: Most recent process samples per rank, and system samples per node, kept.
@@ -155,8 +157,8 @@ class _MirrorRank:
 def analysis_steps(world_size: int) -> int:
     """Steps per rank the live analysis covers (each rank's latest ones) in a world of
     ``world_size`` ranks: :data:`ANALYSIS_POINTS` shared among the ranks, between
-    :data:`ANALYSIS_MIN_STEPS` and :data:`WINDOW_STEPS` (the whole window up to 64 ranks, 128
-    steps at 256 ranks, 32 from 1,024 ranks on)."""
+    :data:`ANALYSIS_MIN_STEPS` and :data:`WINDOW_STEPS` (the whole window up to 32 ranks, 64
+    steps at 256 ranks, 32 from 512 ranks on)."""
     return max(ANALYSIS_MIN_STEPS, min(WINDOW_STEPS, ANALYSIS_POINTS // max(1, world_size)))
 
 
