@@ -47,7 +47,7 @@ WINDOW_STEPS = 512
 #: Steps (ranks x steps per rank) the live analysis covers at most, so that it stays cheap as
 #: the world grows: ``build_summary`` costs about 0.9 ms a rank plus a few µs a step here (256
 #: ranks: 1.5 s of CPU over 512 steps each, 0.48 s over 128, 0.29 s over 64). At 256 ranks and
-#: 128 steps each, 4 viewers still cost the 2-core test machine's ingest 5-7 %; at 64, none
+#: 128 steps each, 4 viewers still cost the 2-core test machine's ingest 3-7 %; at 64, none
 #: measurable (``benchmarks/ingest.py --viewers 0 4``). See :func:`analysis_steps`.
 ANALYSIS_POINTS = 16_384
 #: Fewest steps per rank the live analysis covers, however large the world.
