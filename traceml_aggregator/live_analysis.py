@@ -270,10 +270,6 @@ def windows_run_data(
     )
 
 
-# --- in the analysis process ---------------------------------------------------------------------
-_mirror = Mirror()
-
-
 def spawn(parent_pid: int) -> concurrent.futures.ProcessPoolExecutor:
     """The analysis process (a one-process pool, started now), at a low CPU priority
     (:data:`NICE`) from its first instruction: it is created by a thread of its own that lowers
@@ -301,6 +297,10 @@ def spawn(parent_pid: int) -> concurrent.futures.ProcessPoolExecutor:
     thread.start()
     thread.join()
     return pool
+
+
+# --- in the analysis process ---------------------------------------------------------------------
+_mirror = Mirror()
 
 
 def _watch_parent(parent_pid: int) -> None:
