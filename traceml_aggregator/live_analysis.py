@@ -272,31 +272,31 @@ def windows_run_data(
 
 def spawn(parent_pid: int) -> concurrent.futures.ProcessPoolExecutor:
     """The analysis process (a one-process pool, started now), at a low CPU priority
-    (:data:`NICE`) from its first instruction: it is created by a thread of its own that lowers
-    its own priority first (on Linux a nice value belongs to a thread, and a child inherits its
-    creator's). Its start-up, a new interpreter importing the aggregator's modules and the
-    analysis (~0.6 s of CPU), would otherwise run at the aggregator's priority and take that
-    CPU from ingest. The pool's own threads in the aggregator (which pickle the deltas and read
-    the results) are created by that thread too, so they run at :data:`NICE` as well. The
-    process exits within :data:`PARENT_CHECK_S` once the aggregator ``parent_pid`` is gone."""
-    pool = concurrent.futures.ProcessPoolExecutor(
-        1,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_watch_parent,
-        initargs=(parent_pid,),
-    )
+    (:data:`NICE`) from its first instruction: the pool is made and started by a thread of its
+    own that lowers its own priority first (on Linux a nice value belongs to a thread, and a
+    child inherits its creator's). Its start-up, a new interpreter importing the aggregator's
+    modules and the analysis (~0.6 s of CPU), would otherwise run at the aggregator's priority
+    and take that CPU from ingest. Everything the pool starts comes from that thread, so it is
+    at :data:`NICE` too: its threads in the aggregator (which pickle the deltas and read the
+    results) and multiprocessing's resource tracker. The process exits within
+    :data:`PARENT_CHECK_S` once the aggregator ``parent_pid`` is gone."""
 
-    def start() -> None:
+    def start() -> concurrent.futures.ProcessPoolExecutor:
         try:
             os.nice(NICE)
         except OSError:
             pass
-        pool.submit(int)  # starts the process and the pool's threads, from this thread
+        pool = concurrent.futures.ProcessPoolExecutor(
+            1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_watch_parent,
+            initargs=(parent_pid,),
+        )
+        pool.submit(int)  # a pool starts its process and threads at its first call
+        return pool
 
-    thread = threading.Thread(target=start, name="traceml-live-spawn")
-    thread.start()
-    thread.join()
-    return pool
+    with concurrent.futures.ThreadPoolExecutor(1, "traceml-live-spawn") as niced:
+        return niced.submit(start).result()
 
 
 # --- in the analysis process ---------------------------------------------------------------------
