@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 
 import psutil
-from _common import LiveAggregator, median, p99
+from _common import LiveAggregator, free_port, median, p99
+from transport_floor import TransportFloor
 
 RUN = "ingest-bench"
 PUSH = "/traceml.wire.v1.Aggregator/Push"
@@ -236,15 +237,19 @@ def viewer(target: str, stop: threading.Event, calls: list[float]) -> None:
 
 def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
               wire_kind: str = "stream", interval_s: float = 0.0,
-              summary_at_stop: bool = True, spread: bool = False) -> dict:
+              summary_at_stop: bool = True, spread: bool = False,
+              server: str = "aggregator") -> dict:
     """One run of ``world`` ranks on ``wire_kind`` (``stream`` or ``unary``), each sending at
     most a batch every ``interval_s`` (all at the same instants unless ``spread``: see
-    :func:`rank_task`), with ``viewers`` live viewers; prints and returns its
-    figures (records/s, ack median and p99 in s, connect s, aggregator CPU % of a core, RSS
+    :func:`rank_task`), with ``viewers`` live viewers, against ``server`` (``aggregator``, or
+    ``transport``: :mod:`transport_floor`, gRPC alone); prints and returns its
+    figures (records/s, ack median and p99 in s, connect s, server CPU % of a core, RSS
     bytes). Without ``summary_at_stop`` the aggregator writes no summary when stopped."""
-    with tempfile.TemporaryDirectory() as tmp, LiveAggregator(
-        Path(tmp) / "run", RUN, world_size=world,
-        extra_args=() if summary_at_stop else ("--no-summary-at-stop",),
+    with tempfile.TemporaryDirectory() as tmp, (
+        LiveAggregator(
+            Path(tmp) / "run", RUN, world_size=world,
+            extra_args=() if summary_at_stop else ("--no-summary-at-stop",),
+        ) if server == "aggregator" else TransportFloor(free_port())
     ) as agg:
         rss_idle = peak_rss_bytes(agg.process.pid)
         clients = []
@@ -283,14 +288,15 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
         stop_start = time.perf_counter()
         assert agg.stop(timeout_s=600) == 0
         stop_s = time.perf_counter() - stop_start
-        stored = agg.query("SELECT COUNT(*) FROM steps")[0][0]
+        # The transport stores nothing; every client ended, so every batch was acknowledged.
+        total = world * batches * records
+        stored = agg.query("SELECT COUNT(*) FROM steps")[0][0] if server == "aggregator" else total
 
     created = max(t["created"] for t in times) - start
     connected = max(t["ready"] for t in times) - start
     identified = max(t["first_acked"] for t in times) - start
     go = min(t["go"] for t in times)
     streaming = max(t["done"] for t in times) - go
-    total = world * batches * records
     errors: dict[str, int] = {}
     for t in times:
         for code, n in t["errors"].items():
@@ -299,17 +305,20 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
     acks = [a for t in times for a in t["ack_s"]]
     figures = {"rate": total / streaming, "ack_median": median(acks), "ack_p99": p99(acks),
                "identified_s": identified, "cpu_pct": 100 * cpu_s / streaming,
+               "cpu_batch_us": 1e6 * cpu_s / (world * batches),
                "rss_peak": rss_peak}
     view = (f"{viewers} viewers ({len(calls)} Summarize calls, median "
             f"{median(calls) * 1000:.0f} ms)" if calls else f"{viewers} viewers")
     pacing = " (spread)" if spread and interval_s else ""
-    print(f"  {wire_kind:>6} {world:>5} ranks, a batch every {interval_s:g} s{pacing}, {view}: channels created {created:.2f} s, all connected {connected:.2f} s, "
+    alone = ", gRPC transport alone" if server == "transport" else ""
+    print(f"  {wire_kind:>6} {world:>5} ranks, a batch every {interval_s:g} s{pacing}, {view}{alone}: channels created {created:.2f} s, all connected {connected:.2f} s, "
           f"all identified {identified:.2f} s; "
           f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s "
-          f"(aggregator CPU {cpu_s / total * 1e6:.1f} µs a record, "
+          f"(server CPU {cpu_s / total * 1e6:.1f} µs a record, "
+          f"{figures['cpu_batch_us']:.0f} µs a batch, "
           f"{cpu_s / streaming:.0%} of a core); "
-          f"aggregator RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak; "
-          f"failed calls sent again: {errors or 0}; aggregator stop (SIGTERM to exit) {stop_s:.1f} s; "
+          f"server RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak; "
+          f"failed calls sent again: {errors or 0}; server stop (SIGTERM to exit) {stop_s:.1f} s; "
           f"ack median {figures['ack_median'] * 1000:.1f} ms, p99 {figures['ack_p99'] * 1000:.1f} ms")
     return figures
 
@@ -338,11 +347,14 @@ def main() -> None:
                         help="paced ranks start at random phases of the interval, not together")
     parser.add_argument("--no-summary", action="store_true",
                         help="the aggregator writes no summary at stop (ingest figures only)")
+    parser.add_argument("--transport-floor", action="store_true",
+                        help="also run each case against gRPC alone (transport_floor.py)")
     parser.add_argument("--short", action="store_true",
                         help="the CI smoke run: 8 ranks, 3 batches of 10 records, 0 and 0.2 s")
     args = parser.parse_args()
     if args.short:
         args.ranks, args.batches, args.records, args.interval_sec = [8], 3, 10, [0.0, 0.2]
+        args.transport_floor = True
     print(f"(d) ingest on loopback, {args.batches} batches x {args.records} records per rank, "
           f"{args.procs} client processes, wires {' and '.join(args.wire)} side by side "
           "(targets, streaming: >= 400k records/s at 4,096 ranks, 4,096 connected and identified "
@@ -352,19 +364,35 @@ def main() -> None:
         for interval_s in args.interval_sec:
             side = {}
             for wire_kind in args.wire:
-                runs: dict[int, list[dict]] = {v: [] for v in args.viewers}
-                for _ in range(args.trials):  # alternating: a busy machine slows each alike
-                    for viewers in args.viewers:
-                        runs[viewers].append(run_world(
+                # The aggregator with each viewer count, then gRPC alone (no viewers: it serves
+                # no Summarize), alternating: a busy machine slows each alike.
+                kinds = [("aggregator", v) for v in args.viewers]
+                kinds += [("transport", 0)] if args.transport_floor else []
+                runs: dict[tuple, list[dict]] = {kind: [] for kind in kinds}
+                for _ in range(args.trials):
+                    for server, viewers in kinds:
+                        runs[server, viewers].append(run_world(
                             world, args.procs, args.batches, args.records, viewers, wire_kind,
-                            interval_s, not args.no_summary, args.spread,
+                            interval_s, not args.no_summary, args.spread, server,
                         ))  # fmt: skip
-                medians = {v: {k: median([f[k] for f in fs]) for k in fs[0]} for v, fs in runs.items()}
-                base = side[wire_kind] = medians[args.viewers[0]]
-                for viewers, m in medians.items():
-                    if viewers == args.viewers[0]:
+                medians = {kind: {k: median([f[k] for f in fs]) for k in fs[0]}
+                           for kind, fs in runs.items()}  # fmt: skip
+                first = ("aggregator", args.viewers[0])
+                base = side[wire_kind] = medians[first]
+                if args.transport_floor:
+                    alone = medians["transport", 0]
+                    print(f"        {wire_kind}, the aggregator against gRPC alone (medians of "
+                          f"{args.trials}): CPU {base['cpu_batch_us']:.0f} against "
+                          f"{alone['cpu_batch_us']:.0f} µs a batch (x"
+                          f"{base['cpu_batch_us'] / alone['cpu_batch_us']:.2f}), "
+                          f"{base['cpu_pct']:.0f} % against {alone['cpu_pct']:.0f} % of a core, "
+                          f"ack p99 {base['ack_p99'] * 1000:.0f} against "
+                          f"{alone['ack_p99'] * 1000:.0f} ms, records/s x"
+                          f"{base['rate'] / alone['rate']:.2f}")
+                for (server, viewers), m in medians.items():
+                    if (server, viewers) == first or server == "transport":
                         continue
-                    pairs = list(zip(runs[viewers], runs[args.viewers[0]]))
+                    pairs = list(zip(runs[server, viewers], runs[first]))
                     paired = {k: median([a[k] / b[k] for a, b in pairs]) for k in ("rate", "ack_p99")}
                     print(f"        {wire_kind}, {viewers} viewers against {args.viewers[0]} "
                           f"(medians of {args.trials}): ingest rate x{m['rate'] / base['rate']:.3f}, "

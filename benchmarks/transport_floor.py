@@ -1,0 +1,98 @@
+"""The gRPC transport alone, as ``benchmarks/ingest.py --server transport`` runs it: the floor
+under the aggregator's cost.
+
+A ``grpc.aio`` server with the aggregator's own options (:func:`traceml.core.transport.server_options`,
+its bound of calls in flight, its token interceptor) and the aggregator's service, whose
+``Stream`` and ``Push`` only parse each batch and acknowledge its sequence number: nothing is
+checked, stored or folded into live aggregates. What this process spends per batch is what
+any Python aggregator on ``grpc.aio`` pays before it does anything with a batch, so the
+aggregator's figures read against it split into the transport's share and the aggregator's own.
+
+Usage (``ingest.py`` starts it): ``python benchmarks/transport_floor.py PORT``; prints
+``listening PORT`` once it serves; SIGTERM or SIGKILL ends it (it holds no state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+
+from traceml import wire
+from traceml.core.transport import server_options
+from traceml_aggregator.auth import TokenInterceptor
+from traceml_aggregator.senders import Rejections
+from traceml_aggregator.server import MAX_CONCURRENT_RPCS, raise_open_files_limit
+
+
+class TransportOnly(wire.AggregatorServicer):
+    """Acknowledges every batch at once, as stored (``stored_seq`` = its ``seq``)."""
+
+    async def Push(self, request, context):
+        return wire.Ack(stored_seq=request.seq)
+
+    async def Stream(self, request_iterator, context):
+        async for batch in request_iterator:  # the aggregator's own way of reading a stream
+            if not batch.closing:
+                yield wire.Ack(stored_seq=batch.seq)
+
+
+async def serve(port: int) -> None:
+    """Serve on 127.0.0.1:``port`` until killed."""
+    server = grpc.aio.server(
+        interceptors=[TokenInterceptor(os.environ["TRACEML_RUN_TOKEN"], Rejections())],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        options=[("grpc.so_reuseport", 0)] + server_options(),
+    )
+    wire.add_AggregatorServicer_to_server(TransportOnly(), server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print(f"listening {bound}", flush=True)
+    await server.wait_for_termination()
+
+
+class TransportFloor:
+    """This server in a subprocess on a free port of 127.0.0.1, as a context manager (killed
+    on the way out); the part of :class:`LiveAggregator`'s interface ``ingest.py`` uses."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        """``host:port`` for clients."""
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> TransportFloor:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(self.port)], stdout=subprocess.PIPE, text=True
+        )
+        line = self.process.stdout.readline()
+        if not line.startswith("listening"):
+            raise RuntimeError(f"the transport floor server did not start: {line!r}")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM; 0 once the process ended by it (it has nothing to drain)."""
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout_s)
+        return 0 if code == -signal.SIGTERM else code
+
+
+def main() -> None:
+    raise_open_files_limit()  # as the aggregator does
+    asyncio.run(serve(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
