@@ -323,6 +323,12 @@ def run_world(world: int, procs: int, batches: int, records: int, viewers: int,
     return figures
 
 
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as ``x1.23``; ``x-`` when ``b`` is 0 (a CPU time below the clock's 10 ms tick,
+    as in a ``--short`` run)."""
+    return f"x{a / b:.2f}" if b else "x-"
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--client"]:
         target, ranks, world, batches, records, wire_kind, interval_s, spread = sys.argv[2:]
@@ -383,12 +389,12 @@ def main() -> None:
                     alone = medians["transport", 0]
                     print(f"        {wire_kind}, the aggregator against gRPC alone (medians of "
                           f"{args.trials}): CPU {base['cpu_batch_us']:.0f} against "
-                          f"{alone['cpu_batch_us']:.0f} µs a batch (x"
-                          f"{base['cpu_batch_us'] / alone['cpu_batch_us']:.2f}), "
+                          f"{alone['cpu_batch_us']:.0f} µs a batch "
+                          f"({ratio(base['cpu_batch_us'], alone['cpu_batch_us'])}), "
                           f"{base['cpu_pct']:.0f} % against {alone['cpu_pct']:.0f} % of a core, "
                           f"ack p99 {base['ack_p99'] * 1000:.0f} against "
-                          f"{alone['ack_p99'] * 1000:.0f} ms, records/s x"
-                          f"{base['rate'] / alone['rate']:.2f}")
+                          f"{alone['ack_p99'] * 1000:.0f} ms, records/s "
+                          f"{ratio(base['rate'], alone['rate'])}")
                 for (server, viewers), m in medians.items():
                     if (server, viewers) == first or server == "transport":
                         continue
@@ -405,7 +411,7 @@ def main() -> None:
                 print(f"        stream against unary, {world} ranks, a batch every {interval_s:g} s: "
                       f"records/s x{st['rate'] / un['rate']:.2f}, ack p99 "
                       f"x{st['ack_p99'] / un['ack_p99']:.2f}, aggregator CPU "
-                      f"x{st['cpu_pct'] / un['cpu_pct']:.2f}, identified in "
+                      f"{ratio(st['cpu_pct'], un['cpu_pct'])}, identified in "
                       f"{st['identified_s']:.2f} s against {un['identified_s']:.2f} s")
 
 
