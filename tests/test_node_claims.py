@@ -15,11 +15,14 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 from conftest import EXAMPLES, free_port, run_traceml, start_traceml
+from live_aggregator import LiveAggregator
 from test_slurm_flags import STEP_ENV
 
 from traceml import wire
+from traceml.core.transport import open_channel
 from traceml.launcher.aggregator import stop, wait_serving
 from traceml.launcher.session import NodeSession
 from traceml_aggregator.nodes import NodeRegistry
@@ -125,6 +128,39 @@ def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
         stop(aggregator)
     assert "refused a node claim: the launcher on n2 (pid 5)" in (
         tmp_path / "aggregator.log").read_text()
+
+
+def test_a_session_may_report_its_own_nodes_exit_only(tmp_path):
+    """Node 1's session reporting node 2's exit is refused (FAILED_PRECONDITION, counted),
+    nothing of it stored, while node 2's own session goes on; its own exit is stored."""
+    def end(rank: int) -> wire.RankEnd:
+        return wire.RankEnd(rank=rank, local_rank=0, end_state=wire.EndState.END_STATE_FAILED,
+                            exit_code=1)
+
+    def session(*ups: wire.NodeUp):
+        with open_channel(agg.target) as channel:
+            return list(wire.AggregatorStub(channel).NodeSession(iter(ups), timeout=10))
+
+    def claim(rank: int) -> wire.NodeUp:
+        return wire.NodeUp(claim=node_claim(rank, host=f"n{rank}", pid=rank))
+
+    with LiveAggregator(tmp_path / "r", "r", world_size=3, extra_args=("--nnodes", "3")) as agg:
+        with pytest.raises(grpc.RpcError) as refused:
+            session(claim(1), wire.NodeUp(exit=wire.NodeExit(run_name="r", node_rank=2,
+                                                             exit_code=1, ranks=[end(2)])))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details() == "node 1's session reported the exit of node 2"
+        replies = session(claim(1), wire.NodeUp(exit=wire.NodeExit(
+            run_name="r", node_rank=1, exit_code=1, ranks=[end(1)])),
+            wire.NodeUp(goodbye=wire.NodeGoodbye()))
+        assert [r.WhichOneof("kind") for r in replies] == ["claim", "exit_stored"]
+        assert replies[0].claim.accepted
+        assert agg.stop() == 0
+    assert agg.query("SELECT node_rank, exit_code FROM node_exits") == [(1, 1)]
+    assert agg.query("SELECT rank, node_rank FROM rank_ends") == [(1, 1)]
+    rejected = json.loads(agg.query("SELECT value FROM meta WHERE key = 'rejected'")[0][0])
+    assert rejected == {"exit_of_another_node": 1}
+    assert "refused node 1's session reported the exit of node 2" in agg.log()
 
 
 # --- launchers --------------------------------------------------------------------------------

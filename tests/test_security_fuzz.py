@@ -1,5 +1,7 @@
 """Fuzzing a running aggregator: thousands of random, mutated and adversarial messages on
-every method, with the run token, without it and with a wrong one (hypothesis).
+every method, with the run token, without it and with a wrong one (hypothesis). The two
+streaming methods (a rank's or sampler's ``Stream``, a launcher's ``NodeSession``) get streams
+of one to four such messages, then a half-close.
 
 Afterwards the aggregator is alive and serving, nothing it was sent without the token reached
 the store, nothing invalid with the token did either (no row names a rank >= the world size or
@@ -33,6 +35,7 @@ from traceml.wire.records import add_steps
 RUN, WORLD = "fuzz", 2
 STEPS = 12
 METHODS = ("Push", "ReportNodeExit", "Finalize", "Summarize")
+STREAMS = ("Stream", "NodeSession")
 TOKENS = {"valid": TEST_RUN_TOKEN, "none": "", "wrong": TEST_RUN_TOKEN[::-1]}
 U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
 # Small values most of the time, the edges sometimes.
@@ -53,8 +56,19 @@ def _seed_messages() -> dict[str, list[bytes]]:
     node_exit = wire.NodeExit(run_name=RUN, node_rank=4, exit_code=1, ranks=[
         wire.RankEnd(rank=6, local_rank=0, end_state=wire.EndState.END_STATE_FAILED, exit_code=1)
     ])
+    node_ups = [
+        wire.NodeUp(claim=wire.NodeClaim(run_name=RUN, node_rank=3, nnodes=4, hostname="h",
+                                         launcher_pid=9)),
+        wire.NodeUp(heartbeat=wire.NodeHeartbeat()),
+        wire.NodeUp(exit=node_exit),
+        wire.NodeUp(finalize=wire.FinalizeRequest(run_name=RUN, timeout_s=0.5)),
+        wire.NodeUp(goodbye=wire.NodeGoodbye()),
+    ]
     return {
         "Push": [batch.SerializeToString(), sampler.SerializeToString()],
+        "Stream": [batch.SerializeToString(), sampler.SerializeToString(),
+                   wire.Batch(closing=True).SerializeToString()],
+        "NodeSession": [up.SerializeToString() for up in node_ups],
         "ReportNodeExit": [node_exit.SerializeToString()],
         "Finalize": [wire.FinalizeRequest(run_name=RUN, timeout_s=0.5).SerializeToString()],
         "Summarize": [wire.SummarizeRequest(run_name=RUN).SerializeToString()],
@@ -122,18 +136,67 @@ def adversarial_node_exit(draw) -> bytes:
     ).SerializeToString()
 
 
+@st.composite
+def adversarial_node_up(draw) -> bytes:
+    """A well-formed NodeUp: a claim of any node and node count (refused by its launcher or
+    not), an adversarial exit, a finalization request of any budget, a heartbeat, a goodbye."""
+    kind = draw(st.sampled_from(("claim", "exit", "finalize", "heartbeat", "goodbye")))
+    if kind == "claim":
+        return wire.NodeUp(claim=wire.NodeClaim(
+            run_name=draw(NAMES), node_rank=draw(SMALL_U32), nnodes=draw(SMALL_U32),
+            hostname=draw(st.text(max_size=20)), launcher_pid=draw(U32),
+            refusal=draw(st.sampled_from(("", "refused by its launcher"))),
+        )).SerializeToString()
+    if kind == "exit":
+        return wire.NodeUp(exit=wire.NodeExit.FromString(draw(adversarial_node_exit())))\
+            .SerializeToString()
+    if kind == "finalize":
+        return wire.NodeUp(finalize=wire.FinalizeRequest(
+            run_name=draw(NAMES), timeout_s=draw(st.floats(-1.0, 0.5)))).SerializeToString()
+    if kind == "heartbeat":
+        return wire.NodeUp(heartbeat=wire.NodeHeartbeat()).SerializeToString()
+    return wire.NodeUp(goodbye=wire.NodeGoodbye()).SerializeToString()
+
+
 def payloads(method: str):
-    """Random bytes, mutated seeds and (Push, ReportNodeExit) adversarial messages."""
+    """Random bytes, mutated seeds and (Push, Stream, ReportNodeExit, NodeSession) adversarial
+    messages."""
     options = [st.binary(max_size=512), mutated(method)]
-    if method == "Push":
+    if method in ("Push", "Stream"):
         options.append(adversarial_batch())
     if method == "ReportNodeExit":
         options.append(adversarial_node_exit())
+    if method == "NodeSession":
+        options.append(adversarial_node_up())
     return st.one_of(options)
 
 
-CALL = st.sampled_from(METHODS).flatmap(
-    lambda m: st.tuples(st.just(m), st.sampled_from(sorted(TOKENS)), payloads(m))
+@st.composite
+def claim_of_this_run(draw) -> bytes:
+    """A NodeUp claim of this run by any of 8 nodes of a run of any size up to 8 (accepted or
+    refused by the aggregator): what opens a session past its first check."""
+    return wire.NodeUp(claim=wire.NodeClaim(
+        run_name=RUN, node_rank=draw(st.integers(0, 7)), nnodes=draw(st.integers(0, 8)),
+        hostname="fuzz", launcher_pid=draw(U32),
+    )).SerializeToString()
+
+
+def requests(method: str):
+    """One call's request: a message, or (a streaming method) a list of one to four; half the
+    node sessions begin with a claim of this run."""
+    if method == "NodeSession":
+        return st.one_of(
+            st.lists(payloads(method), min_size=1, max_size=4),
+            st.tuples(claim_of_this_run(), st.lists(payloads(method), max_size=3)).map(
+                lambda first_rest: [first_rest[0], *first_rest[1]]),
+        )
+    if method == "Stream":
+        return st.lists(payloads(method), min_size=1, max_size=4)
+    return payloads(method)
+
+
+CALL = st.sampled_from(METHODS + STREAMS).flatmap(
+    lambda m: st.tuples(st.just(m), st.sampled_from(sorted(TOKENS)), requests(m))
 )
 
 
@@ -160,8 +223,13 @@ def test_fuzzed_aggregator_stays_up_stores_nothing_invalid_and_serves_a_real_run
             (name, method): channel.unary_unary(f"/traceml.wire.v1.Aggregator/{method}")
             for name, channel in channels.items() for method in METHODS
         }
+        calls.update({
+            (name, method): channel.stream_stream(f"/traceml.wire.v1.Aggregator/{method}")
+            for name, channel in channels.items() for method in STREAMS
+        })
         sent = {"valid": 0, "none": 0, "wrong": 0}
         codes: dict[str, set] = {name: set() for name in TOKENS}
+        stream_codes: dict[str, set] = {method: set() for method in STREAMS}  # with the token
 
         @settings(max_examples=400, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
@@ -169,14 +237,29 @@ def test_fuzzed_aggregator_stays_up_stores_nothing_invalid_and_serves_a_real_run
         def feed(batch_of_calls):
             in_flight = []  # the calls of one example go out together
             for method, token, data in batch_of_calls:
+                if method in STREAMS:
+                    data = [m for m in data if not (token == "valid" and method == "Stream"
+                                                    and could_be_a_real_ranks_batch(m))]
+                    if data:  # a stream's call starts at once, reading the list on its own
+                        in_flight.append((method, token, data,
+                                          calls[token, method](iter(data), timeout=10)))
+                    continue
                 if token == "valid" and method == "Push" and could_be_a_real_ranks_batch(data):
                     continue
                 in_flight.append((method, token, data,
                                   calls[token, method].future(data, timeout=10)))
             for method, token, data, future in in_flight:
+                if method in STREAMS:
+                    try:
+                        for _ in future:  # every reply, until the aggregator ends the stream
+                            pass
+                    except grpc.RpcError:
+                        pass
                 code = future.code()
                 sent[token] += 1
                 codes[token].add(code)
+                if method in STREAMS and token == "valid":
+                    stream_codes[method].add(code)
                 if token != "valid":
                     assert code == grpc.StatusCode.UNAUTHENTICATED, (method, data)
 
@@ -192,8 +275,13 @@ def test_fuzzed_aggregator_stays_up_stores_nothing_invalid_and_serves_a_real_run
         assert sum(sent.values()) >= 2000, sent
         assert min(sent.values()) >= 500, sent
         assert codes["none"] == codes["wrong"] == {grpc.StatusCode.UNAUTHENTICATED}
+        # Streams with the token were served to their end, and some were refused.
+        assert grpc.StatusCode.OK in stream_codes["Stream"], stream_codes
+        assert {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT} <= \
+            stream_codes["NodeSession"], stream_codes  # refused: a session not begun by a claim
         print(f"fuzz: {sent} calls in {fuzz_s:.1f} s; codes with the token: "
-              f"{sorted(c.name for c in codes['valid'])}")
+              f"{sorted(c.name for c in codes['valid'])}; of its streams: "
+              f"{ {m: sorted(c.name for c in cs) for m, cs in stream_codes.items()} }")
 
         # Alive and serving.
         assert agg.process.poll() is None

@@ -78,7 +78,7 @@ class NodeSessions:
         finalize: ``async fn(FinalizeRequest) -> FinalizeReply``.
         persist_losses: ``async fn(list[dict])``: stores every loss record so far.
         foreign: ``fn(run_name) -> str``: why a run name is not this run's ("" when it is).
-        refuse: ``fn(kind, detail)``: counts a refused claim.
+        refuse: ``fn(kind, detail) -> detail``: counts a refused claim or session message.
         losses: loss records an earlier aggregator of this run stored.
         lost_after_s: see :data:`~traceml.core.transport.NODE_LOST_AFTER_S`.
     """
@@ -192,6 +192,12 @@ class NodeSessions:
             if kind == "goodbye":
                 session.goodbye = True
             elif kind == "exit":
+                if up.exit.node_rank != session.node_rank:  # a node reports its own exit only
+                    raise _Refused(self._refuse(
+                        "exit_of_another_node",
+                        f"node {session.node_rank}'s session reported the exit of node "
+                        f"{up.exit.node_rank}",
+                    ))  # fmt: skip
                 refusal = await self._store_exit(up.exit)
                 if refusal:
                     raise _Refused(refusal)
