@@ -148,8 +148,8 @@ def adversarial_node_up(draw) -> bytes:
             refusal=draw(st.sampled_from(("", "refused by its launcher"))),
         )).SerializeToString()
     if kind == "exit":
-        return wire.NodeUp(exit=wire.NodeExit.FromString(draw(adversarial_node_exit())))\
-            .SerializeToString()
+        report = wire.NodeExit.FromString(draw(adversarial_node_exit()))
+        return wire.NodeUp(exit=report).SerializeToString()
     if kind == "finalize":
         return wire.NodeUp(finalize=wire.FinalizeRequest(
             run_name=draw(NAMES), timeout_s=draw(st.floats(-1.0, 0.5)))).SerializeToString()
