@@ -1,8 +1,8 @@
-"""The gRPC transport alone, as ``benchmarks/ingest.py --server transport`` runs it: the floor
+"""The gRPC transport alone, as ``benchmarks/ingest.py --transport-floor`` runs it: the floor
 under the aggregator's cost.
 
-A ``grpc.aio`` server with the aggregator's own options (:func:`traceml.core.transport.server_options`,
-its bound of calls in flight, its token interceptor) and the aggregator's service, whose
+The aggregator's own ``grpc.aio`` server (:func:`traceml_aggregator.server.grpc_server`: its
+options, bound of calls in flight and token interceptor) and the aggregator's service, whose
 ``Stream`` and ``Push`` only parse each batch and acknowledge its sequence number: nothing is
 checked, stored or folded into live aggregates. What this process spends per batch is what
 any Python aggregator on ``grpc.aio`` pays before it does anything with a batch, so the
@@ -20,13 +20,9 @@ import signal
 import subprocess
 import sys
 
-import grpc
-
 from traceml import wire
-from traceml.core.transport import server_options
-from traceml_aggregator.auth import TokenInterceptor
 from traceml_aggregator.senders import Rejections
-from traceml_aggregator.server import MAX_CONCURRENT_RPCS, raise_open_files_limit
+from traceml_aggregator.server import grpc_server, raise_open_files_limit
 
 
 class TransportOnly(wire.AggregatorServicer):
@@ -43,11 +39,7 @@ class TransportOnly(wire.AggregatorServicer):
 
 async def serve(port: int) -> None:
     """Serve on 127.0.0.1:``port`` until killed."""
-    server = grpc.aio.server(
-        interceptors=[TokenInterceptor(os.environ["TRACEML_RUN_TOKEN"], Rejections())],
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-        options=[("grpc.so_reuseport", 0)] + server_options(),
-    )
+    server = grpc_server(os.environ["TRACEML_RUN_TOKEN"], Rejections())
     wire.add_AggregatorServicer_to_server(TransportOnly(), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -73,7 +65,7 @@ class TransportFloor:
             [sys.executable, __file__, str(self.port)], stdout=subprocess.PIPE, text=True
         )
         line = self.process.stdout.readline()
-        if not line.startswith("listening"):
+        if line.strip() != f"listening {self.port}":  # "listening 0": the port was taken
             raise RuntimeError(f"the transport floor server did not start: {line!r}")
         return self
 

@@ -298,6 +298,21 @@ class AggregatorService(wire.AggregatorServicer):
 
 
 
+def grpc_server(
+    run_token: str, rejections: Rejections, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+) -> grpc.aio.Server:
+    """The aggregator's ``grpc.aio`` server, no service or port added yet: the run token
+    checked on every call (:class:`~traceml_aggregator.auth.TokenInterceptor`, refusals counted
+    in ``rejections``), at most ``max_concurrent_rpcs`` calls in flight, the wire's message
+    bounds and keepalive policy (:func:`~traceml.core.transport.server_options`), and the port
+    never shared (``so_reuseport`` 0: a second aggregator on it must fail to bind)."""
+    return grpc.aio.server(
+        interceptors=[TokenInterceptor(run_token, rejections)],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        options=[("grpc.so_reuseport", 0)] + server_options(),
+    )
+
+
 def raise_open_files_limit() -> tuple[int, int]:
     """Raise this process's open-files soft limit (``RLIMIT_NOFILE``) to its hard limit, as
     far as the kernel allows (each sender's connection is a descriptor; the usual soft limit of
@@ -368,12 +383,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         return write_reports(store_, config.run_dir, missing, html=config.html_report, steps=steps)
 
     finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, live.final_steps)
-    server = grpc.aio.server(
-        interceptors=[TokenInterceptor(config.run_token, rejections)],
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        # so_reuseport 0: a second aggregator on the port must fail, not share it.
-        options=[("grpc.so_reuseport", 0)] + server_options(),
-    )
+    server = grpc_server(config.run_token, rejections, config.max_concurrent_rpcs)
     service = AggregatorService(config, writer, state, finalizer, rejections, live, streams)
     restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
     live.run_records = lambda: {
