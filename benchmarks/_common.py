@@ -1,20 +1,18 @@
 """Shared by the benchmarks: a real aggregator process, order statistics, paths.
 
-The benchmarks reuse the test suite's :class:`LiveAggregator` (``tests/live_aggregator.py``):
-a real ``traceml-aggregator`` subprocess on a free port, as ``traceml run`` starts it.
+The benchmarks share :class:`LiveAggregator` (``aggregator_process.py``, beside them) with the
+test suite: a real ``traceml-aggregator`` subprocess on a free port, as ``traceml run`` starts
+it. Nothing here imports from ``tests/``.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from aggregator_process import LiveAggregator, free_port
 
-from conftest import free_port
-from live_aggregator import LiveAggregator
+ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = ["ROOT", "LiveAggregator", "free_port", "median", "p99"]
 

@@ -134,7 +134,9 @@ def components(root: int, before: dict, after: dict, steps: int, traced: bool) -
         old = before.get(pid, {"threads": {}})["threads"]
         for tid, (name, ns) in proc["threads"].items():
             used = ns - old.get(tid, (name, 0))[1]
-            if name == "traceml-sampler" or (name.startswith("traceml-client") and role == "launcher"):
+            if name == "traceml-sampler" or (
+                name.startswith("traceml-client") and role == "launcher"
+            ):
                 add("node sampler", used)  # its thread and its sender
             elif tid == pid:
                 add(f"{role}: main thread", used, ranks if role == "rank" else 1)
@@ -177,16 +179,38 @@ class Run:
 
 def traceml_job(cwd: Path, name: str, steps: int, mark: int, *script_args: str) -> list[str]:
     return [
-        sys.executable, "-m", "traceml", "run", str(SCRIPT), "--nproc-per-node=2",
-        "--run-name", name, "--aggregator-port", str(free_port()), "--logs-dir", str(cwd),
-        "--", "--steps", str(steps), "--mark-step", str(mark), *script_args,
+        sys.executable,
+        "-m",
+        "traceml",
+        "run",
+        str(SCRIPT),
+        "--nproc-per-node=2",
+        "--run-name",
+        name,
+        "--aggregator-port",
+        str(free_port()),
+        "--logs-dir",
+        str(cwd),
+        "--",
+        "--steps",
+        str(steps),
+        "--mark-step",
+        str(mark),
+        *script_args,
     ]
 
 
 def plain_job(steps: int, mark: int) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(SCRIPT),
-        "--steps", str(steps), "--mark-step", str(mark),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        str(SCRIPT),
+        "--steps",
+        str(steps),
+        "--mark-step",
+        str(mark),
     ]
 
 
@@ -196,10 +220,13 @@ def phases(run_dir: Path, start_unix: float, end_unix: float) -> dict[str, float
     run = json.loads((run_dir / "manifest.json").read_text())["lifecycle"]
     node = json.loads((run_dir / "nodes" / "node_0" / "manifest.json").read_text())["lifecycle"]
     points = [
-        ("launch", start_unix), ("started", run["started"]),
+        ("launch", start_unix),
+        ("started", run["started"]),
         ("training_started", run["training_started"]),
-        ("training_ended", node["training_ended"]), ("finalized", run["finalized"]),
-        ("ended", run["ended"]), ("exit", end_unix),
+        ("training_ended", node["training_ended"]),
+        ("finalized", run["finalized"]),
+        ("ended", run["ended"]),
+        ("exit", end_unix),
     ]
     serial = {f"{a}->{b}": tb - ta for (a, ta), (b, tb) in itertools.pairwise(points)}
     overlapped = run["aggregator_serving"] - run["started"]
@@ -209,8 +236,10 @@ def phases(run_dir: Path, start_unix: float, end_unix: float) -> dict[str, float
 def step_times_ms(run_dir: Path) -> list[float]:
     """Rank 0's step times (ms) from the run's telemetry, in step order."""
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        return [r[0] / 1000 for r in db.execute(
-            "SELECT step_us FROM steps WHERE rank = 0 ORDER BY step")]
+        return [
+            r[0] / 1000
+            for r in db.execute("SELECT step_us FROM steps WHERE rank = 0 ORDER BY step")
+        ]
 
 
 def main() -> None:
@@ -226,7 +255,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
         for i in range(args.pairs):
-            order = KINDS[i % 3:] + KINDS[:i % 3]
+            order = KINDS[i % 3 :] + KINDS[: i % 3]
             for kind in order if i % 2 == 0 else order[::-1]:
                 if kind == "plain":
                     run = Run(plain_job(args.steps, args.mark_step), cwd, window, traced=False)
@@ -240,8 +269,11 @@ def main() -> None:
                     if kind == "explicit":
                         launcher.append(phases(cwd / name, start_unix, start_unix + run.wall))
                 runs[kind].append(run)
-            print(f"  round {i}: loop " + ", ".join(
-                f"{kind} {runs[kind][-1].loop:.3f} s" for kind in KINDS), flush=True)
+            print(
+                f"  round {i}: loop "
+                + ", ".join(f"{kind} {runs[kind][-1].loop:.3f} s" for kind in KINDS),
+                flush=True,
+            )
     report(args, runs, launcher, first_ms)
 
 
@@ -250,26 +282,31 @@ def report(args, runs: dict, launcher: list, first_ms: dict) -> None:
     loops = {kind: [r.loop for r in rs] for kind, rs in runs.items()}
 
     def ratios(a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(loops[a], loops[b])]
+        return [x / y for x, y in zip(loops[a], loops[b], strict=True)]
 
-    print(f"(b) training loop, 2-rank gloo DDP, {args.steps} steps, {args.pairs} rounds "
-          "(targets: <= 1.02 against plain, <= 1.01 zero-code against explicit)")
+    print(
+        f"(b) training loop, 2-rank gloo DDP, {args.steps} steps, {args.pairs} rounds "
+        "(targets: <= 1.02 against plain, <= 1.01 zero-code against explicit)"
+    )
     print("  median loop: " + ", ".join(f"{k} {median(v):.3f} s" for k, v in loops.items()))
     for a, b in (("explicit", "plain"), ("zero-code", "plain"), ("zero-code", "explicit")):
         r = ratios(a, b)
         print(f"  {a}/{b} per round: {', '.join(f'{x:.3f}' for x in r)}; median {median(r):.3f}")
     walls = {kind: [r.wall for r in rs] for kind, rs in runs.items()}
-    deltas = [a - b for a, b in zip(walls["explicit"], walls["plain"])]
+    deltas = [a - b for a, b in zip(walls["explicit"], walls["plain"], strict=True)]
     print("(c) whole-process wall time, explicit vs plain (target <= +1.5 s)")
-    print(f"  median wall: explicit {median(walls['explicit']):.2f} s, "
-          f"plain {median(walls['plain']):.2f} s; extra per round: "
-          f"{', '.join(f'{d:+.2f}' for d in deltas)} s; median {median(deltas):+.2f} s")
+    print(
+        f"  median wall: explicit {median(walls['explicit']):.2f} s, "
+        f"plain {median(walls['plain']):.2f} s; extra per round: "
+        f"{', '.join(f'{d:+.2f}' for d in deltas)} s; median {median(deltas):+.2f} s"
+    )
     print("  traceml run, median seconds between lifecycle events:")
     for key in launcher[0]:
         print(f"    {key:<40} {median([p[key] for p in launcher]):6.2f}")
-    window = args.steps - args.mark_step
-    print(f"(d) CPU µs per training step (steps {args.mark_step}..{args.steps - 1}, "
-          f"median of {args.pairs} runs; rank rows are per rank)")
+    print(
+        f"(d) CPU µs per training step (steps {args.mark_step}..{args.steps - 1}, "
+        f"median of {args.pairs} runs; rank rows are per rank)"
+    )
     keys = sorted({k for rs in runs.values() for r in rs for k in r.cpu_us}, key=_row_order)
     print(f"  {'component':<28}" + "".join(f"{kind:>12}" for kind in KINDS))
     totals = {}
@@ -281,20 +318,26 @@ def report(args, runs: dict, launcher: list, first_ms: dict) -> None:
     print(f"  {'all processes (2 ranks)':<28}" + "".join(f"{totals[k]:12.1f}" for k in KINDS))
     for kind in ("explicit", "zero-code"):
         own = median([_traceml_own(r.cpu_us) for r in runs[kind]])
-        print(f"  TraceML's own threads and processes ({kind}): {own:.1f} µs of CPU per step "
-              f"({100 * own / totals['plain']:.1f} % of plain's all-process CPU); all processes "
-              f"{totals[kind] - totals['plain']:+.1f} µs against plain (training threads "
-              "included: noisy on a loaded machine)")
+        print(
+            f"  TraceML's own threads and processes ({kind}): {own:.1f} µs of CPU per step "
+            f"({100 * own / totals['plain']:.1f} % of plain's all-process CPU); all processes "
+            f"{totals[kind] - totals['plain']:+.1f} µs against plain (training threads "
+            "included: noisy on a loaded machine)"
+        )
     train = {kind: [r.cpu_us["rank: main thread"] for r in rs] for kind, rs in runs.items()}
-    extra = [z - e for z, e in zip(train["zero-code"], train["explicit"])]
+    extra = [z - e for z, e in zip(train["zero-code"], train["explicit"], strict=True)]
     step_us = [1e6 * r.loop / args.steps for r in runs["explicit"]]
-    shares = [100 * x / s for x, s in zip(extra, step_us)]
+    shares = [100 * x / s for x, s in zip(extra, step_us, strict=True)]
     print("zero-code vs explicit (target: within 1 % of the explicit step time)")
-    print(f"  training thread CPU, zero-code - explicit, per round: "
-          f"{', '.join(f'{x:+.1f}' for x in extra)} µs/step; median {median(extra):+.1f} µs "
-          f"= {median(shares):+.2f} % of explicit's step ({median(step_us):.0f} µs)")
-    print(f"  step 0, median: zero-code {median(first_ms['zero-code']):.0f} ms, "
-          f"explicit {median(first_ms['explicit']):.0f} ms")
+    print(
+        f"  training thread CPU, zero-code - explicit, per round: "
+        f"{', '.join(f'{x:+.1f}' for x in extra)} µs/step; median {median(extra):+.1f} µs "
+        f"= {median(shares):+.2f} % of explicit's step ({median(step_us):.0f} µs)"
+    )
+    print(
+        f"  step 0, median: zero-code {median(first_ms['zero-code']):.0f} ms, "
+        f"explicit {median(first_ms['explicit']):.0f} ms"
+    )
 
 
 _ROLES = ("rank", "node sampler", "launcher", "aggregator", "torchrun")
@@ -311,7 +354,8 @@ def _traceml_own(cpu_us: dict[str, float]) -> float:
     (twice: 2 ranks), the node sampler, the launcher, the aggregator."""
     rank = ("rank: TraceML threads", "rank: gRPC threads")
     return sum(
-        v * (2 if k in rank else 1) for k, v in cpu_us.items()
+        v * (2 if k in rank else 1)
+        for k, v in cpu_us.items()
         if k in rank or k.startswith(("node sampler", "launcher", "aggregator"))
     )
 

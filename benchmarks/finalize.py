@@ -70,8 +70,13 @@ def build_store(path: Path, ranks: int, steps: int, per_batch: int = 512, live=N
     store.set_meta("world_size", str(ranks))
     for rank in range(ranks):
         ident = wire.RankIdentity(
-            run_name="finalize-bench", rank=rank, world_size=ranks, hostname="sim",
-            start_unix_us=1_700_000_000_000_000, device="cpu", parallelism="ddp",
+            run_name="finalize-bench",
+            rank=rank,
+            world_size=ranks,
+            hostname="sim",
+            start_unix_us=1_700_000_000_000_000,
+            device="cpu",
+            parallelism="ddp",
         )
         batches = [wire.Batch(run_name="finalize-bench", rank=rank, seq=1, identity=ident)]
         for seq, start in enumerate(range(0, steps, per_batch), start=2):
@@ -89,10 +94,16 @@ def build_store(path: Path, ranks: int, steps: int, per_batch: int = 512, live=N
 
 
 def _step(i: int, rank: int) -> dict:
-    step = {"step": i, "end_us": 25_000 * (i + 1), "step_us": 25_000 + (i * 7919 + rank) % 997,
-            "input_wait_us": 600 + i % 50, "dataloader_next_us": 500 + i % 40,
-            "forward_us": 8_000 + rank * 10, "backward_us": 13_000 + i % 300,
-            "optimizer_us": 1_200}
+    step = {
+        "step": i,
+        "end_us": 25_000 * (i + 1),
+        "step_us": 25_000 + (i * 7919 + rank) % 997,
+        "input_wait_us": 600 + i % 50,
+        "dataloader_next_us": 500 + i % 40,
+        "forward_us": 8_000 + rank * 10,
+        "backward_us": 13_000 + i % 300,
+        "optimizer_us": 1_200,
+    }
     if i % 10 == 0:
         step["peak_allocated_bytes"] = 2**31 + (i % 1000) * 4096
         step["peak_reserved_bytes"] = 2**32
@@ -102,8 +113,13 @@ def _step(i: int, rank: int) -> dict:
 def trial(tree: Path, store: Path) -> dict:
     """One timed analysis of ``store`` by the TraceML source tree ``tree``, in a new process."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(store)], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(store)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -143,17 +159,39 @@ def simulate(ranks: int, total_steps: int, chunk: int = 65_536) -> tuple[float, 
     live = LiveAggregates("finalize-bench", ranks)
     per_rank = total_steps // ranks
     started, cpu = time.perf_counter(), 0.0
-    names = ("step", "end_us", "step_us", "input_wait_us", "dataloader_next_us", "forward_us",
-             "backward_us", "optimizer_us")  # fmt: skip
+    names = (
+        "step",
+        "end_us",
+        "step_us",
+        "input_wait_us",
+        "dataloader_next_us",
+        "forward_us",
+        "backward_us",
+        "optimizer_us",
+    )
     for rank in range(ranks):
-        live.on_batch(wire.Batch(run_name="finalize-bench", rank=rank, seq=1, identity=wire.RankIdentity(
-            run_name="finalize-bench", rank=rank, world_size=ranks, hostname="sim",
-            start_unix_us=1_700_000_000_000_000, device="cpu", parallelism="ddp")))  # fmt: skip
+        identity = wire.RankIdentity(
+            run_name="finalize-bench",
+            rank=rank,
+            world_size=ranks,
+            hostname="sim",
+            start_unix_us=1_700_000_000_000_000,
+            device="cpu",
+            parallelism="ddp",
+        )
+        live.on_batch(wire.Batch(run_name="finalize-bench", rank=rank, seq=1, identity=identity))
         for start in range(0, per_rank, chunk):
             i = np.arange(start, min(per_rank, start + chunk), dtype=np.int64)
-            columns = [i, 25_000 * (i + 1), 25_000 + (i * 7919 + rank) % 997, 600 + i % 50,
-                       500 + i % 40, np.full(len(i), 8_000 + rank * 10), 13_000 + i % 300,
-                       np.full(len(i), 1_200)]  # fmt: skip
+            columns = [
+                i,
+                25_000 * (i + 1),
+                25_000 + (i * 7919 + rank) % 997,
+                600 + i % 50,
+                500 + i % 40,
+                np.full(len(i), 8_000 + rank * 10),
+                13_000 + i % 300,
+                np.full(len(i), 1_200),
+            ]
             columns = [c.tolist() for c in columns]
             t = time.process_time()
             live.ranks[rank].fold_steps(names, columns)
@@ -166,8 +204,12 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10_000, help="steps per rank")
     p.add_argument("--trials", type=int, default=1)
-    p.add_argument("--simulate-steps", type=int, default=0,
-                   help="also finalize after this many steps (all ranks) folded without a store")
+    p.add_argument(
+        "--simulate-steps",
+        type=int,
+        default=0,
+        help="also finalize after this many steps (all ranks) folded without a store",
+    )
     p.add_argument("--no-store-path", action="store_true", help="skip the store path's timing")
     p.add_argument("--baseline", type=Path, help="another TraceML source tree to compare with")
     args = p.parse_args()
@@ -181,9 +223,11 @@ def main() -> None:
         store = Path(tmp) / "telemetry.sqlite"
         live = LiveAggregates("finalize-bench", args.ranks)
         fold_s = build_store(store, args.ranks, args.steps, live=live)
-        print(f"{args.ranks} ranks x {args.steps} steps = {total} stored steps, store "
-              f"{store.stat().st_size / 2**20:.0f} MiB; folding them into the live aggregates "
-              f"cost {fold_s / total * 1e6:.2f} µs of CPU a step (at ingest)")
+        print(
+            f"{args.ranks} ranks x {args.steps} steps = {total} stored steps, store "
+            f"{store.stat().st_size / 2**20:.0f} MiB; folding them into the live aggregates "
+            f"cost {fold_s / total * 1e6:.2f} µs of CPU a step (at ingest)"
+        )
         agg_s, live_summary = aggregates_finalize(live, store)
         started = time.perf_counter()
         offline = LiveAggregates("finalize-bench", args.ranks)
@@ -194,9 +238,11 @@ def main() -> None:
         offline_s, offline_summary = aggregates_finalize(offline, store)
         assert _comparable(offline_summary) == _comparable(live_summary), "offline != live"
         print(f"  aggregates: finalize {agg_s:.2f} s (target <= 5 s at 10M stored steps)")
-        print(f"  offline (--finalize-only): seed from the store {seed_s:.2f} s "
-              f"({seed_s / total * 1e6:.2f} µs a stored step), then finalize {offline_s:.2f} s;"
-              " the same summary as the live one")
+        print(
+            f"  offline (--finalize-only): seed from the store {seed_s:.2f} s "
+            f"({seed_s / total * 1e6:.2f} µs a stored step), then finalize {offline_s:.2f} s;"
+            " the same summary as the live one"
+        )
         if not args.no_store_path:
             results: dict[str, list[dict]] = {name: [] for name in trees}
             for _ in range(args.trials):
@@ -205,18 +251,22 @@ def main() -> None:
             for name, rs in results.items():
                 m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                 t = m["load_s"] + m["summary_s"]
-                print(f"  store path ({name}): load {m['load_s']:.2f} s, summary "
-                      f"{m['summary_s']:.2f} s, total {t:.2f} s ({t / total * 1e6:.2f} µs a "
-                      f"stored step), peak RSS {m['rss_mib']:.0f} MiB (medians of {args.trials});"
-                      f" aggregates / store path: {agg_s / t:.3f}")
+                print(
+                    f"  store path ({name}): load {m['load_s']:.2f} s, summary "
+                    f"{m['summary_s']:.2f} s, total {t:.2f} s ({t / total * 1e6:.2f} µs a "
+                    f"stored step), peak RSS {m['rss_mib']:.0f} MiB (medians of {args.trials});"
+                    f" aggregates / store path: {agg_s / t:.3f}"
+                )
     if args.simulate_steps:
         cpu, wall, sim = simulate(args.ranks, args.simulate_steps)
         sim_s, _ = aggregates_finalize(sim, None)
         steps = args.simulate_steps // args.ranks * args.ranks
-        print(f"  simulated {steps} steps over {args.ranks} ranks (folded in {wall:.0f} s, "
-              f"{cpu / steps * 1e6:.2f} µs of CPU a step): aggregates finalize {sim_s:.2f} s "
-              "(target <= 10 s at 100M); the store path would read every one of them "
-              "(~10 µs a step: ~1,000 s at 100M)")
+        print(
+            f"  simulated {steps} steps over {args.ranks} ranks (folded in {wall:.0f} s, "
+            f"{cpu / steps * 1e6:.2f} µs of CPU a step): aggregates finalize {sim_s:.2f} s "
+            "(target <= 10 s at 100M); the store path would read every one of them "
+            "(~10 µs a step: ~1,000 s at 100M)"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
    ``torch.utils.flop_counter.FlopCounterMode`` (step 1 of a rank), against the same forward
    uncounted, side by side, ``--repeats`` times each on fresh counters: the median of each
    (ms) and the added cost. The first count of a process also pays the first use of the
-   dispatch machinery, which the medians leave out: a rank's ``count_ms`` shows it. Models: the 3-layer MLP of tests/test_workload.py scaled up
+   dispatch machinery, which the medians leave out: a rank's ``count_ms`` shows it. Models: the
+   3-layer MLP of tests/test_workload.py scaled up
    (``Linear(256, 1024)``, ``ReLU``, ``Linear(1024, 256)``, batch 64) and, when transformers is
    installed, a 2-layer BERT built from a config (hidden 128, 4 heads, batch 8 x 64 tokens).
 2. **Batch shapes** — :func:`traceml.sdk.workload.batch_counts` on the batch kinds the
@@ -39,10 +40,20 @@ def _models() -> list[tuple[str, nn.Module, tuple]]:
         from transformers import BertConfig, BertModel
     except ImportError:
         return out
-    config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=512, vocab_size=1000)  # fmt: skip
-    out.append(("bert 2 layers, hidden 128, 8 x 64 tokens", BertModel(config),
-                (torch.randint(0, 1000, (8, 64)),)))  # fmt: skip
+    config = BertConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+    )
+    out.append(
+        (
+            "bert 2 layers, hidden 128, 8 x 64 tokens",
+            BertModel(config),
+            (torch.randint(0, 1000, (8, 64)),),
+        )
+    )
     return out
 
 
@@ -77,14 +88,18 @@ def main() -> None:
             counted.append(ms)
             plain.append(_plain_ms(model, inputs))
         c, u = median(counted), median(plain)
-        print(f"  {name}: counted {c:.2f} ms, uncounted {u:.2f} ms, added {c - u:.2f} ms "
-              f"once per rank; forward {flops:,} FLOPs")  # fmt: skip
+        print(
+            f"  {name}: counted {c:.2f} ms, uncounted {u:.2f} ms, added {c - u:.2f} ms "
+            f"once per rank; forward {flops:,} FLOPs"
+        )
     batches = {
         "tensor (64, 256)": torch.randn(64, 256),
         "(inputs, labels)": (torch.randn(64, 256), torch.randn(64)),
-        "dict input_ids (8, 64)": {"input_ids": torch.zeros(8, 64, dtype=torch.long),
-                                   "attention_mask": torch.ones(8, 64)},
-    }  # fmt: skip
+        "dict input_ids (8, 64)": {
+            "input_ids": torch.zeros(8, 64, dtype=torch.long),
+            "attention_mask": torch.ones(8, 64),
+        },
+    }
     print("batch_counts per DataLoader batch, µs medians")
     for name, batch in batches.items():
         times = []

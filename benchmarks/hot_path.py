@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import traceml
-from traceml.sdk import instrumentation, session
+from traceml.sdk import instrumentation, rank_state
 
 _now = time.perf_counter_ns
 
@@ -42,6 +42,7 @@ _now = time.perf_counter_ns
 def per_call_ns(fn, calls: int, baseline=None) -> list[float]:
     """Wall ns of each of ``calls`` calls of ``fn`` minus, call by call, that of ``baseline``
     (alternating with it, so a busy moment hits both; an empty function by default)."""
+
     def empty():
         pass
 
@@ -82,12 +83,13 @@ def components(model: nn.Module, calls: int, in_step: bool) -> dict[str, list[fl
 
     out: dict[str, list[float]] = {}
     if in_step:
+
         def step_context():
             with traceml.trace_step(model):
                 pass
 
         out["step context"] = per_call_ns(step_context, calls)
-        session.current().client.flush(60)  # the sender is idle again: no GIL contention
+        rank_state.current().client.flush(60)  # the sender is idle again: no GIL contention
     step = traceml.trace_step(model) if in_step else contextlib.nullcontext()
     with step, torch.no_grad():
         out["forward timer"] = per_call_ns(traced_forward, calls, baseline=bare_forward)
@@ -144,7 +146,7 @@ def main() -> None:
         loop = Loop()
         for _ in range(1000):  # warm-up: hooks installed, first batches sent
             loop.step(traced=True)
-        client = session.current().client
+        client = rank_state.current().client
         client.flush(60)
         sender_clock = time.pthread_getcpuclockid(client._thread.ident)  # benchmark only
         sender_cpu, acked = time.clock_gettime_ns(sender_clock), client.stats.acked
@@ -152,33 +154,45 @@ def main() -> None:
         idle_parts = components(loop.model, args.calls, in_step=False)
         traced, untraced = [], []
         for i in range(args.steps):
-            for traced_first in ((True, False) if i % 2 else (False, True)):
+            for traced_first in (True, False) if i % 2 else (False, True):
                 (traced if traced_first else untraced).append(loop.step(traced_first))
         client.flush(60)
-        sender_ns = (time.clock_gettime_ns(sender_clock) - sender_cpu) / (client.stats.acked - acked)
+        sender_ns = (time.clock_gettime_ns(sender_clock) - sender_cpu) / (
+            client.stats.acked - acked
+        )
         traceml.shutdown()
         agg.stop()
 
     print("(a) trace_step hot path (target <= 15 µs added per step)")
-    print(f"  per component, {args.calls} calls each (µs):   traced step: median    p99"
-          "   | untraced step: median    p99")
+    print(
+        f"  per component, {args.calls} calls each (µs):   traced step: median    p99"
+        "   | untraced step: median    p99"
+    )
     for name in traced_parts:
         idle = idle_parts.get(name)
         idle_text = f"{us(median(idle)):>8.2f} {us(p99(idle)):>6.2f}" if idle else "       -      -"
-        print(f"    {name:<38} {us(median(traced_parts[name])):>8.2f} "
-              f"{us(p99(traced_parts[name])):>6.2f}   | {idle_text}")
+        print(
+            f"    {name:<38} {us(median(traced_parts[name])):>8.2f} "
+            f"{us(p99(traced_parts[name])):>6.2f}   | {idle_text}"
+        )
     print(f"    {'sender thread, per record (CPU)':<38} {us(sender_ns):>8.2f}")
-    print(f"  added per traced step, training thread: median "
-          f"{us(sum(median(v) for v in traced_parts.values())):.1f} µs, p99 <= "
-          f"{us(sum(p99(v) for v in traced_parts.values())):.1f} µs; plus the sender thread's "
-          f"{us(sender_ns):.1f} µs of CPU (under the same GIL)")
-    print(f"  per untraced step (hooks passing through): "
-          f"{us(sum(median(v) for v in idle_parts.values())):.1f} µs")
-    diffs = [a - b for a, b in zip(traced, untraced)]
-    print(f"  end to end, tiny model, {args.steps} steps each, interleaved: traced median "
-          f"{us(median(traced)):.1f} µs p99 {us(p99(traced)):.1f} µs; untraced median "
-          f"{us(median(untraced)):.1f} µs p99 {us(p99(untraced)):.1f} µs; "
-          f"median of differences {us(median(diffs)):.1f} µs")
+    print(
+        f"  added per traced step, training thread: median "
+        f"{us(sum(median(v) for v in traced_parts.values())):.1f} µs, p99 <= "
+        f"{us(sum(p99(v) for v in traced_parts.values())):.1f} µs; plus the sender thread's "
+        f"{us(sender_ns):.1f} µs of CPU (under the same GIL)"
+    )
+    print(
+        f"  per untraced step (hooks passing through): "
+        f"{us(sum(median(v) for v in idle_parts.values())):.1f} µs"
+    )
+    diffs = [a - b for a, b in zip(traced, untraced, strict=True)]
+    print(
+        f"  end to end, tiny model, {args.steps} steps each, interleaved: traced median "
+        f"{us(median(traced)):.1f} µs p99 {us(p99(traced)):.1f} µs; untraced median "
+        f"{us(median(untraced)):.1f} µs p99 {us(p99(untraced)):.1f} µs; "
+        f"median of differences {us(median(diffs)):.1f} µs"
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from _common import ROOT, free_port, median
 
 from traceml.launcher.aggregator import wait_serving
@@ -43,14 +42,33 @@ def start(
     tmp: Path, name: str, port: int, *extra: str, steps: int = 1000000, step_log: Path | None = None
 ) -> subprocess.Popen:
     argv = [
-        sys.executable, "-m", "traceml", "run", SCRIPT, "--nproc-per-node=2", "--run-name", name,
-        "--aggregator-port", str(port), "--logs-dir", str(tmp / "logs"), *extra,
-        "--", "--steps", str(steps), "--step-sleep", "0.05",
+        sys.executable,
+        "-m",
+        "traceml",
+        "run",
+        SCRIPT,
+        "--nproc-per-node=2",
+        "--run-name",
+        name,
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp / "logs"),
+        *extra,
+        "--",
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        "0.05",
     ]
     if step_log is not None:
         argv += ["--step-log", str(step_log)]
     return subprocess.Popen(
-        argv, cwd=tmp, env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        argv,
+        cwd=tmp,
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
         stderr=open(tmp / f"{name}.err", "wb"),
     )
 
@@ -141,14 +159,20 @@ def main() -> None:
         outages = [outage_to_return(tmp, i, args.outage_sec) for i in range(args.outage_runs)]
     to_summary = [t for t, _ in terms]
     to_return = [r for _, r in terms]
-    print(f"(a) SIGTERM to every process -> summary written: median {median(to_summary):.2f} s "
-          f"(range {min(to_summary):.2f}-{max(to_summary):.2f}, {len(terms)} runs); "
-          f"-> launcher returned: median {median(to_return):.2f} s")
-    print(f"(b) aggregator SIGKILL -> replacement serving: median {median(kills):.2f} s "
-          f"(range {min(kills):.2f}-{max(kills):.2f}, {len(kills)} kills)")
-    print(f"(c) {args.outage_sec:g} s aggregator pause: last step -> launcher returned: median "
-          f"{median(outages):.2f} s (range {min(outages):.2f}-{max(outages):.2f}, "
-          f"{len(outages)} runs)")
+    print(
+        f"(a) SIGTERM to every process -> summary written: median {median(to_summary):.2f} s "
+        f"(range {min(to_summary):.2f}-{max(to_summary):.2f}, {len(terms)} runs); "
+        f"-> launcher returned: median {median(to_return):.2f} s"
+    )
+    print(
+        f"(b) aggregator SIGKILL -> replacement serving: median {median(kills):.2f} s "
+        f"(range {min(kills):.2f}-{max(kills):.2f}, {len(kills)} kills)"
+    )
+    print(
+        f"(c) {args.outage_sec:g} s aggregator pause: last step -> launcher returned: median "
+        f"{median(outages):.2f} s (range {min(outages):.2f}-{max(outages):.2f}, "
+        f"{len(outages)} runs)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ from pathlib import Path
 from _common import LiveAggregator, free_port
 
 from traceml import wire
+from traceml.core.phases import STEP_FIELDS
 from traceml.sdk import client as client_mod
 from traceml.sdk.client import ClientConfig, TelemetryClient
-from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS, add_steps
+from traceml.wire.records import add_steps
 
 RECORDS = 5000
 STEP_US = 100_000  # a 100 ms step
@@ -51,10 +52,16 @@ def gpu_record(i: int) -> dict[str, int]:
     """Every field set: a GPU-timed step that also read the allocator's peaks (bytes)."""
     rec = cpu_record(i)
     rec.update(h2d_us=1_200)
-    rec = {name: rec[name] for name in STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS if name in rec}
-    rec.update(gpu_step_us=98_000, gpu_h2d_us=1_100, gpu_forward_us=30_500,
-               gpu_backward_us=57_000, gpu_optimizer_us=6_300,
-               peak_allocated_bytes=61_000_000_000, peak_reserved_bytes=72_000_000_000)
+    rec = {name: rec[name] for name in STEP_FIELDS if name in rec}
+    rec.update(
+        gpu_step_us=98_000,
+        gpu_h2d_us=1_100,
+        gpu_forward_us=30_500,
+        gpu_backward_us=57_000,
+        gpu_optimizer_us=6_300,
+        peak_allocated_bytes=61_000_000_000,
+        peak_reserved_bytes=72_000_000_000,
+    )
     return rec
 
 
@@ -105,16 +112,18 @@ class CountingProxy:
             dst.close()
 
         await asyncio.gather(
-            pump(reader, up_writer, True), pump(up_reader, writer, False),
+            pump(reader, up_writer, True),
+            pump(up_reader, writer, False),
             return_exceptions=True,
         )
 
 
 def wire_bytes(per_batch: int, make) -> tuple[float, float]:
     """(bytes up, bytes down) per record delivered by a real client through the proxy."""
-    with tempfile.TemporaryDirectory() as tmp, LiveAggregator(
-        Path(tmp) / "run", "run-20250101-120000-abcd"
-    ) as agg:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LiveAggregator(Path(tmp) / "run", "run-20250101-120000-abcd") as agg,
+    ):
         proxy = CountingProxy(agg.port)
         config = ClientConfig(
             flush_interval_s=3600, batch_max_records=per_batch, buffer_max_records=65536
@@ -131,9 +140,14 @@ def wire_bytes(per_batch: int, make) -> tuple[float, float]:
 def main() -> None:
     print("(e) bytes on the wire per step record (target <= 60 B)")
     for steps in (1, 10, 512):
-        print(f"  protobuf, {steps:>3} CPU steps in a batch:  "
-              f"{encoded_in_batch(cpu_record, steps):6.1f} B a step")
-    print(f"  protobuf, 512 steps, every field set:  {encoded_in_batch(gpu_record, 512):6.1f} B a step")
+        print(
+            f"  protobuf, {steps:>3} CPU steps in a batch:  "
+            f"{encoded_in_batch(cpu_record, steps):6.1f} B a step"
+        )
+    print(
+        "  protobuf, 512 steps, every field set:  "
+        f"{encoded_in_batch(gpu_record, 512):6.1f} B a step"
+    )
     print(f"  real TCP bytes, {RECORDS} CPU records through the SDK client:")
     print("    records/batch   up B/record   down B/record")
     for per_batch in (1, 10, 100, 512):

@@ -65,7 +65,10 @@ def main() -> None:
     )
 
     model = nn.Sequential(
-        nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+        nn.Linear(64, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, args.hidden),
+        nn.ReLU(),
         nn.Linear(args.hidden, 1),
     ).to(device)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)

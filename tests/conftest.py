@@ -1,104 +1,125 @@
-"""Shared fixtures: free ports, running `traceml run` for real, reading its artifacts."""
+"""Shared fixtures and the marker check; the helpers themselves are in ``tests/helpers/``.
+
+The names the test modules import from here (``from conftest import free_port, ...``) stay
+importable: they are re-exported from the helpers package.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import re
-import socket
-import sqlite3
-import subprocess
-import sys
-from pathlib import Path
+import time
+from collections.abc import Callable
 
-import psutil
 import pytest
+from helpers import components, cputime
+from helpers.aggregator import free_port, query
+from helpers.jobs import (
+    EXAMPLES,
+    GRPC_LINE,
+    ROOT,
+    SCRIPTS,
+    TEST_RUN_TOKEN,
+    aggregator_of,
+    assert_all_gone,
+    assert_rejected,
+    load_summary,
+    process_family,
+    run_traceml,
+    signal_and_wait,
+    start_traceml,
+    traceml_cmd,
+    traceml_env,
+    wait_all,
+    wait_training,
+    wait_training_started,
+)
+from helpers.planted import PlantedRun, run_planted
+from helpers.tls import make_cert
+from helpers.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-EXAMPLES = ROOT / "examples"
+__all__ = [
+    "EXAMPLES",
+    "GRPC_LINE",
+    "ROOT",
+    "SCRIPTS",
+    "TEST_RUN_TOKEN",
+    "aggregator_of",
+    "assert_all_gone",
+    "assert_rejected",
+    "free_port",
+    "load_summary",
+    "make_cert",
+    "process_family",
+    "query",
+    "run_traceml",
+    "signal_and_wait",
+    "start_traceml",
+    "traceml_cmd",
+    "traceml_env",
+    "wait_all",
+    "wait_for",
+    "wait_training",
+    "wait_training_started",
+]
 
-
-#: The run token of the aggregators the tests start themselves (tests/live_aggregator.py): the
-#: test process, and the scripts it runs under plain torchrun, play that run's own processes,
-#: so they carry it through the environment, as the ranks of a real run do.
-TEST_RUN_TOKEN = "traceml-test-run-token"
 os.environ["TRACEML_RUN_TOKEN"] = TEST_RUN_TOKEN
 
-
-#: gRPC C-core log lines (glog style: "E0521 12:00:00.000000 123 fork_posix.cc:75] ..."), and
-#: anything else that names gRPC, absl or an HTTP/2 GOAWAY (``too_many_pings``).
-GRPC_LINE = re.compile(
-    r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+\.(cc|h|cpp):\d+\]|grpc|absl|goaway|too_many_pings",
-    re.IGNORECASE,
-)
+#: Every process the tests start, by kind (tests/helpers/components.py).
+_STARTED = components.watch()
 
 
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (tests never use the defaults)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: CPU seconds at the start of the running test's setup (``--cpu-times``).
+_CPU_AT_SETUP: dict[str, float] = {}
+#: (CPU seconds, test id) of every finished test, on the controller (``--cpu-times``).
+_CPU_FIGURES: list[tuple[float, str]] = []
 
 
-def traceml_cmd() -> list[str]:
-    """The `traceml` command of the environment running the tests."""
-    return [sys.executable, "-m", "traceml"]
-
-
-def traceml_env(env: dict | None = None, *, launcher: bool = False) -> dict:
-    """The test process's environment without a TraceML endpoint, plus ``env``; for a
-    ``launcher`` (``traceml run``) also without the tests' run token: it makes its own."""
-    full_env = dict(os.environ)
-    full_env.pop("TRACEML_AGGREGATOR", None)
-    full_env.pop("TRACEML_RUN_NAME", None)
-    if launcher:
-        full_env.pop("TRACEML_RUN_TOKEN", None)
-    full_env.update(env or {})
-    return full_env
-
-
-def run_traceml(args: list[str], cwd: Path, *, timeout: float = 240, env: dict | None = None):
-    """Run `traceml ARGS` in ``cwd``; returns the CompletedProcess (text, captured)."""
-    return subprocess.run(
-        traceml_cmd() + args,
-        cwd=cwd,
-        env=traceml_env(env, launcher=True),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-times",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N tests that took the most CPU seconds, children included "
+        "(tests/helpers/cputime.py)",
     )
 
 
-def start_traceml(args: list[str], cwd: Path, log_prefix: Path, *, env: dict | None = None,
-                  prefix: list[str] | None = None) -> subprocess.Popen:
-    """Start `traceml ARGS` in ``cwd`` (after the command words ``prefix``, such as
-    ``ip netns exec NS``) with stdout and stderr in ``<log_prefix>.out``/``.err``."""
-    with open(f"{log_prefix}.out", "wb") as out, open(f"{log_prefix}.err", "wb") as err:
-        return subprocess.Popen(
-            (prefix or []) + traceml_cmd() + args,
-            cwd=cwd,
-            env=traceml_env(env, launcher=True),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _STARTED.reset()
+    if item.config.getoption("cpu_times"):
+        _CPU_AT_SETUP[item.nodeid] = cputime.cpu_seconds()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Fail a test that started a real component (a launcher, an aggregator, a namespace, a
+    browser, the Slurm lab) without its marker (and ``slow`` where the kind takes seconds),
+    or a launcher on a default port (tests/helpers/components.py)."""
+    result = yield
+    if item.nodeid in _CPU_AT_SETUP:
+        spent = cputime.cpu_seconds() - _CPU_AT_SETUP.pop(item.nodeid)
+        item.user_properties.append((cputime.PROPERTY, round(spent, 2)))
+    problems = _STARTED.problems({m.name for m in item.iter_markers()})
+    _STARTED.reset()
+    if problems:
+        pytest.fail("what the test starts: " + "; ".join(problems), pytrace=False)
+    return result
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        _CPU_FIGURES.extend(
+            (float(v), report.nodeid) for k, v in report.user_properties if k == cputime.PROPERTY
         )
 
 
-def load_summary(run_dir: Path) -> dict:
-    """``final_summary.json`` of a run directory."""
-    return json.loads((run_dir / "final_summary.json").read_text())
-
-
-def query(run_dir: Path, sql: str, params: tuple = ()) -> list[tuple]:
-    """Rows of ``sql`` on the run's SQLite database (after the aggregator closed it).
-
-    The connection is closed on return: an open one keeps a shared lock (WAL mode) that would
-    stop an aggregator from reopening the database.
-    """
-    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        return db.execute(sql, params).fetchall()
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("cpu_times")
+    if n and _CPU_FIGURES:
+        for line in cputime.table(_CPU_FIGURES, n):
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture
@@ -107,64 +128,63 @@ def port() -> int:
     return free_port()
 
 
-def assert_rejected(tmp_path, args: list[str], expected: str, *, marker: str) -> None:
-    """Run ``traceml run ARGS`` in an empty ``tmp_path/cwd`` and check the refusal.
+@pytest.fixture
+def tracer(monkeypatch):
+    """``(tracer, steps)``: a step tracer installed as the SDK's, appending each finished step
+    to ``steps`` (the forward timer's tests: tests/test_forward_timer.py, test_gpu_paths.py)."""
+    from traceml.sdk import instrumentation
+    from traceml.sdk.step import StepTracer
 
-    ``marker`` is a string only this invocation's processes would carry on their command line
-    (its run name or port): no process may carry it afterwards.
-    """
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    result = run_traceml(["run", *args], cwd, timeout=60)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("traceml: error: ") and expected in lines[0], lines[0]
-    assert result.stdout == ""
-    assert list(cwd.iterdir()) == []  # no logs dir, no run dir (not even ../<name>)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]
-    started = [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any(marker in part for part in (p.info["cmdline"] or []))
-    ]
-    assert started == []
+    steps = []
+    tracer = StepTracer(steps.append, time.perf_counter_ns())
+    monkeypatch.setattr(instrumentation, "_tracer", instrumentation._tracer)  # restored after
+    instrumentation.install(tracer)
+    yield tracer, steps
 
 
-def wait_training_started(run_dir: Path, launcher: subprocess.Popen, err_path: Path,
-                          timeout_s: float = 240) -> None:
-    """Wait until rank 0 of ``tests/scripts/faulty_ddp.py`` began its first step (its line
-    in node 0's training log); fails if the launcher exits first (with its stderr)."""
-    import time
+@pytest.fixture(scope="session")
+def planted(tmp_path_factory) -> Callable[[str], PlantedRun]:
+    """``planted(scenario)``: the run of ``scenario`` (tests/helpers/planted.py), made on first
+    use and shared by every test of this session (with xdist: of this worker; the tests that
+    use it are one xdist group, so one worker makes each scenario once)."""
+    base = tmp_path_factory.mktemp("planted")
+    runs: dict[str, PlantedRun] = {}
 
-    log = run_dir / "nodes" / "node_0" / "training.stdout.log"
-    deadline = time.monotonic() + timeout_s
-    while not (log.exists() and "faulty_ddp: training" in log.read_text()):
-        assert launcher.poll() is None, err_path.read_text()
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.1)
+    def get(scenario: str) -> PlantedRun:
+        if scenario not in runs:
+            runs[scenario] = run_planted(scenario, base)
+        return runs[scenario]
 
-
-def aggregator_of(launcher: subprocess.Popen) -> psutil.Process:
-    """Node 0's aggregator process under ``launcher`` (waits up to 60 s for it)."""
-    import time
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for child in psutil.Process(launcher.pid).children(recursive=True):
-            if "traceml_aggregator" in " ".join(child.cmdline()):
-                return child
-        time.sleep(0.2)
-    raise AssertionError("no aggregator process")
+    return get
 
 
-def process_family(pid: int) -> list[psutil.Process]:
-    """``pid`` and every process under it (torchrun's ranks, node 0's aggregator)."""
-    root = psutil.Process(pid)
-    return [root] + root.children(recursive=True)
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """pytest-xdist 3.8 names a grouped test's group in ``item._nodeid`` (``...@group``),
+    which pytest 9.2 no longer reads (its node id is ``item._id``), so ``--dist loadgroup``
+    silently stops grouping (pytest-dev/pytest-xdist#1386): carry the suffix over."""
+    for item in items:
+        legacy = getattr(item, "_nodeid", None)
+        if legacy and "@" in legacy and legacy != item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(legacy)
 
 
-def assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> None:
-    """Every one of ``processes`` exits within ``timeout_s``."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    assert alive == [], [p.pid for p in alive]
+def pytest_itemcollected(item):
+    """Keep the tests that share one real job on one xdist worker (``--dist loadgroup``), so
+    the job runs once: the users of the ``planted`` runs are group ``planted``, and the tests
+    of a module that share a module-scoped fixture of that module are the module's group. A
+    test's own ``xdist_group`` mark wins. (At collection of each item: xdist reads the marks
+    in its own ``pytest_collection_modifyitems``.)"""
+    if item.get_closest_marker("xdist_group") is not None:
+        return
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if "planted" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group("planted"))
+    elif fixtures is not None and any(
+        d.scope == "module" and getattr(d.func, "__module__", None) == item.module.__name__
+        for defs in fixtures.name2fixturedefs.values()
+        for d in defs
+    ):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))

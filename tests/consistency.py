@@ -12,6 +12,7 @@ from traceml.analysis.findings import (
     MEDIAN,
     PEAK,
     SAMPLED_MEDIAN,
+    SLOPE,
     STATISTICS,
     SUMMED,
     TREND,
@@ -23,6 +24,8 @@ KIND_STATISTIC = {
     "MEMORY_PRESSURE": PEAK,
     "MEMORY_IMBALANCE": PEAK,
     "MEMORY_CREEP": TREND,
+    "HOST_MEMORY_CREEP": SLOPE,
+    "NODE_RAM_GROWTH": SLOPE,
     "LOW_GPU_UTILIZATION": SAMPLED_MEDIAN,
     "MODERATE_GPU_UTILIZATION": SAMPLED_MEDIAN,
     "HIGH_GPU_TEMPERATURE": PEAK,
@@ -96,6 +99,35 @@ def _memory_and_system(kind: str, ev: dict, text: str) -> None:
             assert x["growth_bytes"] == x["end_bytes"] - x["start_bytes"] > 0
         assert f"{t['start_bytes'] / MIB:.0f} to {t['end_bytes'] / MIB:.0f} MiB" in text
         assert f"(+{t['bytes_per_1k_steps'] / MIB:.0f} MiB per 1000 steps)" in text
+    elif kind == "HOST_MEMORY_CREEP":
+        growth = ev["per_rank_growth"]
+        g = growth[str(ev["rank"])]
+        assert (
+            g["bytes_per_hour"]
+            == ev["bytes_per_hour"]
+            == max(x["bytes_per_hour"] for x in growth.values())
+        )
+        assert all(
+            x["name"] == "creep" and x["kendall_z"] >= ev["threshold_z"] for x in growth.values()
+        )
+        assert f"{g['bytes_per_hour'] / MIB:.0f} MiB per hour (Theil-Sen slope)" in text
+        assert f"from {g['start_bytes'] / MIB:.0f} to {g['end_bytes'] / MIB:.0f} MiB" in text
+    elif kind == "NODE_RAM_GROWTH":
+        for row in ev["nodes"]:
+            assert (
+                row["unexplained_bytes_per_hour"]
+                == (row["bytes_per_hour"] - row["ranks_rss_bytes_per_hour"])
+                or abs(
+                    row["unexplained_bytes_per_hour"]
+                    - row["bytes_per_hour"]
+                    + row["ranks_rss_bytes_per_hour"]
+                )
+                <= 1
+            )
+            assert row["unexplained_bytes_per_hour"] >= (
+                row["bytes_per_hour"] * ev["threshold_pct"] / 100 - 1
+            )
+        assert "(Theil-Sen slope; page cache not counted)" in text
     elif kind in ("LOW_GPU_UTILIZATION", "MODERATE_GPU_UTILIZATION"):
         utils = [g["util_percent_median"] for g in ev["gpus"]]
         assert all(u < ev["threshold_pct"] for u in utils)
@@ -105,8 +137,9 @@ def _memory_and_system(kind: str, ev: dict, text: str) -> None:
         assert all(t >= ev["threshold_c"] for t in temps)
         assert f"reached {max(temps):.0f}°C" in text
     elif kind in ("HIGH_CPU", "HIGH_RAM"):
-        per_node = ev["per_node_cpu_percent_median" if kind == "HIGH_CPU"
-                      else "per_node_ram_used_pct_max"]  # fmt: skip
+        per_node = ev[
+            "per_node_cpu_percent_median" if kind == "HIGH_CPU" else "per_node_ram_used_pct_max"
+        ]
         for node, value in per_node.items():
             assert value >= ev["threshold_pct"]
             assert f"{node} ({value:.0f}%)" in text

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from traceml.analysis.rundata import RankData, RunData, StepColumns
-from traceml.wire.records import STEP_OPTIONAL_FIELDS
+from traceml.analysis.rundata import RankData, RunData, StepTable
+from traceml.core.phases import STEP_OPTIONAL_FIELDS
 
 MIB = 1024 * 1024
 GPU_FIELDS = {
@@ -76,7 +76,7 @@ def rank(
             "device": "cpu",
             "gpu_uuid": uuid,
         },
-        steps=StepColumns.from_dicts(steps),
+        steps=StepTable.from_dicts(steps),
         finish={
             "steps_completed": len(steps),
             "records_dropped": 0,
@@ -128,6 +128,27 @@ def system_sample(t, node=0, cpu=50.0, ram=0.5, reason=None) -> dict:
         "ram_total_bytes": 64 * 1024 * MIB,
         "gpu_unavailable_reason": reason,
     }
+
+
+def rss_samples(r: int, n_steps: int, rss_at, every_us: int = 100_000, seed: int = 0) -> list:
+    """Process samples of rank ``r`` every ``every_us`` µs over ``n_steps`` default steps
+    (:func:`step`: 33.5 ms each, from unix µs 1,000,000), RSS ``rss_at(step)`` bytes (``step``
+    fractional) plus up to 2 MiB of noise (seeded)."""
+    import random
+
+    rng = random.Random(seed + r)
+    return [
+        {
+            "unix_us": 1_000_000 + t,
+            "rank": r,
+            "restart": 0,
+            "cpu_percent": 50.0,
+            "rss_bytes": int(rss_at(t / 33_500)) + rng.randint(0, 2 * MIB),
+            "gpu_allocated_bytes": None,
+            "gpu_reserved_bytes": None,
+        }
+        for t in range(0, n_steps * 33_500, every_us)
+    ]
 
 
 def gpu_sample(t, index, util, temp=60.0, reason=None, node=0) -> dict:

@@ -12,25 +12,38 @@ from conftest import traceml_env
 
 from traceml_aggregator.store import SCHEMA_VERSION, Store, StoreVersionError
 
+pytestmark = [pytest.mark.aggregator]
+
 
 def run_aggregator(args: list[str], cwd) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "traceml_aggregator", *args],
-        cwd=cwd, env=traceml_env(), capture_output=True, text=True, timeout=60, check=False,
+        cwd=cwd,
+        env=traceml_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
 @pytest.mark.parametrize(
     "extra, env, expected",
     [
-        (["--port", "0"], {}, "--port 0 is not a TCP port (1-65535)"),
-        (["--port", "70000"], {}, "--port 70000 is not a TCP port (1-65535)"),
-        (["--world-size", "0"], {}, "--world-size 0 must be >= 1"),
-        (["--nnodes", "0"], {}, "--nnodes 0 must be >= 1"),
-        (["--finalize-timeout-sec", "nan"], {},
-         "--finalize-timeout-sec must be a finite number > 0 (got nan)"),
-        ([], {"TRACEML_FINALIZE_TIMEOUT_SEC": "-1"},
-         "TRACEML_FINALIZE_TIMEOUT_SEC='-1': must be a finite number > 0"),
+        (["--port", "0"], {}, "--port must be a TCP port, 1-65535 (got 0)"),
+        (["--port", "70000"], {}, "--port must be a TCP port, 1-65535 (got 70000)"),
+        (["--world-size", "0"], {}, "--world-size must be an integer >= 1 (got 0)"),
+        (["--nnodes", "0"], {}, "--nnodes must be an integer >= 1 (got 0)"),
+        (
+            ["--finalize-timeout-sec", "nan"],
+            {},
+            "--finalize-timeout-sec must be a finite number > 0 (got nan)",
+        ),
+        (
+            [],
+            {"TRACEML_FINALIZE_TIMEOUT_SEC": "-1"},
+            "TRACEML_FINALIZE_TIMEOUT_SEC must be a finite number > 0 (got '-1')",
+        ),
     ],
 )
 def test_bad_options_are_one_error_line_and_exit_code_2(
@@ -57,7 +70,8 @@ def test_a_malformed_value_is_one_error_line(tmp_path):
 def test_a_missing_required_option_is_one_error_line(tmp_path):
     result = run_aggregator(["--run-dir", str(tmp_path / "r")], tmp_path)
     assert (result.returncode, result.stderr) == (
-        2, "traceml-aggregator: error: Missing option '--run-name'.\n"
+        2,
+        "traceml-aggregator: error: Missing option '--run-name'.\n",
     )
 
 

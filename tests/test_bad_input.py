@@ -7,6 +7,8 @@ import socket
 import pytest
 from conftest import EXAMPLES, assert_rejected, free_port
 
+pytestmark = [pytest.mark.torchrun]
+
 SCRIPT = str(EXAMPLES / "ddp_minimal.py")
 
 
@@ -21,8 +23,10 @@ def test_missing_script(tmp_path):
 def test_nproc_per_node_below_one(tmp_path, n):
     port = str(free_port())
     assert_rejected(
-        tmp_path, [SCRIPT, "--nproc-per-node", n, "--aggregator-port", port],
-        "--nproc-per-node must be >= 1", marker=port,
+        tmp_path,
+        [SCRIPT, "--nproc-per-node", n, "--aggregator-port", port],
+        f"--nproc-per-node must be an integer >= 1 (got {n})",
+        marker=port,
     )
 
 
@@ -30,8 +34,10 @@ def test_nproc_per_node_below_one(tmp_path, n):
 def test_run_name_that_is_not_one_safe_path_segment(tmp_path, name):
     port = str(free_port())
     assert_rejected(
-        tmp_path, [SCRIPT, "--run-name", name, "--aggregator-port", port],
-        f"run name {name!r}", marker=port,
+        tmp_path,
+        [SCRIPT, "--run-name", name, "--aggregator-port", port],
+        f"run name {name!r}",
+        marker=port,
     )
 
 
@@ -41,8 +47,10 @@ def test_aggregator_port_already_in_use(tmp_path):
         busy.listen()
         port = str(busy.getsockname()[1])
         assert_rejected(
-            tmp_path, [SCRIPT, "--aggregator-port", port, "--run-name", "busy-port-run"],
-            f"aggregator port 127.0.0.1:{port} is not available", marker="busy-port-run",
+            tmp_path,
+            [SCRIPT, "--aggregator-port", port, "--run-name", "busy-port-run"],
+            f"aggregator port 127.0.0.1:{port} is not available",
+            marker="busy-port-run",
         )
 
 
@@ -56,8 +64,10 @@ def test_a_directory_is_not_a_script(tmp_path):
 def test_an_unknown_option_before_the_script(tmp_path):
     port = str(free_port())
     assert_rejected(
-        tmp_path, ["--nproc_per_node=2", SCRIPT, "--aggregator-port", port],
-        "unknown option '--nproc_per_node=2'", marker=port,
+        tmp_path,
+        ["--nproc_per_node=2", SCRIPT, "--aggregator-port", port],
+        "unknown option '--nproc_per_node=2'",
+        marker=port,
     )
 
 
@@ -71,6 +81,8 @@ def test_an_empty_run_name(tmp_path):
 def test_master_port_equal_to_the_aggregator_port(tmp_path):
     port = str(free_port())
     assert_rejected(
-        tmp_path, [SCRIPT, "--master-port", port, "--aggregator-port", port],
-        f"--master-port and --aggregator-port are both {port}", marker=port,
+        tmp_path,
+        [SCRIPT, "--master-port", port, "--aggregator-port", port],
+        f"--master-port and --aggregator-port are both {port}",
+        marker=port,
     )

@@ -8,23 +8,34 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+from conftest import GRPC_LINE, SCRIPTS, free_port, traceml_env
+from helpers.batches import rank_batch
+from helpers.waiting import LOADED_CALL_S, wait_for
 from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
+from traceml.core import transport
 from traceml.core.transport import open_channel
 from traceml.sdk import client as client_mod
-from traceml.wire.records import add_steps
+
+pytestmark = [pytest.mark.aggregator]
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    """Poll ``predicate`` every 10 ms until true; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+def timed_fork() -> float:
+    """Fork a child that exits at once; check it exited 0; returns how long fork() took, s."""
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    forked_in = time.monotonic() - started
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return forked_in
 
 
 @pytest.fixture
@@ -75,13 +86,12 @@ def test_every_batch_carries_the_running_counts_and_the_store_keeps_the_latest(a
     assert aggregator.query("SELECT COUNT(*) FROM steps") == [(11,)]
 
 
+@pytest.mark.serial
 def test_a_bounded_close_counts_what_it_had_no_time_to_send_in_the_finish_marker(aggregator):
     """3000 records, one per batch, and 1 s to close: past the cutoff (half the time) the rest
     is given up, counted, and the finish marker still arrives; stored + unsent = produced."""
     produced = 3000
-    client = make_client(
-        aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=1
-    )
+    client = make_client(aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=1)
     for i in range(produced):
         client.submit(client_mod.STEPS, step(i))
     began = time.monotonic()
@@ -116,6 +126,7 @@ def test_a_rank_client_sends_its_first_record_at_once_and_the_rest_at_the_interv
     assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
 
 
+@pytest.mark.serial
 def test_a_buffered_cpu_step_takes_less_than_the_documented_bound():
     """BUFFERED_RECORD_MAX_BYTES (docs/telemetry.md) against tracemalloc: 20,000 steps of the
     real tracer buffered by a client that never sends."""
@@ -125,7 +136,11 @@ def test_a_buffered_cpu_step_takes_less_than_the_documented_bound():
     from traceml.sdk.step import StepTracer
 
     client = make_client(
-        "127.0.0.1:1", "mine", [], flush_interval_s=3600, batch_max_records=10**9,
+        "127.0.0.1:1",
+        "mine",
+        [],
+        flush_interval_s=3600,
+        batch_max_records=10**9,
         buffer_max_records=10**9,
     )
     tracer = StepTracer(functools.partial(client.submit, client_mod.STEPS), time.perf_counter_ns())
@@ -146,6 +161,55 @@ def test_a_buffered_cpu_step_takes_less_than_the_documented_bound():
     client.close(timeout_s=0.1)
 
 
+def test_flops_beyond_the_stores_integers_cost_the_field_alone(aggregator):
+    """200 steps, 5 of them with a FLOPs count in [2**63, 2**64) (the wire carries it, SQLite
+    does not): every step is stored, those 5 without FLOPs, the 5 values counted as
+    ``value_out_of_range``, and the rank's telemetry goes on to its finish marker (issue 24,
+    item 4: the batch was refused as malformed, and the SDK sent no more: 5 of 200 stored)."""
+    import json
+
+    beyond = {10, 50, 51, 120, 199}
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings, batch_max_records=16)
+    for i in range(200):
+        client.submit(client_mod.STEPS, {**step(i), "flops": (1 << 63) + i if i in beyond else 7})
+    assert client.close(finish(200), timeout_s=30) is True
+    assert (client.stats.acked, client.stats.dropped, client.stats.batches_refused) == (200, 0, 0)
+    assert warnings == []
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step, flops FROM steps ORDER BY step") == [
+        (i, None if i in beyond else 7) for i in range(200)
+    ]
+    assert aggregator.query("SELECT steps_completed FROM rank_finish") == [(200,)]
+    [(rejected,)] = aggregator.query("SELECT value FROM meta WHERE key = 'rejected'")
+    assert json.loads(rejected) == {"value_out_of_range": 5}
+
+
+def test_a_batch_refused_alone_is_dropped_and_counted_not_the_end(aggregator):
+    """A batch the store cannot take (here a finish marker of no known end state) is refused
+    alone, its Ack naming its own sequence number: the client counts its records as dropped
+    and says so once, instead of "sending no more", and the aggregator takes the sender's
+    next batch; the steps before it are stored."""
+    from traceml.core.endpoint import call as rpc
+
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings)
+    for i in range(3):
+        client.submit(client_mod.STEPS, step(i))
+    wait_for(lambda: client.stats.acked == 3)
+    client.submit(client_mod.STEPS, step(3))
+    assert client.close(wire.RankFinish(steps_completed=4, end_state=77), timeout_s=30) is False
+    assert (client.stats.batches_refused, client.stats.dropped_invalid) == (1, 1)
+    assert client.stats.steps_dropped == 1
+    assert len(warnings) == 1 and "telemetry goes on" in warnings[0], warnings
+    refused_seq = client._next_seq - 1
+    later = rank_batch(refused_seq + 1, [4], run_name="mine", row=step)
+    assert rpc(aggregator.target, "Push", later, 30).stored_seq == refused_seq + 1
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,), (2,), (4,)]
+    assert aggregator.query("SELECT steps_produced, steps_dropped FROM sender_counts") == [(3, 0)]
+
+
 def test_a_step_the_wire_cannot_carry_is_dropped_alone_and_counted(aggregator):
     """One step with a negative duration (a measurement bug, e.g. a nested step before it was
     refused) in a batch of 512: before the fix the batch's conversion raised after the buffer
@@ -158,9 +222,11 @@ def test_a_step_the_wire_cannot_carry_is_dropped_alone_and_counted(aggregator):
     assert (client.stats.acked, client.stats.dropped_invalid, client.stats.dropped) == (599, 1, 1)
     assert aggregator.stop() == 0
     assert aggregator.query("SELECT step FROM steps ORDER BY step") == [
-        (i,) for i in range(600) if i != 100]
+        (i,) for i in range(600) if i != 100
+    ]
     assert aggregator.query("SELECT steps_completed, records_dropped FROM rank_finish") == [
-        (600, 1)]
+        (600, 1)
+    ]
     assert warnings == []
 
 
@@ -189,8 +255,7 @@ def test_rejected_run_name_stops_sending_and_nothing_is_stored(aggregator):
 def test_push_from_another_run_is_answered_rejected(aggregator):
     with open_channel(aggregator.target) as channel:
         stub = wire.AggregatorStub(channel)
-        batch = wire.Batch(run_name="other", rank=0, seq=1)
-        add_steps(batch, [step(0)])
+        batch = rank_batch(1, [0], run_name="other", row=step)
         ack = stub.Push(batch, timeout=10)
         assert ack.rejected and ack.stored_seq == 0
         assert "'other'" in ack.reason
@@ -200,6 +265,7 @@ def test_push_from_another_run_is_answered_rejected(aggregator):
     assert aggregator.query("SELECT rank, step FROM steps") == [(0, 0)]
 
 
+@pytest.mark.serial
 def test_close_delivers_everything_once_and_closes_for_good(aggregator):
     warnings: list[str] = []
     client = make_client(aggregator.target, "mine", warnings, batch_max_records=7)
@@ -237,6 +303,44 @@ def test_close_gives_up_at_once_when_the_aggregator_was_never_reached(tmp_path):
     assert time.monotonic() - started < 10  # not the 60 s budget
     assert len(warnings) == 1 and "unreachable" in warnings[0]
     assert client.stats.send_failures == 1
+
+
+def test_flush_delivers_to_an_aggregator_that_came_up_after_the_first_send(tmp_path):
+    """The rank's first step found no aggregator (it started later, as under a slow node 0);
+    the rest wait for an hour-long interval. flush() (``traceml.summary()``) must deliver them
+    all, not give up because a send before it failed; then, with the aggregator gone, a flush
+    gives up as soon as the send it woke fails, not at its deadline."""
+    warnings: list[str] = []
+    agg = LiveAggregator(tmp_path / "run", "mine")
+    client = make_client(
+        agg.target, "mine", warnings, flush_interval_s=3600, first_record_at_once=True
+    )
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.send_failures == 1, timeout_s=20)
+    with agg:
+        for i in range(1, 20):
+            client.submit(client_mod.STEPS, step(i))
+        assert client.flush(60) is True
+        assert client.stats.acked == 20
+        assert agg.stop() == 0
+    assert agg.query("SELECT COUNT(*), MIN(step), MAX(step) FROM steps") == [(20, 0, 19)]
+    assert [w.split(" (")[0] for w in warnings] == [
+        f"aggregator at {agg.target} unreachable",
+        f"aggregator at {agg.target} reached; telemetry flowing",
+    ]
+
+
+def test_flush_gives_up_once_the_send_it_woke_finds_no_aggregator(tmp_path):
+    from conftest import free_port
+
+    client = make_client(f"127.0.0.1:{free_port()}", "mine", [], flush_interval_s=3600)
+    client.submit(client_mod.STEPS, step(0))
+    started = time.monotonic()
+    assert client.flush(60) is False
+    assert time.monotonic() - started < 10  # not the 60 s budget
+    # The send flush woke, and the first step's own send when it ran before flush() did.
+    assert client.stats.send_failures in (1, 2)
+    assert client.close(finish(1), timeout_s=5) is False
 
 
 def test_close_is_bounded_when_the_aggregator_stops_answering(aggregator):
@@ -284,21 +388,16 @@ def test_a_fork_during_an_outage_does_not_wait_for_the_rpc_deadline(aggregator):
     (a DataLoader starting workers) cancels that call instead of waiting for it; before the
     fix it waited for the deadline. Once the aggregator resumes, every step is stored once."""
     warnings: list[str] = []
-    client = make_client(aggregator.target, "mine", warnings, batch_max_records=1,
-                         rpc_timeout_s=20.0)
+    client = make_client(
+        aggregator.target, "mine", warnings, batch_max_records=1, rpc_timeout_s=20.0
+    )
     client.submit(client_mod.STEPS, step(0))
     wait_for(lambda: client.stats.acked == 1)
     aggregator.process.send_signal(signal.SIGSTOP)
     try:
         client.submit(client_mod.STEPS, step(1))
         time.sleep(1.0)  # the sender (20 ms interval) is in its Push, waiting on the aggregator
-        started = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        forked_in = time.monotonic() - started
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        forked_in = timed_fork()
         assert forked_in < 2.0, forked_in
     finally:
         aggregator.process.send_signal(signal.SIGCONT)
@@ -307,6 +406,132 @@ def test_a_fork_during_an_outage_does_not_wait_for_the_rpc_deadline(aggregator):
     assert client.stats.send_failures >= 1 and client.stats.dropped == 0
     assert aggregator.stop() == 0
     assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,), (2,)]
+
+
+def test_forks_while_the_client_reconnects_during_an_outage():
+    """No aggregator at all: the sender thread makes and closes a channel and a stream for
+    every retry (at once: 0.5 ms backoff), including while it has no stream. 200 forks meanwhile:
+    every child exits 0, no fork waits longer than FORK_WAIT_MAX_S, and gRPC says nothing on
+    stderr (issue 24, item 7: the fork hook quiesced only an existing stream, and a closed
+    channel's thread could still be inside gRPC: the old code printed "Other threads are
+    currently calling into gRPC, skipping fork() handlers"; and gRPC's own fork handlers, on
+    then, hung fork() in about one run in ten: the parent waited inside fork() for gRPC's
+    timer thread, which waited for the fork)."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fork_outage.py"), f"127.0.0.1:{free_port()}", "200"],
+        env=traceml_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    fields = result.stdout.split()
+    assert fields[:4] == ["forks", "200", "bad", "0"], result.stdout
+    assert float(fields[5]) <= client_mod.FORK_WAIT_MAX_S, result.stdout
+    assert int(fields[7]) >= 3
+    assert [line for line in result.stderr.splitlines() if GRPC_LINE.search(line)] == []
+
+
+def test_grpc_fork_handlers_are_off_in_a_process_with_the_client():
+    """gRPC's own fork() handlers hung fork() during an outage (its prepare handler waits for
+    its timer threads, one of which waits for the fork: 12 of 115 runs of fork_outage.py hung,
+    the parent inside fork()). Importing the client, as traceml.init() does, before grpc turns
+    them off unless the user set GRPC_ENABLE_FORK_SUPPORT. Shown where they speak up
+    deterministically: forks while a thread is inside gRPC (a call waiting for an aggregator
+    that is not there), which they report with "Other threads are currently calling into
+    gRPC, skipping fork() handlers" at every fork (the old code: 5 lines in 5 forks)."""
+    env = traceml_env()
+    for name in ("GRPC_VERBOSITY", "GRPC_TRACE", "GRPC_ENABLE_FORK_SUPPORT"):
+        env.pop(name, None)  # gRPC's defaults, as a user has them
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fork_in_grpc_call.py"), f"127.0.0.1:{free_port()}", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["exit", "codes", "0", "0", "0", "0", "0"]
+    assert [line for line in result.stderr.splitlines() if GRPC_LINE.search(line)] == []
+
+
+@pytest.mark.parametrize("users, expected", [(None, "false"), ("1", "1")])
+def test_traceml_run_turns_grpc_fork_handlers_off_for_its_ranks(
+    tmp_path, monkeypatch, users, expected
+):
+    """Also for a script that imports grpc before traceml (gRPC reads the variable once, at
+    its import); a user's own setting stands."""
+    from traceml.core.rundir import RunDir
+    from traceml.launcher.config import LaunchConfig
+    from traceml.launcher.torchrun import worker_env
+
+    if users is None:
+        monkeypatch.delenv(transport.GRPC_FORK_SUPPORT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(transport.GRPC_FORK_SUPPORT_ENV, users)
+    env = worker_env(LaunchConfig(script="train.py"), RunDir(tmp_path / "run", 0))
+    assert env[transport.GRPC_FORK_SUPPORT_ENV] == expected
+
+
+def test_an_error_in_the_fork_hook_leaves_no_lock_held(aggregator, monkeypatch):
+    """The hook took the stream's lock, then ending the stream raised: the old hook left the
+    lock held for good (Python only prints a before-fork hook's exception), so the sender's
+    next push waited on it forever and every later fork waited FORK_WAIT_MAX_S. Now the lock
+    is free after the fork, one warning says what happened, and the next batch is acked."""
+    from traceml.sdk import stream as stream_mod
+
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings)
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.acked == 1)
+
+    def broken_end(self, wait_s, cancel_by=None):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(stream_mod._Open, "end", broken_end)
+        timed_fork()
+    assert (client._grpc_lock.locked(), client._stream._lock.locked()) == (False, False)
+    assert warnings == ["telemetry fork hook error (RuntimeError: injected)"]
+    client.submit(client_mod.STEPS, step(1))
+    wait_for(lambda: client.stats.acked == 2)
+    assert client.close(finish(2), timeout_s=30) is True
+
+
+def test_a_fork_during_a_summary_call_waits_no_longer_than_the_bound(aggregator):
+    """A one-off call (``traceml.summary()``'s Summarize) waits on a paused aggregator for its
+    deadline. A fork() then cancels it instead of waiting for it (before the fix the fork
+    waited behind the call's lock for the whole deadline), and the call is made again after
+    the fork: it answers once the aggregator resumes. (One Summarize answered first: the
+    aggregator's live analysis, at nice 19, is up before the pause, so the answer after it
+    does not wait on a late start; the deadline is long for the same reason.)"""
+    import threading
+
+    warnings: list[str] = []
+    client = make_client(aggregator.target, "mine", warnings)
+    client.submit(client_mod.STEPS, step(0))
+    wait_for(lambda: client.stats.acked == 1)
+    summarize = wire.SummarizeRequest(run_name="mine")
+    assert client.call("Summarize", summarize, LOADED_CALL_S).error == ""
+    aggregator.process.send_signal(signal.SIGSTOP)
+    replies: list = []
+    caller = threading.Thread(
+        target=lambda: replies.append(client.call("Summarize", summarize, LOADED_CALL_S))
+    )
+    try:
+        caller.start()
+        wait_for(lambda: client._one_off is not None)  # the call is in flight
+        forked_in = timed_fork()
+        assert forked_in <= client_mod.FORK_WAIT_MAX_S, forked_in
+        assert caller.is_alive()  # made again after the fork, waiting on the paused aggregator
+    finally:
+        aggregator.process.send_signal(signal.SIGCONT)
+    caller.join(LOADED_CALL_S)
+    assert len(replies) == 1 and isinstance(replies[0], wire.SummarizeReply), replies
+    assert client.close(finish(1), timeout_s=30) is True
+    assert warnings == []
 
 
 NESTED = """
@@ -329,14 +554,21 @@ def test_a_nested_trace_step_is_part_of_the_outer_step_and_loses_nothing(aggrega
     from conftest import traceml_env
 
     env = traceml_env({"TRACEML_AGGREGATOR": aggregator.target, "TRACEML_RUN_NAME": "mine"})
-    result = subprocess.run([sys.executable, "-c", NESTED], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", NESTED],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     ours = [line for line in result.stderr.splitlines() if line.startswith("traceml:")]
-    assert ours == ["traceml: trace_step() opened inside an open step; the inner block is "
-                    "timed as part of the outer step"]
+    assert ours == [
+        "traceml: trace_step() opened inside an open step; the inner block is "
+        "timed as part of the outer step"
+    ]
     assert aggregator.stop() == 0
     assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(i,) for i in range(20)]
     assert aggregator.query("SELECT COUNT(*) FROM steps WHERE backward_us IS NULL") == [(0,)]
-    assert aggregator.query("SELECT steps_completed, records_dropped FROM rank_finish") == [
-        (20, 0)]
+    assert aggregator.query("SELECT steps_completed, records_dropped FROM rank_finish") == [(20, 0)]

@@ -25,11 +25,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from chromium import CHROMIUM, DevTools
 from conftest import ROOT, SCRIPTS, free_port, load_summary, traceml_cmd, traceml_env
 
 pytestmark = [
+    pytest.mark.torchrun,
+    pytest.mark.browser,
     pytest.mark.slow,
     pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed"),
 ]
@@ -37,7 +38,9 @@ pytestmark = [
 STEPS = 600
 STATIC = ROOT / "traceml_aggregator" / "dashboard" / "static"
 WIDTH = 1200
-URL_LINE = re.compile(r"dashboard(?: of the stored run \S+)?: (http://\S+/\?token=(\S+))")
+URL_LINE = re.compile(
+    r"dashboard(?: of the stored run \S+)?: (http://\S+/) \(open the link in (\S+), mode 0600"
+)
 #: What the test reads of the page: the ranks' rows, the step chart's points, the findings.
 LOOK = """JSON.stringify({
   ranks: [...document.querySelectorAll('#ranks tr[data-rank]')].map(r => +r.dataset.rank),
@@ -48,6 +51,19 @@ LOOK = """JSON.stringify({
   nodes: [...document.querySelectorAll('#nodes tr[data-node]')].map(r => r.cells[3].textContent),
   frames: +(document.body.dataset.frames || 0),
 })"""
+
+
+def opened(m: re.Match, lines: list[str]) -> tuple[str, str]:
+    """``(link, token)`` of the dashboard whose line ``m`` (of :data:`URL_LINE`) named the link
+    file: the printed URL with the token, read from that file (mode 0600); no line printed
+    holds the token."""
+    link_file = Path(m.group(2))
+    assert link_file.stat().st_mode & 0o777 == 0o600
+    link = link_file.read_text().strip()
+    url, token = link.split("?token=")
+    assert url == m.group(1) and len(token) == 43
+    assert not any(token in line for line in lines)
+    return link, token
 
 
 class Lines:
@@ -68,9 +84,16 @@ class Lines:
             for line in self.lines:
                 if (m := pattern.search(line)) is not None:
                     return m
-            assert process.poll() is None, "".join(self.lines)
+            assert process.poll() is None, self.told()
             time.sleep(0.1)
-        raise AssertionError(f"no line matching {pattern.pattern}: {''.join(self.lines)}")
+        raise AssertionError(f"no line matching {pattern.pattern}: {self.told()}")
+
+    def told(self) -> str:
+        """The lines so far, and the logs they point at ("see PATH.log")."""
+        text = "".join(self.lines)
+        for log in sorted(set(re.findall(r"see (\S+\.log)\)", text))):
+            text += f"\n--- {log}:\n{Path(log).read_text(errors='replace')[-4000:]}"
+        return text
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -122,9 +145,14 @@ def _artifact_dir(tmp_path: Path) -> Path:
 def _start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Lines]:
     """``traceml ARGS`` in ``cwd``, and the lines of its stderr."""
     process = subprocess.Popen(
-        traceml_cmd() + args, cwd=cwd, env=traceml_env(launcher=True), stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        traceml_cmd() + args,
+        cwd=cwd,
+        env=traceml_env(launcher=True),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return process, Lines(process.stderr)
 
 
@@ -137,18 +165,31 @@ def _stop(process: subprocess.Popen) -> None:
 def test_live_dashboard_then_stored_run(tmp_path):
     port, dashboard_port = free_port(), free_port()
     launcher, err = _start(
-        ["run", str(SCRIPTS / "planted_ddp.py"), "--nproc-per-node=2", "--mode=dashboard",
-         f"--dashboard-port={dashboard_port}", f"--aggregator-port={port}",
-         "--run-name=dash", f"--logs-dir={tmp_path / 'logs'}", "--",
-         "--scenario", "input_straggler", "--steps", str(STEPS), "--delay-ms", "20"],
+        [
+            "run",
+            str(SCRIPTS / "planted_ddp.py"),
+            "--nproc-per-node=2",
+            "--mode=dashboard",
+            f"--dashboard-port={dashboard_port}",
+            f"--aggregator-port={port}",
+            "--run-name=dash",
+            f"--logs-dir={tmp_path / 'logs'}",
+            "--",
+            "--scenario",
+            "input_straggler",
+            "--steps",
+            str(STEPS),
+            "--delay-ms",
+            "20",
+        ],
         tmp_path,
-    )  # fmt: skip
+    )
     chrome = None
     try:
         m = err.wait_for(URL_LINE, launcher, 120)
-        url, token = m.group(1), m.group(2)
+        url, token = opened(m, err.lines)
         origin = f"http://127.0.0.1:{dashboard_port}/"
-        assert url == f"{origin}?token={token}" and len(token) == 43
+        assert url == f"{origin}?token={token}"
         assert sum(bool(URL_LINE.search(line)) for line in err.lines) == 1  # printed once
         _assert_token_required(origin.rstrip("/"), token)
 
@@ -171,7 +212,9 @@ def test_live_dashboard_then_stored_run(tmp_path):
         requested = _requested(chrome)
         assert requested and all(u.startswith(origin) for u in requested), requested
         # One page load and one event stream: the page updated itself, never reloaded.
-        assert requested.count(url) == 1 and requested.count(f"{origin}api/events?token={token}") == 1
+        assert (
+            requested.count(url) == 1 and requested.count(f"{origin}api/events?token={token}") == 1
+        )
         assert found["frames"] > first["frames"] >= 1
         chrome.close()
         chrome = None
@@ -190,14 +233,19 @@ def test_live_dashboard_then_stored_run(tmp_path):
     chrome = None
     try:
         m = err.wait_for(URL_LINE, view, 60)
-        url, token = m.group(1), m.group(2)
+        url, token = opened(m, err.lines)
         origin = f"http://127.0.0.1:{view_port}"
         _assert_token_required(origin, token)
         status, body = _get(f"{origin}/api/frame?token={token}")
         assert status == 200
         frame = json.loads(body)
-        assert frame["run"] == {**frame["run"], "run_name": "dash", "world_size": 2,
-                                "live": False, "status": "completed"}  # fmt: skip
+        assert frame["run"] == {
+            **frame["run"],
+            "run_name": "dash",
+            "world_size": 2,
+            "live": False,
+            "status": "completed",
+        }
         assert [r["rank"] for r in frame["ranks"]] == [0, 1]
         assert [r["steps"] for r in frame["ranks"]] == [STEPS, STEPS]
         assert {r: len(s["step"]) for r, s in frame["steps"].items()} == {"0": STEPS, "1": STEPS}
@@ -224,10 +272,15 @@ def test_live_dashboard_then_stored_run(tmp_path):
 def test_view_serve_refuses_a_directory_without_a_store(tmp_path):
     result = subprocess.run(
         traceml_cmd() + ["view", str(tmp_path), "--serve", f"--port={free_port()}"],
-        env=traceml_env(launcher=True), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=traceml_env(launcher=True),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
-    assert result.stderr == f"traceml: error: {tmp_path} holds no TraceML store (telemetry.sqlite)\n"
+    assert (
+        result.stderr == f"traceml: error: {tmp_path} holds no TraceML store (telemetry.sqlite)\n"
+    )
 
 
 def test_two_nodes_one_dashboard(tmp_path):
@@ -235,18 +288,26 @@ def test_two_nodes_one_dashboard(tmp_path):
     and both ranks while they train, at the URL node 0 printed (every interface, by name)."""
     port, dashboard_port, logs = free_port(), free_port(), tmp_path / "logs"
     common = [
-        "run", str(SCRIPTS / "faulty_ddp.py"), "--nnodes=2", "--nproc-per-node=1",
-        "--run-name=two", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        f"--aggregator-port={port}", f"--logs-dir={logs}", "--mode=dashboard",
+        "run",
+        str(SCRIPTS / "faulty_ddp.py"),
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--run-name=two",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        f"--aggregator-port={port}",
+        f"--logs-dir={logs}",
+        "--mode=dashboard",
         f"--dashboard-port={dashboard_port}",
-    ]  # fmt: skip
+    ]
     script = ["--", "--steps", "300", "--step-sleep", "0.05"]
     node1, err1 = _start(common + ["--node-rank=1"] + script, tmp_path)
     node0, err0 = _start(common + ["--node-rank=0"] + script, tmp_path)
     try:
         m = err0.wait_for(URL_LINE, node0, 120)
-        assert m.group(1) == f"http://{socket.gethostname()}:{dashboard_port}/?token={m.group(2)}"
-        frame_url = f"http://127.0.0.1:{dashboard_port}/api/frame?token={m.group(2)}"
+        link, token = opened(m, err0.lines + err1.lines)
+        assert link == f"http://{socket.gethostname()}:{dashboard_port}/?token={token}"
+        frame_url = f"http://127.0.0.1:{dashboard_port}/api/frame?token={token}"
         deadline = time.monotonic() + 120
         while True:
             frame = json.loads(_get(frame_url)[1])

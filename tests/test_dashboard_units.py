@@ -14,9 +14,10 @@ import sys
 
 import aiohttp
 import pytest
-
 from conftest import SCRIPTS, assert_rejected, free_port, traceml_env
-from traceml.analysis.rundata import RankData, RunData, StepColumns
+from helpers.waiting import LOADED_CALL_S
+
+from traceml.analysis.rundata import RankData, RunData, StepTable
 from traceml_aggregator.dashboard import app as dashboard_app
 from traceml_aggregator.dashboard import frames
 from traceml_aggregator.dashboard.frames import Cursor, Snapshot
@@ -26,10 +27,17 @@ from traceml_aggregator.store import Store
 START_US = 1_700_000_000_000_000
 
 
-def _steps(first: int, last: int, input_us: int = 1000) -> StepColumns:
-    return StepColumns.from_dicts(
-        {"step": s, "end_us": 10_000 * (s + 1), "step_us": 10_000, "input_wait_us": input_us,
-         "forward_us": 3000, "backward_us": 4000, "optimizer_us": 1000}  # fmt: skip
+def _steps(first: int, last: int, input_us: int = 1000) -> StepTable:
+    return StepTable.from_dicts(
+        {
+            "step": s,
+            "end_us": 10_000 * (s + 1),
+            "step_us": 10_000,
+            "input_wait_us": input_us,
+            "forward_us": 3000,
+            "backward_us": 4000,
+            "optimizer_us": 1000,
+        }
         for s in range(first, last + 1)
     )
 
@@ -43,26 +51,63 @@ def _run(last_step: int, restart: int = 0, with_exit: bool = False) -> RunData:
             identity={"rank": r, "node_rank": 0, "hostname": "h0", "start_unix_us": START_US},
             steps=_steps(0, last_step, 1000 + 4000 * r),
             process_samples=[
-                {"rank": r, "restart": restart, "unix_us": START_US + 1_000_000 * i,
-                 "cpu_percent": 50.0, "rss_bytes": 2**30, "gpu_allocated_bytes": None}
+                {
+                    "rank": r,
+                    "restart": restart,
+                    "unix_us": START_US + 1_000_000 * i,
+                    "cpu_percent": 50.0,
+                    "rss_bytes": 2**30,
+                    "gpu_allocated_bytes": None,
+                }
                 for i in range(3)
-            ],  # fmt: skip
+            ],
         )
-    system = {0: [{"node_rank": 0, "unix_us": START_US + 1_000_000 * i, "hostname": "h0",
-                   "cpu_percent": 40.0 + i, "gpu_unavailable_reason": "no NVIDIA driver"}
-                  for i in range(2)]}  # fmt: skip
+    system = {
+        0: [
+            {
+                "node_rank": 0,
+                "unix_us": START_US + 1_000_000 * i,
+                "hostname": "h0",
+                "cpu_percent": 40.0 + i,
+                "gpu_unavailable_reason": "no NVIDIA driver",
+            }
+            for i in range(2)
+        ]
+    }
     exits = {0: {"node_rank": 0, "exit_code": 0}} if with_exit else {}
     return RunData("r", 2, ranks, exits, system, {}, [])
 
 
 SUMMARY = {
     "run": {"status": "running"},
-    "primary_diagnosis": {"kind": "INPUT_STRAGGLER", "severity": "warning", "summary": "s",
-                          "action": "a", "ranks": [1], "evidence": {}},  # fmt: skip
-    "findings": {"system": [{"kind": "HIGH_CPU", "severity": "warning", "summary": "c",
-                             "action": "d", "ranks": [], "nodes": [0]}]},  # fmt: skip
-    "ranks": [{"rank": r, "step_time_ms": {"median": 10.0, "p95": 10.0},
-               "phase_share_pct": {"input_wait": 10.0 + 40 * r}} for r in (0, 1)],  # fmt: skip
+    "primary_diagnosis": {
+        "kind": "INPUT_STRAGGLER",
+        "severity": "warning",
+        "summary": "s",
+        "action": "a",
+        "ranks": [1],
+        "evidence": {},
+    },
+    "findings": {
+        "system": [
+            {
+                "kind": "HIGH_CPU",
+                "severity": "warning",
+                "summary": "c",
+                "action": "d",
+                "ranks": [],
+                "nodes": [0],
+            }
+        ]
+    },
+    "ranks": [
+        {
+            "rank": r,
+            "step_time_ms": {"median": 10.0, "p95": 10.0},
+            "phase_share_pct": {"input_wait": 10.0 + 40 * r},
+        }
+        for r in (0, 1)
+    ],
 }
 
 
@@ -72,10 +117,15 @@ def test_first_frame_holds_everything_then_only_what_is_new():
     assert first["steps"]["1"]["step"] == list(range(10))
     # Summed over both ranks: steps 20 ms, input 1 + 5 ms, forward 2 x 3 ms, backward 2 x 4 ms,
     # optimizer 2 x 1 ms, residual 1 ms (rank 0; rank 1's phases fill its step); no H2D.
-    assert first["phases"] == {"step": list(range(10)), "input_wait": [30.0] * 10,
-                               "h2d": [None] * 10, "forward": [30.0] * 10,
-                               "backward": [40.0] * 10, "optimizer": [10.0] * 10,
-                               "residual": [5.0] * 10}  # fmt: skip
+    assert first["phases"] == {
+        "step": list(range(10)),
+        "input_wait": [30.0] * 10,
+        "h2d": [None] * 10,
+        "forward": [30.0] * 10,
+        "backward": [40.0] * 10,
+        "optimizer": [10.0] * 10,
+        "residual": [5.0] * 10,
+    }
     assert first["charted_ranks"] == [1, 0]  # the verdict's rank first
     assert first["steps"]["0"]["step_ms"] == [10.0] * 10
     assert first["steps"]["0"]["reset"] is False
@@ -86,11 +136,18 @@ def test_first_frame_holds_everything_then_only_what_is_new():
         "cpu_percent": [40.0, 41.0],
         "gpu_util_percent": [None, None],
     }
-    assert first["verdict"] == {"kind": "INPUT_STRAGGLER", "severity": "warning",
-                                "summary": "s", "action": "a", "ranks": [1]}  # fmt: skip
+    assert first["verdict"] == {
+        "kind": "INPUT_STRAGGLER",
+        "severity": "warning",
+        "summary": "s",
+        "action": "a",
+        "ranks": [1],
+    }
     assert [f["kind"] for f in first["findings"]] == ["HIGH_CPU"]
     assert [(r["rank"], r["steps"], r["input_pct"], r["state"]) for r in first["ranks"]] == [
-        (0, 10, 10.0, "running"), (1, 10, 50.0, "running")]  # fmt: skip
+        (0, 10, 10.0, "running"),
+        (1, 10, 50.0, "running"),
+    ]
     assert first["nodes"][0]["ranks"] == [0, 1]
     assert first["nodes"][0]["gpu_note"] == "no NVIDIA driver"
     assert first["nodes"][0]["state"] == "no exit report"  # stored, and no exit reported
@@ -165,7 +222,7 @@ async def _events(session, url: str, count: int) -> list[dict]:
         assert reply.status == 200 and reply.headers["Content-Type"] == "text/event-stream"
         async for line in reply.content:
             if line.startswith(b"data: "):
-                out.append(json.loads(line[len(b"data: "):]))
+                out.append(json.loads(line[len(b"data: ") :]))
                 if len(out) == count:
                     return out
 
@@ -183,8 +240,9 @@ def test_http_token_frame_and_event_stream():
                         async with session.get(base + path + query) as reply:
                             assert reply.status == 401, (path, query)
                             assert await reply.text() == dashboard_app.UNAUTHORIZED
-                async with session.get(f"{base}/api/frame",
-                                       headers={"Authorization": f"Bearer {token}"}) as reply:
+                async with session.get(
+                    f"{base}/api/frame", headers={"Authorization": f"Bearer {token}"}
+                ) as reply:
                     frame = await reply.json()
                 assert frame["steps"]["0"]["step"] == list(range(10))
                 async with session.get(f"{base}/?token={token}") as reply:
@@ -195,7 +253,7 @@ def test_http_token_frame_and_event_stream():
                 await asyncio.sleep(3 * dashboard_app.REFRESH_S)  # no change: no frame
                 assert not stream.done()
                 source.grow(3)
-                first, second = await asyncio.wait_for(stream, 10)
+                first, second = await asyncio.wait_for(stream, LOADED_CALL_S)
             assert first["full"] is True and first["steps"]["1"]["step"] == list(range(10))
             assert second["full"] is False and second["steps"]["1"]["step"] == [10, 11, 12]
             assert second["verdict"]["kind"] == "INPUT_STRAGGLER"
@@ -227,29 +285,67 @@ def busy_port():
         yield s.getsockname()[1]
 
 
+@pytest.mark.torchrun
 def test_traceml_run_refuses_a_dashboard_port_it_cannot_have(tmp_path, busy_port):
     port = str(free_port())
     base = [str(SCRIPTS / "faulty_ddp.py"), "--aggregator-port", port, "--mode", "dashboard"]
     for flags, expected in (
-        (["--dashboard-port", str(busy_port)],
-         f"dashboard port 127.0.0.1:{busy_port} is not available (already in use); pick "
-         "another with --dashboard-port"),
-        (["--dashboard-port", "70000"], "--dashboard-port 70000 is not a TCP port (1-65535)"),
-        (["--dashboard-port", port],
-         f"--dashboard-port {port} is also the aggregator's or the rendezvous port"),
-    ):  # fmt: skip
+        (
+            ["--dashboard-port", str(busy_port)],
+            f"dashboard port 127.0.0.1:{busy_port} is not available (already in use); pick "
+            "another with --dashboard-port",
+        ),
+        (["--dashboard-port", "70000"], "--dashboard-port must be a TCP port, 1-65535 (got 70000)"),
+        (
+            ["--dashboard-port", port],
+            f"--dashboard-port {port} is also the aggregator's or the rendezvous port",
+        ),
+    ):
         case = tmp_path / flags[1]
         case.mkdir()
         assert_rejected(case, base + flags, expected, marker=port)
 
 
+@pytest.mark.aggregator
 def test_the_aggregator_refuses_a_dashboard_port_in_use(tmp_path, busy_port):
     result = subprocess.run(
-        [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(tmp_path / "run"),
-         "--run-name", "r", "--port", str(free_port()), "--dashboard-port", str(busy_port)],
-        env=traceml_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "traceml_aggregator",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--run-name",
+            "r",
+            "--port",
+            str(free_port()),
+            "--dashboard-port",
+            str(busy_port),
+        ],
+        env=traceml_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].startswith(
         f"traceml-aggregator: error: cannot serve the dashboard on 127.0.0.1:{busy_port}: "
     ), result.stderr
+
+
+@pytest.mark.parametrize(
+    "header, token",
+    [
+        ("Bearer abc", "abc"),
+        ("bearer abc", "abc"),  # RFC 7235: the scheme's name in any case
+        ("BEARER abc", "abc"),
+        ("Basic abc", None),
+        ("abc", None),
+        (None, None),
+    ],
+)
+def test_the_bearer_token_of_an_authorization_header(header, token):
+    from traceml_aggregator.auth import bearer
+
+    assert bearer(header) == token

@@ -4,11 +4,11 @@ clock, memory creep told apart from the caching allocator's warm-up plateau."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import SCRIPTS, free_port, load_summary, run_traceml
 
 torch = pytest.importorskip("torch")
 pytestmark = [
+    pytest.mark.torchrun,
     pytest.mark.gpu,
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

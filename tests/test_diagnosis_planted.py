@@ -8,19 +8,17 @@ scenarios prove the slow rank is found from each rank's own phases.
 from __future__ import annotations
 
 import pytest
+from planted import DELAY_MS, STEPS
 
-from planted import DELAY_MS, STEPS, planted_run
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 #: The planted delay as measured: sleeps overshoot, and CPU contention adds a few ms.
 GAP_RANGE_MS = (DELAY_MS * 0.7, DELAY_MS * 1.4)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp() / "planted"
-    return lambda scenario: planted_run(scenario, base)
+@pytest.fixture
+def run(planted):
+    return planted
 
 
 def _step_kinds(summary: dict) -> list[str]:
@@ -43,6 +41,7 @@ def _common_checks(summary: dict) -> None:
         assert r["phase_median_ms"]["h2d"] is None  # no CUDA: not measured, never 0
 
 
+@pytest.mark.serial  # other tests' jobs slow one rank of the balanced run: a straggler, once
 def test_balanced_control_raises_no_bottleneck(run):
     s = run("balanced").summary
     _common_checks(s)

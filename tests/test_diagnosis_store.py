@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from helpers import batches
 
 from traceml import wire
 from traceml.report import read_summary
@@ -79,16 +80,7 @@ def node_samples(seq: int) -> wire.Batch:
 
 
 def node_exit(states=("completed", "completed"), code=0) -> wire.NodeExit:
-    ends = [
-        wire.RankEnd(
-            rank=r,
-            local_rank=r,
-            end_state=getattr(wire.EndState, f"END_STATE_{s.upper()}"),
-            exit_code=0 if s == "completed" else 1,
-        )
-        for r, s in enumerate(states)
-    ]
-    return wire.NodeExit(run_name="r", node_rank=0, hostname="h0", exit_code=code, ranks=ends)
+    return batches.node_exit([batches.rank_end(r, s) for r, s in enumerate(states)], exit_code=code)
 
 
 @pytest.fixture
@@ -114,7 +106,11 @@ def test_zero_code_run_reports_missing_steps_and_system_figures(store, tmp_path)
     s = _report(store, tmp_path, [])
     p = s["primary_diagnosis"]
     assert p["kind"] == "INSUFFICIENT_DATA"
-    assert p["evidence"] == {"missing": ["steps"], "ranks_without_steps": [0, 1], "statistic": "events"}
+    assert p["evidence"] == {
+        "missing": ["steps"],
+        "ranks_without_steps": [0, 1],
+        "statistic": "events",
+    }
     assert "traceml.init()" in p["action"] and "traceml.trace_step(model)" in p["action"]
     system = s["nodes"][0]["system"]
     assert system["samples"] == 5
@@ -150,7 +146,14 @@ def test_partial_summary_names_the_missing_rank(store, tmp_path):
     missing = [f for f in s["findings"]["health"] if f["kind"] == "RANK_MISSING"]
     assert missing[0]["ranks"] == [1] and missing[0]["severity"] == "critical"
     assert s["ranks"][1]["end"]["state"] == "running"
-    assert s["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"  # the steps stored still count
+    # rank 1 completed its 30 steps as rank 0 did and never exited: that wait is the run's
+    # largest loss of wall time (issue 24 item 3); the steps stored still count, and their
+    # verdict comes first among the step-time findings
+    hung = s["primary_diagnosis"]
+    assert hung["kind"] == "RANK_HUNG"
+    assert [e["rank"] for e in hung["evidence"]["not_exited"]] == [1]
+    assert hung["summary"].startswith("Rank 1 completed its 30 steps, then did not exit for ")
+    assert s["findings"]["step_time"][0]["kind"] == "COMPUTE_BOUND"
     text = (tmp_path / "final_summary.txt").read_text()
     assert "PARTIAL   rank 1 never finished" in text
 
@@ -158,7 +161,9 @@ def test_partial_summary_names_the_missing_rank(store, tmp_path):
 def test_restarted_attempts_stay_apart(store, tmp_path):
     store.write_batches(
         [
-            wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), step_groups=steps(12, 9000))
+            wire.Batch(
+                run_name="r", rank=r, seq=1, identity=identity(r), step_groups=steps(12, 9000)
+            )
             for r in range(2)
         ],
         T0,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from rundata_factory import gpu_sample, rank, run_of, step, system_sample
+from rundata_factory import MIB as MIB_
+from rundata_factory import gpu_sample, rank, rss_samples, run_of, step, system_sample
 from rundata_factory import steps as same_steps
+
 from traceml.analysis.outside import split_gap
 from traceml.analysis.summary import build_summary
 from traceml.report.text import render_text
@@ -177,8 +178,14 @@ def test_compare_interval_is_seeded_and_decides_the_gate():
     assert change_interval(a, [[], []]) is None
 
     def doc(change_pct, ci):
-        row = {"name": "step_time_ms", "key": True, "status": "regressed", "delta": 1.0,
-               "change_pct": change_pct, "change_ci_pct": ci}  # fmt: skip
+        row = {
+            "name": "step_time_ms",
+            "key": True,
+            "status": "regressed",
+            "delta": 1.0,
+            "change_pct": change_pct,
+            "change_ci_pct": ci,
+        }
         return {"metrics": [row]}
 
     assert regressions_beyond(doc(6.0, [-1.0, 13.0]), DEFAULT_GATE_PCT) == []  # noise
@@ -213,6 +220,22 @@ def test_every_finding_of_the_hand_built_runs_is_consistent():
         "input": run_of([rank(r, same_steps(40, input_wait=20 * MS)) for r in (0, 1)]),
         "no_loader_pauses": run_of([rank(r, no_loader) for r in (0, 1)]),
         # idle GPUs on a host whose RAM is nearly full
+        # rank 1 leaks 8 MiB a step; the node's RAM grows faster still (its loader workers)
+        "host_leak": run_of(
+            [
+                rank(
+                    r,
+                    same_steps(100),
+                    process_samples=rss_samples(
+                        r, 100, lambda x, r=r: 400 * MIB_ + 8 * MIB_ * x * r
+                    ),
+                )
+                for r in (0, 1)
+            ],
+            system={
+                0: [system_sample(1000 * MS + k * 100 * MS, ram=0.3 + k * 0.001) for k in range(33)]
+            },
+        ),
         "host_pressure": run_of(
             [rank(r, same_steps(40), uuid=f"GPU-0-{r}") for r in (0, 1)],
             system={0: [system_sample(t, ram=0.97) for t in span_us]},

@@ -10,13 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
-
 from rundata_factory import MIB, gpu_sample, rank, run_of, step, steps, system_sample
+
 from traceml.analysis import memory, thresholds
 from traceml.analysis.findings import KINDS
+from traceml.analysis.rundata import RankData
 from traceml.analysis.stats import bucket_medians, lower_median
 from traceml.analysis.summary import build_summary
-from traceml.analysis.rundata import RankData
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reading-output.md"
 
@@ -318,8 +318,14 @@ def test_crash_terminated_missing_and_node_failure_are_named():
 
 
 def _loss(node, lost_s, resumed_s=None) -> dict:
-    return {"node_rank": node, "hostname": f"host{node}", "last_heard_unix_s": lost_s - 25.5,
-            "lost_unix_s": lost_s, "resumed_unix_s": resumed_s, "lost_after_s": 25.0}
+    return {
+        "node_rank": node,
+        "hostname": f"host{node}",
+        "last_heard_unix_s": lost_s - 25.5,
+        "lost_unix_s": lost_s,
+        "resumed_unix_s": resumed_s,
+        "lost_after_s": 25.0,
+    }
 
 
 def test_a_node_lost_for_good_is_critical_and_its_missing_ranks_say_so():
@@ -413,8 +419,14 @@ def test_step_time_alone_names_no_straggler_under_ddp():
     from traceml.analysis.step_time import _stragglers
 
     def prof(rank, step_ms):
-        parts = {"input_wait": 1.0, "h2d": None, "forward": 2.0, "backward": 3.0,
-                 "optimizer": 1.0, "residual": 0.5}
+        parts = {
+            "input_wait": 1.0,
+            "h2d": None,
+            "forward": 2.0,
+            "backward": 3.0,
+            "optimizer": 1.0,
+            "residual": 0.5,
+        }
         return Profile(rank, 40, {"median": step_ms}, parts, {}, 3.0)
 
     profiles = {0: prof(0, 7.5), 1: prof(1, 10.0)}

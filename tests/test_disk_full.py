@@ -14,9 +14,9 @@ import sqlite3
 import subprocess
 
 import pytest
+from helpers.batches import rank_batch
 
 from traceml import wire
-from traceml.wire.records import add_steps
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
 
@@ -46,9 +46,12 @@ def fill(directory) -> None:
 
 
 def batch(seq: int, rank: int, steps: int = 200) -> wire.Batch:
-    b = wire.Batch(run_name="r", rank=rank, seq=seq)
-    add_steps(b, ({"step": i, "end_us": i + 1, "step_us": 1000 + i} for i in range(steps)))
-    return b
+    return rank_batch(
+        seq,
+        range(steps),
+        rank=rank,
+        row=lambda i: {"step": i, "end_us": i + 1, "step_us": 1000 + i},
+    )
 
 
 def stored_steps(store: Store) -> dict[int, int]:

@@ -14,7 +14,7 @@ from conftest import EXAMPLES, free_port, load_summary, query, run_traceml
 STEPS = 70  # crosses an epoch: the example's DataLoader has 64 batches per rank
 RUN = "e2e-main"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.smoke]
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,15 @@ def main_job(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("main-job")
     result = run_traceml(
         [
-            "run", str(EXAMPLES / "ddp_minimal.py"), "--nproc-per-node=2", "--run-name", RUN,
-            "--aggregator-port", str(free_port()), "--steps", str(STEPS),
+            "run",
+            str(EXAMPLES / "ddp_minimal.py"),
+            "--nproc-per-node=2",
+            "--run-name",
+            RUN,
+            "--aggregator-port",
+            str(free_port()),
+            "--steps",
+            str(STEPS),
         ],
         cwd,
     )
@@ -75,8 +82,8 @@ def test_sqlite_holds_exactly_one_row_per_step_per_rank(main_job):
     )
     assert per_rank == [(0, 0, STEPS, STEPS, 0, STEPS - 1), (1, 0, STEPS, STEPS, 0, STEPS - 1)]
     assert query(
-        run_dir, "SELECT rank, steps_completed, records_dropped, end_state FROM rank_finish"
-        " ORDER BY rank"
+        run_dir,
+        "SELECT rank, steps_completed, records_dropped, end_state FROM rank_finish ORDER BY rank",
     ) == [(0, STEPS, 0, "completed"), (1, STEPS, 0, "completed")]
     assert query(
         run_dir, "SELECT rank, world_size, backend, parallelism FROM ranks ORDER BY rank"
@@ -89,9 +96,10 @@ def test_sqlite_holds_exactly_one_row_per_step_per_rank(main_job):
     )
     assert over == []
     # The first step has no input wait (nothing before it); every later one has.
-    assert query(
-        run_dir, "SELECT rank, step FROM steps WHERE (input_wait_us IS NULL) != (step = 0)"
-    ) == []
+    assert (
+        query(run_dir, "SELECT rank, step FROM steps WHERE (input_wait_us IS NULL) != (step = 0)")
+        == []
+    )
 
 
 def test_text_summary_is_printed_and_written(main_job):

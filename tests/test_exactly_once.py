@@ -30,6 +30,8 @@ from traceml import wire
 from traceml.core.transport import open_channel
 from traceml.sdk import client as client_mod
 
+pytestmark = [pytest.mark.aggregator]
+
 
 class AckWithholdingProxy(wire.AggregatorServicer):
     """Takes a client's Stream and stores each batch at ``upstream`` (a Push); the first time
@@ -38,8 +40,9 @@ class AckWithholdingProxy(wire.AggregatorServicer):
     ``silent_s`` passed and then ends the stream — each after the real aggregator stored the
     batch."""
 
-    def __init__(self, upstream: str, *, stale: set[int], lost: set[int], silent: set[int],
-                 silent_s: float) -> None:
+    def __init__(
+        self, upstream: str, *, stale: set[int], lost: set[int], silent: set[int], silent_s: float
+    ) -> None:
         self._channel = open_channel(upstream)
         self._stub = wire.AggregatorStub(self._channel)
         self._stale, self._lost, self._silent = set(stale), set(lost), set(silent)
@@ -84,8 +87,9 @@ def test_withheld_acknowledgements_cause_resends_that_are_not_stored_again(agg):
     server.start()
     try:
         warnings: list[str] = []
-        client = make_client(f"127.0.0.1:{proxy_port}", "once", warnings, batch_max_records=5,
-                             rpc_timeout_s=0.5)
+        client = make_client(
+            f"127.0.0.1:{proxy_port}", "once", warnings, batch_max_records=5, rpc_timeout_s=0.5
+        )
         for i in range(40):
             client.submit(client_mod.STEPS, step(i))
         assert client.close(finish(40), timeout_s=60) is True
@@ -99,9 +103,7 @@ def test_withheld_acknowledgements_cause_resends_that_are_not_stored_again(agg):
     stats = client.stats
     assert (stats.resends, stats.send_failures, stats.acked, stats.dropped) == (4, 2, 40, 0)
     # Every batch was stored once; each of the four resends was found already stored.
-    assert agg.counters() == [
-        {"records": 40, "batches": stats.batches_acked, "duplicates": 4}
-    ]
+    assert agg.counters() == [{"records": 40, "batches": stats.batches_acked, "duplicates": 4}]
     assert agg.query("SELECT COUNT(*), MIN(step), MAX(step) FROM steps") == [(40, 0, 39)]
     assert agg.query("SELECT steps_completed, records_dropped FROM rank_finish") == [(40, 0)]
     assert len(warnings) == 1 and "UNAVAILABLE" in warnings[0]

@@ -24,7 +24,12 @@ def run_script(args: list[str], env: dict, cwd) -> tuple[subprocess.CompletedPro
     """Run the script; returns the result and its exit delay after training (s)."""
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
-        env=traceml_env(env), cwd=cwd, capture_output=True, text=True, timeout=120, check=False,
+        env=traceml_env(env),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     ended = re.search(r"training ended at ([\d.]+)", result.stdout)
     delay = time.time() - float(ended.group(1)) if ended else float("inf")
@@ -35,7 +40,8 @@ def traceml_lines(stderr: str) -> list[str]:
     """The SDK's lines; fails on any stderr line that is neither ours nor torch's import noise."""
     ours = [line for line in stderr.splitlines() if line.startswith("traceml:")]
     others = [
-        line for line in stderr.splitlines()
+        line
+        for line in stderr.splitlines()
         if not line.startswith("traceml:") and not _TORCH_NOISE.search(line)
     ]
     assert others == [], stderr

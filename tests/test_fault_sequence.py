@@ -11,7 +11,9 @@ behind for the next run (TIME_WAIT sockets, live processes, a held store):
    with signal 15, and the exit code is plain torchrun's under the same SIGTERM;
 4. a plain run on the same port completes.
 
-The tests run in file order and share the port; each asserts that nothing of its run is left.
+The tests run in file order and share the port (its module-scoped fixture makes them one xdist
+group: one worker, in file order, tests/conftest.py); each asserts that nothing of its run is
+left, and each passes alone.
 """
 
 from __future__ import annotations
@@ -25,20 +27,23 @@ import time
 
 import psutil
 import pytest
-
 from conftest import (
     SCRIPTS,
     assert_all_gone,
     free_port,
     load_summary,
-    process_family as family,
     query,
     start_traceml,
     traceml_env,
-    wait_training_started,
+    wait_training,
+)
+from conftest import (
+    process_family as family,
 )
 
-pytestmark = pytest.mark.slow
+# serial: back to back on one port, with a bound of seconds from SIGTERM to the summary, which
+# a machine loaded by other tests' jobs broke once (35 s against 20 s).
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.serial]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 ENV = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_SAMPLE_INTERVAL_SEC": "0.2"}
@@ -53,14 +58,30 @@ def shared_port() -> int:
 
 def launch(tmp_path, name: str, port: int, script_args: list[str]) -> subprocess.Popen:
     args = [
-        "run", SCRIPT, "--nproc-per-node=2", "--run-name", name, "--aggregator-port", str(port),
-        "--logs-dir", str(tmp_path / "logs"), "--", *script_args,
+        "run",
+        SCRIPT,
+        "--nproc-per-node=2",
+        "--run-name",
+        name,
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        "--",
+        *script_args,
     ]
     return start_traceml(args, tmp_path, tmp_path / name, env=ENV)
 
 
-def wait_training(tmp_path, name: str, launcher: subprocess.Popen) -> None:
-    wait_training_started(tmp_path / "logs" / name, launcher, tmp_path / f"{name}.err")
+def run_to_end(tmp_path, name: str, port: int, script_args: list[str], code: int):
+    """Launch run ``name``, wait for its exit code ``code`` and for every one of its processes
+    to be gone; its run directory."""
+    launcher = launch(tmp_path, name, port, script_args)
+    wait_training(tmp_path, name, launcher)
+    processes = family(launcher.pid)
+    assert launcher.wait(240) == code, (tmp_path / f"{name}.err").read_text()
+    assert_all_gone(processes)
+    return tmp_path / "logs" / name
 
 
 def steps_per_rank(run_dir) -> list[tuple]:
@@ -73,7 +94,9 @@ def steps_per_rank(run_dir) -> list[tuple]:
 
 def test_1_aggregator_sigkill_is_restarted_with_replay(tmp_path, shared_port):
     steps = 40
-    launcher = launch(tmp_path, "agg-kill", shared_port, ["--steps", str(steps), "--step-sleep", "0.1"])
+    launcher = launch(
+        tmp_path, "agg-kill", shared_port, ["--steps", str(steps), "--step-sleep", "0.1"]
+    )
     run_dir = tmp_path / "logs" / "agg-kill"
     wait_training(tmp_path, "agg-kill", launcher)
     time.sleep(1.0)  # some steps reach the first aggregator, some are in flight
@@ -87,7 +110,10 @@ def test_1_aggregator_sigkill_is_restarted_with_replay(tmp_path, shared_port):
     err = (tmp_path / "agg-kill.err").read_text()
     assert "warning: the aggregator exited with code 137 during the run; restarted it" in err
     # Every step of both ranks stored once, although the first aggregator died mid-run.
-    assert steps_per_rank(run_dir) == [(0, steps, steps, 0, steps - 1), (1, steps, steps, 0, steps - 1)]
+    assert steps_per_rank(run_dir) == [
+        (0, steps, steps, 0, steps - 1),
+        (1, steps, steps, 0, steps - 1),
+    ]
     summary = load_summary(run_dir)
     assert summary["run"]["complete"] is True and summary["run"]["status"] == "completed"
     health = summary["run"]["telemetry_health"]
@@ -105,14 +131,9 @@ def test_1_aggregator_sigkill_is_restarted_with_replay(tmp_path, shared_port):
 
 
 def test_2_rank_sigsegv_on_the_same_port(tmp_path, shared_port):
-    launcher = launch(
-        tmp_path, "segv", shared_port, ["--steps", "20", "--fail", "segv", "--fail-step", "5"]
+    run_dir = run_to_end(
+        tmp_path, "segv", shared_port, ["--steps", "20", "--fail", "segv", "--fail-step", "5"], 1
     )
-    wait_training(tmp_path, "segv", launcher)
-    processes = family(launcher.pid)
-    assert launcher.wait(240) == 1, (tmp_path / "segv.err").read_text()
-    assert_all_gone(processes)
-    run_dir = tmp_path / "logs" / "segv"
     assert steps_per_rank(run_dir) == [(0, 5, 5, 0, 4), (1, 5, 5, 0, 4)]
     summary = load_summary(run_dir)
     assert summary["run"]["status"] == "failed"
@@ -135,7 +156,10 @@ def test_3_sigterm_to_every_process(tmp_path, shared_port):
     # Plain torchrun, every process SIGTERMed the same way: the exit code to match.
     plain = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", SCRIPT, *script_args],
-        cwd=tmp_path, env=traceml_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+        env=traceml_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     assert b"faulty_ddp: training" in plain.stdout.readline()
     plain_processes = family(plain.pid)
@@ -174,12 +198,7 @@ def test_3_sigterm_to_every_process(tmp_path, shared_port):
 
 
 def test_4_plain_run_on_the_same_port(tmp_path, shared_port):
-    launcher = launch(tmp_path, "plain", shared_port, ["--steps", "5"])
-    wait_training(tmp_path, "plain", launcher)
-    processes = family(launcher.pid)
-    assert launcher.wait(240) == 0, (tmp_path / "plain.err").read_text()
-    assert_all_gone(processes)
-    run_dir = tmp_path / "logs" / "plain"
+    run_dir = run_to_end(tmp_path, "plain", shared_port, ["--steps", "5"], 0)
     assert steps_per_rank(run_dir) == [(0, 5, 5, 0, 4), (1, 5, 5, 0, 4)]
     summary = load_summary(run_dir)
     assert summary["run"]["status"] == "completed" and summary["run"]["complete"] is True

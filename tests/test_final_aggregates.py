@@ -15,8 +15,8 @@ import sys
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
-
-from live_aggregator import LiveAggregator, finish, make_client
+from helpers import batches
+from helpers.aggregator import LiveAggregator, finish, make_client
 from test_live_aggregates import feed, node_batch, rank_batch
 
 from traceml import wire
@@ -24,7 +24,6 @@ from traceml.analysis import digest as digest_mod
 from traceml.analysis.summary import build_summary
 from traceml.core.endpoint import call as rpc
 from traceml.sdk.client import STEPS
-from traceml.wire.records import add_steps
 from traceml_aggregator.aggregates import SERIES_STEPS
 from traceml_aggregator.live import WINDOW_STEPS, LiveAggregates, with_steps
 from traceml_aggregator.load import load
@@ -43,28 +42,48 @@ def _final(store: Store, agg: LiveAggregates, missing=()) -> dict:
 def _varied_batch(rank: int, seq: int, steps: range) -> wire.Batch:
     """Steps whose times vary (so medians and p95 differ from the mean), a memory reading
     every 10 steps and a GPU-timed step every 7 (three groups a batch, not in step order)."""
-    b = wire.Batch(run_name="r", rank=rank, seq=seq)
+    b = batches.rank_batch(seq, steps, rank=rank, row=lambda i: _varied_row(rank, i))
     if seq == 1:
-        b.identity.CopyFrom(wire.RankIdentity(
-            run_name="r", rank=rank, world_size=2, node_rank=0, local_rank=rank, hostname="h0",
-            start_unix_us=1_700_000_000_000_000, parallelism="ddp", device="cpu"))  # fmt: skip
-    rows = []
-    for i in steps:
-        wait = 800 + (i * 37 + rank * 11) % 900 + (15_000 if rank == 1 and i % 50 == 0 else 0)
-        row = {"step": i, "end_us": 30_000 * (i + 1), "step_us": 20_000 + wait + (i * 13) % 700,
-               "input_wait_us": wait, "dataloader_next_us": wait - 100,
-               "forward_us": 6_000 + (i * 7919) % 1500 + 4_000 * rank,
-               "backward_us": 9_000 + (i * 31) % 400, "optimizer_us": 1_500 + i % 90}
-        if i % 10 == 0:
-            row["peak_allocated_bytes"] = (1 << 31) + i * 4096 + rank
-            row["peak_reserved_bytes"] = (1 << 32) + i * 8192
-        if i % 7 == 0:
-            row.update(gpu_step_us=row["step_us"] - wait, gpu_forward_us=row["forward_us"] + 50,
-                       gpu_backward_us=row["backward_us"] + 80,
-                       gpu_optimizer_us=row["optimizer_us"] + 20)  # fmt: skip
-        rows.append(row)
-    add_steps(b, rows)
+        b.identity.CopyFrom(
+            wire.RankIdentity(
+                run_name="r",
+                rank=rank,
+                world_size=2,
+                node_rank=0,
+                local_rank=rank,
+                hostname="h0",
+                start_unix_us=1_700_000_000_000_000,
+                parallelism="ddp",
+                device="cpu",
+            )
+        )
     return b
+
+
+def _varied_row(rank: int, i: int) -> dict[str, int]:
+    """Step ``i`` of rank ``rank`` as :func:`_varied_batch` varies it (µs, bytes)."""
+    wait = 800 + (i * 37 + rank * 11) % 900 + (15_000 if rank == 1 and i % 50 == 0 else 0)
+    row = {
+        "step": i,
+        "end_us": 30_000 * (i + 1),
+        "step_us": 20_000 + wait + (i * 13) % 700,
+        "input_wait_us": wait,
+        "dataloader_next_us": wait - 100,
+        "forward_us": 6_000 + (i * 7919) % 1500 + 4_000 * rank,
+        "backward_us": 9_000 + (i * 31) % 400,
+        "optimizer_us": 1_500 + i % 90,
+    }
+    if i % 10 == 0:
+        row["peak_allocated_bytes"] = (1 << 31) + i * 4096 + rank
+        row["peak_reserved_bytes"] = (1 << 32) + i * 8192
+    if i % 7 == 0:
+        row.update(
+            gpu_step_us=row["step_us"] - wait,
+            gpu_forward_us=row["forward_us"] + 50,
+            gpu_backward_us=row["backward_us"] + 80,
+            gpu_optimizer_us=row["optimizer_us"] + 20,
+        )
+    return row
 
 
 def _run(tmp_path, steps_per_rank: int, chunk: int = 500):
@@ -93,7 +112,7 @@ def test_a_long_run_has_exact_counts_and_quantiles_within_the_sketch_bound(tmp_p
     assert final["primary_diagnosis"]["kind"] == stored["primary_diagnosis"]["kind"]
     assert final["primary_diagnosis"]["evidence"]["slow_rank"] == 1
     bound = digest_mod.ALPHA
-    for exact, approx in zip(stored["ranks"], final["ranks"]):
+    for exact, approx in zip(stored["ranks"], final["ranks"], strict=True):
         assert approx["records_received"] == exact["records_received"] == n
         assert approx["steps_completed"] == n
         # Mean and max are exact (the digest's steps are the window's: index 5 on).
@@ -124,8 +143,10 @@ def test_the_sample_is_bounded_the_same_on_every_rank_and_ends_with_the_last_ste
     assert SERIES_STEPS // 2 <= len(series[0]) <= SERIES_STEPS + 1
     assert series[0] == sorted(set(series[0])) and series[0][-1] == n - 1
     # Uniform over the run: each sixth of it holds about a sixth of the sample.
-    sixths = [sum(1 for s in series[0] if k * SERIES_STEPS <= s < (k + 1) * SERIES_STEPS)
-              for k in range(6)]  # fmt: skip
+    sixths = [
+        sum(1 for s in series[0] if k * SERIES_STEPS <= s < (k + 1) * SERIES_STEPS)
+        for k in range(6)
+    ]
     assert min(sixths) >= len(series[0]) / 6 * 0.6, sixths
     assert steps[0][2].stored == n and steps[0][2].counted == n - 5
     store.close()
@@ -136,8 +157,12 @@ def test_a_long_run_keeps_its_verdict_when_the_series_is_sampled(tmp_path):
     store, agg = Store(tmp_path / "t.sqlite"), LiveAggregates("r", 2)
     store.set_meta("run_name", "r")
     for seq, start in enumerate(range(0, 3000, 300), start=1):
-        feed(store, agg, [rank_batch(r, seq, range(start, start + 300), slow_input=4000 * r)
-                          for r in (0, 1)] + [node_batch(seq, start * 1000)])  # fmt: skip
+        feed(
+            store,
+            agg,
+            [rank_batch(r, seq, range(start, start + 300), slow_input=4000 * r) for r in (0, 1)]
+            + [node_batch(seq, start * 1000)],
+        )
     stored, final = build_summary(load(store, [])), _final(store, agg)
     for key in ("kind", "ranks"):
         assert final["primary_diagnosis"][key] == stored["primary_diagnosis"][key]
@@ -151,15 +176,17 @@ def test_the_aggregates_seeded_from_the_store_equal_those_of_the_aggregator_that
 ):
     n = 3 * SERIES_STEPS + 17
     store, agg = _run(tmp_path, n)
-    fin = wire.RankFinish(steps_completed=n,
-                          end_state=wire.EndState.END_STATE_COMPLETED)  # fmt: skip
+    fin = wire.RankFinish(steps_completed=n, end_state=wire.EndState.END_STATE_COMPLETED)
     feed(store, agg, [wire.Batch(run_name="r", rank=0, seq=99, finish=fin)])
     seeded = LiveAggregates("r", 2)
     seeded.seed(store)
     for r in (0, 1):
         a, b = agg.ranks[r], seeded.ranks[r]
         assert (b.steps_stored, b.last_step, b.last_step_unix_s) == (
-            a.steps_stored, a.last_step, a.last_step_unix_s)  # fmt: skip
+            a.steps_stored,
+            a.last_step,
+            a.last_step_unix_s,
+        )
         assert b.identity["start_unix_us"] == a.identity["start_unix_us"]
         # The window of the latest arrivals, as the live one (a batch's groups of other fields
         # arrive apart, so it is not the latest steps by index): folded in the stored order.
@@ -181,14 +208,14 @@ def test_the_analysis_process_is_at_a_low_priority_from_its_start():
     its priority."""
     import psutil
 
-    from traceml_aggregator import live_analysis
+    from traceml_aggregator.live import analysis_process
 
     base = os.nice(0)
-    pool = live_analysis.spawn(os.getpid())
+    pool = analysis_process.spawn(os.getpid())
     try:
         (worker,) = pool._processes.values()
-        assert psutil.Process(worker.pid).nice() == min(19, base + live_analysis.NICE)
-        assert pool.submit(os.nice, 0).result(60) == min(19, base + live_analysis.NICE)
+        assert psutil.Process(worker.pid).nice() == min(19, base + analysis_process.NICE)
+        assert pool.submit(os.nice, 0).result(60) == min(19, base + analysis_process.NICE)
         assert os.nice(0) == base
     finally:
         pool.shutdown()
@@ -197,7 +224,7 @@ def test_the_analysis_process_is_at_a_low_priority_from_its_start():
 def test_the_live_analysis_runs_in_a_process_of_its_own_and_survives_its_death():
     import psutil
 
-    from traceml_aggregator import live_analysis
+    from traceml_aggregator.live import analysis_process
 
     agg = LiveAggregates("r", 2)
     for r in (0, 1):
@@ -209,7 +236,7 @@ def test_the_live_analysis_runs_in_a_process_of_its_own_and_survives_its_death()
         (worker,) = agg._pool._processes.values()
         assert worker.pid != os.getpid()
         # at a low priority: on a saturated node it yields to training and to the ingest
-        assert psutil.Process(worker.pid).nice() == min(19, os.nice(0) + live_analysis.NICE)
+        assert psutil.Process(worker.pid).nice() == min(19, os.nice(0) + analysis_process.NICE)
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         agg.on_batch(rank_batch(0, 2, range(60, 70)))
@@ -227,6 +254,7 @@ def test_the_live_analysis_runs_in_a_process_of_its_own_and_survives_its_death()
     assert again["ranks"][0]["steps_completed"] == 70
 
 
+@pytest.mark.aggregator
 @pytest.mark.slow
 def test_offline_finalization_writes_the_live_summary_and_a_restart_keeps_the_steps(tmp_path):
     """A real aggregator: 1,500 steps of rank 0 (sampled series), killed and restarted on its
@@ -240,27 +268,49 @@ def test_offline_finalization_writes_the_live_summary_and_a_restart_keeps_the_st
     with agg:
         client = make_client(agg.target, "restarted", warnings)
         for i in range(n):
-            client.submit(STEPS, {"step": i, "end_us": 10_000 * (i + 1),
-                                  "step_us": 9_000 + (i * 37) % 2000, "input_wait_us": 500,
-                                  "forward_us": 3_000 + i % 400, "backward_us": 4_000,
-                                  "optimizer_us": 700})  # fmt: skip
+            client.submit(
+                STEPS,
+                {
+                    "step": i,
+                    "end_us": 10_000 * (i + 1),
+                    "step_us": 9_000 + (i * 37) % 2000,
+                    "input_wait_us": 500,
+                    "forward_us": 3_000 + i % 400,
+                    "backward_us": 4_000,
+                    "optimizer_us": 700,
+                },
+            )
         assert client.close(finish(n))
         agg.kill()
         agg.start()  # a new aggregator on the same store
         reply = launcher_agg.summarize(agg.target, "restarted", 60.0)
         assert not reply.error, reply.error
         assert reply.metrics["window_steps"] == WINDOW_STEPS - 5  # seeded: the stored window
-        done = rpc(agg.target, "Finalize", wire.FinalizeRequest(run_name="restarted", timeout_s=60), 90)
+        done = rpc(
+            agg.target, "Finalize", wire.FinalizeRequest(run_name="restarted", timeout_s=60), 90
+        )
         assert not done.missing_ranks
         agg.stop()
     live = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert live["ranks"][0]["records_received"] == n
     assert live["ranks"][0]["steps_completed"] == n
     result = subprocess.run(
-        [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(tmp_path / "run"),
-         "--run-name", "restarted", "--world-size", "1", "--finalize-only"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "traceml_aggregator",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--run-name",
+            "restarted",
+            "--world-size",
+            "1",
+            "--finalize-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     offline = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert _comparable(offline) == _comparable(live)
@@ -281,6 +331,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.aggregator
 @pytest.mark.slow
 def test_the_analysis_process_ends_when_the_aggregator_is_killed(tmp_path):
     import time
@@ -289,8 +340,12 @@ def test_the_analysis_process_ends_when_the_aggregator_is_killed(tmp_path):
 
     script = tmp_path / "owner.py"
     script.write_text(_ORPHAN)
-    owner = subprocess.Popen([sys.executable, str(script), os.path.dirname(__file__)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    owner = subprocess.Popen(
+        [sys.executable, str(script), os.path.dirname(__file__)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         worker = psutil.Process(int(owner.stdout.readline()))
         assert worker.ppid() == owner.pid

@@ -12,14 +12,16 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
-from live_aggregator import LiveAggregator
-
+import pytest
 from conftest import load_summary
+from helpers import batches
+from helpers.aggregator import LiveAggregator
 
 from traceml import wire
-from traceml.core.transport import open_channel
 from traceml.core.endpoint import call as rpc
+from traceml.core.transport import open_channel
+
+pytestmark = [pytest.mark.aggregator, pytest.mark.serial]
 
 RUN = "nodes-report"
 COMPLETED = wire.EndState.END_STATE_COMPLETED
@@ -43,9 +45,14 @@ def report_node_exit(target: str, report: wire.NodeExit) -> None:
 
 
 def node_exit(node_rank: int, code: int) -> wire.NodeExit:
-    report = wire.NodeExit(run_name=RUN, node_rank=node_rank, hostname="h", exit_code=code)
-    report.ranks.add(rank=node_rank, local_rank=0, end_state=COMPLETED, exit_code=code)
-    return report
+    """Node ``node_rank``'s exit report, with its one rank (rank ``node_rank``) completed."""
+    return batches.node_exit(
+        [batches.rank_end(node_rank, "completed", code, 0)],
+        exit_code=code,
+        node_rank=node_rank,
+        run_name=RUN,
+        hostname="h",
+    )
 
 
 def timed_finalize(target: str, budget_s: float) -> tuple[list, threading.Thread]:
@@ -54,8 +61,12 @@ def timed_finalize(target: str, budget_s: float) -> tuple[list, threading.Thread
 
     def call() -> None:
         start = time.monotonic()
-        reply = rpc(target, "Finalize", wire.FinalizeRequest(run_name=RUN, timeout_s=budget_s),
-                    budget_s + 30)
+        reply = rpc(
+            target,
+            "Finalize",
+            wire.FinalizeRequest(run_name=RUN, timeout_s=budget_s),
+            budget_s + 30,
+        )
         result.append((reply, time.monotonic() - start))
 
     thread = threading.Thread(target=call)
@@ -63,14 +74,27 @@ def timed_finalize(target: str, budget_s: float) -> tuple[list, threading.Thread
     return result, thread
 
 
-def test_waits_for_a_late_node_report(tmp_path):
+def node1_missing(
+    tmp_path, budget_s: float, *extra: str
+) -> tuple[LiveAggregator, list, threading.Thread]:
+    """An aggregator of two nodes (rank r on node r) with ``extra`` flags: every rank finished,
+    node 0 reported its exit, node 1 did not; a Finalize of ``budget_s`` is under way
+    (:func:`timed_finalize`). The caller stops the aggregator."""
     agg = LiveAggregator(
-        tmp_path / RUN, RUN, world_size=2, extra_args=("--nnodes", "2")
+        tmp_path / RUN, RUN, world_size=2, extra_args=("--nnodes", "2", *extra)
     ).start()
     try:
         finish_ranks(agg.target, 2)
         report_node_exit(agg.target, node_exit(0, 0))
-        result, thread = timed_finalize(agg.target, 60)
+        return (agg, *timed_finalize(agg.target, budget_s))
+    except BaseException:
+        agg.stop()
+        raise
+
+
+def test_waits_for_a_late_node_report(tmp_path):
+    agg, result, thread = node1_missing(tmp_path, 60)
+    try:
         time.sleep(2.0)
         assert thread.is_alive()  # every rank finished, but node 1 has not reported yet
         report_node_exit(agg.target, node_exit(1, 0))
@@ -85,14 +109,8 @@ def test_waits_for_a_late_node_report(tmp_path):
 
 
 def test_a_node_that_never_reports_costs_at_most_the_budget(tmp_path):
-    agg = LiveAggregator(
-        tmp_path / RUN, RUN, world_size=2,
-        extra_args=("--nnodes", "2", "--finalize-timeout-sec", "3"),
-    ).start()
+    agg, result, thread = node1_missing(tmp_path, 3, "--finalize-timeout-sec", "3")
     try:
-        finish_ranks(agg.target, 2)
-        report_node_exit(agg.target, node_exit(0, 0))
-        result, thread = timed_finalize(agg.target, 3)
         thread.join(30)
         (reply, took) = result[0]
     finally:

@@ -7,6 +7,9 @@ batch in flight at almost any moment a worker is forked: the fork hook closes it
 batch reopens it. Measured with grpcio 1.85 before the client quiesced its calls around fork(),
 such runs killed workers or broke the parent's stream in several of 30. Required here: no
 worker death, every step stored exactly once, and not one gRPC log line on stderr.
+
+The first run is in ``tools/test.sh --quick``; the other four, repeats of the same race
+(~12 CPU s each: a torch start-up and 48 forks), are ``slow``: the full run has all five.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import pytest
 from conftest import GRPC_LINE, SCRIPTS, traceml_env
 from live_aggregator import LiveAggregator
 
+pytestmark = [pytest.mark.aggregator]
+
 EPOCHS, BATCHES = 12, 8
 STEPS = EPOCHS * BATCHES
 
 
-@pytest.mark.parametrize("attempt", range(5))
+@pytest.mark.parametrize(
+    "attempt", [0] + [pytest.param(a, marks=pytest.mark.slow) for a in range(1, 5)]
+)
 def test_forking_dataloader_while_streaming(tmp_path, attempt):
     agg = LiveAggregator(tmp_path / "run", f"fork-{attempt}", world_size=1).start()
     env = traceml_env(
@@ -39,10 +46,21 @@ def test_forking_dataloader_while_streaming(tmp_path, attempt):
     try:
         result = subprocess.run(
             [
-                sys.executable, str(SCRIPTS / "fork_loader.py"), "--epochs", str(EPOCHS),
-                "--batches", str(BATCHES), "--workers", "4",
+                sys.executable,
+                str(SCRIPTS / "fork_loader.py"),
+                "--epochs",
+                str(EPOCHS),
+                "--batches",
+                str(BATCHES),
+                "--workers",
+                "4",
             ],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
     finally:
         assert agg.stop() == 0

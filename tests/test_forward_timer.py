@@ -12,9 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from traceml.sdk import instrumentation
 from traceml.sdk.instrumentation import ForwardTimer
-from traceml.sdk.step import StepTracer
 
 
 class Slow(nn.Module):
@@ -27,15 +25,6 @@ class Slow(nn.Module):
     def forward(self, x):
         time.sleep(0.02)
         return self.linear(x)
-
-
-@pytest.fixture
-def tracer(monkeypatch):
-    steps = []
-    tracer = StepTracer(steps.append, time.perf_counter_ns())
-    monkeypatch.setattr(instrumentation, "_tracer", instrumentation._tracer)  # restored after
-    instrumentation.install(tracer)
-    yield tracer, steps
 
 
 def traced_step(tracer, timer, body):

@@ -18,10 +18,9 @@ import json
 import statistics
 
 import pytest
-
 from conftest import SCRIPTS, free_port, load_summary, query, run_traceml
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 #: Optimizer steps per run: enough for a verdict (MIN_WINDOW_STEPS = 10 after warm-up).
 STEPS = 12
@@ -32,9 +31,15 @@ def traceml_run(tmp_path, script: str, *script_args, traceml_args=()) -> dict:
     """Run ``script`` on 2 ranks; its final summary (after checking the run succeeded)."""
     result = run_traceml(
         [
-            "run", str(SCRIPTS / script), "--nproc-per-node=2",
-            f"--aggregator-port={free_port()}", f"--logs-dir={tmp_path / 'logs'}",
-            "--run-name=fw", *traceml_args, "--", *script_args,
+            "run",
+            str(SCRIPTS / script),
+            "--nproc-per-node=2",
+            f"--aggregator-port={free_port()}",
+            f"--logs-dir={tmp_path / 'logs'}",
+            "--run-name=fw",
+            *traceml_args,
+            "--",
+            *script_args,
         ],
         cwd=tmp_path,
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
@@ -65,8 +70,14 @@ def assert_steps_and_phases(tmp_path, summary: dict, steps: int = STEPS) -> None
     assert query(tmp_path / "logs" / "fw", "SELECT DISTINCT parallelism FROM ranks") == [("ddp",)]
 
 
-def assert_throughput(tmp_path, summary: dict, samples: int, tokens: int | None,
-                      forward_flops: int | None, peak_tflops: float | None = None) -> None:
+def assert_throughput(
+    tmp_path,
+    summary: dict,
+    samples: int,
+    tokens: int | None,
+    forward_flops: int | None,
+    peak_tflops: float | None = None,
+) -> None:
     """Per rank: samples (tokens) per step are the batch's, samples/s (tokens/s, TFLOP/s) the
     window's totals over its stored step times; the forward's FLOPs are ``forward_flops``
     (None: any positive count) and a step's 3 x that; MFU against ``peak_tflops``, else null
@@ -76,9 +87,11 @@ def assert_throughput(tmp_path, summary: dict, samples: int, tokens: int | None,
         t = rank["throughput"]
         assert (t["samples_per_step"], t["tokens_per_step"]) == (samples, tokens)
         rows = query(
-            tmp_path / "logs" / "fw", "SELECT step_us, samples, tokens FROM steps WHERE rank = ? "
-            "AND step BETWEEN ? AND ?", (rank["rank"], window["first_step"], window["last_step"]))
-        step_us, counts, token_counts = zip(*rows)
+            tmp_path / "logs" / "fw",
+            "SELECT step_us, samples, tokens FROM steps WHERE rank = ? AND step BETWEEN ? AND ?",
+            (rank["rank"], window["first_step"], window["last_step"]),
+        )
+        step_us, counts, token_counts = zip(*rows, strict=True)
         wall_s = sum(step_us) / 1e6
         # every batch of the window counted once (HF's loader fetches one ahead: at an epoch's
         # end one step fetches none and the next two)
@@ -115,7 +128,8 @@ def assert_throughput(tmp_path, summary: dict, samples: int, tokens: int | None,
 
 @pytest.mark.parametrize("callback", [False, True], ids=["zero-code", "callback"])
 @pytest.mark.parametrize(
-    "library, script", [("transformers", "fw_hf.py"), ("lightning", "fw_lightning.py")],
+    "library, script",
+    [("transformers", "fw_hf.py"), ("lightning", "fw_lightning.py")],
     ids=["hf-trainer", "lightning-ddp"],
 )
 def test_trainer(tmp_path, library, script, callback):
@@ -123,7 +137,10 @@ def test_trainer(tmp_path, library, script, callback):
     pytest.importorskip(library)
     args = ["--steps", str(STEPS), "--out", str(tmp_path / "out")]
     summary = traceml_run(
-        tmp_path, script, *args, *(["--callback"] if callback else []),
+        tmp_path,
+        script,
+        *args,
+        *(["--callback"] if callback else []),
         traceml_args=["--no-auto-instrument"] if callback else [],
     )
     assert_steps_and_phases(tmp_path, summary)
@@ -135,13 +152,18 @@ def test_trainer(tmp_path, library, script, callback):
 
 def test_accelerate_loop(tmp_path):
     pytest.importorskip("accelerate")
-    assert_steps_and_phases(tmp_path, traceml_run(tmp_path, "fw_accelerate.py", "--steps", str(STEPS)))
+    assert_steps_and_phases(
+        tmp_path, traceml_run(tmp_path, "fw_accelerate.py", "--steps", str(STEPS))
+    )
 
 
 PLANTED_STEPS = 20
 #: The steps' column of each planted phase -> what the script timed (truth key), nominal ms.
-PLANTED = {"input_wait_us": ("input", 10.0), "forward_us": ("forward", 20.0),
-           "optimizer_us": ("optimizer", 5.0)}
+PLANTED = {
+    "input_wait_us": ("input", 10.0),
+    "forward_us": ("forward", 20.0),
+    "optimizer_us": ("optimizer", 5.0),
+}
 
 
 #: The plain loop's --peak-tflops: a CPU run gets an MFU against the peak the user gives.
@@ -150,8 +172,13 @@ PEAK_TFLOPS = 1e-6
 
 def test_plain_ddp_loop_phases_match_the_planted_sleeps(tmp_path):
     summary = traceml_run(
-        tmp_path, "planted_zero_code.py", "--steps", str(PLANTED_STEPS),
-        "--truth-dir", str(tmp_path), traceml_args=["--peak-tflops", str(PEAK_TFLOPS)],
+        tmp_path,
+        "planted_zero_code.py",
+        "--steps",
+        str(PLANTED_STEPS),
+        "--truth-dir",
+        str(tmp_path),
+        traceml_args=["--peak-tflops", str(PEAK_TFLOPS)],
     )
     assert_steps_and_phases(tmp_path, summary, PLANTED_STEPS)
     # 8 samples a step through Linear(16, 1): 2 x 8 x 16 x 1 FLOPs a forward
@@ -170,7 +197,8 @@ def test_plain_ddp_loop_phases_match_the_planted_sleeps(tmp_path):
         for column, (part, nominal_ms) in PLANTED.items():
             measured = query(
                 tmp_path / "logs" / "fw",
-                f"SELECT {column} FROM steps WHERE rank = ? AND step > 0", (rank,),
+                f"SELECT {column} FROM steps WHERE rank = ? AND step > 0",
+                (rank,),
             )
             planted_us = statistics.median(ns / 1000 for ns in truth[part][1:])
             measured_us = statistics.median(row[0] for row in measured)

@@ -15,19 +15,21 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
-
 from conftest import ROOT
 from live_aggregator import LiveAggregator
+
 from traceml import wire
 from traceml.sdk import client as client_mod
+from traceml.sdk import timing
 from traceml.sdk.device import RankDevice
 from traceml.sdk.memory import StepMemory
 from traceml.sdk.step import StepMeasurement, StepTracer
-from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER, PHASE_FIELDS, GpuTimer
+from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER, GpuTimer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -54,21 +56,31 @@ class FakeGpu:
         self.done_ms = -1.0
         self.capturing = False
         self.records = 0
+        self.queries = 0
+        self.stream = "main"  # the training thread's current stream
+        self.lagging: set[str] = set()  # streams whose work has not completed at all
 
 
 class FakeEvent:
     def __init__(self, gpu: FakeGpu) -> None:
         self.gpu = gpu
         self.t = None
+        self.stream = None
 
     def record(self, stream) -> None:
         self.t = self.gpu.now_ms
+        self.stream = stream
         self.gpu.records += 1
 
     def query(self) -> bool:
-        return self.t is not None and self.t <= self.gpu.done_ms
+        self.gpu.queries += 1
+        return (
+            self.t is not None
+            and self.t <= self.gpu.done_ms
+            and self.stream not in self.gpu.lagging
+        )
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         assert self.query() and end.query(), "elapsed_time() on a pending event"
         return end.t - self.t
 
@@ -83,7 +95,7 @@ class FakeCuda:
         return FakeEvent(self.gpu)
 
     def current_stream(self):
-        return None
+        return self.gpu.stream
 
     def capturing(self) -> bool:
         return self.gpu.capturing
@@ -108,7 +120,15 @@ def test_one_step_in_n_is_gpu_timed():
     gpu = FakeGpu()
     timer = fake_timer(gpu, 4)
     assert [timer(step) is not None for step in range(9)] == [
-        True, False, False, False, True, False, False, False, True
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
     ]
     assert gpu.records == 3  # one start event per timed step, nothing on the others
 
@@ -141,8 +161,13 @@ def test_phases_summed_per_step_in_microseconds():
     assert step.ready()
     fields = {}
     step.fill(fields)
-    assert fields == {"gpu_step_us": 10_200, "gpu_h2d_us": 250, "gpu_forward_us": 4_000,
-                      "gpu_backward_us": 2_000, "gpu_optimizer_us": 500}
+    assert fields == {
+        "gpu_step_us": 10_200,
+        "gpu_h2d_us": 250,
+        "gpu_forward_us": 4_000,
+        "gpu_backward_us": 2_000,
+        "gpu_optimizer_us": 500,
+    }
     assert len(timer.pool._free) == 2 + 2 * 5  # every event back in the pool once read
     assert timer.pool.take() is not None and gpu.records == 12
 
@@ -191,6 +216,144 @@ def test_finish_wait_is_bounded_and_ends_when_events_complete():
     assert time.monotonic() - t0 < 0.1 and step.ready()
 
 
+def test_finish_waits_for_every_pending_step_not_only_the_last():
+    """Step 0's phases ran on a side stream that is still busy while step 2 (the last) has
+    completed: the exit path waits for step 0 too (before the fix: it returned at once and
+    step 0 went out without GPU fields)."""
+    gpu = FakeGpu()
+    timer = fake_timer(gpu, 2, finish_wait_s=5.0)
+    gpu.stream = "side"
+    first = timer(0)
+    at(gpu, 1.0), first.close()
+    gpu.stream = "main"
+    timer(1)
+    last = timer(2)
+    at(gpu, 3.0), last.close()
+    gpu.done_ms, gpu.lagging = 3.0, {"side"}
+    assert last.ready() and not first.ready()
+    threading.Timer(0.2, gpu.lagging.clear).start()
+    t0 = time.monotonic()
+    timer.close()
+    assert 0.15 <= time.monotonic() - t0 < 4.0
+    fields = {}
+    first.fill(fields)
+    assert fields == {"gpu_step_us": 1000}
+
+
+def test_a_cancelled_phase_gives_its_event_back():
+    """A host ``.to(dtype)`` on a timed step begins an H2D phase and cancels it: its start
+    event goes back to the pool (before the fix: one event lost per such call)."""
+    gpu = FakeGpu()
+    timer = fake_timer(gpu, 1)
+    step = timer(0)
+    for _ in range(3):
+        step.begin(H2D)
+        step.cancel(H2D)
+    assert len(timer.pool._free) == 1 and gpu.records == 1 + 3
+
+
+class StandInGraph:
+    """``capture_begin``/``capture_end`` as ``torch.cuda.CUDAGraph`` has them; ``began``
+    notes the count of captures :data:`traceml.sdk.timing.CAPTURES` saw as its capture began."""
+
+    def __init__(self) -> None:
+        self.began = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        if capture_error_mode == "bad":
+            raise RuntimeError("capture could not begin")
+        self.began = timing.CAPTURES.active
+
+    def capture_end(self):
+        pass
+
+
+@pytest.fixture
+def graph_class(monkeypatch):
+    """StandInGraph with the capture guard installed; the process's count restored after."""
+    monkeypatch.setattr(timing, "CAPTURES", timing.CaptureGuard())
+
+    class Graph(StandInGraph):
+        pass
+
+    timing.install_capture_guard(Graph)
+    return Graph
+
+
+def test_no_event_is_queried_or_recorded_while_any_capture_is_under_way(graph_class):
+    """A capture begun on another thread (its stream is not the training thread's current
+    one): while it runs, the sender's ready() makes no query and the training thread records
+    nothing; once it ends, the pending step resolves."""
+    gpu = FakeGpu()
+    timer = fake_timer(gpu, 1)
+    step = timer(0)
+    at(gpu, 2.0), step.close()
+    gpu.done_ms = 2.0
+    graph = graph_class()
+    capturing = threading.Thread(target=graph.capture_begin)
+    capturing.start()
+    capturing.join()
+    assert graph.began == 1 and timing.CAPTURES.active == 1
+    queries, records = gpu.queries, gpu.records
+    assert not step.ready() and timer(1) is None
+    assert (gpu.queries, gpu.records) == (queries, records)
+    graph.capture_end()
+    assert timing.CAPTURES.active == 0 and step.ready()
+    with pytest.raises(RuntimeError):
+        graph.capture_begin(capture_error_mode="bad")  # a failed begin is no capture
+    assert timing.CAPTURES.active == 0
+    timing.install_capture_guard(graph_class)  # idempotent: wrapped once
+    assert graph_class.capture_begin.__traceml_original__ is StandInGraph.capture_begin
+
+
+def test_a_capture_waits_for_queries_in_flight(graph_class):
+    """The sender is half-way through its queries when a capture begins: the capture begins
+    only after the last query returned (the race the stream check cannot close)."""
+    gpu = FakeGpu()
+    timer = fake_timer(gpu, 1)
+    step = timer(0)
+    at(gpu, 1.0), step.close()
+    gpu.done_ms = 1.0
+    order = []
+    in_query, release = threading.Event(), threading.Event()
+    query = step._stop.query
+
+    def slow_query():
+        in_query.set()
+        release.wait(5)
+        order.append("query")
+        return query()
+
+    step._stop.query = slow_query
+    sender = threading.Thread(target=step.ready)
+    sender.start()
+    assert in_query.wait(5)
+    graph = graph_class()
+    capture = threading.Thread(target=lambda: (graph.capture_begin(), order.append("begin")))
+    capture.start()
+    time.sleep(0.05)
+    assert order == []  # the capture is held back while the query is in flight
+    release.set()
+    sender.join(5)
+    capture.join(5)
+    assert len(order) >= 2 and order == ["query"] * (len(order) - 1) + ["begin"]
+
+
+def test_the_capture_guard_wraps_torch_cuda_graph(monkeypatch):
+    """On the real class (a CPU build: its capture cannot begin, and the count stays 0)."""
+    graph = torch.cuda.CUDAGraph
+    monkeypatch.setattr(timing, "CAPTURES", timing.CaptureGuard())
+    monkeypatch.setattr(graph, "capture_begin", graph.capture_begin)  # restored after
+    monkeypatch.setattr(graph, "capture_end", graph.capture_end)
+    original = graph.capture_begin
+    timing.install_capture_guard()
+    assert graph.capture_begin.__traceml_original__ is original
+    with pytest.raises(AttributeError):  # object() is no CUDAGraph: torch's method refuses it
+        graph.capture_begin(object())
+    assert timing.CAPTURES.active == 0
+
+
+@pytest.mark.aggregator
 @pytest.mark.slow
 def test_unresolved_steps_are_counted_and_sent_without_gpu_fields(tmp_path):
     """Through the real tracer, client, aggregator and store: steps 0, 2, 4 are GPU-timed;
@@ -199,7 +362,9 @@ def test_unresolved_steps_are_counted_and_sent_without_gpu_fields(tmp_path):
     aggregator = LiveAggregator(tmp_path / "run", "gpu-unit", world_size=1).start()
     try:
         client = client_mod.TelemetryClient(
-            aggregator.target, "gpu-unit", rank=0,
+            aggregator.target,
+            "gpu-unit",
+            rank=0,
             config=client_mod.ClientConfig(flush_interval_s=0.05),
         )
         gpu = FakeGpu()
@@ -277,6 +442,7 @@ def test_step_memory_reads_the_running_peaks_and_never_resets_them(monkeypatch):
     assert reads == [3, 3, 3]
 
 
+@pytest.mark.aggregator
 @needs_cuda
 def test_the_users_max_memory_allocated_survives_traced_steps(tmp_path):
     """On a real GPU: a 256 MiB tensor allocated and freed before training sets the user's
@@ -299,8 +465,9 @@ def test_the_users_max_memory_allocated_survives_traced_steps(tmp_path):
     )
     with LiveAggregator(tmp_path / "run", "gpu-peaks") as agg:
         env = {**os.environ, "TRACEML_AGGREGATOR": agg.target, "TRACEML_RUN_NAME": "gpu-peaks"}
-        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr
         before, after = map(int, result.stdout.split("peaks")[1].split())
         assert before >= 256 << 20 and after == before
@@ -344,29 +511,56 @@ def _good_run(n=2, m=2, steps=8):
     rows = []
     for s in range(steps):
         timed = s % n == 0
-        rows.append({
-            "step": s, "step_us": 6000, "input_wait_us": 100 if s else None, "h2d_us": 20,
-            "forward_us": 500, "backward_us": 900, "optimizer_us": 300,
-            "gpu_step_us": 5500 if timed else None, "gpu_h2d_us": 150 if timed else None,
-            "gpu_forward_us": 1500 if timed else None, "gpu_backward_us": 3000 if timed else None,
-            "gpu_optimizer_us": 500 if timed else None,
-            "peak_allocated_bytes": 4000 if s % m == 0 and s else None,
-            "peak_reserved_bytes": 8000 if s % m == 0 and s else None,
-        })
+        rows.append(
+            {
+                "step": s,
+                "step_us": 6000,
+                "input_wait_us": 100 if s else None,
+                "h2d_us": 20,
+                "forward_us": 500,
+                "backward_us": 900,
+                "optimizer_us": 300,
+                "gpu_step_us": 5500 if timed else None,
+                "gpu_h2d_us": 150 if timed else None,
+                "gpu_forward_us": 1500 if timed else None,
+                "gpu_backward_us": 3000 if timed else None,
+                "gpu_optimizer_us": 500 if timed else None,
+                "peak_allocated_bytes": 4000 if s % m == 0 else None,
+                "peak_reserved_bytes": 8000 if s % m == 0 else None,
+            }
+        )
     uuid = "GPU-0a1b"
     run = {
         "steps": rows,
         "finish": [{"steps_gpu_unresolved": 0}],
         "ranks": [{"gpu_uuid": uuid}],
         "process": [{"gpu_allocated_bytes": 4000}],
-        "gpus": [{"uuid": uuid, "util_percent": 87.0, "memory_used_bytes": 9000,
-                  "temperature_c": 51.0, "power_w": 420.0}],
+        "gpus": [
+            {
+                "uuid": uuid,
+                "util_percent": 87.0,
+                "memory_used_bytes": 9000,
+                "temperature_c": 51.0,
+                "power_w": 420.0,
+            }
+        ],
     }
     child = {
-        "every_n": n, "memory_every_n": m, "block": [0, steps], "sync_calls": 0,
+        "every_n": n,
+        "memory_every_n": m,
+        "block": [0, steps],
+        "sync_calls": 0,
         "param_bytes": 1000,
-        "overhead": {"2 ms": {"nominal_ms": 2.0, "overhead_pct": 1.2, "traced_ms": 2.02,
-                              "plain_ms": 2.0, "steps": 100, "batch": 512}},
+        "overhead": {
+            "2 ms": {
+                "nominal_ms": 2.0,
+                "overhead_pct": 1.2,
+                "traced_ms": 2.02,
+                "plain_ms": 2.0,
+                "steps": 100,
+                "batch": 512,
+            }
+        },
     }
     return run, child
 
@@ -375,24 +569,125 @@ def test_gpu_check_passes_a_correct_run():
     run, child = _good_run()
     checks = gpu_check.evaluate(run, child)
     assert [c.name for c in checks if not c.ok] == []
+    assert [c.ok for c in gpu_check.overhead_checks(child)] == [True]
     table = gpu_check.phase_table(run["steps"])
     assert table["forward"] == {"cpu_ms": 0.5, "gpu_ms": 1.5, "gpu_over_cpu": 3.0}
+
+
+def test_gpu_check_expects_the_memory_reading_of_step_0():
+    """The SDK reads the peaks on step 0 too (before the fix the check wanted none there, so
+    its first run on a GPU would have failed a correct SDK)."""
+    run, child = _good_run()
+    assert run["steps"][0]["peak_allocated_bytes"] == 4000
+    run["steps"][0].update(peak_allocated_bytes=None, peak_reserved_bytes=None)
+    failing = [c.name for c in gpu_check.evaluate(run, child) if not c.ok]
+    assert failing == ["memory peaks on one step in M"]
+
+
+def test_gpu_check_overhead_is_informational_under_quick():
+    run, child = _good_run()
+    child["overhead"]["2 ms"].update(overhead_pct=3.5)
+    assert [c.ok for c in gpu_check.overhead_checks(child)] == [False]
+    assert [c.ok for c in gpu_check.overhead_checks(child, enforce=False)] == [True]
+
+
+def _sleep_steps(forward_ms=4.0, backward_ms=8.0, optimizer_ms=2.0, n=5):
+    return [
+        {
+            "step": i,
+            "step_us": 20_000,
+            "h2d_us": None,
+            "forward_us": 300,
+            "backward_us": 500,
+            "optimizer_us": 100,
+            "gpu_step_us": 15_000,
+            "gpu_forward_us": int(forward_ms * 1000),
+            "gpu_backward_us": int(backward_ms * 1000),
+            "gpu_optimizer_us": int(optimizer_ms * 1000),
+        }
+        for i in range(n)
+    ]
+
+
+def test_gpu_check_accuracy_holds_phases_to_ten_percent():
+    known = gpu_check.SLEEP_MS
+    assert all(c.ok for c in gpu_check.accuracy_checks(_sleep_steps(), known))
+    off = gpu_check.accuracy_checks(_sleep_steps(backward_ms=16.0), known)  # counted twice
+    assert [c.name for c in off if not c.ok] == ["GPU backward within ±10%"]
+    over = _sleep_steps()
+    over[2]["backward_us"] = 30_000  # a phase longer than its step
+    untimed = _sleep_steps()
+    untimed[1]["gpu_step_us"] = None
+    assert [c.name for c in gpu_check.accuracy_checks(over, known) if not c.ok] == [
+        "CPU phases never exceed the step"
+    ]
+    assert [c.name for c in gpu_check.accuracy_checks(untimed, known) if not c.ok] == [
+        "every step GPU-timed"
+    ]
+
+
+def test_gpu_check_devices_line():
+    ranks = [
+        {"rank": 0, "device": "cuda:0", "gpu_uuid": "GPU-aa"},
+        {"rank": 1, "device": "cuda:1", "gpu_uuid": "GPU-bb"},
+    ]
+    reports = [
+        {"rank": 0, "uuid": "aa", "other_contexts": []},
+        {"rank": 1, "uuid": "bb", "other_contexts": []},
+    ]
+    assert all(c.ok for c in gpu_check.device_checks(ranks, reports, {0: 3, 1: 3}))
+    ranks[1].update(device="cuda:0", gpu_uuid="GPU-aa")  # every rank on GPU 0 (the old bug)
+    reports[1]["other_contexts"] = [0]
+    assert [c.ok for c in gpu_check.device_checks(ranks, reports, {0: 3, 1: 0})] == [
+        False,
+        False,
+        False,
+    ]
+
+
+def test_gpu_check_lines_read_pass_fail_skip():
+    line = gpu_check.Line("b", "accuracy", [gpu_check.Check("x", True, "1 ms")])
+    assert line.text().splitlines() == ["b) PASS accuracy", "     PASS x: 1 ms"]
+    line.checks.append(gpu_check.Check("y", False, "2 ms"))
+    assert line.verdict == "FAIL"
+    skipped = gpu_check.Line("g", "two ranks", skip="needs 2 GPUs or more, 1 visible")
+    assert skipped.text() == "g) SKIP two ranks: needs 2 GPUs or more, 1 visible"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
+def test_gpu_check_without_cuda_says_so_and_exits_3(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == gpu_check.EXIT_NO_CUDA == 3, result.stderr
+    assert result.stdout.splitlines() == [
+        "gpu_check: no CUDA device (a CPU build of torch); nothing checked, exit 3"
+    ]
 
 
 BREAKAGES = {
     "sdk never synchronizes": lambda run, child: child.update(sync_calls=3),
     "one step in N GPU-timed": lambda run, child: run["steps"][2].update(gpu_step_us=None),
-    "GPU events all resolved":
-        lambda run, child: run["finish"][0].update(steps_gpu_unresolved=2),
-    "GPU phases on every timed step, H2D seen on the GPU clock":
-        lambda run, child: run["steps"][4].update(gpu_h2d_us=None),
+    "GPU events all resolved": lambda run, child: run["finish"][0].update(steps_gpu_unresolved=2),
+    "GPU phases on every timed step, H2D seen on the GPU clock": lambda run, child: run["steps"][
+        4
+    ].update(gpu_h2d_us=None),
     "H2D seen on the CPU clock": lambda run, child: run["steps"][3].update(h2d_us=None),
-    "memory peaks on one step in M":
-        lambda run, child: run["steps"][3].update(peak_allocated_bytes=5),
-    "NVML reports the rank's own GPU":
-        lambda run, child: run["ranks"][0].update(gpu_uuid="GPU-other"),
-    "trace_step overhead at 2 ms":
-        lambda run, child: child["overhead"]["2 ms"].update(overhead_pct=3.5),
+    "memory peaks on one step in M": lambda run, child: run["steps"][3].update(
+        peak_allocated_bytes=5
+    ),
+    "NVML reports the rank's own GPU": lambda run, child: run["ranks"][0].update(
+        gpu_uuid="GPU-other"
+    ),
 }
 
 
@@ -409,27 +704,39 @@ def test_gpu_check_catches_each_breakage(failing):
 @needs_cuda
 def test_gpu_check_quick_passes(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--out",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
+@pytest.mark.aggregator
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_a_rank_on_device_1_never_creates_a_context_on_device_0(tmp_path):
+@pytest.mark.parametrize("set_device", [True, False])
+def test_a_rank_on_device_1_never_creates_a_context_on_device_0(tmp_path, set_device):
+    """With ``set_device(1)``, and without it (``.to("cuda:1")`` only: the current device
+    stays 0, where the rank must still create no context)."""
     code = textwrap.dedent(
         """
         import sys, time, torch, traceml
-        torch.cuda.set_device(1)
-        model = torch.nn.Linear(64, 64).cuda()
+        if sys.argv[2] == "True":
+            torch.cuda.set_device(1)
+        assert traceml.init(sys.argv[1], "ctx")  # before any CUDA work: nothing to find yet
+        model = torch.nn.Linear(64, 64).to("cuda:1")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        assert traceml.init(sys.argv[1], "ctx")
         for _ in range(30):
             with traceml.trace_step(model):
-                model(torch.randn(32, 64).cuda(non_blocking=True)).sum().backward()
+                model(torch.randn(32, 64).to("cuda:1", non_blocking=True)).sum().backward()
                 opt.step()
         time.sleep(2.5)  # samplers tick, the sender resolves events
         traceml.shutdown()
@@ -442,12 +749,11 @@ def test_a_rank_on_device_1_never_creates_a_context_on_device_0(tmp_path):
             os.environ, TRACEML_SAMPLE_INTERVAL_SEC="0.2", TRACEML_GPU_TIMING_EVERY_N_STEPS="1"
         )
         env.pop("TRACEML_LAUNCHED", None)
-        result = subprocess.run([sys.executable, "-c", code, aggregator.target], env=env,
-                                capture_output=True, text=True, timeout=300)
+        argv = [sys.executable, "-c", code, aggregator.target, str(set_device)]
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     finally:
         aggregator.stop()
     assert result.returncode == 0, result.stderr
     assert "context on device 0: False" in result.stdout
     assert aggregator.query("SELECT device FROM ranks") == [("cuda:1",)]
     assert aggregator.query("SELECT COUNT(gpu_forward_us) FROM steps") == [(30,)]
-

@@ -19,23 +19,16 @@ import json
 import signal
 import time
 
-from conftest import SCRIPTS, load_summary, query, start_traceml
+import pytest
+from conftest import SCRIPTS, load_summary, query, start_traceml, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 BUDGET_S = 6.0
 HANG_S = 2.0
 #: Progress every 0.5 s and batches every 0.2 s: the hang is timed to within a fraction of a second.
 FAST = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_HEARTBEAT_SEC": "0.5"}
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def read_json(path):
@@ -45,12 +38,21 @@ def read_json(path):
         return None
 
 
-def start_job(tmp_path, port, name: str, *script_args: str):
-    """``traceml run`` of the 2-rank faulty job named ``name``, hang timeout HANG_S."""
+def start_job(tmp_path, port, name: str, *script_args: str, nproc: int = 2, script=SCRIPT):
+    """``traceml run`` of the ``nproc``-rank faulty job named ``name``, hang timeout HANG_S."""
     args = [
-        "run", SCRIPT, "--nproc-per-node=2", "--run-name", name,
-        "--hang-timeout-sec", str(HANG_S), "--aggregator-port", str(port),
-        "--logs-dir", str(tmp_path / "logs"), *script_args,
+        "run",
+        str(script),
+        f"--nproc-per-node={nproc}",
+        "--run-name",
+        name,
+        "--hang-timeout-sec",
+        str(HANG_S),
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        *script_args,
     ]
     return start_traceml(args, tmp_path, tmp_path / "launcher", env=FAST)
 
@@ -58,8 +60,17 @@ def start_job(tmp_path, port, name: str, *script_args: str):
 def test_hung_rank_is_named_in_a_partial_summary(tmp_path, port):
     run_dir = tmp_path / "logs" / "hang"
     launcher = start_job(
-        tmp_path, port, "hang", "--finalize-timeout-sec", str(BUDGET_S),
-        "--fail", "hang", "--fail-rank", "1", "--steps", "6",
+        tmp_path,
+        port,
+        "hang",
+        "--finalize-timeout-sec",
+        str(BUDGET_S),
+        "--fail",
+        "hang",
+        "--fail-rank",
+        "1",
+        "--steps",
+        "6",
     )
     try:
         partial = wait_for(lambda: read_json(run_dir / "final_summary.json"), 180, "the summary")
@@ -69,7 +80,8 @@ def test_hung_rank_is_named_in_a_partial_summary(tmp_path, port):
         assert launcher.poll() is None
         wait_for(
             lambda: "partial summary written" in (tmp_path / "launcher.err").read_text(),
-            10, "the launcher's notice",
+            10,
+            "the launcher's notice",
         )
     finally:
         launcher.send_signal(signal.SIGTERM)
@@ -103,33 +115,73 @@ def test_hung_rank_is_named_in_a_partial_summary(tmp_path, port):
     assert {r["rank"]: r["end"]["state"] for r in final["ranks"]}[1] == "terminated"
 
     # Both summaries say rank 1 stopped making progress after its 6 steps, alive, between
-    # steps; the final one no longer calls it collateral of another rank's failure.
+    # steps: it completed its steps and did not exit while rank 0 did (the hang is the
+    # verdict: it lost more time than anything else); the final one no longer calls it
+    # collateral of another rank's failure.
+    exited = time.strftime("%H:%M:%S UTC", time.gmtime(finished_us / 1e6))
     for summary in (partial, final):
         hung = finding(summary, "RANK_HUNG")
+        assert summary["primary_diagnosis"] is hung
         assert hung["ranks"] == [1] and hung["evidence"]["suspects"] == [1]
         [entry] = hung["evidence"]["ranks"]
-        assert (entry["rank"], entry["steps_completed"], entry["last_step"], entry["phase"],
-                entry["alive"]) == (1, 6, 5, "idle", True)
+        assert (
+            entry["rank"],
+            entry["attempt"],
+            entry["steps_completed"],
+            entry["last_step"],
+            entry["phase"],
+            entry["alive"],
+        ) == (1, 0, 6, 5, "idle", True)
         assert entry["silent_s"] >= HANG_S
+        [lingered] = hung["evidence"]["not_exited"]
+        assert (lingered["rank"], lingered["steps_completed"], lingered["exited_ranks"]) == (
+            1,
+            6,
+            [0],
+        )
+        # from rank 1's last step (its count may reach the aggregator a flush after rank 0's
+        # finish marker, which starts the budget) to the partial summary, then to its stop
+        assert lingered["did_not_exit_s"] >= BUDGET_S - 1
         assert hung["summary"].startswith("Rank 1 stopped making progress at ")
+        assert (
+            f": rank 1 completed its 6 steps, then did not exit for "
+            f"{lingered['did_not_exit_s']:.0f} s (rank 0 exited at {exited})."
+        ) in hung["summary"]
     assert not [f for f in final["findings"]["health"] if f["kind"] == "RANK_TERMINATED"]
     assert "hang: rank 1 made no progress for" in err and "suspect: rank 1" in err
 
 
 def finding(summary: dict, kind: str) -> dict:
-    [found] = [f for f in summary["findings"]["health"] if f["kind"] == kind]
+    """The finding ``kind``: the primary diagnosis or one of the health findings."""
+    [found] = [
+        f
+        for f in [summary["primary_diagnosis"]] + summary["findings"]["health"]
+        if f["kind"] == kind
+    ]
     return found
 
 
 def test_a_rank_stuck_in_forward_is_the_suspect_of_a_hang_inside_training(tmp_path, port):
     run_dir = tmp_path / "logs" / "stall"
     launcher = start_job(
-        tmp_path, port, "stall",
-        "--fail", "stall", "--fail-rank", "1", "--fail-step", "3", "--steps", "10",
+        tmp_path,
+        port,
+        "stall",
+        "--fail",
+        "stall",
+        "--fail-rank",
+        "1",
+        "--fail-step",
+        "3",
+        "--steps",
+        "10",
     )
     try:
-        wait_for(lambda: "hang: ranks 0, 1 made no progress" in
-                 (tmp_path / "launcher.err").read_text(), 180, "the hang line")
+        wait_for(
+            lambda: "hang: ranks 0, 1 made no progress" in (tmp_path / "launcher.err").read_text(),
+            180,
+            "the hang line",
+        )
         line_at = time.time()
         live = read_json(run_dir / "aggregator" / "stall.json")
         time.sleep(2.0)
@@ -139,16 +191,19 @@ def test_a_rank_stuck_in_forward_is_the_suspect_of_a_hang_inside_training(tmp_pa
         code = launcher.wait(60)
     assert code == 1
 
-    [line] = [l for l in (tmp_path / "launcher.err").read_text().splitlines() if "hang:" in l]
+    [line] = [ln for ln in (tmp_path / "launcher.err").read_text().splitlines() if "hang:" in ln]
     assert line.startswith("traceml: hang: ranks 0, 1 made no progress for ")
-    assert line.endswith("(rank 0: 3 steps done, in backward; rank 1: 3 steps done, in "
-                         "forward); suspect: rank 1")
+    assert live["ended_unix_s"] is None
+    assert line.endswith(
+        "(rank 0: 3 steps done, in backward; rank 1: 3 steps done, in forward); suspect: rank 1"
+    )
     assert live["suspects"] == [1]
     final = load_summary(run_dir)
     hung = finding(final, "RANK_HUNG")
     assert hung["ranks"] == [1] and hung["evidence"]["suspects"] == [1]
-    where = {e["rank"]: (e["steps_completed"], e["phase"], e["alive"])
-             for e in hung["evidence"]["ranks"]}
+    where = {
+        e["rank"]: (e["steps_completed"], e["phase"], e["alive"]) for e in hung["evidence"]["ranks"]
+    }
     assert where == {0: (3, "backward", True), 1: (3, "forward", True)}
     # Silent since its step count last moved: at least the timeout, and the stall went on
     # (refreshed every second) until the job was stopped.
@@ -157,3 +212,174 @@ def test_a_rank_stuck_in_forward_is_the_suspect_of_a_hang_inside_training(tmp_pa
     assert all(s >= time.time() - line_at - 30 for s in silent), silent
     assert {r["rank"]: r["steps_completed"] for r in final["ranks"]} == {0: 3, 1: 3}
     assert not [f for f in final["findings"]["health"] if f["kind"] == "RANK_TERMINATED"]
+
+
+def hang_lines(tmp_path) -> list[str]:
+    return [ln for ln in (tmp_path / "launcher.err").read_text().splitlines() if "hang:" in ln]
+
+
+def hang_then_ctrl_c(tmp_path, port, name: str, nproc: int, *script_args: str):
+    """Run the faulty job ``name`` on ``nproc`` ranks, wait for node 0's hang line, read the
+    live stall record, then stop the launcher with SIGINT as a user would (Ctrl-C); the line,
+    the record and the final summary."""
+    launcher = start_job(tmp_path, port, name, *script_args, nproc=nproc)
+    try:
+        [line] = wait_for(lambda: hang_lines(tmp_path), 180, "the hang line")
+        live = read_json(tmp_path / "logs" / name / "aggregator" / "stall.json")
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(90)
+    return line, live, load_summary(tmp_path / "logs" / name)
+
+
+def attempt_1(summary: dict | None) -> dict | None:
+    return summary if summary and summary["run"]["attempt"] == 1 else None
+
+
+def test_a_hang_of_the_attempt_after_a_torchrun_restart_is_found_and_named(tmp_path, port):
+    """Attempt 0 fails (rank 1 raises) and torchrun restarts the workers; in attempt 1 rank 1
+    stops after 2 steps while rank 0 completes its 5. Attempt 0's finish markers must not
+    make attempt 1's ranks done: the hang is found, named with its attempt, and the watchdog's
+    partial summary (one budget after rank 0's finish of attempt 1) names rank 1 missing."""
+    run_dir = tmp_path / "logs" / "again"
+    launcher = start_job(
+        tmp_path,
+        port,
+        "again",
+        "--max-restarts",
+        "1",
+        "--finalize-timeout-sec",
+        str(BUDGET_S),
+        "--",
+        "--first-steps",
+        "3",
+        "--steps",
+        "5",
+        "--hang-rank",
+        "1",
+        "--hang-after",
+        "2",
+        script=SCRIPTS / "fail_once.py",
+    )
+    try:
+        # (on a loaded machine, attempt 0's rank 0 may wait longer than the budget to be stopped
+        # by torchrun: attempt 0 then has its own partial summary and hang line first)
+        partial = wait_for(
+            lambda: attempt_1(read_json(run_dir / "final_summary.json")),
+            180,
+            "attempt 1's partial summary",
+        )
+        # The launcher says the hang as it hears it (its next second), maybe after the summary.
+        [line] = wait_for(
+            lambda: [ln for ln in hang_lines(tmp_path) if " in attempt 1 " in ln],
+            60,
+            "attempt 1's hang line",
+        )
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(90)
+    assert line.startswith("traceml: hang: rank 1 made no progress for ")
+    assert line.endswith(" in attempt 1 (rank 1: 2 steps done, in idle); suspect: rank 1")
+    assert partial["run"]["attempt"] == 1
+    assert partial["run"]["complete"] is False and partial["run"]["missing_ranks"] == [1]
+    final = load_summary(run_dir)
+    for summary in (partial, final):
+        hung = finding(summary, "RANK_HUNG")
+        assert hung["ranks"] == [1] and hung["evidence"]["suspects"] == [1]
+        [entry] = hung["evidence"]["ranks"]
+        assert (entry["rank"], entry["attempt"], entry["steps_completed"], entry["phase"]) == (
+            1,
+            1,
+            2,
+            "idle",
+        )
+        assert "rank 1 of attempt 1: 2 steps done (last step 1), in idle, alive" in hung["summary"]
+    assert {r["rank"]: (r["restart"], r["steps_completed"]) for r in final["ranks"]} == {
+        0: (1, 5),
+        1: (1, 2),
+    }
+
+
+def test_four_ranks_one_stuck_in_forward_named_the_same_live_and_after_ctrl_c(tmp_path, port):
+    """Rank 2 of 4 stops in the forward of step 3; ranks 0, 1 and 3 wait in backward's
+    all-reduce. The user presses Ctrl-C once the hang line is out: the final summary names
+    the same suspect as the line (not whichever rank died first after the signal), says
+    where each rank stood and that each was alive then, and the hang is the verdict."""
+    line, live, final = hang_then_ctrl_c(
+        tmp_path,
+        port,
+        "four",
+        4,
+        "--fail",
+        "stall",
+        "--fail-rank",
+        "2",
+        "--fail-step",
+        "3",
+        "--steps",
+        "10",
+    )
+    assert line.endswith(
+        "(rank 0: 3 steps done, in backward; rank 1: 3 steps done, in backward; rank 2: 3 steps "
+        "done, in forward; rank 3: 3 steps done, in backward); suspect: rank 2"
+    )
+    assert live["suspects"] == [2]
+    hung = final["primary_diagnosis"]
+    assert hung["kind"] == "RANK_HUNG" and hung["ranks"] == [2]
+    assert hung["evidence"]["suspects"] == [2]
+    assert hung["evidence"]["detected_unix_s"] == live["detected_unix_s"]
+    assert {
+        e["rank"]: (e["steps_completed"], e["last_step"], e["phase"], e["alive"])
+        for e in hung["evidence"]["ranks"]
+    } == {r: (3, 2, "forward" if r == 2 else "backward", True) for r in range(4)}
+    assert hung["evidence"]["lost_s"] >= HANG_S
+    for r in (0, 1, 3):
+        assert (
+            f"rank {r}: 3 steps done (last step 2), in backward, alive (samples still "
+            "arriving)" in hung["summary"]
+        )
+    assert "Look at rank 2 first" in hung["action"]
+    assert not [f for f in final["findings"]["health"] if f["kind"] == "RANK_HUNG"]
+
+
+def test_ranks_waiting_in_an_explicit_collective_are_never_the_culprit(tmp_path, port):
+    """Every step starts with an all-reduce inside the traced step. Rank 1 of 3 stops before
+    step 4, outside any step, alive; ranks 0 and 2 wait inside step 4, in the all-reduce.
+    Neither waiting rank is named, live or in the summary written after Ctrl-C."""
+    line, live, final = hang_then_ctrl_c(
+        tmp_path,
+        port,
+        "outside",
+        3,
+        "--fail",
+        "outside",
+        "--fail-rank",
+        "1",
+        "--fail-step",
+        "4",
+        "--steps",
+        "12",
+        "--explicit-collective",
+    )
+    assert line.endswith(
+        "(rank 0: 4 steps done, in step; rank 1: 4 steps done, in idle; rank 2: 4 steps done, "
+        "in step); suspect: rank 1"
+    )
+    assert live["suspects"] == [1]
+    hung = finding(final, "RANK_HUNG")
+    assert hung["ranks"] == [1] and hung["evidence"]["suspects"] == [1]
+    assert {e["rank"]: (e["phase"], e["alive"]) for e in hung["evidence"]["ranks"]} == {
+        0: ("step", True),
+        1: ("idle", True),
+        2: ("step", True),
+    }
+    named = [
+        f
+        for f in [
+            final["primary_diagnosis"],
+            *final["findings"]["step_time"],
+            *final["findings"]["health"],
+        ]
+        if f["kind"].endswith("STRAGGLER") or f["kind"] == "RANK_HUNG"
+    ]
+    assert all(set(f["ranks"]) <= {1} for f in named), named

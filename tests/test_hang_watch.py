@@ -1,33 +1,42 @@
-"""The aggregator's hang watch on the aggregator's clock: who stalled, where, and the suspect."""
+"""The aggregator's hang watch on the aggregator's clock: who stalled, where, and the suspect;
+and a rank that waits for another is never the culprit (the hang's suspect or a straggler)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+from helpers.batches import node_batch, rank_batch
+
 from traceml import wire
-from traceml.analysis.hang import describe
+from traceml.analysis import step_time
+from traceml.analysis.document import PARTS
+from traceml.analysis.hang import describe, silent_s
+from traceml.analysis.phases import Profile
+from traceml_aggregator.finalize import RunState
 from traceml_aggregator.hang import ALIVE_WINDOW_S, HangWatch
 
 
 def progress(rank: int, steps: int, phase: str) -> wire.Batch:
-    batch = wire.Batch(run_name="r", rank=rank, seq=1)
-    batch.progress.steps_completed = steps
-    batch.progress.phase = phase
-    return batch
+    return rank_batch(1, rank=rank, progress=wire.Progress(steps_completed=steps, phase=phase))
 
 
 def sampled(rank: int) -> wire.Batch:
     """A node sampler's batch with a process sample of ``rank``."""
-    batch = wire.Batch(run_name="r", node_rank=0, seq=1)
+    batch = node_batch(1)
     batch.process_samples.add(unix_us=1, rank=rank)
     return batch
 
 
 def watch(done=()) -> HangWatch:
-    return HangWatch(10.0, lambda r: r in done, "/nonexistent/stall.json")
+    return HangWatch(10.0, lambda r, attempt: r in done, "/nonexistent/stall.json")
 
 
 def where(record: dict) -> dict:
-    return {e["rank"]: (e["steps_completed"], e["phase"], e["silent_s"], e["alive"])
-            for e in record["ranks"]}
+    return {
+        e["rank"]: (e["steps_completed"], e["phase"], e["silent_s"], e["alive"])
+        for e in record["ranks"]
+    }
 
 
 def test_the_rank_still_in_forward_is_the_suspect_of_ranks_waiting_in_backward():
@@ -39,8 +48,9 @@ def test_the_rank_still_in_forward_is_the_suspect_of_ranks_waiting_in_backward()
     w.on_batch(progress(2, 7, "forward"), now=101.0)
     assert w.check(now=109.9) is None  # not yet the timeout
     record = w.check(now=112.0)
-    assert where(record) == {r: (7, "forward" if r == 2 else "backward", 12.0, True)
-                             for r in range(4)}
+    assert where(record) == {
+        r: (7, "forward" if r == 2 else "backward", 12.0, True) for r in range(4)
+    }
     assert record["suspects"] == [2] and record["detected_unix_s"] == 112.0
     assert describe(record) == (
         "hang: ranks 0, 1, 2, 3 made no progress for 12 s (rank 0: 7 steps done, in backward; "
@@ -59,8 +69,10 @@ def test_a_dead_rank_among_live_ones_is_the_suspect_and_fewer_steps_is_behind():
     record = w.check(now=ALIVE_WINDOW_S + 6)
     assert {r: e[3] for r, e in where(record).items()} == {0: True, 1: False, 2: True}
     assert record["suspects"] == [1]
-    w.on_batch(progress(1, 5, "backward"), now=ALIVE_WINDOW_S + 6.5)
-    assert w.check(now=ALIVE_WINDOW_S + 7)["suspects"] == [2]  # 4 steps: behind the others
+    alive = watch()
+    for r, (steps, phase) in enumerate(((5, "backward"), (5, "backward"), (4, "optimizer"))):
+        alive.on_batch(progress(r, steps, phase), now=0.0)
+    assert alive.check(now=11.0)["suspects"] == [2]  # 4 steps: behind the others
 
 
 def test_all_at_one_place_has_no_suspect_unless_others_finished():
@@ -69,7 +81,7 @@ def test_all_at_one_place_has_no_suspect_unless_others_finished():
         w.on_batch(progress(r, 3, "backward"), now=0.0)
     assert w.check(now=20.0)["suspects"] == []
     done = {0}
-    w2 = HangWatch(10.0, lambda r: r in done, "/nonexistent/stall.json")
+    w2 = HangWatch(10.0, lambda r, attempt: r in done, "/nonexistent/stall.json")
     w2.on_batch(progress(0, 6, "idle"), now=0.0)
     w2.on_batch(progress(1, 6, "idle"), now=0.0)
     record = w2.check(now=20.0)
@@ -86,11 +98,194 @@ def test_set_up_before_the_first_step_is_never_a_hang_and_progress_ends_a_stall(
     assert w.check(now=1013.0) is None
 
 
-def test_a_stall_whose_ranks_ended_is_kept_as_it_was():
+def test_a_stall_is_rewritten_only_on_change_and_frozen_once_its_ranks_ended():
     done: set[int] = set()
-    w = HangWatch(10.0, lambda r: r in done, "/nonexistent/stall.json")
+    w = HangWatch(10.0, lambda r, attempt: r in done, "/nonexistent/stall.json")
     w.on_batch(progress(0, 2, "forward"), now=0.0)
     first = w.check(now=15.0)
-    assert where(w.check(now=30.0))[0][2] == 30.0  # refreshed while it lasts
+    assert first["ended_unix_s"] is None and where(first)[0][2] == 15.0
+    assert w.check(now=30.0) is first  # nothing changed: nothing to rewrite
     done.add(0)  # the user stopped the job
-    assert w.check(now=500.0) == {**first, "ranks": [{**first["ranks"][0], "silent_s": 30.0}]}
+    frozen = w.check(now=40.0)
+    assert frozen == {
+        **first,
+        "ended_unix_s": 40.0,
+        "ranks": [{**first["ranks"][0], "silent_s": 40.0}],
+    }
+    assert w.check(now=500.0) is frozen
+    assert silent_s(frozen, frozen["ranks"][0], 900.0) == 40.0
+    assert silent_s(first, first["ranks"][0], 70.0) == 70.0
+
+
+def test_the_suspect_is_chosen_when_the_stall_is_detected_not_on_who_dies_after():
+    """Rank 2 stopped in forward; ranks 0, 1, 3 wait in backward. After the stall is found
+    the user presses Ctrl-C: rank 0's samples stop first, then every rank ends. The suspect
+    stays rank 2, and each rank's entry is the state it was found stalled in (alive)."""
+    done: set[int] = set()
+    w = HangWatch(10.0, lambda r, attempt: r in done, "/nonexistent/stall.json")
+    for r in range(4):
+        w.on_batch(progress(r, 7, "forward" if r == 2 else "backward"), now=0.0)
+    for t in (5.0, 10.0):
+        for r in range(4):
+            w.on_batch(progress(r, 7, "forward" if r == 2 else "backward"), now=t)
+    record = w.check(now=11.0)
+    assert record["suspects"] == [2]
+    for r in (1, 2, 3):
+        w.on_batch(progress(r, 7, "forward" if r == 2 else "backward"), now=30.0)
+    # rank 0 silent for longer than the alive window: dead now, yet no evidence against it
+    assert w.check(now=10.0 + ALIVE_WINDOW_S + 5) is record
+    done.update(range(4))
+    final = w.check(now=60.0)
+    assert final["suspects"] == [2] and final["detected_unix_s"] == 11.0
+    assert {r: (e[1], e[3]) for r, e in where(final).items()} == {
+        0: ("backward", True),
+        1: ("backward", True),
+        2: ("forward", True),
+        3: ("backward", True),
+    }
+    assert describe(record).endswith("suspect: rank 2")
+
+
+def test_a_new_stall_waits_for_ranks_about_to_stall_before_naming_a_suspect():
+    """Ranks 0 and 1 ended step 7 a little before rank 2, which then stopped in forward:
+    the first check past the timeout sees only ranks 0 and 1 silent long enough. Naming them
+    would blame ranks that wait; the record comes once rank 2 is in, naming rank 2."""
+    w = watch()
+    w.on_batch(progress(0, 7, "backward"), now=0.0)
+    w.on_batch(progress(1, 7, "backward"), now=0.0)
+    w.on_batch(progress(2, 7, "forward"), now=0.6)
+    assert w.check(now=10.2) is None
+    record = w.check(now=10.7)
+    assert [e["rank"] for e in record["ranks"]] == [0, 1, 2] and record["suspects"] == [2]
+    assert record["detected_unix_s"] == 10.7
+
+
+def test_every_rank_at_one_place_names_no_suspect_and_says_so():
+    w = watch()
+    for r in range(3):
+        w.on_batch(progress(r, 4, "step"), now=0.0)
+    record = w.check(now=12.0)
+    assert record["suspects"] == []
+    assert describe(record).endswith(
+        "every stalled rank is at the same place, none differs: no suspect (a collective "
+        "that cannot complete?)"
+    )
+
+
+def test_the_rank_outside_its_step_is_the_suspect_of_ranks_waiting_inside_theirs():
+    """Rank 3 stopped before an explicit collective, between steps; ranks 0-2 wait in it,
+    inside step 5 (outside the phases: "step")."""
+    w = watch()
+    for r in range(4):
+        w.on_batch(progress(r, 5, "idle" if r == 3 else "step"), now=0.0)
+    record = w.check(now=11.0)
+    assert record["suspects"] == [3]
+
+
+def finished(rank: int, restart: int) -> wire.Batch:
+    batch = progress(rank, 3, "idle")
+    batch.restart_count = restart
+    batch.finish.steps_completed = 3
+    return batch
+
+
+def test_a_rank_of_a_later_attempt_is_watched_after_the_earlier_attempt_ended():
+    """torchrun restarted the workers: attempt 0's finish markers do not end attempt 1."""
+    state = RunState(world_size=2)
+    w = HangWatch(10.0, state.is_done, "/nonexistent/stall.json")
+
+    def stored(batch, now):
+        state.on_batch(batch)
+        w.on_batch(batch, now=now)
+
+    for r in (0, 1):
+        stored(finished(r, 0), now=0.0)
+    assert state.missing() == [] and state.first_end.is_set()
+    for r in (0, 1):
+        batch = progress(r, 2, "idle")
+        batch.restart_count = 1
+        stored(batch, now=5.0)
+    assert state.missing() == [0, 1] and not state.first_end.is_set() and state.attempt == 1
+    again = progress(0, 4, "idle")
+    again.restart_count = 1
+    stored(again, now=14.0)
+    record = w.check(now=16.0)
+    assert [(e["rank"], e["attempt"], e["steps_completed"]) for e in record["ranks"]] == [(1, 1, 2)]
+    assert record["suspects"] == [1]
+    assert " in attempt 1 (rank 1: 2 steps done, in idle); suspect: rank 1" in describe(record)
+    stored(finished(0, 1), now=17.0)
+    assert state.missing() == [1] and state.first_end.is_set()
+
+
+def test_a_stall_left_by_an_earlier_aggregator_is_cleared_when_its_rank_moves(tmp_path):
+    """The aggregator died during a stall; its replacement takes the record, and removes it
+    from the store and the stall file once the stalled rank is seen making progress."""
+    old = HangWatch(10.0, lambda r, attempt: False, tmp_path / "stall.json")
+    old.on_batch(progress(1, 4, "forward"), now=0.0)
+    left = old.check(now=12.0)
+    (tmp_path / "stall.json").write_text(json.dumps(left))
+
+    new = HangWatch(10.0, lambda r, attempt: False, tmp_path / "stall.json")
+    new.restore(json.loads(json.dumps(left)), now=100.0)
+    assert new.check(now=101.0) == left  # still stalled: the same record, not a new line
+    persisted, said = [], []
+
+    async def persist(record):
+        persisted.append(record)
+
+    async def main():
+        task = asyncio.create_task(new.run(persist, said.append))
+        new.on_batch(progress(1, 5, "forward"))
+        while not persisted:
+            await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert persisted == [None] and said == ["the stalled ranks make progress again"]
+    assert not (tmp_path / "stall.json").exists()
+
+
+def profile(rank: int, *, residual: float, backward: float, outside: float) -> Profile:
+    """A rank's profile over 20 steps: input 2, forward 10, optimizer 3 ms per step, and the
+    given residual, backward and time outside the steps (ms per step)."""
+    median_ms = {k: None for k in PARTS} | {
+        "input_wait": 2.0,
+        "forward": 10.0,
+        "backward": backward,
+        "optimizer": 3.0,
+        "residual": residual,
+        "dataloader_next": 2.0,
+    }
+    step = 15.0 + backward + residual
+    return Profile(
+        rank=rank,
+        steps=20,
+        step_ms={"median": step, "mean": step, "p95": step, "max": step},
+        median_ms=median_ms,
+        share_pct={k: None for k in PARTS},
+        own_compute_ms=13.0,
+        parts={"outside": [int(outside * 1000)] * 20},
+    )
+
+
+def stragglers(profiles: dict[int, Profile]) -> list:
+    typ = step_time.typical(profiles)
+    return step_time._stragglers(profiles, {r: 0 for r in profiles}, typ.step_time_ms, True)
+
+
+def test_a_rank_waiting_in_a_collective_of_its_step_is_never_the_residual_straggler():
+    """DDP with an all-reduce called by hand inside the step: rank 1 spends 40 ms per step
+    outside its step (before the all-reduce), so rank 0 waits 40 ms inside its step, outside
+    the measured phases. Rank 0's residual is a wait, not a straggler."""
+    waiting = {
+        0: profile(0, residual=40.0, backward=20.0, outside=0.0),
+        1: profile(1, residual=0.0, backward=20.0, outside=40.0),
+    }
+    assert stragglers(waiting) == []
+    # Work of its own in the step: rank 1 is late and rank 0 waits in backward's all-reduce.
+    working = {
+        0: profile(0, residual=0.0, backward=60.0, outside=0.0),
+        1: profile(1, residual=40.0, backward=20.0, outside=0.0),
+    }
+    [found] = stragglers(working)
+    assert (found.kind, found.ranks, found.evidence["gap_ms"]) == ("STRAGGLER", [1], 40.0)

@@ -14,7 +14,12 @@ def test_launcher_failure_beats_the_ranks_own_completed_marker():
         end={"end_state": "failed", "exit_code": 7, "signal": None, "reason": None},
         finish={"end_state": "completed", "reason": None},
     )
-    assert end_state(rd, set()) == {"state": "failed", "exit_code": 7, "signal": None, "reason": None}
+    assert end_state(rd, set()) == {
+        "state": "failed",
+        "exit_code": 7,
+        "signal": None,
+        "reason": None,
+    }
 
 
 def test_bare_terminated_does_not_hide_a_completed_finish():
@@ -43,37 +48,51 @@ def test_the_crash_headline_names_the_first_failure_in_time():
     """Rank 2 (node 1) was killed by SIGSEGV; ranks 0 and 1 raised afterwards when their
     all-reduce lost its peer. The headline names rank 2, not the lowest failed rank."""
     from traceml.analysis.health import findings, last_seen_us
-    from traceml.analysis.rundata import RunData, StepColumns
+    from traceml.analysis.rundata import RunData, StepTable
     from traceml.analysis.summary import rank_summary
 
     def failed(r: int, finish_us: int) -> RankData:
         return RankData(
             rank=r,
             end={"end_state": "failed", "exit_code": 1, "signal": None, "reason": "gloo: peer"},
-            finish={"end_state": "failed", "reason": "RuntimeError: peer closed",
-                    "received_unix_us": finish_us, "steps_completed": 5},
+            finish={
+                "end_state": "failed",
+                "reason": "RuntimeError: peer closed",
+                "received_unix_us": finish_us,
+                "steps_completed": 5,
+            },
         )
 
     segv = RankData(
         rank=2,
         identity={"start_unix_us": 1_000_000_000},
-        steps=StepColumns.from_dicts([{"step": 4, "end_us": 5_000_000, "step_us": 900_000}]),
+        steps=StepTable.from_dicts([{"step": 4, "end_us": 5_000_000, "step_us": 900_000}]),
         end={"end_state": "signaled", "exit_code": None, "signal": 11, "reason": None},
         process_samples=[
-            {"unix_us": t, "cpu_percent": 90.0, "rss_bytes": 1 << 30,
-             "gpu_allocated_bytes": None, "gpu_reserved_bytes": None}
+            {
+                "unix_us": t,
+                "cpu_percent": 90.0,
+                "rss_bytes": 1 << 30,
+                "gpu_allocated_bytes": None,
+                "gpu_reserved_bytes": None,
+            }
             for t in (1_004_000_000, 1_005_200_000)
         ],
     )
     ranks = {0: failed(0, 1_007_000_000), 1: failed(1, 1_006_500_000), 2: segv}
-    assert [last_seen_us(ranks[r]) for r in (0, 1, 2)] == [1_007_000_000, 1_006_500_000,
-                                                         1_005_200_000]
+    assert [last_seen_us(ranks[r]) for r in (0, 1, 2)] == [
+        1_007_000_000,
+        1_006_500_000,
+        1_005_200_000,
+    ]
     run = RunData("r", 3, ranks, {}, {}, {}, [])
     summaries = [
         rank_summary(rd, None, missing=set(), live=False, gpu_totals={}, span=None)
         for rd in ranks.values()
     ]
-    crash = next(f for f in findings(run, summaries, live=False) if f.kind == "RANK_CRASHED")
+    crash = next(
+        f for f in findings(run, summaries, live=False, now_unix_s=2e9) if f.kind == "RANK_CRASHED"
+    )
     assert crash.summary == "Ranks 0, 1, 2 failed; rank 2 ended with signal 11."
     assert [r["rank"] for r in crash.evidence["ranks"]] == [2, 1, 0]
 
@@ -82,11 +101,81 @@ def test_last_seen_falls_back_to_the_end_of_the_last_stored_step():
     """Without a finish marker or a process sample, a rank was last seen at the end of its
     last stored step: its start plus that step's ``end_us`` (the last of the column)."""
     from traceml.analysis.health import last_seen_us
-    from traceml.analysis.rundata import StepColumns
+    from traceml.analysis.rundata import StepTable
 
-    steps = StepColumns.from_dicts(
+    steps = StepTable.from_dicts(
         [{"step": i, "end_us": 1_000_000 * (i + 1), "step_us": 1_000_000} for i in range(3)]
     )
     rd = RankData(rank=0, identity={"start_unix_us": 5_000_000}, steps=steps)
     assert last_seen_us(rd) == 8_000_000
     assert last_seen_us(RankData(rank=1, steps=steps)) == float("inf")
+
+
+def _lingering_run(end: dict | None, node_exit_unix_s: float | None, missing=(1,)):
+    """Two ranks of 20 steps (the last ends at Unix 1.67 s); rank 0 exited (its finish arrived
+    at Unix 2 s), rank 1 did not: ``end`` is its launcher's report, None while it runs;
+    ``missing``: the ranks finalization gave up on."""
+    from rundata_factory import rank, run_of, steps
+
+    r0 = rank(0, steps(20))
+    r0.finish["received_unix_us"] = 2_000_000
+    r1 = rank(1, steps(20), finish=False)
+    r1.end = end
+    exits = (
+        {
+            0: {
+                "exit_code": 1,
+                "hostname": "host0",
+                "restart_count": 0,
+                "received_unix_us": int(node_exit_unix_s * 1e6),
+            }
+        }
+        if node_exit_unix_s
+        else {}
+    )
+    return run_of([r0, r1], missing=missing, exits=exits)
+
+
+def test_a_rank_that_completed_its_steps_and_did_not_exit_is_named_without_a_stall_record():
+    """The finalization budget ran out before the hang timeout (no stall record yet): the
+    partial summary names rank 1 as one that completed its steps and did not exit, and so does
+    the summary written after the user stopped the launcher; the hang is the verdict."""
+    from traceml.analysis.summary import build_summary
+    from traceml.core.ends import interrupted_reason
+
+    partial = build_summary(_lingering_run(None, None), now_unix_s=3601.67)
+    hung = partial["primary_diagnosis"]
+    assert (hung["kind"], hung["ranks"]) == ("RANK_HUNG", [1])
+    assert hung["summary"].startswith(
+        "Rank 1 completed its 20 steps, then did not exit for 3600 s (rank 0 exited at "
+        "00:00:02 UTC)."
+    )
+    assert hung["evidence"]["not_exited"] == [
+        {
+            "rank": 1,
+            "attempt": 0,
+            "steps_completed": 20,
+            "did_not_exit_s": 3600.0,
+            "exited_ranks": [0],
+            "exited_unix_s": 2.0,
+        }
+    ]
+    stopped = {
+        "node_rank": 0,
+        "local_rank": 1,
+        "end_state": "terminated",
+        "exit_code": None,
+        "signal": 15,
+        "reason": interrupted_reason("SIGTERM"),
+    }
+    final = build_summary(_lingering_run(stopped, 101.67, missing=()), now_unix_s=5000.0)
+    hung = final["primary_diagnosis"]
+    assert hung["summary"].startswith(
+        "Rank 1 completed its 20 steps, then did not exit for 100 s (rank 0 exited at "
+        "00:00:02 UTC)."
+    )
+    kinds = [f["kind"] for f in final["findings"]["health"]]
+    assert "RUN_INTERRUPTED" not in kinds and "RANK_TERMINATED" not in kinds
+    # A live run whose rank 1 is on its way out names nothing.
+    live = build_summary(_lingering_run(None, None, missing=()), live=True, now_unix_s=3601.67)
+    assert live["primary_diagnosis"]["kind"] != "RANK_HUNG"

@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from chromium import CHROMIUM, DevTools
-from planted import planted_run
 from rundata_factory import rich_run
+
 from traceml.analysis.summary import build_summary
 from traceml.report.html import render_html
 
@@ -51,9 +50,11 @@ def _check_page(html_path: Path, tmp_path: Path, name: str) -> Path:
     return png
 
 
+@pytest.mark.torchrun
+@pytest.mark.browser
 @pytest.mark.slow
-def test_real_run_report_loads_offline(tmp_path, tmp_path_factory):
-    run = planted_run("input_straggler", tmp_path_factory.getbasetemp() / "planted")
+def test_real_run_report_loads_offline(tmp_path, planted):
+    run = planted("input_straggler")
     html = run.run_dir / "final_summary.html"
     text = html.read_text()
     for heading in (
@@ -69,6 +70,8 @@ def test_real_run_report_loads_offline(tmp_path, tmp_path_factory):
     _check_page(html, tmp_path, "input_straggler")
 
 
+@pytest.mark.slow
+@pytest.mark.browser
 def test_gpu_multi_node_report_loads_offline(tmp_path):
     html = tmp_path / "final_summary.html"
     html.write_text(render_html(build_summary(rich_run())))

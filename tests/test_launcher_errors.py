@@ -19,19 +19,37 @@ SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 # a busy port are in test_bad_input.py.
 BAD_FLAGS = [
     (["--run-name", "a", "--session-id", "b"], "--run-name 'a' and --session-id 'b' differ"),
-    (["--nnodes", "2", "--node-rank", "2", "--run-name", "r"],
-     "--node-rank 2 must be in 0..1 for --nnodes 2"),
+    (
+        ["--nnodes", "2", "--node-rank", "2", "--run-name", "r"],
+        "--node-rank 2 must be in 0..1 for --nnodes 2",
+    ),
     (["--nnodes", "2", "--node-rank", "1"], "--run-name is required with --nnodes > 1"),
     (["--nnodes", "2", "--session-id", "../up"], "run name '../up' must be one path segment"),
-    (["--finalize-timeout-sec", "0"], "--finalize-timeout-sec must be a finite number > 0 (got 0.0)"),
-    (["--finalize-timeout-sec", "-1"], "--finalize-timeout-sec must be a finite number > 0 (got -1.0)"),
-    (["--finalize-timeout-sec", "nan"], "--finalize-timeout-sec must be a finite number > 0 (got nan)"),
-    (["--finalize-timeout-sec", "inf"], "--finalize-timeout-sec must be a finite number > 0 (got inf)"),
+    (
+        ["--finalize-timeout-sec", "0"],
+        "--finalize-timeout-sec must be a finite number > 0 (got 0.0)",
+    ),
+    (
+        ["--finalize-timeout-sec", "-1"],
+        "--finalize-timeout-sec must be a finite number > 0 (got -1.0)",
+    ),
+    (
+        ["--finalize-timeout-sec", "nan"],
+        "--finalize-timeout-sec must be a finite number > 0 (got nan)",
+    ),
+    (
+        ["--finalize-timeout-sec", "inf"],
+        "--finalize-timeout-sec must be a finite number > 0 (got inf)",
+    ),
     (["--finalize-timeout-sec", "soon"], "Invalid value for '--finalize-timeout-sec'"),
-    (["--aggregator-max-restarts", "-1"], "--aggregator-max-restarts must be >= 0 (got -1)"),
+    (
+        ["--aggregator-max-restarts", "-1"],
+        "--aggregator-max-restarts must be an integer >= 0 (got -1)",
+    ),
 ]
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("flags,expected", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_flags_are_one_line_errors(tmp_path, flags, expected):
     port = str(free_port())
@@ -39,33 +57,49 @@ def test_bad_flags_are_one_line_errors(tmp_path, flags, expected):
 
 
 BAD_ENV = [
-    ("TRACEML_FINALIZE_TIMEOUT_SEC", "abc", "not a number"),
-    ("TRACEML_FINALIZE_TIMEOUT_SEC", "0", "must be a finite number > 0"),
-    ("TRACEML_FINALIZE_TIMEOUT_SEC", "-5", "must be a finite number > 0"),
-    ("TRACEML_FINALIZE_TIMEOUT_SEC", "nan", "must be a finite number > 0"),
-    ("TRACEML_FINALIZE_TIMEOUT_SEC", "inf", "must be a finite number > 0"),
-    ("TRACEML_AGGREGATOR_WAIT_SEC", "forever", "not a number"),
-    ("TRACEML_AGGREGATOR_START_SEC", "-1", "must be a finite number > 0"),
-    ("TRACEML_AGGREGATOR_MAX_RESTARTS", "many", "not an integer"),
-    ("TRACEML_AGGREGATOR_MAX_RESTARTS", "-1", "must be an integer >= 0"),
+    ("TRACEML_FINALIZE_TIMEOUT_SEC", "abc", "a finite number > 0"),
+    ("TRACEML_FINALIZE_TIMEOUT_SEC", "0", "a finite number > 0"),
+    ("TRACEML_FINALIZE_TIMEOUT_SEC", "-5", "a finite number > 0"),
+    ("TRACEML_FINALIZE_TIMEOUT_SEC", "nan", "a finite number > 0"),
+    ("TRACEML_FINALIZE_TIMEOUT_SEC", "inf", "a finite number > 0"),
+    ("TRACEML_AGGREGATOR_WAIT_SEC", "forever", "a finite number > 0"),
+    ("TRACEML_AGGREGATOR_START_SEC", "-1", "a finite number > 0"),
+    ("TRACEML_AGGREGATOR_MAX_RESTARTS", "many", "an integer >= 0"),
+    ("TRACEML_AGGREGATOR_MAX_RESTARTS", "-1", "an integer >= 0"),
 ]
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("name,value,why", BAD_ENV, ids=[f"{n}={v}" for n, v, _ in BAD_ENV])
 def test_bad_environment_values_are_one_line_errors(tmp_path, monkeypatch, name, value, why):
     monkeypatch.setenv(name, value)  # run_traceml passes the test's environment on
     port = str(free_port())
     assert_rejected(
-        tmp_path, [SCRIPT, "--aggregator-port", port], f"{name}={value!r}: {why}", marker=port
+        tmp_path,
+        [SCRIPT, "--aggregator-port", port],
+        f"{name} must be {why} (got {value!r})",
+        marker=port,
     )
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_session_id_names_the_run_and_the_flag_wins_over_the_environment(tmp_path, port):
     """``--session-id`` alone is the run name; a bad TRACEML_FINALIZE_TIMEOUT_SEC is not even
     read when the flag is given."""
     args = [
-        "run", SCRIPT, "--steps", "3", "--session-id", "alias-run", "--finalize-timeout-sec", "7",
-        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+        "run",
+        SCRIPT,
+        "--steps",
+        "3",
+        "--session-id",
+        "alias-run",
+        "--finalize-timeout-sec",
+        "7",
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
     ]
     result = run_traceml(args, tmp_path, env={"TRACEML_FINALIZE_TIMEOUT_SEC": "abc"})
     assert result.returncode == 0, result.stderr
@@ -79,10 +113,20 @@ def test_session_id_names_the_run_and_the_flag_wins_over_the_environment(tmp_pat
     assert [r["steps_completed"] for r in summary["ranks"]] == [3]
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_environment_sets_the_budget_when_the_flag_is_absent(tmp_path, port):
     args = [
-        "run", SCRIPT, "--steps", "2", "--run-name", "env-budget",
-        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+        "run",
+        SCRIPT,
+        "--steps",
+        "2",
+        "--run-name",
+        "env-budget",
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
     ]
     result = run_traceml(args, tmp_path, env={"TRACEML_FINALIZE_TIMEOUT_SEC": "42.5"})
     assert result.returncode == 0, result.stderr
@@ -90,13 +134,26 @@ def test_environment_sets_the_budget_when_the_flag_is_absent(tmp_path, port):
     assert manifest["launch"]["finalize_timeout_sec"] == 42.5
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_node_without_node0_gives_up_after_the_wait_window(tmp_path, port):
     """Node 1 waits TRACEML_AGGREGATOR_WAIT_SEC for node 0's aggregator, then fails with an
     error naming host:port, and never starts training."""
     args = [
-        "run", SCRIPT, "--nnodes", "2", "--node-rank", "1", "--run-name", "lonely",
-        "--master-port", str(free_port()), "--aggregator-port", str(port),
-        "--logs-dir", str(tmp_path / "logs"),
+        "run",
+        SCRIPT,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--run-name",
+        "lonely",
+        "--master-port",
+        str(free_port()),
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
     ]
     start = time.monotonic()
     result = run_traceml(args, tmp_path, timeout=60, env={"TRACEML_AGGREGATOR_WAIT_SEC": "3"})

@@ -9,23 +9,27 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
+import psutil
 import pytest
-
 from conftest import (
     SCRIPTS,
     assert_all_gone,
     load_summary,
-    process_family as family,
     query,
     start_traceml,
     traceml_cmd,
     traceml_env,
-    wait_training_started,
+    wait_training,
 )
+from conftest import (
+    process_family as family,
+)
+from helpers.waiting import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 CHATTY = str(SCRIPTS / "chatty.py")
@@ -34,33 +38,94 @@ ENV = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2"}
 
 def run_args(tmp_path, name: str, port: int, script: str = SCRIPT, nproc: int = 2) -> list[str]:
     return [
-        "run", script, f"--nproc-per-node={nproc}", "--run-name", name,
-        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
+        "run",
+        script,
+        f"--nproc-per-node={nproc}",
+        "--run-name",
+        name,
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
     ]
 
 
-def wait_training(tmp_path, name: str, launcher: subprocess.Popen) -> None:
-    wait_training_started(tmp_path / "logs" / name, launcher, tmp_path / f"{name}.err")
-
-
 def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):
-    args = run_args(tmp_path, "orphans", port) + ["--", "--steps", "100000", "--step-sleep", "0.05"]
+    # one rank: an orphaned rank is an orphaned rank, and a second one is a second torch start-up
+    args = run_args(tmp_path, "orphans", port, nproc=1) + [
+        "--",
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.05",
+    ]
     launcher = start_traceml(args, tmp_path, tmp_path / "orphans", env=ENV)
     wait_training(tmp_path, "orphans", launcher)
     processes = family(launcher.pid)
     names = " ".join(" ".join(p.cmdline()) for p in processes)
     assert "traceml_aggregator" in names and "torchrun_main" in names
-    assert len(processes) >= 5  # launcher, aggregator, torchrun, 2 ranks
+    assert len(processes) >= 4  # launcher, aggregator, torchrun, its rank
     launcher.kill()
     launcher.wait()
     assert_all_gone(processes[1:])
+
+
+#: A torchrun stand-in: its reaper watches the launcher stand-in (its parent), its one rank
+#: lives 2 s more, and its main thread never ends and ignores SIGTERM, as a torchrun stuck in
+#: its own teardown would.
+_STUCK_TORCHRUN = r"""
+import os, signal, subprocess, sys, threading
+from traceml.launcher.torchrun_main import reap_when_orphaned
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(float(input()))"],
+                        stdin=subprocess.PIPE, text=True)
+threading.Thread(target=reap_when_orphaned, args=(os.getppid(),), daemon=True).start()
+print(rank.pid, flush=True)
+sys.stdin.readline()  # the launcher's death: then the rank has 2 s left
+rank.stdin.write("2\n"); rank.stdin.flush()
+threading.Event().wait()
+"""
+
+
+def test_a_torchrun_stuck_after_its_launcher_died_is_killed_once_its_ranks_ended(tmp_path):
+    """The launcher SIGKILLed, the rank ends 2 s later, torchrun's main thread never does: the
+    reaper kills it ORPHAN_EXIT_GRACE_S after the rank, not before, whatever its signals."""
+    from traceml.launcher.torchrun_main import ORPHAN_EXIT_GRACE_S
+
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; subprocess.Popen([sys.executable, "
+            f"'-c', {_STUCK_TORCHRUN!r}]).wait()",
+        ],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+    )
+    rank = psutil.Process(int(launcher.stdout.readline()))
+    (torchrun,) = psutil.Process(launcher.pid).children()
+    launcher.kill()
+    launcher.wait()
+    launcher.stdin.write("\n")  # the pipe the stand-ins share: torchrun reads on
+    launcher.stdin.close()
+    wait_for(lambda: rank.status() == psutil.STATUS_ZOMBIE, 30, "the rank's end", poll_s=0.01)
+    rank_ended = time.monotonic()  # torchrun's main thread never reaps it
+    torchrun.wait(30)
+    lived = time.monotonic() - rank_ended
+    assert ORPHAN_EXIT_GRACE_S - 0.5 < lived < ORPHAN_EXIT_GRACE_S + 5, lived
 
 
 def test_second_sigterm_ends_at_once(tmp_path, port):
     """The ranks ignore SIGTERM, so torchrun would wait its grace period for them: the second
     SIGTERM to the launcher SIGKILLs them all and ends it at once, without a summary."""
     args = run_args(tmp_path, "twice", port) + [
-        "--", "--steps", "100000", "--step-sleep", "0.05", "--ignore-sigterm"
+        "--",
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.05",
+        "--ignore-sigterm",
     ]
     launcher = start_traceml(args, tmp_path, tmp_path / "twice", env=ENV)
     wait_training(tmp_path, "twice", launcher)
@@ -93,12 +158,21 @@ def test_closed_stdout_costs_only_the_view(tmp_path, port):
     write to stdout fails (EPIPE). Training, the summary files and the exit code are as
     without the pipe, and nothing is left running."""
     args = run_args(tmp_path, "piped", port) + [
-        "--mode", "cli", "--", "--steps", "40", "--step-sleep", "0.2"
+        "--mode",
+        "cli",
+        "--",
+        "--steps",
+        "40",
+        "--step-sleep",
+        "0.2",
     ]
     err_path = tmp_path / "piped.err"
     with open(err_path, "wb") as err:
         launcher = subprocess.Popen(
-            traceml_cmd() + args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
+            traceml_cmd() + args,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=err,
             env=traceml_env({**ENV, "TRACEML_LIVE_REFRESH_SEC": "0.5"}),
         )
     first = launcher.stdout.readline()  # what head -n 1 reads, then it exits
@@ -114,9 +188,10 @@ def test_closed_stdout_costs_only_the_view(tmp_path, port):
     run_dir = tmp_path / "logs" / "piped"
     assert load_summary(run_dir)["run"]["status"] == "completed"
     assert query(run_dir, "SELECT rank, COUNT(*) FROM steps GROUP BY rank") == [(0, 40), (1, 40)]
-    assert "faulty_ddp: rank 0 trained 40 steps" in (
-        run_dir / "nodes" / "node_0" / "training.stdout.log"
-    ).read_text()
+    assert (
+        "faulty_ddp: rank 0 trained 40 steps"
+        in (run_dir / "nodes" / "node_0" / "training.stdout.log").read_text()
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -129,7 +204,11 @@ def test_full_disk_costs_only_the_training_logs(tmp_path, port):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(node_dir)], check=True)
     try:
         args = run_args(tmp_path, "full", port, CHATTY, nproc=1) + [
-            "--", "--steps", str(steps), "--lines", str(lines)
+            "--",
+            "--steps",
+            str(steps),
+            "--lines",
+            str(lines),
         ]
         launcher = start_traceml(args, tmp_path, tmp_path / "full", env=ENV)
         code = launcher.wait(240)
@@ -152,7 +231,12 @@ def test_full_disk_costs_only_the_training_logs(tmp_path, port):
 
 def test_no_save_training_output(tmp_path, port):
     args = run_args(tmp_path, "nosave", port, CHATTY, nproc=1) + [
-        "--no-save-training-output", "--", "--steps", "3", "--lines", "2"
+        "--no-save-training-output",
+        "--",
+        "--steps",
+        "3",
+        "--lines",
+        "2",
     ]
     launcher = start_traceml(args, tmp_path, tmp_path / "nosave", env=ENV)
     assert launcher.wait(240) == 0, (tmp_path / "nosave.err").read_text()

@@ -19,19 +19,25 @@ import time
 
 import pytest
 from conftest import (
-    SCRIPTS, assert_all_gone, free_port, load_summary, process_family, start_traceml,
-    traceml_cmd, traceml_env,
-)  # fmt: skip
+    SCRIPTS,
+    assert_all_gone,
+    free_port,
+    load_summary,
+    process_family,
+    start_traceml,
+    traceml_cmd,
+    traceml_env,
+)
 from test_netns import HOST0, hosts, run_nodes  # noqa: F401 (hosts: the fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 SLEEP_S = 0.05
 STEPS = 300
 ENV = {"TRACEML_LIVE_REFRESH_SEC": "0.5", "TRACEML_FLUSH_INTERVAL_SEC": "0.2"}
 
-#: One compact line (see traceml.launcher.live.compact_line), its node parts captured.
+#: One compact line (see traceml.launcher.terminal_view.compact_line), its node parts captured.
 LINE = re.compile(
     r"\[traceml +\d+s\] [A-Z_]+ \((?:info|warning|critical)\)(?: ranks [\d,]+)?"
     r" \| step (?P<step>\d+\.\d) ms over \d+ steps"
@@ -43,19 +49,26 @@ NODE = re.compile(r"node (\d): ranks ([\d,-]+) steps (\d+)(?:-(\d+))? idle")
 
 def job_args(tmp_path, name: str, steps: int = STEPS) -> list[str]:
     return [
-        "run", SCRIPT, "--nproc-per-node=2", "--mode=cli", f"--run-name={name}",
-        f"--aggregator-port={free_port()}", f"--logs-dir={tmp_path / 'logs'}", "--",
-        "--steps", str(steps), "--step-sleep", str(SLEEP_S),
-    ]  # fmt: skip
+        "run",
+        SCRIPT,
+        "--nproc-per-node=2",
+        "--mode=cli",
+        f"--run-name={name}",
+        f"--aggregator-port={free_port()}",
+        f"--logs-dir={tmp_path / 'logs'}",
+        "--",
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        str(SLEEP_S),
+    ]
 
 
 def node_parts(line: str) -> dict[int, tuple[str, int, int]]:
     """``{node: (ranks, fewest steps, most steps)}`` of a compact line."""
     match = LINE.fullmatch(line)
     assert match, line
-    return {
-        int(n): (ranks, int(lo), int(hi or lo)) for n, ranks, lo, hi in NODE.findall(line)
-    }
+    return {int(n): (ranks, int(lo), int(hi or lo)) for n, ranks, lo, hi in NODE.findall(line)}
 
 
 class Tmux:
@@ -102,11 +115,15 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
     env = traceml_env(ENV, launcher=True)
     env.update(TERM="xterm-256color", LANG="C.UTF-8", COLUMNS="200", LINES="60")
     script = tmp_path / "job.sh"
-    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()
-                      if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))  # fmt: skip
+    exports = "".join(
+        f"export {k}={shlex.quote(v)}\n"
+        for k, v in env.items()
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+    )
     command = shlex.join(traceml_cmd() + job_args(tmp_path, "tmux"))
-    script.write_text(f"{exports}cd {shlex.quote(str(tmp_path))}\n{command}\n"
-                      "echo TRACEML_EXIT=$?\nsleep 600\n")  # fmt: skip
+    script.write_text(
+        f"{exports}cd {shlex.quote(str(tmp_path))}\n{command}\necho TRACEML_EXIT=$?\nsleep 600\n"
+    )
     tmux("new-session", "-d", "-s", "live", "-x", "200", "-y", "60", f"bash {script}")
 
     deadline = time.monotonic() + 180
@@ -122,8 +139,19 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         time.sleep(1.0)
     assert len(seen) == 3, "\n".join(tmux.screen())
     header = next(line for line in screen if " rank " in line and "steps" in line)
-    for column in ("node", "step ms", "input", "fwd", "bwd", "opt", "other", "input %",
-                   "CPU %", "idle s", "recent"):  # fmt: skip
+    for column in (
+        "node",
+        "step ms",
+        "input",
+        "fwd",
+        "bwd",
+        "opt",
+        "other",
+        "input %",
+        "CPU %",
+        "idle s",
+        "recent",
+    ):
         assert column in header, header
     assert any(line.startswith("traceml tmux: 2 ranks, 1 node,") for line in screen), screen
     assert any(line.startswith("verdict so far: ") for line in screen), screen
@@ -149,24 +177,31 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
     title = final.index("traceml tmux: 2 ranks")
     for rank in (0, 1):
         assert -1 < final.find(f"faulty_ddp: rank {rank} trained {STEPS} steps") < title, final
-    assert "TraceML summary · run 'tmux'" in final[final.rindex("verdict so far: "):], final
+    assert "TraceML summary · run 'tmux'" in final[final.rindex("verdict so far: ") :], final
     summary = load_summary(tmp_path / "logs" / "tmux")
     assert [r["steps_completed"] for r in summary["ranks"]] == [STEPS, STEPS]
 
 
 def test_piped_stdout_gets_one_compact_line_per_refresh(tmp_path):
     result = subprocess.run(
-        traceml_cmd() + job_args(tmp_path, "piped", steps=150), cwd=tmp_path,
-        env=traceml_env(ENV, launcher=True), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        traceml_cmd() + job_args(tmp_path, "piped", steps=150),
+        cwd=tmp_path,
+        env=traceml_env(ENV, launcher=True),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout.splitlines()
     live = [line for line in out if line.startswith("[traceml ")]
     with_steps = [line for line in live if "waiting for step data" not in line]
     assert len(with_steps) >= 3, result.stdout
     assert "\x1b" not in result.stdout  # no cursor movement, no colour in a log
-    assert all(re.fullmatch(r"\[traceml +\d+s\] waiting for step data \(.+\)", line)
-               for line in live if line not in with_steps)  # fmt: skip
+    assert all(
+        re.fullmatch(r"\[traceml +\d+s\] waiting for step data \(.+\)", line)
+        for line in live
+        if line not in with_steps
+    )
     highest = 0
     for line in with_steps:
         parts = node_parts(line)
@@ -187,10 +222,16 @@ def test_a_stalled_job_is_flagged_with_its_exact_step_count(tmp_path):
     all-reduce: both stop at exactly 20 stored steps, and once their idle time passes
     STALL_MIN_S (10 s) the line names both; SIGTERM then ends the run with its summary (the
     exit code is torchrun's)."""
-    from traceml.launcher.live import STALL_MIN_S
+    from traceml.launcher.terminal_view import STALL_MIN_S
 
-    args = job_args(tmp_path, "stall") + ["--fail", "stall", "--fail-rank", "1",
-                                          "--fail-step", "20"]  # fmt: skip
+    args = job_args(tmp_path, "stall") + [
+        "--fail",
+        "stall",
+        "--fail-rank",
+        "1",
+        "--fail-step",
+        "20",
+    ]
     launcher = start_traceml(args, tmp_path, tmp_path / "stall", env=ENV)
     processes = process_family(launcher.pid)
     out = tmp_path / "stall.out"
@@ -210,8 +251,11 @@ def test_a_stalled_job_is_flagged_with_its_exact_step_count(tmp_path):
     idle = re.fullmatch(r"rank 0 (\d+)s, rank 1 (\d+)s", flagged)
     assert idle and all(int(s) >= STALL_MIN_S for s in idle.groups()), stalled_line
     # Before the flag, the same ranks were shown idle but not yet stalled.
-    earlier = [line for line in out.read_text().splitlines()
-               if line.startswith("[traceml ") and "steps 20 idle" in line]  # fmt: skip
+    earlier = [
+        line
+        for line in out.read_text().splitlines()
+        if line.startswith("[traceml ") and "steps 20 idle" in line
+    ]
     assert earlier and "STALLED" not in earlier[0], earlier
     assert code == 1, (tmp_path / "stall.err").read_text()  # torchrun's, stopped by SIGTERM
     summary = load_summary(tmp_path / "logs" / "stall")
@@ -221,8 +265,14 @@ def test_a_stalled_job_is_flagged_with_its_exact_step_count(tmp_path):
 @pytest.mark.netns
 def test_node0_view_shows_both_nodes_and_node1_points_to_it(hosts, tmp_path):  # noqa: F811
     steps = 60
-    flags = [f"--aggregator-host={HOST0}", "--mode=cli", "--steps", str(steps),
-             "--step-sleep", "0.15"]  # fmt: skip
+    flags = [
+        f"--aggregator-host={HOST0}",
+        "--mode=cli",
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        "0.15",
+    ]
     os.environ.update(ENV)  # the launchers inherit it (run_nodes starts them)
     try:
         codes = run_nodes(hosts, tmp_path, {0: flags, 1: flags}, nproc=2)

@@ -12,7 +12,7 @@ import re
 from rich.console import Console
 
 from traceml import wire
-from traceml.launcher.live import (
+from traceml.launcher.terminal_view import (
     MAX_TABLE_ROWS,
     STALL_MIN_S,
     compact_line,
@@ -22,15 +22,28 @@ from traceml.launcher.live import (
     table,
 )
 from traceml_aggregator.live import LiveAggregates
-from traceml_aggregator.live_rows import SPARK_STEPS, LiveRows
+from traceml_aggregator.live.rows import SPARK_STEPS, LiveRows
 
 NOW = 1_800_000_000.0
 
 
-def rank(r: int, node: int | None, steps: int, idle: float | None, step_ms: float = 8.0,
-         state: str = "running", **extra) -> wire.LiveRank:
-    row = wire.LiveRank(rank=r, hostname=f"host{node}", steps_stored=steps, end_state=state,
-                        phase_median_ms={"input_wait": 0.5, "forward": 3.0}, **extra)
+def rank(
+    r: int,
+    node: int | None,
+    steps: int,
+    idle: float | None,
+    step_ms: float = 8.0,
+    state: str = "running",
+    **extra,
+) -> wire.LiveRank:
+    row = wire.LiveRank(
+        rank=r,
+        hostname=f"host{node}",
+        steps_stored=steps,
+        end_state=state,
+        phase_median_ms={"input_wait": 0.5, "forward": 3.0},
+        **extra,
+    )
     if node is not None:
         row.node_rank = node
     if idle is not None:
@@ -42,19 +55,32 @@ def rank(r: int, node: int | None, steps: int, idle: float | None, step_ms: floa
 
 def reply(rows, verdict: str = "INPUT_STRAGGLER", **labels) -> wire.SummarizeReply:
     return wire.SummarizeReply(
-        metrics={"step_time_ms": 8.25, "window_steps": 40, "input_wait_pct": 6.0,
-                 "forward_pct": 9.4},
+        metrics={
+            "step_time_ms": 8.25,
+            "window_steps": 40,
+            "input_wait_pct": 6.0,
+            "forward_pct": 9.4,
+        },
         labels={"verdict": verdict, "severity": "warning", **labels},
-        ranks=rows, now_unix_s=NOW, verdict_summary="Rank 1 input wait: 5.0 ms per step.",
-    )  # fmt: skip
+        ranks=rows,
+        now_unix_s=NOW,
+        verdict_summary="Rank 1 input wait: 5.0 ms per step.",
+    )
 
 
 def test_compact_line_names_verdict_shares_and_each_node():
     line = compact_line(
-        reply([rank(0, 0, 120, 0.4), rank(1, 0, 118, 0.25), rank(2, 1, 119, 1.5),
-               rank(3, 1, 119, 0.0)], ranks="1"),
+        reply(
+            [
+                rank(0, 0, 120, 0.4),
+                rank(1, 0, 118, 0.25),
+                rank(2, 1, 119, 1.5),
+                rank(3, 1, 119, 0.0),
+            ],
+            ranks="1",
+        ),
         12.0,
-    )  # fmt: skip
+    )
     assert line == (
         "[traceml    12s] INPUT_STRAGGLER (warning) ranks 1 | step 8.2 ms over 40 steps"
         " | input 6% fwd 9% | node 0: ranks 0-1 steps 118-120 idle 0.4s"
@@ -64,10 +90,16 @@ def test_compact_line_names_verdict_shares_and_each_node():
 
 def test_compact_line_flags_a_stalled_rank_and_counts_an_ended_node():
     line = compact_line(
-        reply([rank(0, 0, 40, None, state="completed"), rank(1, 0, 40, None, state="completed"),
-               rank(2, 1, 33, STALL_MIN_S + 4.2), rank(5, None, 0, None, step_ms=None)]),
+        reply(
+            [
+                rank(0, 0, 40, None, state="completed"),
+                rank(1, 0, 40, None, state="completed"),
+                rank(2, 1, 33, STALL_MIN_S + 4.2),
+                rank(5, None, 0, None, step_ms=None),
+            ]
+        ),
         61.0,
-    )  # fmt: skip
+    )
     assert line == (
         "[traceml    61s] INPUT_STRAGGLER (warning) | step 8.2 ms over 40 steps"
         " | input 6% fwd 9% | node 0: ranks 0-1 steps 40 idle -"
@@ -106,15 +138,38 @@ def render(renderable, width: int = 200) -> str:
 
 
 def test_table_groups_ranks_by_node_and_marks_the_stall():
-    rows = [rank(0, 0, 120, 0.4, recent_step_ms=[8.0, 8.0, 16.0]), rank(1, 0, 118, 0.2),
-            rank(2, 1, 40, 30.0, cpu_pct=97.0, gpu_util_pct=55.0, gpu_memory_bytes=3 << 20)]
+    rows = [
+        rank(0, 0, 120, 0.4, recent_step_ms=[8.0, 8.0, 16.0]),
+        rank(1, 0, 118, 0.2),
+        rank(2, 1, 40, 30.0, cpu_pct=97.0, gpu_util_pct=55.0, gpu_memory_bytes=3 << 20),
+    ]
     drawn = render(table(reply(rows, ranks="2"), 12.0, "demo"))
     out = [line.rstrip() for line in drawn.splitlines()]
     assert out[0] == "traceml demo: 3 ranks, 2 nodes, 12 s"
     header = next(line for line in out if "rank" in line and "steps" in line)
     assert header.replace("┃", " ").split() == [
-        "node", "rank", "steps", "step", "ms", "input", "h2d", "fwd", "bwd", "opt", "other",
-        "input", "%", "GPU", "%", "GPU", "MiB", "CPU", "%", "idle", "s", "recent",
+        "node",
+        "rank",
+        "steps",
+        "step",
+        "ms",
+        "input",
+        "h2d",
+        "fwd",
+        "bwd",
+        "opt",
+        "other",
+        "input",
+        "%",
+        "GPU",
+        "%",
+        "GPU",
+        "MiB",
+        "CPU",
+        "%",
+        "idle",
+        "s",
+        "recent",
     ]
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out if line.startswith("│")]
     body = [c for c in cells if c and c[1].isdigit()]
@@ -142,8 +197,11 @@ def test_table_lists_named_and_stalled_ranks_first_past_the_row_limit():
     rows = [rank(r, r // 8, 50, 0.1) for r in range(MAX_TABLE_ROWS + 8)]
     rows[39].last_step_unix_s = NOW - 60  # stalled
     out = render(table(reply(rows, ranks="37"), 5.0, "big"))
-    body = [line.split("│")[2].strip() for line in out.splitlines()
-            if line.startswith("│") and line.split("│")[2].strip().isdigit()]  # fmt: skip
+    body = [
+        line.split("│")[2].strip()
+        for line in out.splitlines()
+        if line.startswith("│") and line.split("│")[2].strip().isdigit()
+    ]
     assert body == [str(r) for r in list(range(MAX_TABLE_ROWS - 2)) + [37, 39]]
     assert "... 8 more ranks not shown (the summary lists every rank)" in out
 
@@ -154,9 +212,9 @@ def test_node0_view_line_names_the_host_and_the_aggregator():
         "10.1.0.1 (aggregator 10.1.0.1:29765): watch node 0's terminal or job output "
         "(Slurm: task 0's output)"
     )
-    assert node0_view_line("dashboard", "n0", "n0:29765", "r", "http://n0:29766/?token=t") == (
+    assert node0_view_line("dashboard", "n0", "n0:29765", "r", "http://n0:29766/") == (
         "--mode dashboard: the live page of run r (every node) is served by node 0's "
-        "aggregator on n0: http://n0:29766/?token=t"
+        "aggregator on n0: http://n0:29766/"
     )
     assert node0_view_line("dashboard", "n0", "n0:29765", "r").endswith(
         "on n0: its URL is in node 0's launcher output"
@@ -168,20 +226,46 @@ def test_live_ranks_take_counts_and_clock_from_the_aggregates():
     (steps stored, last step's wall clock), rank by rank."""
     live = LiveAggregates("r", world_size=2)
     summary = {
-        "nodes": [{"system": {"gpus": [{"uuid": "GPU-a", "util_percent_median": 71.0,
-                                        "memory_used_bytes_max": 5 << 20}]}}],
-        "ranks": [
-            {"rank": 0, "node_rank": 0, "hostname": "h0", "end": {"state": "running"},
-             "step_time_ms": {"median": 20.0}, "phase_share_pct": {"input_wait": 10.0},
-             "phase_median_ms": {"input_wait": 2.0, "h2d": None, "forward": 9.0},
-             "process": {"cpu_percent_median": 98.0}, "memory": {"peak_allocated_bytes": None},
-             "series": {"step_ms": [float(i) for i in range(100)]}},
-            {"rank": 1, "node_rank": None, "hostname": None, "end": {"state": "running"},
-             "step_time_ms": None, "phase_share_pct": {}, "phase_median_ms": {},
-             "process": {"cpu_percent_median": None}, "memory": {"peak_allocated_bytes": None},
-             "series": {"step_ms": []}},
+        "nodes": [
+            {
+                "system": {
+                    "gpus": [
+                        {
+                            "uuid": "GPU-a",
+                            "util_percent_median": 71.0,
+                            "memory_used_bytes_max": 5 << 20,
+                        }
+                    ]
+                }
+            }
         ],
-    }  # fmt: skip
+        "ranks": [
+            {
+                "rank": 0,
+                "node_rank": 0,
+                "hostname": "h0",
+                "end": {"state": "running"},
+                "step_time_ms": {"median": 20.0},
+                "phase_share_pct": {"input_wait": 10.0},
+                "phase_median_ms": {"input_wait": 2.0, "h2d": None, "forward": 9.0},
+                "process": {"cpu_percent_median": 98.0},
+                "memory": {"peak_allocated_bytes": None},
+                "series": {"step_ms": [float(i) for i in range(100)]},
+            },
+            {
+                "rank": 1,
+                "node_rank": None,
+                "hostname": None,
+                "end": {"state": "running"},
+                "step_time_ms": None,
+                "phase_share_pct": {},
+                "phase_median_ms": {},
+                "process": {"cpu_percent_median": None},
+                "memory": {"peak_allocated_bytes": None},
+                "series": {"step_ms": []},
+            },
+        ],
+    }
     rl = live._rank(0)
     rl.identity, rl.steps_stored, rl.last_step_unix_s = {"gpu_uuid": "GPU-a"}, 1234, NOW
     rows = LiveRows()
@@ -198,8 +282,15 @@ def test_live_ranks_take_counts_and_clock_from_the_aggregates():
     assert (r0.cpu_pct, r0.gpu_util_pct, r0.gpu_memory_bytes) == (98.0, 71.0, 5 << 20)
     assert list(r0.recent_step_ms) == [float(i) for i in range(100 - SPARK_STEPS, 100)]
     assert (r1.rank, r1.steps_stored, r1.end_state) == (1, 0, "running")
-    for name in ("node_rank", "last_step_unix_s", "step_time_ms", "input_wait_pct", "cpu_pct",
-                 "gpu_util_pct", "gpu_memory_bytes"):  # fmt: skip
+    for name in (
+        "node_rank",
+        "last_step_unix_s",
+        "step_time_ms",
+        "input_wait_pct",
+        "cpu_pct",
+        "gpu_util_pct",
+        "gpu_memory_bytes",
+    ):
         assert not r1.HasField(name), name
     # the next reply from the same summary: the summary's figures reused, the aggregates' new
     rl.steps_stored, rl.last_step_unix_s = 1240, NOW + 2
@@ -222,10 +313,10 @@ def test_training_output_prints_above_the_table_whole_lines_only():
     """While the table is drawn, the copied training output goes through its console in
     whole lines (a UTF-8 character split across chunks is kept whole); before it is drawn
     and once it closed, bytes go straight through, the held-back partial line first."""
-    from traceml.launcher.live import LiveView
+    from traceml.launcher.terminal_view import TerminalView
 
     screen, raw = Terminal(), Bytes()
-    view = LiveView("127.0.0.1:1", "r", out=screen)
+    view = TerminalView("127.0.0.1:1", "r", out=screen)
     above = view.above(raw)
     above.write(b"before\n")
     assert raw.getvalue() == b"before\n"

@@ -21,7 +21,11 @@ WARNING = (
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=traceml_env(), capture_output=True, text=True, timeout=120, check=False,
+        env=traceml_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -116,7 +120,9 @@ def test_a_broken_pipe_on_stderr_never_raises_into_training():
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
-        env=traceml_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=traceml_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     proc.stderr.close()  # the reader is gone before the first line
     out, _ = proc.communicate(timeout=120)

@@ -1,7 +1,9 @@
 """Two nodes on this machine: two `traceml run` launchers, 2 nodes x 2 ranks, one run directory.
 
-Node 1 starts first and waits for node 0's aggregator; node 0 starts 20 s later (slow
-environment setup on node 0 must not make node 1 give up). Both write into one shared
+Node 1 starts first and waits for node 0's aggregator; node 0 starts NODE0_DELAY_S after node 1
+began to wait (slow environment setup on node 0 must not make node 1 give up: node 1 probes
+every 0.05 s plus gRPC's reconnect backoff of at most 0.1 s, traceml/launcher/aggregator.py's
+wait_serving, so it has failed dozens of probes by then). Both write into one shared
 ``--logs-dir``; each file has one writer.
 """
 
@@ -10,40 +12,45 @@ from __future__ import annotations
 import json
 import time
 
-from conftest import SCRIPTS, free_port, load_summary, start_traceml
+import pytest
+from conftest import SCRIPTS, free_port, load_summary, start_traceml, wait_all, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 STEPS = 8
-NODE0_DELAY_S = 20.0
-
-
-def wait_all(procs: dict, timeout_s: float) -> dict:
-    """Exit codes of ``procs`` (name -> Popen); kills the rest and fails after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
-        time.sleep(0.2)
-    stuck = [n for n, p in procs.items() if p.poll() is None]
-    for n in stuck:
-        procs[n].kill()
-        procs[n].wait()
-    assert not stuck, f"still running after {timeout_s} s: {stuck}"
-    return {n: p.returncode for n, p in procs.items()}
+NODE0_DELAY_S = 5.0
 
 
 def test_two_nodes_share_one_run(tmp_path):
     logs = tmp_path / "logs"
     run_dir = logs / "two-nodes"
     common = [
-        "run", SCRIPT, "--nnodes=2", "--nproc-per-node=2", "--run-name=two-nodes",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        f"--aggregator-port={free_port()}", f"--logs-dir={logs}", "--steps", str(STEPS),
+        "run",
+        SCRIPT,
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--run-name=two-nodes",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        f"--aggregator-port={free_port()}",
+        f"--logs-dir={logs}",
+        "--steps",
+        str(STEPS),
     ]
     procs = {1: start_traceml(common + ["--node-rank=1"], tmp_path, tmp_path / "node1")}
-    time.sleep(NODE0_DELAY_S)
+    wait_for(
+        lambda: "for node 0's aggregator" in (tmp_path / "node1.err").read_text(),
+        120,
+        "node 1 to wait for node 0's aggregator",
+    )
+    time.sleep(NODE0_DELAY_S)  # node 0 is late on purpose
     # While node 1 waits, it has written only its own files.
     assert procs[1].poll() is None, (tmp_path / "node1.err").read_text()
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == [
-        "nodes", "nodes/node_1", "nodes/node_1/manifest.json",
+        "nodes",
+        "nodes/node_1",
+        "nodes/node_1/manifest.json",
     ]
     procs[0] = start_traceml(common + ["--node-rank=0"], tmp_path, tmp_path / "node0")
     codes = wait_all(procs, 300)
@@ -73,9 +80,10 @@ def test_two_nodes_share_one_run(tmp_path):
     assert "waiting up to 300 s for node 0's aggregator" in (tmp_path / "node1.err").read_text()
 
     # Node 0 alone owns the aggregator: its log, its health fields, the summary.
-    assert "traceml-aggregator: serving run 'two-nodes'" in (
-        run_dir / "aggregator" / "process.stderr.log"
-    ).read_text()
+    assert (
+        "traceml-aggregator: serving run 'two-nodes'"
+        in (run_dir / "aggregator" / "process.stderr.log").read_text()
+    )
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["launch"]["node_rank"] == 0
     assert manifest["launch"]["aggregator_bind_host"] == "0.0.0.0"

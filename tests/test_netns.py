@@ -1,7 +1,8 @@
 """Two real network hosts: two network namespaces joined by a veth pair, one launcher in each.
 
-Host 0 (``10.231.0.1``, plus ``10.231.0.3`` for telemetry in the second case) runs node 0 and
-its aggregator; host 1 (``10.231.0.2``) runs node 1. Each host has its own loopback, ports and
+Host 0 (``10.231.0.1``, plus ``10.231.1.1`` on a second link for telemetry in the second case)
+runs node 0 and its aggregator; host 1 (``10.231.0.2``) runs node 1 (tests/helpers/netns.py). Each
+host has its own loopback, ports and
 ``--logs-dir`` (no shared filesystem), so node 1 can reach the aggregator only across the link,
 and both are given the run token (``TRACEML_RUN_TOKEN``); the last case shares one
 ``--logs-dir`` instead, where node 1, started first, finds node 0's token file.
@@ -12,102 +13,66 @@ never collide with the Slurm lab's ``slab-*`` namespaces or with a parallel test
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import time
-from dataclasses import dataclass
 
 import pytest
+from conftest import SCRIPTS, load_summary, start_traceml, wait_all, wait_for
+from helpers.netns import two_hosts
 
-from conftest import SCRIPTS, load_summary, start_traceml
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.netns]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 STEPS = 6
-HOST0, HOST0_TELEMETRY, HOST1 = "10.231.0.1", "10.231.0.3", "10.231.0.2"
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-@dataclass
-class Host:
-    """One network namespace with one end of the veth pair."""
-
-    netns: str
-    ifname: str
-
-    def prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns]
+HOST0, HOST1 = "10.231.0.1", "10.231.0.2"
+HOST0_TELEMETRY, HOST1_TELEMETRY = "10.231.1.1", "10.231.1.2"
 
 
 @pytest.fixture
 def hosts():
-    """Two namespaces joined by veth; removed (with anything still running in them) after."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.skip("needs `ip` (iproute2)")
-    tag = f"tmlt{os.getpid()}"
-    pair = [Host(f"{tag}-0", f"{tag}a"), Host(f"{tag}-1", f"{tag}b")]
-    created: list[Host] = []
-    try:
-        for host in pair:
-            try:
-                ip("netns", "add", host.netns)
-            except subprocess.CalledProcessError as exc:
-                pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
-            created.append(host)
-        ip("link", "add", pair[0].ifname, "type", "veth", "peer", "name", pair[1].ifname)
-        for host, addrs in zip(pair, ([HOST0, HOST0_TELEMETRY], [HOST1])):
-            ip("link", "set", host.ifname, "netns", host.netns)
-            for addr in addrs:
-                ip("-n", host.netns, "addr", "add", f"{addr}/24", "dev", host.ifname)
-            ip("-n", host.netns, "link", "set", "lo", "up")
-            ip("-n", host.netns, "link", "set", host.ifname, "up")
-        yield pair
-    finally:
-        for host in created:
-            pids = subprocess.run(
-                ["ip", "netns", "pids", host.netns], capture_output=True, text=True
-            ).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
+    """Two namespaces joined by a training link and a telemetry link; removed (with anything
+    still running in them) after."""
+    with two_hosts("tmlt", (HOST0, HOST1), (HOST0_TELEMETRY, HOST1_TELEMETRY)) as two:
+        yield two
 
 
-def run_nodes(hosts, tmp_path, node_flags: dict[int, list[str]], nproc: int,
-              shared_logs: bool = False, node0_delay_s: float = 0.0) -> dict[int, int]:
-    """Start node 1 then node 0 (``node0_delay_s`` later), each in its host with its own logs
-    dir and the run token given to both, or with one shared logs dir and no token given;
-    their exit codes."""
+def run_nodes(
+    hosts,
+    tmp_path,
+    node_flags: dict[int, list[str]],
+    nproc: int,
+    shared_logs: bool = False,
+    node0_late: bool = False,
+) -> dict[int, int]:
+    """Start node 1 then node 0 (once node 1 waits for node 0's aggregator if ``node0_late``),
+    each in its host with its own logs dir and the run token given to both, or with one shared
+    logs dir and no token given; their exit codes."""
     procs = {}
     for node in (1, 0):
-        host = hosts[node]
         logs = tmp_path / ("shared" if shared_logs else f"host{node}")
         args = [
-            "run", SCRIPT, "--nnodes=2", f"--nproc-per-node={nproc}", f"--node-rank={node}",
-            f"--master-addr={HOST0}", "--run-name=netns", f"--logs-dir={logs}",
-            "--steps", str(STEPS),
+            "run",
+            SCRIPT,
+            "--nnodes=2",
+            f"--nproc-per-node={nproc}",
+            f"--node-rank={node}",
+            f"--master-addr={HOST0}",
+            "--run-name=netns",
+            f"--logs-dir={logs}",
+            "--steps",
+            str(STEPS),
         ] + node_flags[node]
-        env = {"GLOO_SOCKET_IFNAME": host.ifname}
+        env = {"GLOO_SOCKET_IFNAME": hosts.links["train"][node]}
         if not shared_logs:
             env["TRACEML_RUN_TOKEN"] = "netns-token-given-to-both"
-        if node == 0 and node0_delay_s:
-            time.sleep(node0_delay_s)
+        if node == 0 and node0_late:
+            wait_for(
+                lambda: "for node 0's aggregator" in (tmp_path / "node1.err").read_text(),
+                120,
+                "node 1 to wait for node 0's aggregator",
+            )
         procs[node] = start_traceml(
-            args, tmp_path, tmp_path / f"node{node}", prefix=host.prefix(), env=env
+            args, tmp_path, tmp_path / f"node{node}", prefix=hosts.prefix(node), env=env
         )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
-        time.sleep(0.2)
-    assert all(p.poll() is not None for p in procs.values()), "a launcher did not return"
-    return {node: p.returncode for node, p in procs.items()}
+    return wait_all(procs, 300)
 
 
 def check_run(tmp_path, nproc: int) -> dict:
@@ -120,13 +85,18 @@ def check_run(tmp_path, nproc: int) -> dict:
     ranks = {r["rank"]: r for r in summary["ranks"]}
     assert {r: v["node_rank"] for r, v in ranks.items()} == {r: r // nproc for r in range(world)}
     assert {r: v["steps_completed"] for r, v in ranks.items()} == dict.fromkeys(range(world), STEPS)
-    assert {r: v["end"]["state"] for r, v in ranks.items()} == dict.fromkeys(range(world), "completed")
+    assert {r: v["end"]["state"] for r, v in ranks.items()} == dict.fromkeys(
+        range(world), "completed"
+    )
     assert {n["node_rank"]: n["exit_code"] for n in summary["nodes"]} == {0: 0, 1: 0}
     # Host 1 holds only node 1's own files: no aggregator, no manifest, no summary.
     host1 = tmp_path / "host1" / "netns"
     assert sorted(p.relative_to(host1).as_posix() for p in host1.rglob("*")) == [
-        "nodes", "nodes/node_1", "nodes/node_1/manifest.json",
-        "nodes/node_1/training.stderr.log", "nodes/node_1/training.stdout.log",
+        "nodes",
+        "nodes/node_1",
+        "nodes/node_1/manifest.json",
+        "nodes/node_1/training.stderr.log",
+        "nodes/node_1/training.stdout.log",
     ]
     out = (host1 / "nodes" / "node_1" / "training.stdout.log").read_text()
     for rank in range(nproc, world):
@@ -136,11 +106,13 @@ def check_run(tmp_path, nproc: int) -> dict:
 
 def test_default_ports_aggregator_bound_to_all_interfaces(hosts, tmp_path):
     """The seed's defaults (master port 29500, aggregator 29765: private to each namespace):
-    node 0's aggregator binds 0.0.0.0 and node 1 reaches it through --aggregator-host."""
+    node 0's aggregator binds 0.0.0.0 and node 1 reaches it through --aggregator-host. One
+    rank a node, as the other tests here: the ports are the claim, and every rank is a torch
+    start-up (two ranks a node across namespaces: tests/test_live_cli.py's node 0 view)."""
     flags = [f"--aggregator-host={HOST0}"]
-    codes = run_nodes(hosts, tmp_path, {0: flags, 1: flags}, nproc=2)
+    codes = run_nodes(hosts, tmp_path, {0: flags, 1: flags}, nproc=1)
     assert codes == {0: 0, 1: 0}, (tmp_path / "node0.err").read_text()
-    manifest = check_run(tmp_path, nproc=2)
+    manifest = check_run(tmp_path, nproc=1)
     launch = manifest["launch"]
     assert (launch["aggregator_bind_host"], launch["aggregator_port"]) == ("0.0.0.0", 29765)
     assert launch["master_port"] == 29500
@@ -159,15 +131,19 @@ def test_non_default_port_and_telemetry_address(hosts, tmp_path):
     manifest = check_run(tmp_path, nproc=1)
     launch = manifest["launch"]
     assert (launch["aggregator_bind_host"], launch["aggregator_port"]) == (HOST0_TELEMETRY, 31877)
-    assert f"node 0's aggregator at {HOST0_TELEMETRY}:{port}" in (tmp_path / "node1.err").read_text()
+    assert (
+        f"node 0's aggregator at {HOST0_TELEMETRY}:{port}" in (tmp_path / "node1.err").read_text()
+    )
 
 
 def test_shared_logs_dir_carries_the_token_to_a_node_started_first(hosts, tmp_path):
     """No token given: node 0 makes one and writes it 0600 to the shared run directory;
-    node 1, started 5 s before node 0, waits for the aggregator and then reads it there."""
+    node 1, started before node 0 (which starts once node 1 waits), waits for the aggregator
+    and then reads it there."""
     flags = [f"--aggregator-host={HOST0}"]
-    codes = run_nodes(hosts, tmp_path, {0: flags, 1: flags}, nproc=1, shared_logs=True,
-                      node0_delay_s=5.0)
+    codes = run_nodes(
+        hosts, tmp_path, {0: flags, 1: flags}, nproc=1, shared_logs=True, node0_late=True
+    )
     assert codes == {0: 0, 1: 0}, (tmp_path / "node1.err").read_text()
     run_dir = tmp_path / "shared" / "netns"
     summary = load_summary(run_dir)

@@ -28,23 +28,36 @@ from traceml.launcher.session import NodeSession
 from traceml_aggregator.nodes import NodeRegistry
 
 
-def node_claim(rank: int, host: str = "n1", pid: int = 100, nnodes: int = 3, refusal: str = "",
-               run_name: str = "r") -> wire.NodeClaim:
-    return wire.NodeClaim(run_name=run_name, node_rank=rank, nnodes=nnodes, hostname=host,
-                          launcher_pid=pid, refusal=refusal)
+def node_claim(
+    rank: int,
+    host: str = "n1",
+    pid: int = 100,
+    nnodes: int = 3,
+    refusal: str = "",
+    run_name: str = "r",
+) -> wire.NodeClaim:
+    return wire.NodeClaim(
+        run_name=run_name,
+        node_rank=rank,
+        nnodes=nnodes,
+        hostname=host,
+        launcher_pid=pid,
+        refusal=refusal,
+    )
 
 
 # --- the rules --------------------------------------------------------------------------------
 def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
     nodes = NodeRegistry(own_host="n0", nnodes=3)
     assert nodes.claim(node_claim(0, host="n0", pid=1)) == (True, "")
-    assert nodes.claim(node_claim(0, host="n0", pid=1)) == (True, "")   # node 0 renews
+    assert nodes.claim(node_claim(0, host="n0", pid=1)) == (True, "")  # node 0 renews
     assert nodes.claim(node_claim(1)) == (True, "")
-    assert nodes.claim(node_claim(1)) == (True, "")                     # idempotent
+    assert nodes.claim(node_claim(1)) == (True, "")  # idempotent
     ok, reason = nodes.claim(node_claim(1, host="n2", pid=200))
     assert not ok
-    assert reason == ("the launcher on n2 (pid 200) claims node rank 1, which the launcher on n1 "
-                      "(pid 100) holds")
+    assert reason == (
+        "the launcher on n2 (pid 200) claims node rank 1, which the launcher on n1 (pid 100) holds"
+    )
     # Rank 2 is still unclaimed: node 2 will never join, so the run has failed.
     assert nodes.run_failure == reason and not nodes.complete()
     # Later refusals keep the first reason.
@@ -55,14 +68,20 @@ def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
 @pytest.mark.parametrize(
     "claim, reason",
     [
-        (node_claim(0, host="n2", pid=7),
-         "the launcher on n2 (pid 7) claims node rank 0, but node 0 is n0, where the aggregator "
-         "runs"),
-        (node_claim(1, nnodes=2), "the launcher on n1 (pid 100) runs with --nnodes 2, node 0 "
-                                  "with 3"),
+        (
+            node_claim(0, host="n2", pid=7),
+            "the launcher on n2 (pid 7) claims node rank 0, but node 0 is n0, where the aggregator "
+            "runs",
+        ),
+        (
+            node_claim(1, nnodes=2),
+            "the launcher on n1 (pid 100) runs with --nnodes 2, node 0 with 3",
+        ),
         (node_claim(3), "the launcher on n1 (pid 100) claims node rank 3, outside 0..2"),
-        (node_claim(2, refusal="SLURM_NODEID says 1"),
-         "the launcher on n1 (pid 100) refused to start as node 2: SLURM_NODEID says 1"),
+        (
+            node_claim(2, refusal="SLURM_NODEID says 1"),
+            "the launcher on n1 (pid 100) refused to start as node 2: SLURM_NODEID says 1",
+        ),
     ],
 )
 def test_refused_claims_fail_a_run_that_is_not_complete(claim, reason):
@@ -81,6 +100,8 @@ def test_a_stray_claim_never_fails_a_run_whose_nodes_all_joined():
 
 
 # --- over gRPC --------------------------------------------------------------------------------
+@pytest.mark.serial
+@pytest.mark.aggregator
 def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
     """Each claim opens a node session; a refused one fails the run, and the aggregator pushes
     that down node 0's open session at once (no claim renewed, nothing polled)."""
@@ -88,9 +109,22 @@ def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
     target = f"127.0.0.1:{port}"
     with open(tmp_path / "aggregator.log", "wb") as log:
         aggregator = subprocess.Popen(
-            [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(tmp_path / "r"),
-             "--run-name", "r", "--port", str(port), "--nnodes", "3"],
-            stdin=subprocess.DEVNULL, stderr=log, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "traceml_aggregator",
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--run-name",
+                "r",
+                "--port",
+                str(port),
+                "--nnodes",
+                "3",
+            ],
+            stdin=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
         )
     sessions = []
 
@@ -126,16 +160,21 @@ def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
         for s in sessions:
             s.close()
         stop(aggregator)
-    assert "refused a node claim: the launcher on n2 (pid 5)" in (
-        tmp_path / "aggregator.log").read_text()
+    assert (
+        "refused a node claim: the launcher on n2 (pid 5)"
+        in (tmp_path / "aggregator.log").read_text()
+    )
 
 
+@pytest.mark.aggregator
 def test_a_session_may_report_its_own_nodes_exit_only(tmp_path):
     """Node 1's session reporting node 2's exit is refused (FAILED_PRECONDITION, counted),
     nothing of it stored, while node 2's own session goes on; its own exit is stored."""
+
     def end(rank: int) -> wire.RankEnd:
-        return wire.RankEnd(rank=rank, local_rank=0, end_state=wire.EndState.END_STATE_FAILED,
-                            exit_code=1)
+        return wire.RankEnd(
+            rank=rank, local_rank=0, end_state=wire.EndState.END_STATE_FAILED, exit_code=1
+        )
 
     def session(*ups: wire.NodeUp):
         with open_channel(agg.target) as channel:
@@ -146,13 +185,19 @@ def test_a_session_may_report_its_own_nodes_exit_only(tmp_path):
 
     with LiveAggregator(tmp_path / "r", "r", world_size=3, extra_args=("--nnodes", "3")) as agg:
         with pytest.raises(grpc.RpcError) as refused:
-            session(claim(1), wire.NodeUp(exit=wire.NodeExit(run_name="r", node_rank=2,
-                                                             exit_code=1, ranks=[end(2)])))
+            session(
+                claim(1),
+                wire.NodeUp(
+                    exit=wire.NodeExit(run_name="r", node_rank=2, exit_code=1, ranks=[end(2)])
+                ),
+            )
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert refused.value.details() == "node 1's session reported the exit of node 2"
-        replies = session(claim(1), wire.NodeUp(exit=wire.NodeExit(
-            run_name="r", node_rank=1, exit_code=1, ranks=[end(1)])),
-            wire.NodeUp(goodbye=wire.NodeGoodbye()))
+        replies = session(
+            claim(1),
+            wire.NodeUp(exit=wire.NodeExit(run_name="r", node_rank=1, exit_code=1, ranks=[end(1)])),
+            wire.NodeUp(goodbye=wire.NodeGoodbye()),
+        )
         assert [r.WhichOneof("kind") for r in replies] == ["claim", "exit_stored"]
         assert replies[0].claim.accepted
         assert agg.stop() == 0
@@ -164,24 +209,36 @@ def test_a_session_may_report_its_own_nodes_exit_only(tmp_path):
 
 
 # --- launchers --------------------------------------------------------------------------------
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_second_node0_stops_the_run_within_seconds(tmp_path):
     """Node 0 waits in torchrun's rendezvous for node 1; a launcher on Slurm node 1 that was
     told --node-rank=0 refuses to start and tells node 0, which stops instead of hanging."""
     agg_port, master_port = free_port(), free_port()
-    flags = [str(EXAMPLES / "ddp_minimal.py"), "--nnodes=2", "--node-rank=0",
-             "--run-name=twice0", "--master-addr=127.0.0.1", f"--master-port={master_port}",
-             f"--aggregator-port={agg_port}", f"--logs-dir={tmp_path / 'logs'}"]
+    flags = [
+        str(EXAMPLES / "ddp_minimal.py"),
+        "--nnodes=2",
+        "--node-rank=0",
+        "--run-name=twice0",
+        "--master-addr=127.0.0.1",
+        f"--master-port={master_port}",
+        f"--aggregator-port={agg_port}",
+        f"--logs-dir={tmp_path / 'logs'}",
+    ]
     node0 = start_traceml(["run", *flags], tmp_path, tmp_path / "node0")
     try:
         wait_serving(f"127.0.0.1:{agg_port}", 120, node0)
         started = time.monotonic()
         second = run_traceml(["run", *flags], tmp_path, env=STEP_ENV, timeout=120)
         assert second.returncode == 2
-        assert "this is node 1 of Slurm step 77.0 (SLURM_NODEID=1), but --node-rank is 0: " \
-               "$SLURM_NODEID was expanded once" in second.stderr
-        assert f"told node 0's aggregator at 127.0.0.1:{agg_port}: the run stops there too" \
-               in second.stderr
+        assert (
+            "this is node 1 of Slurm step 77.0 (SLURM_NODEID=1), but --node-rank is 0: "
+            "$SLURM_NODEID was expanded once" in second.stderr
+        )
+        assert (
+            f"told node 0's aggregator at 127.0.0.1:{agg_port}: the run stops there too"
+            in second.stderr
+        )
         code = node0.wait(60)
         stopped_s = time.monotonic() - started
     finally:

@@ -13,30 +13,54 @@ import statistics
 import time
 
 import pytest
-from conftest import SCRIPTS, aggregator_of, load_summary, query, start_traceml
+from conftest import (
+    SCRIPTS,
+    aggregator_of,
+    load_summary,
+    query,
+    start_traceml,
+    wait_training_started,
+)
 
-pytestmark = pytest.mark.slow
+from traceml import settings
+from traceml.core import transport
 
-OUTAGE_S = 30.0
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.serial]
+
+#: The pause, s: more than two of a rank's RPC deadlines (``TRACEML_RPC_TIMEOUT_SEC``, 5 s),
+#: so the ranks' calls time out and are retried while it lasts, and shorter than the client's
+#: keepalive drop (``CLIENT_KEEPALIVE_MS`` + ``KEEPALIVE_TIMEOUT_MS``, 50 s), as 30 s was.
+OUTAGE_S = 12.0
 STEP_SLEEP_S = 0.05
-STEPS = 1000  # about 50 s of training: the outage falls inside it
+STEPS = 600  # about 30 s of training: the outage falls inside it, 10 s of steps after it
 
 
 def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, port):
+    assert (
+        2 * float(settings.RPC_TIMEOUT_SEC.default)
+        < OUTAGE_S
+        < (transport.CLIENT_KEEPALIVE_MS + transport.KEEPALIVE_TIMEOUT_MS) / 1000
+    )
     run_dir = tmp_path / "logs" / "outage"
     args = [
-        "run", str(SCRIPTS / "faulty_ddp.py"), "--nproc-per-node=2", "--run-name", "outage",
-        "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
-        "--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP_S),
+        "run",
+        str(SCRIPTS / "faulty_ddp.py"),
+        "--nproc-per-node=2",
+        "--run-name",
+        "outage",
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        "--steps",
+        str(STEPS),
+        "--step-sleep",
+        str(STEP_SLEEP_S),
     ]
     launcher = start_traceml(args, tmp_path, tmp_path / "launcher")
     try:
         aggregator = aggregator_of(launcher)
-        out = run_dir / "nodes" / "node_0" / "training.stdout.log"
-        deadline = time.monotonic() + 120
-        while "faulty_ddp: training" not in (out.read_text() if out.exists() else ""):
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
+        wait_training_started(run_dir, launcher, tmp_path / "launcher.err", 120)
         time.sleep(5.0)
         paused_at = time.time()
         aggregator.send_signal(signal.SIGSTOP)
@@ -53,7 +77,10 @@ def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, 
     for r in summary["ranks"]:
         # received + dropped = produced, exactly, and nothing dropped
         assert (r["steps_completed"], r["records_received"], r["records_dropped"]) == (
-            STEPS, STEPS, 0)
+            STEPS,
+            STEPS,
+            0,
+        )
     rows = query(
         run_dir,
         "SELECT s.rank, r.start_unix_us + s.end_us, s.step_us FROM steps s JOIN ranks r "
@@ -62,7 +89,8 @@ def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, 
     during = [us for _, end, us in rows if paused_at * 1e6 < end < resumed_at * 1e6]
     margin_us = 2e6  # leave out the steps around the pause's edges
     outside = [
-        us for _, end, us in rows
+        us
+        for _, end, us in rows
         if not paused_at * 1e6 - margin_us < end < resumed_at * 1e6 + margin_us
     ]
     # Stored once the aggregator came back: at least one rank's worth of the paused steps.
@@ -70,5 +98,7 @@ def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, 
     ratio = statistics.median(during) / statistics.median(outside)
     assert abs(ratio - 1) < 0.05, ratio
     last_step_unix_s = max(end for _, end, _ in rows) / 1e6
-    print(f"\noutage benchmark: step time during/outside the pause {ratio:.3f}; "
-          f"last step -> launcher returned {returned_at - last_step_unix_s:.2f} s")
+    print(
+        f"\noutage benchmark: step time during/outside the pause {ratio:.3f}; "
+        f"last step -> launcher returned {returned_at - last_step_unix_s:.2f} s"
+    )

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
+from traceml.analysis import document
 from traceml.analysis import phases as analysis_phases
 from traceml.core import phases
-from traceml.launcher import live
+from traceml.launcher import terminal_view
 from traceml.report import html
 from traceml.sdk import instrumentation, timing
 from traceml.sdk.step import StepMeasurement
-from traceml.wire import records
 from traceml.wire.v1.step_pb2 import StepColumns
 
 STEP_PROTO = Path(__file__).resolve().parents[1] / "proto/traceml/wire/v1/step.proto"
@@ -78,18 +78,20 @@ def test_the_table_is_well_formed():
 def test_every_phase_list_derives_from_the_table():
     parts = [p for p in phases.PHASES if p.part]
     assert analysis_phases.PHASES == tuple((p.name, p.cpu_field, p.gpu_field) for p in parts)
-    assert analysis_phases.PARTS == tuple(p.name for p in parts) + ("residual",)
+    assert document.PARTS == tuple(p.name for p in parts) + ("residual",)
     assert analysis_phases.REQUIRED_PHASES == tuple(p.name for p in phases.PHASES if p.required)
-    assert records.STEP_REQUIRED_FIELDS + records.STEP_OPTIONAL_FIELDS == phases.STEP_FIELDS
     gpu = [p for p in phases.PHASES if p.gpu_field]
     assert set(instrumentation.PHASES) == {p.name for p in gpu}
     assert timing.PHASE_FIELDS == tuple(p.gpu_field for p in gpu)
     indices = (timing.H2D, timing.FORWARD, timing.BACKWARD, timing.OPTIMIZER)
     assert [timing.PHASE_FIELDS[i] for i in indices] == [
-        "gpu_h2d_us", "gpu_forward_us", "gpu_backward_us", "gpu_optimizer_us"
-    ]  # fmt: skip
-    assert list(html.PART_COLORS) == list(analysis_phases.PARTS)
-    assert [name for name, _ in live._PARTS] == list(analysis_phases.PARTS)
+        "gpu_h2d_us",
+        "gpu_forward_us",
+        "gpu_backward_us",
+        "gpu_optimizer_us",
+    ]
+    assert list(html.PART_COLORS) == list(document.PARTS)
+    assert [name for name, _ in terminal_view._PARTS] == list(document.PARTS)
 
 
 def test_a_measurement_gives_its_fields_in_the_canonical_order():
@@ -102,11 +104,16 @@ def test_a_measurement_gives_its_fields_in_the_canonical_order():
     fields = m.fields()
     assert list(fields) == [f for f in phases.STEP_FIELDS if f in fields]
     assert fields == {
-        "step": 7, "end_us": 9_000, "step_us": 5_000,
+        "step": 7,
+        "end_us": 9_000,
+        "step_us": 5_000,
         **{p.cpu_field: i + 1 for i, p in enumerate(phases.PHASES)},
-        "peak_allocated_bytes": 2**30, "peak_reserved_bytes": 2**31,
-        "samples": 32, "tokens": 4096, "flops": 3 * 10**12,
-    }  # fmt: skip
+        "peak_allocated_bytes": 2**30,
+        "peak_reserved_bytes": 2**31,
+        "samples": 32,
+        "tokens": 4096,
+        "flops": 3 * 10**12,
+    }
 
 
 def test_the_table_imports_nothing_above_the_bottom_layer():

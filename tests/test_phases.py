@@ -17,8 +17,9 @@ import json
 import statistics
 
 import pytest
-
 from conftest import SCRIPTS, free_port, load_summary, query, run_traceml
+
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.serial]
 
 STEPS = 25
 NOMINAL_US = {"input": 30_000, "forward": 20_000, "optimizer": 5_000}
@@ -35,10 +36,22 @@ def planted_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("planted")
     result = run_traceml(
         [
-            "run", str(SCRIPTS / "planted_phases.py"), "--nproc-per-node=2",
-            "--aggregator-port", str(free_port()), "--logs-dir", str(tmp / "logs"),
-            "--run-name", "planted", "--", "--steps", str(STEPS), "--iterator-rank", "1",
-            "--truth-dir", str(tmp),
+            "run",
+            str(SCRIPTS / "planted_phases.py"),
+            "--nproc-per-node=2",
+            "--aggregator-port",
+            str(free_port()),
+            "--logs-dir",
+            str(tmp / "logs"),
+            "--run-name",
+            "planted",
+            "--",
+            "--steps",
+            str(STEPS),
+            "--iterator-rank",
+            "1",
+            "--truth-dir",
+            str(tmp),
         ],
         cwd=tmp,
     )
@@ -54,15 +67,21 @@ def planted_us(run_dir, rank: int) -> dict[str, list[int]]:
 
 def steps_of(run_dir, rank: int) -> list[dict]:
     columns = (
-        "step", "step_us", "input_wait_us", "dataloader_next_us", "h2d_us", "forward_us",
-        "backward_us", "optimizer_us",
+        "step",
+        "step_us",
+        "input_wait_us",
+        "dataloader_next_us",
+        "h2d_us",
+        "forward_us",
+        "backward_us",
+        "optimizer_us",
     )
     rows = query(
         run_dir,
         f"SELECT {', '.join(columns)} FROM steps WHERE rank = ? AND restart = 0 ORDER BY step",
         (rank,),
     )
-    return [dict(zip(columns, row)) for row in rows]
+    return [dict(zip(columns, row, strict=True)) for row in rows]
 
 
 @pytest.mark.slow
@@ -130,7 +149,10 @@ def test_summary_reports_the_planted_medians(planted_run):
     for rank in summary["ranks"]:
         planted = planted_us(planted_run, rank["rank"])
         phases = rank["phase_median_ms"]
-        for part, name in (("input", "input_wait"), ("forward", "forward"),
-                           ("optimizer", "optimizer")):
+        for part, name in (
+            ("input", "input_wait"),
+            ("forward", "forward"),
+            ("optimizer", "optimizer"),
+        ):
             assert within(phases[name] * 1000, statistics.median(planted[part])), (name, phases)
         assert phases["h2d"] is None

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
-from planted import planted_run
 from rundata_factory import rank, rich_run, run_of, steps
+
 from traceml.analysis import thresholds
 from traceml.analysis.findings import KINDS
 from traceml.analysis.summary import SCHEMA_VERSION, build_summary
@@ -27,7 +26,7 @@ def test_schema_is_valid_and_matches_the_code():
     assert props["schema_version"]["const"] == SCHEMA_VERSION
     assert props["primary_diagnosis"]["allOf"][1]["properties"]["kind"]["enum"] == list(
         KINDS["step_time"]
-    )
+    ) + ["RANK_HUNG"]
     for section, kinds in KINDS.items():
         item = props["findings"]["properties"][section]["items"]
         assert item["allOf"][1]["properties"]["kind"]["enum"] == list(kinds)
@@ -37,11 +36,12 @@ def test_schema_is_valid_and_matches_the_code():
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "scenario", ["balanced", "input", "input_straggler", "compute_straggler", "residual"]
 )
-def test_real_outputs_validate(scenario, tmp_path_factory):
-    summary = planted_run(scenario, tmp_path_factory.getbasetemp() / "planted").summary
+def test_real_outputs_validate(scenario, planted):
+    summary = planted(scenario).summary
     VALIDATOR.validate(summary)
     p = summary["primary_diagnosis"]
     assert p["summary"] and p["action"] and p["severity"] in ("info", "warning", "critical")

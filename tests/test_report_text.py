@@ -3,11 +3,12 @@ tables, never wider than 80 columns."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
 from conftest import run_traceml
-from planted import planted_run
 from rundata_factory import rank, rich_run, run_of, steps
+
 from traceml.analysis.summary import build_summary
 from traceml.report.fmt import MAX_RANK_ROWS
 from traceml.report.text import WIDTH, render_text
@@ -24,9 +25,10 @@ def _verdict_first(text: str, kind: str) -> list[str]:
     return lines
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
-def test_real_report_and_view_print_the_same_text(tmp_path_factory, tmp_path):
-    run = planted_run("input_straggler", tmp_path_factory.getbasetemp() / "planted")
+def test_real_report_and_view_print_the_same_text(planted, tmp_path):
+    run = planted("input_straggler")
     text = (run.run_dir / "final_summary.txt").read_text()
     lines = _verdict_first(text, "INPUT_STRAGGLER")
     assert lines[3].endswith("· rank 1")
@@ -64,6 +66,22 @@ def test_view_rejects_a_file_that_is_not_a_summary(tmp_path):
     assert (
         proc.stderr.strip()
         == f"traceml: error: {bad}: not a TraceML summary (no primary_diagnosis)"
+    )
+
+
+@pytest.mark.parametrize("where", ["", ".", "/", "..", "{tmp}"])
+def test_view_html_to_a_directory_is_one_line(tmp_path, where):
+    """--html names a file: a directory (or an empty name) is refused in one line, exit 2 (it
+    was a traceback from the atomic write)."""
+    import json
+
+    summary = tmp_path / "final_summary.json"
+    summary.write_text(json.dumps(build_summary(rich_run())))
+    where = where.format(tmp=tmp_path)
+    proc = run_traceml(["view", str(summary), "--html", where], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"traceml: error: --html {str(Path(where))!r} is a directory: give the report's file name"
     )
 
 

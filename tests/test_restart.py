@@ -8,8 +8,9 @@ keys its rows by (rank, restart), so nothing of attempt 0 is overwritten or coun
 from __future__ import annotations
 
 import pytest
-
 from conftest import SCRIPTS, free_port, load_summary, query, run_traceml
+
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 FIRST_STEPS, STEPS = 3, 5
 
@@ -19,10 +20,22 @@ def restarted_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     result = run_traceml(
         [
-            "run", str(SCRIPTS / "fail_once.py"), "--nproc-per-node=2", "--max-restarts", "1",
-            "--aggregator-port", str(free_port()), "--logs-dir", str(tmp / "logs"),
-            "--run-name", "restart", "--", "--first-steps", str(FIRST_STEPS),
-            "--steps", str(STEPS),
+            "run",
+            str(SCRIPTS / "fail_once.py"),
+            "--nproc-per-node=2",
+            "--max-restarts",
+            "1",
+            "--aggregator-port",
+            str(free_port()),
+            "--logs-dir",
+            str(tmp / "logs"),
+            "--run-name",
+            "restart",
+            "--",
+            "--first-steps",
+            str(FIRST_STEPS),
+            "--steps",
+            str(STEPS),
         ],
         cwd=tmp,
         env={"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_SAMPLE_INTERVAL_SEC": "0.2"},
@@ -53,8 +66,7 @@ def test_identities_and_finishes_per_attempt(restarted_run):
     assert len({pid for _, _, pid in ranks}) == 4  # new processes for the second attempt
     finishes = query(
         restarted_run,
-        "SELECT rank, restart, steps_completed, end_state FROM rank_finish "
-        "ORDER BY restart, rank",
+        "SELECT rank, restart, steps_completed, end_state FROM rank_finish ORDER BY restart, rank",
     )
     # Rank 0 of attempt 0 was stopped by torchrun (SIGTERM): its handler sent what it had and
     # a finish marker saying so (traceml/sdk/sigterm.py) before it died of the signal.

@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import free_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import free_port
 from traceml.sdk import auto, instrumentation
 from traceml.sdk.step import StepTracer
 
@@ -58,7 +58,10 @@ def scans(monkeypatch):
 
 def _loader(n: int = 4) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(4 * n, 8, generator=g), torch.randn(4 * n, 1, generator=g)), batch_size=4)
+    return DataLoader(
+        TensorDataset(torch.randn(4 * n, 8, generator=g), torch.randn(4 * n, 1, generator=g)),
+        batch_size=4,
+    )
 
 
 def _net() -> nn.Module:
@@ -68,7 +71,9 @@ def _net() -> nn.Module:
 def test_a_plain_ddp_loop_times_the_wrapper_without_a_scan(tracer, scans):
     """The loop's locals hold the DDP wrapper and its optimizer: the wrapper (which contains
     the net, also a local) is the root, timed from step 0's forward on; no scan."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         net = _net()
         model = DDP(net)
@@ -156,14 +161,26 @@ def test_the_hf_trainer_times_its_model_without_a_scan(tracer, scans, tmp_path):
     the model is found through the Trainer's attributes, no scan; exactly max_steps steps."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
-        n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, report_to=[],
-        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
     )
     transformers.Trainer(model=model, args=args, train_dataset=data).train()
     assert scans == []

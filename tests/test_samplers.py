@@ -16,9 +16,9 @@ import time
 
 import psutil
 import pytest
-
 from conftest import SCRIPTS, load_summary, query, run_traceml
 from live_aggregator import LiveAggregator
+
 from traceml.sdk.samplers import Workers
 
 # A "worker": torchrun's variables in its environment, and a forked child that inherits them.
@@ -68,6 +68,30 @@ def test_workers_are_torchrun_processes_not_their_children(worker):
     assert second[0].HasField("cpu_percent") and second[0].rss_bytes > 0
 
 
+def test_a_worker_that_exited_unreaped_has_no_sample():
+    """A rank that has exited but that torchrun has not reaped yet (a zombie) reads RSS 0 and
+    CPU 0 % through psutil: no sample, not a sample of zeros (the last /metrics and OTLP push of
+    a run showed a rank's RSS as 0)."""
+    proc = _spawn(
+        'print("ready", flush=True); import time; time.sleep(60)',
+        RANK="3",
+        TORCHELASTIC_RESTART_COUNT="0",
+    )
+    root = psutil.Process(proc.pid)
+    workers = Workers(lambda known: [root])
+    try:
+        assert [(s.rank, s.rss_bytes > 0) for s in workers.sample(unix_us=1)] == [(3, True)]
+        proc.kill()  # not waited for: a zombie until proc.wait()
+        deadline = time.monotonic() + 30
+        while root.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert workers.sample(unix_us=2) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_worker_is_recognised_once_it_has_exec_d():
     # torchrun forks, then exec()s the worker with RANK set: in between, the new process
     # still shows torchrun's environment. It must be looked at again later, not written off.
@@ -98,6 +122,7 @@ def test_an_sdk_rank_without_torchrun_samples_itself():
     assert sample.rss_bytes > 0
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_nvml_unloadable_run_exits_0_with_gpu_fields_null_and_a_reason(tmp_path, port):
     libdir = tmp_path / "broken-nvml"
@@ -105,9 +130,18 @@ def test_nvml_unloadable_run_exits_0_with_gpu_fields_null_and_a_reason(tmp_path,
     (libdir / "libnvidia-ml.so.1").write_bytes(b"not a shared library\n" * 64)
     result = run_traceml(
         [
-            "run", str(SCRIPTS / "planted_phases.py"), "--nproc-per-node=2",
-            "--aggregator-port", str(port), "--logs-dir", str(tmp_path / "logs"),
-            "--run-name", "nonvml", "--", "--steps", "3",
+            "run",
+            str(SCRIPTS / "planted_phases.py"),
+            "--nproc-per-node=2",
+            "--aggregator-port",
+            str(port),
+            "--logs-dir",
+            str(tmp_path / "logs"),
+            "--run-name",
+            "nonvml",
+            "--",
+            "--steps",
+            "3",
         ],
         cwd=tmp_path,
         env={
@@ -127,6 +161,8 @@ def test_nvml_unloadable_run_exits_0_with_gpu_fields_null_and_a_reason(tmp_path,
     assert info == (expected if os.path.exists("/proc/driver/nvidia") else [])
 
 
+@pytest.mark.torchrun
+@pytest.mark.aggregator
 @pytest.mark.slow
 def test_without_the_launcher_local_rank_0_hosts_the_node_sampler(tmp_path):
     """Plain torchrun and a standalone aggregator: rank 0's SDK samples the node and both
@@ -141,9 +177,20 @@ def test_without_the_launcher_local_rank_0_hosts_the_node_sampler(tmp_path):
     env.pop("TRACEML_LAUNCHED", None)
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-             str(SCRIPTS / "planted_phases.py"), "--steps", "20"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                str(SCRIPTS / "planted_phases.py"),
+                "--steps",
+                "20",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
     finally:
         aggregator.stop()

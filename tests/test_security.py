@@ -19,12 +19,20 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import psutil
 import pytest
-from conftest import SCRIPTS, free_port, load_summary, query, start_traceml, traceml_env
+from conftest import (
+    SCRIPTS,
+    free_port,
+    load_summary,
+    make_cert,
+    query,
+    start_traceml,
+    traceml_env,
+)
+from helpers.batches import rank_batch
 from live_aggregator import LiveAggregator
 
 from traceml import wire
@@ -40,50 +48,86 @@ RUN = "guarded"
 
 def forged_calls(run_name: str, world_size: int) -> list[tuple[str, object]]:
     """Every RPC of the service with a plausible message of run ``run_name``."""
-    steps = wire.Batch(run_name=run_name, rank=0, seq=10_000)
-    steps.identity.CopyFrom(
-        wire.RankIdentity(run_name=run_name, rank=0, world_size=world_size, pid=4242,
-                          hostname="forger")
+    steps = rank_batch(
+        10_000,
+        range(10_000, 10_050),
+        run_name=run_name,
+        row=lambda i: {"step": i, "end_us": 10**9 + i - 10_000, "step_us": 777_000},
+        identity=wire.RankIdentity(
+            run_name=run_name, rank=0, world_size=world_size, pid=4242, hostname="forger"
+        ),
     )
-    add_steps(steps, [{"step": 10_000 + i, "end_us": 10**9 + i, "step_us": 777_000}
-                      for i in range(50)])
     return [
         ("Push", steps),
-        ("NodeSession", wire.NodeUp(claim=wire.NodeClaim(
-            run_name=run_name, node_rank=0, nnodes=1, hostname="forger", launcher_pid=1,
-            refusal="forged: stop the run"))),
-        ("ReportNodeExit", wire.NodeExit(
-            run_name=run_name, node_rank=0, hostname="forger", exit_code=9,
-            ranks=[wire.RankEnd(rank=r, local_rank=r, end_state=wire.EndState.END_STATE_FAILED,
-                                exit_code=9, reason="forged") for r in range(world_size)])),
+        (
+            "NodeSession",
+            wire.NodeUp(
+                claim=wire.NodeClaim(
+                    run_name=run_name,
+                    node_rank=0,
+                    nnodes=1,
+                    hostname="forger",
+                    launcher_pid=1,
+                    refusal="forged: stop the run",
+                )
+            ),
+        ),
+        (
+            "ReportNodeExit",
+            wire.NodeExit(
+                run_name=run_name,
+                node_rank=0,
+                hostname="forger",
+                exit_code=9,
+                ranks=[
+                    wire.RankEnd(
+                        rank=r,
+                        local_rank=r,
+                        end_state=wire.EndState.END_STATE_FAILED,
+                        exit_code=9,
+                        reason="forged",
+                    )
+                    for r in range(world_size)
+                ],
+            ),
+        ),
         ("Finalize", wire.FinalizeRequest(run_name=run_name, timeout_s=1.0)),
         ("Summarize", wire.SummarizeRequest(run_name=run_name)),
     ]
 
 
+#: The deadline of an accepted Summarize call, s: its answer waits for the live analysis
+#: process, which runs at nice 19 and, on a saturated machine, starts late.
+SUMMARIZE_DEADLINE_S = 180.0
+
+
 def call(target: str, credentials: Credentials, method: str, request):
     """One call of ``method`` (NodeSession: a stream of ``request`` alone); its reply (a
-    stream's: the list of its messages), or the grpc.RpcError it raised."""
+    stream's: the list of its messages), or the grpc.RpcError it raised. A refusal comes at
+    once; an accepted call has 10 s, Summarize :data:`SUMMARIZE_DEADLINE_S`."""
+    timeout = SUMMARIZE_DEADLINE_S if method == "Summarize" else 10
     with open_channel(target, credentials=credentials) as channel:
         stub = wire.AggregatorStub(channel)
         try:
             if method == "NodeSession":
-                return list(stub.NodeSession(iter([request]), timeout=10))
-            return getattr(stub, method)(request, timeout=10)
+                return list(stub.NodeSession(iter([request]), timeout=timeout))
+            return getattr(stub, method)(request, timeout=timeout)
         except grpc.RpcError as exc:
             return exc
 
 
 def invalid_senders(run_name: str, world_size: int) -> list[tuple[str, wire.Batch]]:
     """Batches with the right token that no sender of this run can send: (kind, batch)."""
+
     def batch(**fields) -> wire.Batch:
-        b = wire.Batch(run_name=run_name, seq=10_000, **fields)
+        b = wire.Batch(run_name=run_name, seq=10_000, **fields)  # "sender" set by the caller
         add_steps(b, [{"step": 10_000, "end_us": 10**9, "step_us": 777_000}])
         return b
 
     wrong_world = batch(rank=1)
-    wrong_world.identity.CopyFrom(wire.RankIdentity(run_name=run_name, rank=1,
-                                                    world_size=world_size + 1))
+    wrong_world.identity.CopyFrom(
+        wire.RankIdentity(run_name=run_name, rank=1, world_size=world_size + 1)
+    )
     other_node = wire.Batch(run_name=run_name, seq=10_000, node_rank=1)  # the run has one node
     other_node.system_samples.add(node_rank=1, unix_us=1, hostname="forger")
     return [
@@ -94,30 +138,46 @@ def invalid_senders(run_name: str, world_size: int) -> list[tuple[str, wire.Batc
     ]
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_calls_without_the_run_token_are_refused_during_a_real_run(tmp_path):
     logs = tmp_path / "logs"
     run_dir = logs / RUN
     port = free_port()
     proc = start_traceml(
-        ["run", SCRIPT, "--nproc-per-node=2", f"--run-name={RUN}", f"--logs-dir={logs}",
-         f"--aggregator-port={port}", "--steps", str(STEPS), "--step-sleep", "0.3"],
-        tmp_path, tmp_path / "launcher", env={"TRACEML_FLUSH_INTERVAL_SEC": "0.2"},
+        [
+            "run",
+            SCRIPT,
+            "--nproc-per-node=2",
+            f"--run-name={RUN}",
+            f"--logs-dir={logs}",
+            f"--aggregator-port={port}",
+            "--steps",
+            str(STEPS),
+            "--step-sleep",
+            "0.3",
+        ],
+        tmp_path,
+        tmp_path / "launcher",
+        env={"TRACEML_FLUSH_INTERVAL_SEC": "0.2"},
     )
     try:
         target = f"127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while "faulty_ddp: training" not in (tmp_path / "launcher.out").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, (
-                (tmp_path / "launcher.err").read_text()
-            )
+                tmp_path / "launcher.err"
+            ).read_text()
             time.sleep(0.1)
         wait_serving(target, 30)
         token = transport.read_token_file(run_dir / "run_token")
         assert len(token) == 43
         # On no command line of any process (ps shows those to every user).
-        assert not [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-                    if token in " ".join(p.info["cmdline"] or [])]
+        assert not [
+            p.info["pid"]
+            for p in psutil.process_iter(["pid", "cmdline"])
+            if token in " ".join(p.info["cmdline"] or [])
+        ]
 
         outsiders = [Credentials(), Credentials(token="x" * 43), Credentials(token=token[:-1])]
         for credentials in outsiders:
@@ -160,8 +220,10 @@ def test_calls_without_the_run_token_are_refused_during_a_real_run(tmp_path):
     assert query(run_dir, "SELECT DISTINCT hostname FROM node_exits") != [("forger",)]
     assert query(run_dir, "SELECT COUNT(*) FROM ranks WHERE pid = 4242") == [(0,)]
     aggregator_log = (run_dir / "aggregator" / "process.stderr.log").read_text()
-    assert ("refused calls: node_rank_out_of_range 1, not_a_rank 1, rank_out_of_range 1, "
-            "unauthenticated 15, world_size_mismatch 1;") in aggregator_log
+    assert (
+        "refused calls: node_rank_out_of_range 1, not_a_rank 1, rank_out_of_range 1, "
+        "unauthenticated 15, world_size_mismatch 1;"
+    ) in aggregator_log
     # The token is in no manifest and on no command line.
     for manifest in run_dir.rglob("manifest.json"):
         assert token not in manifest.read_text()
@@ -185,6 +247,9 @@ def test_the_token_file_is_private_and_refused_when_others_can_read_it(tmp_path)
     assert transport.read_token_file(path) == "second"
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
+@pytest.mark.aggregator
 def test_a_node_refuses_a_token_file_that_others_can_read(tmp_path):
     """Node 1 finds a token file node 0 did not write (mode 0644): it refuses to use it and
     starts nothing."""
@@ -195,10 +260,24 @@ def test_a_node_refuses_a_token_file_that_others_can_read(tmp_path):
     port = free_port()
     with LiveAggregator(tmp_path / "agg", RUN, extra_args=("--nnodes", "2")) as agg:
         result = subprocess.run(
-            [sys.executable, "-m", "traceml", "run", SCRIPT, "--nnodes=2", "--node-rank=1",
-             f"--run-name={RUN}", f"--logs-dir={logs}", "--master-addr=127.0.0.1",
-             f"--master-port={port}", f"--aggregator-port={agg.port}"],
-            cwd=tmp_path, env=traceml_env(launcher=True), capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "traceml",
+                "run",
+                SCRIPT,
+                "--nnodes=2",
+                "--node-rank=1",
+                f"--run-name={RUN}",
+                f"--logs-dir={logs}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                f"--aggregator-port={agg.port}",
+            ],
+            cwd=tmp_path,
+            env=traceml_env(launcher=True),
+            capture_output=True,
+            text=True,
             timeout=120,
         )
     assert result.returncode == 1, result.stderr
@@ -208,27 +287,26 @@ def test_a_node_refuses_a_token_file_that_others_can_read(tmp_path):
 
 
 # --- TLS ------------------------------------------------------------------------------------------
-def make_cert(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and localhost (the docs/slurm.md recipe)."""
-    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={name}",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
-    )
-    return cert, key
-
-
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_a_run_over_tls_end_to_end(tmp_path):
     cert, key = make_cert(tmp_path, "aggregator")
     logs = tmp_path / "logs"
     proc = start_traceml(
-        ["run", SCRIPT, "--nproc-per-node=2", "--run-name=tls", f"--logs-dir={logs}",
-         f"--aggregator-port={free_port()}", "--steps", "6", f"--tls-cert={cert}",
-         f"--tls-key={key}"],
-        tmp_path, tmp_path / "launcher",
+        [
+            "run",
+            SCRIPT,
+            "--nproc-per-node=2",
+            "--run-name=tls",
+            f"--logs-dir={logs}",
+            f"--aggregator-port={free_port()}",
+            "--steps",
+            "6",
+            f"--tls-cert={cert}",
+            f"--tls-key={key}",
+        ],
+        tmp_path,
+        tmp_path / "launcher",
     )
     assert proc.wait(240) == 0, (tmp_path / "launcher.err").read_text()
     summary = load_summary(logs / "tls")
@@ -240,6 +318,7 @@ def test_a_run_over_tls_end_to_end(tmp_path):
     assert manifest["launch"]["tls_ca"] == str(cert)  # node 0: its own certificate
 
 
+@pytest.mark.aggregator
 def test_a_rank_with_the_wrong_ca_is_refused_and_trains_on(tmp_path, monkeypatch):
     cert, key = make_cert(tmp_path, "aggregator")
     other_ca, _ = make_cert(tmp_path, "impostor")
@@ -247,18 +326,34 @@ def test_a_rank_with_the_wrong_ca_is_refused_and_trains_on(tmp_path, monkeypatch
     tls = ("--tls-cert", str(cert), "--tls-key", str(key))
     with LiveAggregator(tmp_path / "run", "tls-ca", world_size=1, extra_args=tls) as agg:
         # A plain-text client does not get through either.
-        reply = call(agg.target, Credentials(token=os.environ["TRACEML_RUN_TOKEN"]), "Summarize",
-                     wire.SummarizeRequest(run_name="tls-ca"))
+        reply = call(
+            agg.target,
+            Credentials(token=os.environ["TRACEML_RUN_TOKEN"]),
+            "Summarize",
+            wire.SummarizeRequest(run_name="tls-ca"),
+        )
         assert isinstance(reply, grpc.RpcError)
         assert reply.code() == grpc.StatusCode.UNAVAILABLE
         env = {
-            "TRACEML_AGGREGATOR": agg.target, "TRACEML_RUN_NAME": "tls-ca",
-            "TRACEML_TLS_CA": str(other_ca), "TRACEML_FLUSH_INTERVAL_SEC": "0.1",
+            "TRACEML_AGGREGATOR": agg.target,
+            "TRACEML_RUN_NAME": "tls-ca",
+            "TRACEML_TLS_CA": str(other_ca),
+            "TRACEML_FLUSH_INTERVAL_SEC": "0.1",
         }
         result = subprocess.run(
-            [sys.executable, str(SCRIPTS / "fail_open_train.py"), "--steps", "20",
-             "--step-sleep", "0.02"],
-            env=traceml_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                str(SCRIPTS / "fail_open_train.py"),
+                "--steps",
+                "20",
+                "--step-sleep",
+                "0.02",
+            ],
+            env=traceml_env(env),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr
         assert "trained 20 steps" in result.stdout
@@ -287,25 +382,42 @@ def _with(batch: wire.Batch, **parts) -> wire.Batch:
     "batch, kind",
     [
         (_batch(rank=1), None),
-        (_with(_batch(rank=1), identity=wire.RankIdentity(rank=1, world_size=2, node_rank=1)), None),
+        (
+            _with(_batch(rank=1), identity=wire.RankIdentity(rank=1, world_size=2, node_rank=1)),
+            None,
+        ),
         (_with(_batch(node_rank=1), system_samples=wire.SystemSample(node_rank=1)), None),
         (_batch(rank=2), "rank_out_of_range"),
-        (_with(_batch(rank=1), identity=wire.RankIdentity(rank=1, world_size=3)),
-         "world_size_mismatch"),
-        (_with(_batch(rank=1), identity=wire.RankIdentity(rank=0, world_size=2)),
-         "identity_mismatch"),
-        (_with(_batch(rank=1), identity=wire.RankIdentity(rank=1, world_size=2, node_rank=2)),
-         "node_rank_out_of_range"),
+        (
+            _with(_batch(rank=1), identity=wire.RankIdentity(rank=1, world_size=3)),
+            "world_size_mismatch",
+        ),
+        (
+            _with(_batch(rank=1), identity=wire.RankIdentity(rank=0, world_size=2)),
+            "identity_mismatch",
+        ),
+        (
+            _with(_batch(rank=1), identity=wire.RankIdentity(rank=1, world_size=2, node_rank=2)),
+            "node_rank_out_of_range",
+        ),
         (_batch(node_rank=2), "node_rank_out_of_range"),
         (_with(_batch(node_rank=0), finish=wire.RankFinish(steps_completed=3)), "not_a_rank"),
-        (_with(_batch(node_rank=0), flops_counts=wire.FlopsCount(step=1, forward_flops=8)),
-         "not_a_rank"),
-        (_with(_batch(node_rank=0), identity=wire.RankIdentity(rank=0, world_size=2)),
-         "not_a_rank"),
-        (_with(_batch(node_rank=0), process_samples=wire.ProcessSample(rank=2)),
-         "rank_out_of_range"),
-        (_with(_batch(node_rank=1), system_samples=wire.SystemSample(node_rank=2)),
-         "node_rank_out_of_range"),
+        (
+            _with(_batch(node_rank=0), flops_counts=wire.FlopsCount(step=1, forward_flops=8)),
+            "not_a_rank",
+        ),
+        (
+            _with(_batch(node_rank=0), identity=wire.RankIdentity(rank=0, world_size=2)),
+            "not_a_rank",
+        ),
+        (
+            _with(_batch(node_rank=0), process_samples=wire.ProcessSample(rank=2)),
+            "rank_out_of_range",
+        ),
+        (
+            _with(_batch(node_rank=1), system_samples=wire.SystemSample(node_rank=2)),
+            "node_rank_out_of_range",
+        ),
     ],
 )
 def test_a_batch_no_sender_of_the_run_can_send_is_refused(batch, kind):
@@ -316,15 +428,28 @@ def test_a_batch_no_sender_of_the_run_can_send_is_refused(batch, kind):
     assert (refusal[0] if refusal else None) == kind, refusal
 
 
+@pytest.mark.aggregator
 def test_a_standalone_aggregator_without_a_token_makes_one_and_says_where(tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
     env = traceml_env(launcher=True)  # no TRACEML_RUN_TOKEN
     with open(tmp_path / "agg.log", "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(run_dir),
-             "--run-name", "alone", "--port", str(port)],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            [
+                sys.executable,
+                "-m",
+                "traceml_aggregator",
+                "--run-dir",
+                str(run_dir),
+                "--run-name",
+                "alone",
+                "--port",
+                str(port),
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
         )
     try:
         wait_serving(f"127.0.0.1:{port}", 60, proc)
@@ -340,8 +465,10 @@ def test_a_standalone_aggregator_without_a_token_makes_one_and_says_where(tmp_pa
         proc.terminate()
         assert proc.wait(30) == 0
     log = (tmp_path / "agg.log").read_text()
-    assert (f"traceml-aggregator: run token written to {token_file} (mode 0600); give it to the "
-            f"ranks: export TRACEML_RUN_TOKEN=$(cat {token_file})") in log
+    assert (
+        f"traceml-aggregator: run token written to {token_file} (mode 0600); give it to the "
+        f"ranks: export TRACEML_RUN_TOKEN=$(cat {token_file})"
+    ) in log
     assert token not in log
     assert "refused calls: unauthenticated 1;" in log
 

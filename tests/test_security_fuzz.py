@@ -23,6 +23,8 @@ import time
 import grpc
 import pytest
 from conftest import SCRIPTS, TEST_RUN_TOKEN, free_port, traceml_env
+from helpers.batches import rank_batch
+from helpers.waiting import LOADED_CALL_S
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_aggregator import LiveAggregator
@@ -30,7 +32,6 @@ from live_aggregator import LiveAggregator
 from traceml import wire
 from traceml.core.transport import MAX_MESSAGE_BYTES, Credentials, open_channel
 from traceml.launcher.aggregator import wait_serving
-from traceml.wire.records import add_steps
 
 RUN, WORLD = "fuzz", 2
 STEPS = 12
@@ -45,20 +46,32 @@ NAMES = st.sampled_from([RUN, "other", "", "fuzz\x00", "f" * 200])
 
 def _seed_messages() -> dict[str, list[bytes]]:
     """Valid messages of each method, the starting points of the mutations."""
-    batch = wire.Batch(run_name=RUN, rank=5, seq=1)
-    batch.identity.CopyFrom(wire.RankIdentity(run_name=RUN, rank=5, world_size=WORLD, pid=9))
-    add_steps(batch, [{"step": i, "end_us": 1000 * i, "step_us": 900, "forward_us": 100}
-                      for i in range(4)])
-    batch.finish.CopyFrom(wire.RankFinish(last_seq=1, steps_completed=4))
+    batch = rank_batch(
+        1,
+        range(4),
+        rank=5,
+        run_name=RUN,
+        row=lambda i: {"step": i, "end_us": 1000 * i, "step_us": 900, "forward_us": 100},
+        identity=wire.RankIdentity(run_name=RUN, rank=5, world_size=WORLD, pid=9),
+        finish=wire.RankFinish(last_seq=1, steps_completed=4),
+    )
     sampler = wire.Batch(run_name=RUN, node_rank=3, seq=2)
     sampler.system_samples.add(node_rank=3, unix_us=1, hostname="h", cpu_percent=5.0)
     sampler.process_samples.add(rank=7, unix_us=1, rss_bytes=10)
-    node_exit = wire.NodeExit(run_name=RUN, node_rank=4, exit_code=1, ranks=[
-        wire.RankEnd(rank=6, local_rank=0, end_state=wire.EndState.END_STATE_FAILED, exit_code=1)
-    ])
+    node_exit = wire.NodeExit(
+        run_name=RUN,
+        node_rank=4,
+        exit_code=1,
+        ranks=[
+            wire.RankEnd(
+                rank=6, local_rank=0, end_state=wire.EndState.END_STATE_FAILED, exit_code=1
+            )
+        ],
+    )
     node_ups = [
-        wire.NodeUp(claim=wire.NodeClaim(run_name=RUN, node_rank=3, nnodes=4, hostname="h",
-                                         launcher_pid=9)),
+        wire.NodeUp(
+            claim=wire.NodeClaim(run_name=RUN, node_rank=3, nnodes=4, hostname="h", launcher_pid=9)
+        ),
         wire.NodeUp(heartbeat=wire.NodeHeartbeat()),
         wire.NodeUp(exit=node_exit),
         wire.NodeUp(finalize=wire.FinalizeRequest(run_name=RUN, timeout_s=0.5)),
@@ -66,8 +79,11 @@ def _seed_messages() -> dict[str, list[bytes]]:
     ]
     return {
         "Push": [batch.SerializeToString(), sampler.SerializeToString()],
-        "Stream": [batch.SerializeToString(), sampler.SerializeToString(),
-                   wire.Batch(closing=True).SerializeToString()],
+        "Stream": [
+            batch.SerializeToString(),
+            sampler.SerializeToString(),
+            wire.Batch(closing=True).SerializeToString(),
+        ],
         "NodeSession": [up.SerializeToString() for up in node_ups],
         "ReportNodeExit": [node_exit.SerializeToString()],
         "Finalize": [wire.FinalizeRequest(run_name=RUN, timeout_s=0.5).SerializeToString()],
@@ -106,15 +122,22 @@ def adversarial_batch(draw) -> bytes:
     else:
         b.node_rank = draw(SMALL_U32)
     if draw(st.booleans()):
-        b.identity.CopyFrom(wire.RankIdentity(
-            run_name=draw(NAMES), rank=draw(SMALL_U32), world_size=draw(SMALL_U32),
-            node_rank=draw(SMALL_U32), restart_count=draw(SMALL_U32), pid=draw(U32),
-            hostname=draw(st.text(max_size=20)),
-        ))
+        b.identity.CopyFrom(
+            wire.RankIdentity(
+                run_name=draw(NAMES),
+                rank=draw(SMALL_U32),
+                world_size=draw(SMALL_U32),
+                node_rank=draw(SMALL_U32),
+                restart_count=draw(SMALL_U32),
+                pid=draw(U32),
+                hostname=draw(st.text(max_size=20)),
+            )
+        )
     for _ in range(draw(st.integers(0, 2))):
         group = b.step_groups.add()
-        for name in draw(st.lists(st.sampled_from(("step", "end_us", "step_us", "forward_us")),
-                                  unique=True)):
+        for name in draw(
+            st.lists(st.sampled_from(("step", "end_us", "step_us", "forward_us")), unique=True)
+        ):
             getattr(group, name).extend(draw(st.lists(U64, max_size=5)))
     if draw(st.booleans()):
         b.process_samples.add(rank=draw(SMALL_U32), unix_us=draw(U64))
@@ -129,10 +152,15 @@ def adversarial_batch(draw) -> bytes:
 def adversarial_node_exit(draw) -> bytes:
     """A well-formed NodeExit of any node, naming any ranks."""
     return wire.NodeExit(
-        run_name=draw(NAMES), node_rank=draw(SMALL_U32), exit_code=draw(st.integers(-5, 300)),
-        ranks=[wire.RankEnd(rank=draw(SMALL_U32), local_rank=draw(SMALL_U32),
-                            end_state=draw(st.integers(0, 4)))
-               for _ in range(draw(st.integers(0, 3)))],
+        run_name=draw(NAMES),
+        node_rank=draw(SMALL_U32),
+        exit_code=draw(st.integers(-5, 300)),
+        ranks=[
+            wire.RankEnd(
+                rank=draw(SMALL_U32), local_rank=draw(SMALL_U32), end_state=draw(st.integers(0, 4))
+            )
+            for _ in range(draw(st.integers(0, 3)))
+        ],
     ).SerializeToString()
 
 
@@ -142,17 +170,25 @@ def adversarial_node_up(draw) -> bytes:
     not), an adversarial exit, a finalization request of any budget, a heartbeat, a goodbye."""
     kind = draw(st.sampled_from(("claim", "exit", "finalize", "heartbeat", "goodbye")))
     if kind == "claim":
-        return wire.NodeUp(claim=wire.NodeClaim(
-            run_name=draw(NAMES), node_rank=draw(SMALL_U32), nnodes=draw(SMALL_U32),
-            hostname=draw(st.text(max_size=20)), launcher_pid=draw(U32),
-            refusal=draw(st.sampled_from(("", "refused by its launcher"))),
-        )).SerializeToString()
+        return wire.NodeUp(
+            claim=wire.NodeClaim(
+                run_name=draw(NAMES),
+                node_rank=draw(SMALL_U32),
+                nnodes=draw(SMALL_U32),
+                hostname=draw(st.text(max_size=20)),
+                launcher_pid=draw(U32),
+                refusal=draw(st.sampled_from(("", "refused by its launcher"))),
+            )
+        ).SerializeToString()
     if kind == "exit":
         report = wire.NodeExit.FromString(draw(adversarial_node_exit()))
         return wire.NodeUp(exit=report).SerializeToString()
     if kind == "finalize":
-        return wire.NodeUp(finalize=wire.FinalizeRequest(
-            run_name=draw(NAMES), timeout_s=draw(st.floats(-1.0, 0.5)))).SerializeToString()
+        return wire.NodeUp(
+            finalize=wire.FinalizeRequest(
+                run_name=draw(NAMES), timeout_s=draw(st.floats(-1.0, 0.5))
+            )
+        ).SerializeToString()
     if kind == "heartbeat":
         return wire.NodeUp(heartbeat=wire.NodeHeartbeat()).SerializeToString()
     return wire.NodeUp(goodbye=wire.NodeGoodbye()).SerializeToString()
@@ -175,10 +211,15 @@ def payloads(method: str):
 def claim_of_this_run(draw) -> bytes:
     """A NodeUp claim of this run by any of 8 nodes of a run of any size up to 8 (accepted or
     refused by the aggregator): what opens a session past its first check."""
-    return wire.NodeUp(claim=wire.NodeClaim(
-        run_name=RUN, node_rank=draw(st.integers(0, 7)), nnodes=draw(st.integers(0, 8)),
-        hostname="fuzz", launcher_pid=draw(U32),
-    )).SerializeToString()
+    return wire.NodeUp(
+        claim=wire.NodeClaim(
+            run_name=RUN,
+            node_rank=draw(st.integers(0, 7)),
+            nnodes=draw(st.integers(0, 8)),
+            hostname="fuzz",
+            launcher_pid=draw(U32),
+        )
+    ).SerializeToString()
 
 
 def requests(method: str):
@@ -188,7 +229,8 @@ def requests(method: str):
         return st.one_of(
             st.lists(payloads(method), min_size=1, max_size=4),
             st.tuples(claim_of_this_run(), st.lists(payloads(method), max_size=3)).map(
-                lambda first_rest: [first_rest[0], *first_rest[1]]),
+                lambda first_rest: [first_rest[0], *first_rest[1]]
+            ),
         )
     if method == "Stream":
         return st.lists(payloads(method), min_size=1, max_size=4)
@@ -206,48 +248,67 @@ def could_be_a_real_ranks_batch(data: bytes) -> bool:
         batch = wire.Batch.FromString(data)
     except Exception:
         return False
-    return batch.run_name == RUN and batch.WhichOneof("sender") in (None, "rank") and (
-        batch.rank < WORLD
+    return (
+        batch.run_name == RUN
+        and batch.WhichOneof("sender") in (None, "rank")
+        and (batch.rank < WORLD)
     )
 
 
+@pytest.mark.torchrun
+@pytest.mark.aggregator
 @pytest.mark.slow
 def test_fuzzed_aggregator_stays_up_stores_nothing_invalid_and_serves_a_real_run(tmp_path):
-    with LiveAggregator(tmp_path / "run", RUN, world_size=WORLD,
-                        extra_args=("--finalize-timeout-sec", "0.05")) as agg:
+    with LiveAggregator(
+        tmp_path / "run", RUN, world_size=WORLD, extra_args=("--finalize-timeout-sec", "0.05")
+    ) as agg:
         channels = {
             name: open_channel(agg.target, credentials=Credentials(token=token))
             for name, token in TOKENS.items()
         }
         calls = {
             (name, method): channel.unary_unary(f"/traceml.wire.v1.Aggregator/{method}")
-            for name, channel in channels.items() for method in METHODS
+            for name, channel in channels.items()
+            for method in METHODS
         }
-        calls.update({
-            (name, method): channel.stream_stream(f"/traceml.wire.v1.Aggregator/{method}")
-            for name, channel in channels.items() for method in STREAMS
-        })
+        calls.update(
+            {
+                (name, method): channel.stream_stream(f"/traceml.wire.v1.Aggregator/{method}")
+                for name, channel in channels.items()
+                for method in STREAMS
+            }
+        )
         sent = {"valid": 0, "none": 0, "wrong": 0}
         codes: dict[str, set] = {name: set() for name in TOKENS}
         stream_codes: dict[str, set] = {method: set() for method in STREAMS}  # with the token
 
-        @settings(max_examples=400, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
         @given(st.lists(CALL, min_size=4, max_size=10))
         def feed(batch_of_calls):
             in_flight = []  # the calls of one example go out together
             for method, token, data in batch_of_calls:
                 if method in STREAMS:
-                    data = [m for m in data if not (token == "valid" and method == "Stream"
-                                                    and could_be_a_real_ranks_batch(m))]
+                    data = [
+                        m
+                        for m in data
+                        if not (
+                            token == "valid"
+                            and method == "Stream"
+                            and could_be_a_real_ranks_batch(m)
+                        )
+                    ]
                     if data:  # a stream's call starts at once, reading the list on its own
-                        in_flight.append((method, token, data,
-                                          calls[token, method](iter(data), timeout=10)))
+                        in_flight.append(
+                            (method, token, data, calls[token, method](iter(data), timeout=10))
+                        )
                     continue
                 if token == "valid" and method == "Push" and could_be_a_real_ranks_batch(data):
                     continue
-                in_flight.append((method, token, data,
-                                  calls[token, method].future(data, timeout=10)))
+                in_flight.append(
+                    (method, token, data, calls[token, method].future(data, timeout=10))
+                )
             for method, token, data, future in in_flight:
                 if method in STREAMS:
                     try:
@@ -277,35 +338,58 @@ def test_fuzzed_aggregator_stays_up_stores_nothing_invalid_and_serves_a_real_run
         assert codes["none"] == codes["wrong"] == {grpc.StatusCode.UNAUTHENTICATED}
         # Streams with the token were served to their end, and some were refused.
         assert grpc.StatusCode.OK in stream_codes["Stream"], stream_codes
-        assert {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT} <= \
-            stream_codes["NodeSession"], stream_codes  # refused: a session not begun by a claim
-        print(f"fuzz: {sent} calls in {fuzz_s:.1f} s; codes with the token: "
-              f"{sorted(c.name for c in codes['valid'])}; of its streams: "
-              f"{ {m: sorted(c.name for c in cs) for m, cs in stream_codes.items()} }")
+        assert {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT} <= stream_codes[
+            "NodeSession"
+        ], stream_codes  # refused: a session not begun by a claim
+        print(
+            f"fuzz: {sent} calls in {fuzz_s:.1f} s; codes with the token: "
+            f"{sorted(c.name for c in codes['valid'])}; of its streams: "
+            f"{ {m: sorted(c.name for c in cs) for m, cs in stream_codes.items()} }"
+        )
 
         # Alive and serving.
         assert agg.process.poll() is None
-        wait_serving(agg.target, 10)
+        wait_serving(agg.target, LOADED_CALL_S, agg.process)
 
         # A real 2-rank job through it.
-        env = traceml_env({"TRACEML_AGGREGATOR": agg.target, "TRACEML_RUN_NAME": RUN,
-                           "TRACEML_FLUSH_INTERVAL_SEC": "0.2"})
+        env = traceml_env(
+            {
+                "TRACEML_AGGREGATOR": agg.target,
+                "TRACEML_RUN_NAME": RUN,
+                "TRACEML_FLUSH_INTERVAL_SEC": "0.2",
+            }
+        )
         job = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-             f"--master-port={free_port()}", "--master-addr=127.0.0.1",
-             str(SCRIPTS / "faulty_ddp.py"), "--steps", str(STEPS)],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                f"--master-port={free_port()}",
+                "--master-addr=127.0.0.1",
+                str(SCRIPTS / "faulty_ddp.py"),
+                "--steps",
+                str(STEPS),
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert job.returncode == 0, job.stderr[-3000:]
         assert agg.stop() == 0
 
-    assert agg.query("SELECT rank, restart, COUNT(*), COUNT(DISTINCT step) FROM steps "
-                     "GROUP BY rank, restart") == [(0, 0, STEPS, STEPS), (1, 0, STEPS, STEPS)]
+    assert agg.query(
+        "SELECT rank, restart, COUNT(*), COUNT(DISTINCT step) FROM steps GROUP BY rank, restart"
+    ) == [(0, 0, STEPS, STEPS), (1, 0, STEPS, STEPS)]
     assert agg.query("SELECT rank, restart, world_size FROM ranks ORDER BY rank") == [
-        (0, 0, WORLD), (1, 0, WORLD)
+        (0, 0, WORLD),
+        (1, 0, WORLD),
     ]
     assert agg.query("SELECT rank, steps_completed FROM rank_finish ORDER BY rank") == [
-        (0, STEPS), (1, STEPS)
+        (0, STEPS),
+        (1, STEPS),
     ]
     # Nothing stored names a rank outside the run, whatever was sent.
     for table in ("process_samples", "rank_ends"):

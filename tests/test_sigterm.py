@@ -14,8 +14,10 @@ import sys
 import time
 
 import pytest
-from conftest import SCRIPTS, traceml_env
+from conftest import SCRIPTS, signal_and_wait, traceml_env
 from live_aggregator import LiveAggregator
+
+pytestmark = [pytest.mark.aggregator, pytest.mark.serial]
 
 STEPS = 5
 
@@ -29,21 +31,24 @@ def aggregator(tmp_path):
 def run_until_sigterm(aggregator, mode: str) -> tuple[int, float, str]:
     """Start the script in ``mode``, SIGTERM it once ready; (its return code, s from the
     signal to its exit, its stdout after ``ready``)."""
-    env = traceml_env({
-        "TRACEML_AGGREGATOR": aggregator.target, "TRACEML_RUN_NAME": "sig",
-        "TRACEML_FLUSH_INTERVAL_SEC": "3600",
-    })
+    env = traceml_env(
+        {
+            "TRACEML_AGGREGATOR": aggregator.target,
+            "TRACEML_RUN_NAME": "sig",
+            "TRACEML_FLUSH_INTERVAL_SEC": "3600",
+        }
+    )
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS / "sigterm_rank.py"), "--mode", mode, "--steps", str(STEPS)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline() == "ready\n", proc.stderr.read()
         time.sleep(0.1)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
-        took = time.monotonic() - sent
+        code, took = signal_and_wait(proc, signal.SIGTERM, 30)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -44,7 +44,9 @@ def step_of(env: dict, **changes: str | None) -> slurm.SlurmStep:
     return step
 
 
-def derived(step: slurm.SlurmStep, explicit: set[str] = frozenset(), **flags) -> tuple[LaunchConfig, str]:
+def derived(
+    step: slurm.SlurmStep, explicit: set[str] = frozenset(), **flags
+) -> tuple[LaunchConfig, str]:
     config = LaunchConfig(script="train.py", **flags)
     line = slurm.apply(config, set(explicit), step)
     return config, line
@@ -53,8 +55,9 @@ def derived(step: slurm.SlurmStep, explicit: set[str] = frozenset(), **flags) ->
 # --- workers per node ---------------------------------------------------------------------
 def test_gpus_per_node_with_a_type_gives_four_workers_on_every_node():
     for node_id in ("0", "1"):
-        step = step_of(STEP_ENV, SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="a100:4",
-                       SLURM_NODEID=node_id)
+        step = step_of(
+            STEP_ENV, SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="a100:4", SLURM_NODEID=node_id
+        )
         config, line = derived(step)
         assert (config.node_rank, config.nproc_per_node) == (int(node_id), 4)
         assert "--nproc-per-node=4 (SLURM_GPUS_PER_NODE)" in line
@@ -67,8 +70,8 @@ def test_gpus_per_node_with_a_type_gives_four_workers_on_every_node():
         ("4", 5, 4),
         ("a100:4", 1, 4),
         ("gpu:a100:4", 1, 4),
-        ("a100:2,v100:1", 0, 3),   # two GPU types on every node add up
-        ("4,2", 0, 4),             # per-node list: node 0 has 4, node 1 has 2
+        ("a100:2,v100:1", 0, 3),  # two GPU types on every node add up
+        ("4,2", 0, 4),  # per-node list: node 0 has 4, node 1 has 2
         ("4,2", 1, 2),
         ("2(x3)", 2, 2),
         ("2(x3),1", 3, 1),
@@ -82,7 +85,7 @@ def test_gpus_per_node_values(value, node_rank, count):
     "value, node_rank, why",
     [
         ("a100:x", 0, "is not a GPU count"),
-        ("a100:2,3", 0, "is not a GPU count"),     # typed and untyped items mixed
+        ("a100:2,3", 0, "is not a GPU count"),  # typed and untyped items mixed
         ("four", 0, "is not a GPU count"),
         ("4,2", 2, "lists 2 nodes, not node 2"),
         ("0", 0, "gives node 0 no GPU"),
@@ -99,14 +102,19 @@ def test_bad_gpus_per_node_values_are_clear_errors(value, node_rank, why):
 
 def test_worker_count_sources_in_order():
     assert step_of(STEP_ENV, SLURM_GPUS_PER_NODE="a100:4").workers_per_node(1) == (
-        8, "SLURM_GPUS_ON_NODE")
+        8,
+        "SLURM_GPUS_ON_NODE",
+    )
     # CPU-only nodes: no GPU count (or 0), the tasks per node decide.
     for gpus in (None, "0"):
         step = step_of(STEP_ENV, SLURM_GPUS_ON_NODE=gpus, SLURM_NTASKS_PER_NODE="3")
         assert step.workers_per_node(1) == (3, "SLURM_NTASKS_PER_NODE")
     none = step_of(STEP_ENV, SLURM_GPUS_ON_NODE=None, SLURM_NTASKS_PER_NODE=None)
-    with pytest.raises(LaunchError, match="none of SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE, "
-                                          "SLURM_NTASKS_PER_NODE is set; pass --nproc-per-node"):
+    with pytest.raises(
+        LaunchError,
+        match="none of SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE, "
+        "SLURM_NTASKS_PER_NODE is set; pass --nproc-per-node",
+    ):
         none.workers_per_node(0)
     with pytest.raises(LaunchError, match=r"SLURM_GPUS_ON_NODE='x2' is not a whole number >= 1"):
         step_of(STEP_ENV, SLURM_GPUS_ON_NODE="x2").workers_per_node(0)
@@ -127,8 +135,9 @@ def test_every_flag_is_derived_and_named_once():
 
 def test_explicit_flags_win():
     explicit = {"nproc_per_node", "run_name", "master_addr"}
-    config, line = derived(step_of(STEP_ENV), explicit, nproc_per_node=3, run_name="mine",
-                           master_addr="gpu07-ib")
+    config, line = derived(
+        step_of(STEP_ENV), explicit, nproc_per_node=3, run_name="mine", master_addr="gpu07-ib"
+    )
     assert (config.nproc_per_node, config.run_name, config.master_addr) == (3, "mine", "gpu07-ib")
     assert (config.nnodes, config.node_rank) == (2, 1)
     assert "nproc-per-node" not in line and "run-name" not in line and "master-addr" not in line
@@ -139,14 +148,26 @@ def test_explicit_flags_win():
 
 def test_the_step_counts_not_the_job():
     # srun -N2 on the last two nodes of a 3-node job: Slurm numbers nodes within the step.
-    step = step_of(STEP_ENV, SLURM_JOB_NODELIST="gpu[01-03]", SLURM_STEP_NODELIST="gpu[02-03]",
-                   SLURM_NNODES="2", SLURM_STEP_NUM_NODES="2", SLURM_NODEID="0")
+    step = step_of(
+        STEP_ENV,
+        SLURM_JOB_NODELIST="gpu[01-03]",
+        SLURM_STEP_NODELIST="gpu[02-03]",
+        SLURM_NNODES="2",
+        SLURM_STEP_NUM_NODES="2",
+        SLURM_NODEID="0",
+    )
     config, _ = derived(step)
     assert (config.nnodes, config.node_rank, config.master_addr) == (2, 0, "gpu02")
     # The batch script has no step variables: the job's are used.
-    batch = step_of(STEP_ENV, SLURM_STEP_ID=None, SLURM_STEP_NUM_NODES=None,
-                    SLURM_STEP_NODELIST=None, SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu07",
-                    SLURM_NODEID="0")
+    batch = step_of(
+        STEP_ENV,
+        SLURM_STEP_ID=None,
+        SLURM_STEP_NUM_NODES=None,
+        SLURM_STEP_NODELIST=None,
+        SLURM_NNODES="1",
+        SLURM_JOB_NODELIST="gpu07",
+        SLURM_NODEID="0",
+    )
     config, line = derived(batch)
     assert (config.nnodes, config.node_rank, config.master_addr) == (1, 0, "127.0.0.1")
     assert "(SLURM_NNODES)" in line and "master-addr" not in line
@@ -156,14 +177,22 @@ def test_the_step_counts_not_the_job():
     "env, message",
     [
         (None, "--slurm: not inside a Slurm job (SLURM_JOB_ID is not set)"),
-        ({"SLURM_STEP_ID": None, "SLURM_STEP_NUM_NODES": None},
-         "--slurm outside srun: this is the batch script (or an salloc shell) of a 2-node job"),
-        ({"SLURM_NODEID": "one"}, "--slurm: SLURM_NODEID='one' is not a whole number >= 0; "
-                                  "pass --node-rank"),
-        ({"SLURM_STEP_NUM_NODES": "0"}, "--slurm: SLURM_STEP_NUM_NODES='0' is not a whole "
-                                        "number >= 1; pass --nnodes"),
-        ({"SLURM_STEP_NODELIST": "gpu[07-"}, "--slurm: SLURM_STEP_NODELIST='gpu[07-' is not a "
-                                             "Slurm host list"),
+        (
+            {"SLURM_STEP_ID": None, "SLURM_STEP_NUM_NODES": None},
+            "--slurm outside srun: this is the batch script (or an salloc shell) of a 2-node job",
+        ),
+        (
+            {"SLURM_NODEID": "one"},
+            "--slurm: SLURM_NODEID='one' is not a whole number >= 0; pass --node-rank",
+        ),
+        (
+            {"SLURM_STEP_NUM_NODES": "0"},
+            "--slurm: SLURM_STEP_NUM_NODES='0' is not a whole number >= 1; pass --nnodes",
+        ),
+        (
+            {"SLURM_STEP_NODELIST": "gpu[07-"},
+            "--slurm: SLURM_STEP_NODELIST='gpu[07-' is not a Slurm host list",
+        ),
     ],
 )
 def test_unusable_environments_are_clear_errors(env, message):
@@ -192,7 +221,9 @@ def test_node_rank_zero_on_slurm_node_one_names_the_batch_shell_expansion(monkey
     assert "examples/slurm/launch.sh" in message and "--slurm" in message
     config = LaunchConfig(script="t.py", nnodes=2, node_rank=1, master_addr="gpu07")
     set_env(monkeypatch, {**STEP_ENV, "SLURM_NODEID": "0"})
-    with pytest.raises(claim.ClaimError, match="every node's --node-rank must be its own SLURM_NODEID"):
+    with pytest.raises(
+        claim.ClaimError, match="every node's --node-rank must be its own SLURM_NODEID"
+    ):
         claim.check(config)
 
 
@@ -207,11 +238,12 @@ def test_slurm_layout_mistakes(monkeypatch):
         claim.check(config)
     assert not isinstance(info.value, claim.ClaimError)
     assert "--nnodes 3 is more nodes than this Slurm step has (SLURM_STEP_NUM_NODES=2)" in str(
-        info.value)
+        info.value
+    )
 
 
 def test_master_address_must_be_node_zero(monkeypatch):
-    other = "127.77.0.11"   # another "node"'s loopback address, as in the Slurm lab
+    other = "127.77.0.11"  # another "node"'s loopback address, as in the Slurm lab
     set_env(monkeypatch, {**STEP_ENV, "SLURM_NODEID": "0"})
     node0 = LaunchConfig(script="t.py", nnodes=2, node_rank=0, master_addr=other)
     with pytest.raises(LaunchError) as info:
@@ -225,15 +257,16 @@ def test_master_address_must_be_node_zero(monkeypatch):
         claim.check(node1)
     # Outside Slurm only node 0 can tell: a second "node 0" on another host.
     set_env(monkeypatch, {})
-    with pytest.raises(claim.ClaimError, match=f"--node-rank is 0, but --master-addr {other} is "
-                                               "another host"):
+    with pytest.raises(
+        claim.ClaimError, match=f"--node-rank is 0, but --master-addr {other} is another host"
+    ):
         claim.check(node0)
     claim.check(LaunchConfig(script="t.py", nnodes=2, node_rank=1, master_addr="127.0.0.1"))
 
 
 def test_single_node_runs_and_the_batch_script_are_never_refused(monkeypatch):
     set_env(monkeypatch, {**STEP_ENV, "SLURM_LOCALID": "3"})
-    claim.check(LaunchConfig(script="t.py"))                      # one node, on node 1
+    claim.check(LaunchConfig(script="t.py"))  # one node, on node 1
     set_env(monkeypatch, {k: v for k, v in STEP_ENV.items() if k != "SLURM_STEP_ID"})
     claim.check(LaunchConfig(script="t.py", nnodes=2, node_rank=0))  # the batch script
 
@@ -250,8 +283,12 @@ def test_is_this_host():
     assert claim.is_this_host(socket.gethostname())
     assert claim.is_this_host("localhost") and claim.is_this_host("127.0.0.1")
     assert not claim.is_this_host("127.77.0.11")
-    public = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-              if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    public = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
     if public:
         assert claim.is_this_host(public[0])
     with pytest.raises(LaunchError, match="does not resolve"):
@@ -259,10 +296,15 @@ def test_is_this_host():
 
 
 # --- the command line ---------------------------------------------------------------------
+@pytest.mark.torchrun
 def test_cli_prints_the_derived_flags_and_keeps_the_given_ones(tmp_path):
     env = {**STEP_ENV, "SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "a100:4"}
-    proc = run_traceml(["run", "missing.py", "--slurm", "--run-name=mine", "--master-port=1234"],
-                       tmp_path, env=env, timeout=60)
+    proc = run_traceml(
+        ["run", "missing.py", "--slurm", "--run-name=mine", "--master-port=1234"],
+        tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
     assert lines[0] == (
@@ -273,16 +315,30 @@ def test_cli_prints_the_derived_flags_and_keeps_the_given_ones(tmp_path):
     assert lines[1] == "traceml: error: training script 'missing.py' not found"
 
 
+@pytest.mark.torchrun
 def test_cli_refuses_a_wrong_claim_and_says_node0_could_not_be_told(tmp_path):
     port = free_port()
     proc = run_traceml(
-        ["run", str(EXAMPLES / "ddp_minimal.py"), "--nnodes=2", "--node-rank=0",
-         "--run-name=r", f"--aggregator-port={port}", f"--logs-dir={tmp_path}"],
-        tmp_path, env={**STEP_ENV, "TRACEML_AGGREGATOR_START_SEC": "1"}, timeout=60,
+        [
+            "run",
+            str(EXAMPLES / "ddp_minimal.py"),
+            "--nnodes=2",
+            "--node-rank=0",
+            "--run-name=r",
+            f"--aggregator-port={port}",
+            f"--logs-dir={tmp_path}",
+        ],
+        tmp_path,
+        env={**STEP_ENV, "TRACEML_AGGREGATOR_START_SEC": "1"},
+        timeout=60,
     )
     assert proc.returncode == 2
-    assert "traceml: error: this is node 1 of Slurm step 77.0 (SLURM_NODEID=1), but " \
-           "--node-rank is 0" in proc.stderr
-    assert f"traceml: node 0 was not told (no TraceML aggregator serving at 127.0.0.1:{port} " \
-           "after 1 s)" in proc.stderr
+    assert (
+        "traceml: error: this is node 1 of Slurm step 77.0 (SLURM_NODEID=1), but "
+        "--node-rank is 0" in proc.stderr
+    )
+    assert (
+        f"traceml: node 0 was not told (no TraceML aggregator serving at 127.0.0.1:{port} "
+        "after 1 s)" in proc.stderr
+    )
     assert not (tmp_path / "r").exists()

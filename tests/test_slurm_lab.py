@@ -26,8 +26,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 NODES, GPUS_PER_NODE, STEPS = 2, 2, 12
 #: sbatch options that fit the template's job to the lab (2 CPUs per node, 2 fake GPUs).
-FIT_TO_LAB = (f"--nodes={NODES}", "--ntasks-per-node=1", f"--gres=gpu:{GPUS_PER_NODE}",
-              "--cpus-per-task=1")
+FIT_TO_LAB = (
+    f"--nodes={NODES}",
+    "--ntasks-per-node=1",
+    f"--gres=gpu:{GPUS_PER_NODE}",
+    "--cpus-per-task=1",
+)
 #: Bound on a whole training job here (2 cores shared by 4 ranks, 2 launchers, the aggregator).
 JOB_TIMEOUT_S = 300
 
@@ -60,10 +64,13 @@ def submit(lab: SlurmLab, tmp_path: Path, template: str, *args: str, **env: str)
     """
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return lab.sbatch(
-        ROOT / template, *FIT_TO_LAB, "-o", str(tmp_path / "job-%j.out"),
-        env={"PATH": path, **env}, cwd=ROOT,
-        script_args=[f"--logs-dir={tmp_path / 'logs'}", f"--aggregator-port={free_port()}",
-                     *args],
+        ROOT / template,
+        *FIT_TO_LAB,
+        "-o",
+        str(tmp_path / "job-%j.out"),
+        env={"PATH": path, **env},
+        cwd=ROOT,
+        script_args=[f"--logs-dir={tmp_path / 'logs'}", f"--aggregator-port={free_port()}", *args],
     )
 
 
@@ -93,8 +100,14 @@ def assert_trained_everywhere(run_dir: Path) -> None:
 
 
 def test_template_with_the_wrapper(lab, tmp_path):
-    job = submit(lab, tmp_path, "examples/slurm/traceml_ddp.sbatch", "--steps", str(STEPS),
-                 MASTER_PORT=str(free_port()))
+    job = submit(
+        lab,
+        tmp_path,
+        "examples/slurm/traceml_ddp.sbatch",
+        "--steps",
+        str(STEPS),
+        MASTER_PORT=str(free_port()),
+    )
     state, code = lab.wait(job, timeout=JOB_TIMEOUT_S)
     out = job_output(tmp_path, job)
     assert (state, code) == ("COMPLETED", 0), out
@@ -106,8 +119,14 @@ def test_template_with_the_wrapper(lab, tmp_path):
 
 
 def test_slurm_flag_instead_of_explicit_flags(lab, tmp_path):
-    job = submit(lab, tmp_path, "examples/slurm/traceml_ddp_auto.sbatch",
-                 f"--master-port={free_port()}", "--steps", str(STEPS))
+    job = submit(
+        lab,
+        tmp_path,
+        "examples/slurm/traceml_ddp_auto.sbatch",
+        f"--master-port={free_port()}",
+        "--steps",
+        str(STEPS),
+    )
     state, code = lab.wait(job, timeout=JOB_TIMEOUT_S)
     out = job_output(tmp_path, job)
     assert (state, code) == ("COMPLETED", 0), out
@@ -124,8 +143,14 @@ def test_slurm_flag_instead_of_explicit_flags(lab, tmp_path):
 def test_wrong_template_fails_fast_naming_the_cause(lab, tmp_path):
     """``srun traceml run ... --node-rank=$SLURM_NODEID`` inline: both nodes claim rank 0."""
     started = time.monotonic()
-    job = submit(lab, tmp_path, "tests/scripts/wrong_inline.sbatch", "--steps", str(STEPS),
-                 MASTER_PORT=str(free_port()))
+    job = submit(
+        lab,
+        tmp_path,
+        "tests/scripts/wrong_inline.sbatch",
+        "--steps",
+        str(STEPS),
+        MASTER_PORT=str(free_port()),
+    )
     state, code = lab.wait(job, timeout=60)
     elapsed_s = time.monotonic() - started
     out = job_output(tmp_path, job)
@@ -143,12 +168,21 @@ def test_wrong_template_fails_fast_naming_the_cause(lab, tmp_path):
 
 def test_master_address_of_another_node_fails_fast_on_both(lab, tmp_path):
     """``--master-addr=node2`` (given last, so it wins over the template's): node 0 is node1."""
-    job = submit(lab, tmp_path, "examples/slurm/traceml_ddp.sbatch", "--master-addr=node2",
-                 MASTER_PORT=str(free_port()))
+    job = submit(
+        lab,
+        tmp_path,
+        "examples/slurm/traceml_ddp.sbatch",
+        "--master-addr=node2",
+        MASTER_PORT=str(free_port()),
+    )
     state, code = lab.wait(job, timeout=60)
     out = job_output(tmp_path, job)
     assert (state, code) == ("FAILED", 2), out
-    assert ("traceml: error: --master-addr node2 is another host, but this host (node1) is node 0 "
-            "of the Slurm step") in out
-    assert ("traceml: error: --master-addr node2 is this host (node2), but this is node 1 of the "
-            "Slurm step") in out
+    assert (
+        "traceml: error: --master-addr node2 is another host, but this host (node1) is node 0 "
+        "of the Slurm step"
+    ) in out
+    assert (
+        "traceml: error: --master-addr node2 is this host (node2), but this is node 1 of the "
+        "Slurm step"
+    ) in out

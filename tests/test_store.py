@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-
 from pathlib import Path
 
 import pytest
+from helpers.batches import node_batch, node_exit, rank_end
+from helpers.batches import rank_batch as batch
 
 from traceml import wire
 from traceml.wire.records import add_steps
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
-
-
-def batch(seq: int, steps: range, *, rank: int = 0, restart: int = 0, **fields) -> wire.Batch:
-    b = wire.Batch(run_name="r", rank=rank, restart_count=restart, seq=seq, **fields)
-    add_steps(b, ({"step": i, "end_us": i + 1, "step_us": 1} for i in steps))
-    return b
 
 
 def results(store: Store, *batches) -> list[tuple[int, bool]]:
@@ -53,7 +48,7 @@ def test_the_key_is_sender_restart_and_seq(tmp_path):
         batch(1, range(3), rank=1),  # another rank
         batch(1, range(3), rank=0, restart=1),  # rank 0's next torchrun attempt
     )
-    node = wire.Batch(run_name="r", node_rank=0, seq=1)  # node 0's sampler, not rank 0
+    node = node_batch(1)  # node 0's sampler, not rank 0
     node.system_samples.add(unix_us=1, node_rank=0, hostname="h")
     stored += results(store, node)
     assert stored == [(1, False)] * 4
@@ -77,8 +72,7 @@ def test_a_failed_transaction_stores_nothing_and_forgets_its_seqs(tmp_path):
     store = Store(tmp_path / "t.sqlite")
     good = batch(1, range(3), rank=0)
     # 2**64 - 1 is a valid uint64 on the wire but not an SQLite integer: the insert fails.
-    bad = batch(1, range(0), rank=1)
-    add_steps(bad, [{"step": 0, "end_us": 2**64 - 1, "step_us": 1}])
+    bad = batch(1, [0], rank=1, row=lambda i: {"step": i, "end_us": 2**64 - 1, "step_us": 1})
     with pytest.raises(OverflowError):
         store.write_batches([good, bad], 0)
     assert count(store, "SELECT COUNT(*) FROM steps") == 0
@@ -93,7 +87,8 @@ def test_every_step_of_a_group_is_stored_once_whatever_its_size(tmp_path, n):
     store = Store(tmp_path / "t.sqlite")
     assert results(store, batch(1, range(n), rank=5, restart=2)) == [(1, False)]
     assert rows(store, "SELECT rank, restart, step, end_us, step_us FROM steps ORDER BY step") == [
-        (5, 2, i, i + 1, 1) for i in range(n)]
+        (5, 2, i, i + 1, 1) for i in range(n)
+    ]
 
 
 def test_a_malformed_step_group_fails_its_transaction_before_any_row(tmp_path):
@@ -106,7 +101,10 @@ def test_a_malformed_step_group_fails_its_transaction_before_any_row(tmp_path):
     assert count(store, "SELECT COUNT(*) FROM steps") == 0
     assert results(store, good) == [(1, False)]
     assert rows(store, "SELECT rank, step, end_us, step_us, forward_us FROM steps") == [
-        (0, 0, 1, 1, None), (0, 1, 2, 1, None), (0, 2, 3, 1, None)]
+        (0, 0, 1, 1, None),
+        (0, 1, 2, 1, None),
+        (0, 2, 3, 1, None),
+    ]
 
 
 def test_finish_marker_and_identity_are_stored_with_their_batch(tmp_path):
@@ -121,8 +119,7 @@ def test_finish_marker_and_identity_are_stored_with_their_batch(tmp_path):
 def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     """Batches queued together share a transaction; one that fails it fails alone."""
     good = batch(1, range(3), rank=0)
-    bad = batch(1, range(0), rank=1)
-    add_steps(bad, [{"step": 0, "end_us": 2**64 - 1, "step_us": 1}])
+    bad = batch(1, range(2), rank=1, finish=wire.RankFinish(end_state=77))  # no such state
     stored: list[int] = []
 
     async def main():
@@ -143,6 +140,85 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     assert (steps, batches_stored, stored) == (3, 1, [0])
 
 
+def test_a_failing_on_stored_stops_neither_the_writer_nor_later_batches(tmp_path):
+    """``on_stored`` raising for a batch (a bug of the live state) is counted; that batch and
+    every later one are stored and answered (issue 24, item 8: one exception stopped the
+    writer, and every later ``store_batch`` waited for ever)."""
+    seen: list[int] = []
+
+    def on_stored(b) -> None:
+        seen.append(b.seq)
+        if b.seq == 1:
+            raise KeyError("a bug")
+
+    async def main():
+        writer = Writer(Store(tmp_path / "t.sqlite"), on_stored)
+        writer.start()
+        answered = [
+            await asyncio.wait_for(writer.store_batch(batch(s, range(2 * s - 2, 2 * s))), 10)
+            for s in (1, 2, 3)
+        ]
+        steps = await writer.call(count, writer.store, "SELECT COUNT(*) FROM steps")
+        await writer.close()
+        return answered, steps, writer
+
+    answered, steps, writer = asyncio.run(main())
+    assert [(r.stored_seq, r.duplicate, r.rejected) for r in answered] == [
+        (1, False, ""),
+        (2, False, ""),
+        (3, False, ""),
+    ]
+    assert (steps, seen, writer.batches_stored, writer.on_stored_errors) == (6, [1, 2, 3], 3, 1)
+
+
+def test_a_value_beyond_the_stores_integers_is_dropped_not_its_batch(tmp_path):
+    """The wire's integers go to 2**64 - 1, SQLite's to 2**63 - 1: a value between is
+    dropped, counted, and the rest of its batch is stored with the batches that shared its
+    transaction (issue 24, item 4: the batch was refused, and its sender sent no more)."""
+    big = 1 << 63
+    good = batch(1, range(3), rank=0)
+    wide = wire.Batch(run_name="r", rank=1, seq=1)
+    add_steps(
+        wide,
+        [
+            {"step": 0, "end_us": 1, "step_us": 1, "flops": big},  # the flops alone dropped
+            {"step": 1, "end_us": 2, "step_us": 1, "flops": 7},
+            {"step": 2, "end_us": 2**64 - 1, "step_us": 1, "flops": 7},  # the whole step dropped
+            {"step": 3, "end_us": 4, "step_us": 1, "flops": big, "peak_allocated_bytes": big},
+        ],
+    )
+    wide.process_samples.add(unix_us=5, rss_bytes=big, cpu_percent=1.0)
+    wide.flops_counts.add(step=0, forward_flops=3, count_us=big)
+
+    async def main():
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: None)
+        futures = [asyncio.ensure_future(writer.store_batch(b)) for b in (good, wide)]
+        await asyncio.sleep(0)  # both queued before the writer takes them: one transaction
+        writer.start()
+        done = await asyncio.gather(*futures)
+        steps = await writer.call(
+            rows,
+            writer.store,
+            "SELECT rank, step, flops, peak_allocated_bytes FROM steps ORDER BY rank, step",
+        )
+        process = await writer.call(rows, writer.store, "SELECT rss_bytes FROM process_samples")
+        flops = await writer.call(rows, writer.store, "SELECT count_us FROM rank_flops")
+        await writer.close()
+        return done, steps, process, flops
+
+    done, steps, process, flops = asyncio.run(main())
+    assert [(r.stored_seq, r.rejected, r.values_dropped) for r in done] == [(1, "", 0), (1, "", 6)]
+    assert steps == [
+        (0, 0, None, None),
+        (0, 1, None, None),
+        (0, 2, None, None),
+        (1, 0, None, None),
+        (1, 1, 7, None),
+        (1, 3, None, None),
+    ]
+    assert (process, flops) == ([(None,)], [(0,)])
+
+
 def test_drain_waits_for_what_was_queued_before_it_not_for_a_flood(tmp_path):
     """A Summarize drains the writer under a flood of batches: it waits for the batches queued
     before it, not for an empty queue, which a flood never leaves (it timed out then)."""
@@ -157,7 +233,9 @@ def test_drain_waits_for_what_was_queued_before_it_not_for_a_flood(tmp_path):
 
         async def flood():  # the queue is never empty while it runs
             while flooding and len(later) < 20_000:
-                later.append(asyncio.ensure_future(writer.store_batch(batch(len(later) + 3, range(1)))))
+                later.append(
+                    asyncio.ensure_future(writer.store_batch(batch(len(later) + 3, range(1))))
+                )
                 await asyncio.sleep(0)
 
         flooder = asyncio.ensure_future(flood())
@@ -212,15 +290,10 @@ empty = batch(1, range(2))
 empty.step_groups.add()  # no column at all
 print(results(store, empty), count(store, "SELECT COUNT(*) FROM steps"))
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert (result.returncode, result.stdout) == (0, "[(1, False)] 2\n"), result.stderr[-500:]
-
-
-def node_exit(end_state: int) -> wire.NodeExit:
-    report = wire.NodeExit(run_name="r", node_rank=0, hostname="h", exit_code=1)
-    report.ranks.add(rank=0, local_rank=0, end_state=end_state, exit_code=1)
-    return report
 
 
 def test_a_node_exit_that_fails_leaves_no_transaction_open(tmp_path):
@@ -228,11 +301,12 @@ def test_a_node_exit_that_fails_leaves_no_transaction_open(tmp_path):
     transaction stayed open and every later write of the run failed with it."""
     store = Store(tmp_path / "t.sqlite")
     with pytest.raises(ValueError):
-        store.write_node_exit(node_exit(99), 0)
+        store.write_node_exit(node_exit([rank_end(0, 99, 1)], exit_code=1, hostname="h"), 0)
     assert results(store, batch(1, range(3))) == [(1, False)]
-    store.write_node_exit(node_exit(wire.EndState.END_STATE_FAILED), 5)
+    store.write_node_exit(node_exit([rank_end(0, "failed")], exit_code=1, hostname="h"), 5)
     assert rows(store, "SELECT node_rank, exit_code, received_unix_us FROM node_exits") == [
-        (0, 1, 5)]
+        (0, 1, 5)
+    ]
     assert rows(store, "SELECT rank, end_state FROM rank_ends") == [(0, "failed")]
     assert count(store, "SELECT COUNT(*) FROM steps") == 3
 
@@ -260,7 +334,8 @@ def test_an_attempt_older_than_a_stored_one_is_refused_across_reopens(tmp_path):
     assert refused.rejected == "a batch of rank 0 from attempt 0: attempt 1 is already stored"
     # Another rank's attempt 0, and the latest attempt, are still stored.
     assert results(store, batch(1, range(2), rank=1), batch(2, range(2, 3), restart=1)) == [
-        (1, False), (2, False),
+        (1, False),
+        (2, False),
     ]
     store.close()
     reopened = Store(tmp_path / "t.sqlite")

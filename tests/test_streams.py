@@ -35,6 +35,8 @@ from traceml.sdk import client as client_mod
 from traceml_aggregator.auth import TokenInterceptor
 from traceml_aggregator.senders import Rejections
 
+pytestmark = [pytest.mark.aggregator]
+
 #: Rank 1's process: streams steps, says so once one is acknowledged, then waits to be killed.
 VANISHING_RANK = """
 import sys, time
@@ -55,8 +57,9 @@ def test_a_rank_that_exits_cleanly_and_one_that_vanished_are_told_apart(tmp_path
         clean = make_client(agg.target, "live", warnings)
         for i in range(5):
             clean.submit(client_mod.STEPS, step(i))
-        vanishing = subprocess.Popen([sys.executable, "-c", VANISHING_RANK, agg.target],
-                                     stdout=subprocess.PIPE, text=True)
+        vanishing = subprocess.Popen(
+            [sys.executable, "-c", VANISHING_RANK, agg.target], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert vanishing.stdout.readline().strip() == "acked"
             killed_at = time.time()
@@ -69,14 +72,16 @@ def test_a_rank_that_exits_cleanly_and_one_that_vanished_are_told_apart(tmp_path
     assert warnings == []
     (meta,) = agg.query("SELECT value FROM meta WHERE key = 'sender_streams'")[0]
     streams = {s["id"]: s for s in json.loads(meta)}
-    assert {k: (s["sender"], s["state"], s["finished"], s["streams"]) for k, s in
-            streams.items()} == {0: ("rank", "closed", True, 1), 1: ("rank", "lost", False, 1)}
+    assert {
+        k: (s["sender"], s["state"], s["finished"], s["streams"]) for k, s in streams.items()
+    } == {0: ("rank", "closed", True, 1), 1: ("rank", "lost", False, 1)}
     # Known lost at once: the kernel reset the dead process's connection.
     assert killed_at <= streams[1]["since_unix_s"] <= killed_at + 5.0
     summary = load_summary(agg.run_dir)
-    assert [(s["id"], s["state"], s["finished"])
-            for s in summary["run"]["telemetry_health"]["sender_streams"]] == [
-        (0, "closed", True), (1, "lost", False)]
+    assert [
+        (s["id"], s["state"], s["finished"])
+        for s in summary["run"]["telemetry_health"]["sender_streams"]
+    ] == [(0, "closed", True), (1, "lost", False)]
 
 
 @pytest.mark.parametrize("method", ["Stream", "Summarize"])
@@ -90,8 +95,9 @@ def test_a_client_of_another_wire_version_is_refused_with_one_line_naming_both(t
                     batch = wire.Batch(run_name="v", rank=0, seq=1)
                     list(stub.Stream(iter([batch]), metadata=metadata, timeout=10))
                 else:
-                    stub.Summarize(wire.SummarizeRequest(run_name="v"), metadata=metadata,
-                                   timeout=10)
+                    stub.Summarize(
+                        wire.SummarizeRequest(run_name="v"), metadata=metadata, timeout=10
+                    )
         assert agg.stop() == 0
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert refused.value.details() == (
@@ -100,7 +106,8 @@ def test_a_client_of_another_wire_version_is_refused_with_one_line_naming_both(t
     )
     assert agg.query("SELECT COUNT(*) FROM steps") == [(0,)]
     assert json.loads(agg.query("SELECT value FROM meta WHERE key = 'rejected'")[0][0]) == {
-        "wire_version": 1}
+        "wire_version": 1
+    }
 
 
 class _OtherVersionAggregator:
@@ -114,7 +121,8 @@ class _OtherVersionAggregator:
 
     async def _serve(self) -> None:
         server = grpc.aio.server(
-            interceptors=[TokenInterceptor(TEST_RUN_TOKEN, Rejections(), wire_version=2)])
+            interceptors=[TokenInterceptor(TEST_RUN_TOKEN, Rejections(), wire_version=2)]
+        )
         wire.add_AggregatorServicer_to_server(wire.AggregatorServicer(), server)
         server.add_insecure_port(f"127.0.0.1:{self.port}")
         await server.start()
@@ -148,7 +156,8 @@ def test_this_client_at_an_aggregator_of_another_version_stops_with_one_line():
         with pytest.raises(grpc.RpcError) as refused:
             endpoint.call(target, "Summarize", wire.SummarizeRequest(run_name="v"), 10.0)
     assert warnings == [
-        f"aggregator rejected telemetry: {expected} (FAILED_PRECONDITION); sending no more"]
+        f"aggregator rejected telemetry: {expected} (FAILED_PRECONDITION); sending no more"
+    ]
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert refused.value.details() == expected
 
@@ -160,8 +169,7 @@ def test_acknowledgements_that_time_out_leave_no_thread_behind(tmp_path):
     with LiveAggregator(tmp_path / "run", "paused", world_size=1) as agg:
         baseline = threading.active_count()
         warnings: list[str] = []
-        client = make_client(agg.target, "paused", warnings, rpc_timeout_s=0.3,
-                             batch_max_records=1)
+        client = make_client(agg.target, "paused", warnings, rpc_timeout_s=0.3, batch_max_records=1)
         client.submit(client_mod.STEPS, step(0))
         deadline = time.monotonic() + 30
         while client.stats.acked < 1:

@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from rundata_factory import MIB, gpu_sample, rank, rich_run, run_of, step, steps, system_sample
+
 from traceml.analysis.summary import build_summary
 from traceml.report import to_json
 
@@ -38,8 +38,10 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 def _cpu_input_straggler():
     ranks = [rank(r, steps(input_wait=30_000 if r == 2 else 1000), node=r // 2) for r in range(4)]
-    system = {n: [system_sample(1_000_000 + k * 500_000, node=n, cpu=95.0) for k in range(4)]
-              for n in (0, 1)}
+    system = {
+        n: [system_sample(1_000_000 + k * 500_000, node=n, cpu=95.0) for k in range(4)]
+        for n in (0, 1)
+    }
     exits = {n: {"exit_code": 0, "hostname": f"host{n}", "restart_count": 0} for n in (0, 1)}
     return run_of(ranks, system=system, exits=exits), False
 
@@ -50,8 +52,10 @@ def _health():
     ranks[3] = rank(3, steps(), node=1, end="failed", exit_code=7, finish=False)
     ranks[2] = rank(2, steps(), node=1, end="terminated", exit_code=None, finish=False)
     ranks[1].end = ranks[1].finish = None
-    exits = {0: {"exit_code": 0, "hostname": "host0", "restart_count": 0},
-             1: {"exit_code": 7, "hostname": "host1", "restart_count": 0}}
+    exits = {
+        0: {"exit_code": 0, "hostname": "host0", "restart_count": 0},
+        1: {"exit_code": 7, "hostname": "host1", "restart_count": 0},
+    }
     return run_of(ranks, missing=[1], exits=exits), False
 
 
@@ -62,13 +66,23 @@ def _dropped_restarted():
         steps_completed=45, records_dropped=dropped, steps_gpu_unresolved=2, last_seq=12
     )
     # the counts of r0's last batch, the one with its finish marker
-    r0.counts = {"seq": 12, "records_produced": 45, "records_dropped": dropped,
-                 "steps_produced": 45, "steps_dropped": dropped}
+    r0.counts = {
+        "seq": 12,
+        "records_produced": 45,
+        "records_dropped": dropped,
+        "steps_produced": 45,
+        "steps_dropped": dropped,
+    }
     r1 = rank(1, [], finish=False)
     r1.end = None
     # r1 was killed without a finish marker: 4 steps dropped, 3 still buffered when last heard
-    r1.counts = {"seq": 9, "records_produced": 7, "records_dropped": 4, "steps_produced": 7,
-                 "steps_dropped": 4}
+    r1.counts = {
+        "seq": 9,
+        "records_produced": 7,
+        "records_dropped": 4,
+        "steps_produced": 7,
+        "steps_dropped": 4,
+    }
     return run_of([r0, r1]), False
 
 
@@ -79,16 +93,25 @@ def _live():
 
 
 def _zero_code():
-    system = {0: [system_sample(t, reason="NVML Shared Library Not Found")
-                  for t in range(0, 5_000_000, 1_000_000)]}
+    system = {
+        0: [
+            system_sample(t, reason="NVML Shared Library Not Found")
+            for t in range(0, 5_000_000, 1_000_000)
+        ]
+    }
     return run_of([rank(0, [], finish=False), rank(1, [], finish=False)], system=system), False
 
 
 def _memory():
     big = [step(i, alloc=(70_000 + i * 100) * MIB) for i in range(60)]
     small = steps(60, alloc=20_000 * MIB)
-    gpus = {0: [gpu_sample(t, g, 30.0 + 40 * g) for t in range(0, 3_000_000, 1_000_000)
-                for g in range(2)]}
+    gpus = {
+        0: [
+            gpu_sample(t, g, 30.0 + 40 * g)
+            for t in range(0, 3_000_000, 1_000_000)
+            for g in range(2)
+        ]
+    }
     return run_of([rank(0, big, uuid="GPU-0-0"), rank(1, small, uuid="GPU-0-1")], gpus=gpus), False
 
 
@@ -113,8 +136,9 @@ def _document(summary: dict, generated_unix_s: float) -> str:
 def test_hand_built_runs_give_the_golden_document(name):
     golden = (GOLDEN / f"{name}.json").read_text(encoding="utf-8")
     run, live = SCENARIOS[name]()
-    summary = build_summary(run, live=live)
-    assert _document(summary, json.loads(golden)["generated_unix_s"]) == golden
+    generated = json.loads(golden)["generated_unix_s"]
+    summary = build_summary(run, live=live, now_unix_s=generated)
+    assert _document(summary, generated) == golden
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -150,7 +174,8 @@ def _write() -> None:
 
     for name, make in SCENARIOS.items():
         run, live = make()
-        (GOLDEN / f"{name}.json").write_text(_document(build_summary(run, live=live), 0.0))
+        summary = build_summary(run, live=live, now_unix_s=0.0)
+        (GOLDEN / f"{name}.json").write_text(_document(summary, 0.0))
     for name in RUNS:
         path = GOLDEN / "runs" / f"{name}.json"
         before = json.loads(path.read_text(encoding="utf-8"))

@@ -9,13 +9,14 @@ from typing import Annotated
 
 import jsonschema
 import pytest
-
 from rundata_factory import gpu_sample, rank, rich_run, run_of, step, steps, system_sample
+
 from traceml.analysis import health, memory, step_time, system
 from traceml.analysis.document import RankMemory, Summary, Trend, summary_schema
-from traceml.analysis.rundata import STEP_FIELDS, StepColumns
+from traceml.analysis.rundata import StepTable
 from traceml.analysis.schema import Keys, Refine, Schema, json_schema, plain
 from traceml.analysis.summary import build, build_summary
+from traceml.core.phases import STEP_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = ROOT / "docs" / "final_summary.schema.json"
@@ -23,7 +24,7 @@ SCHEMA_PATH = ROOT / "docs" / "final_summary.schema.json"
 
 # --- step columns ----------------------------------------------------------------------------
 def test_step_columns_from_dicts_take_and_where():
-    cols = StepColumns.from_dicts(step(i, forward=1000 * i) for i in range(5))
+    cols = StepTable.from_dicts(step(i, forward=1000 * i) for i in range(5))
     assert len(cols) == 5 and set(cols.columns) == set(STEP_FIELDS)
     assert cols["step"] == (0, 1, 2, 3, 4)
     assert cols["forward_us"] == (0, 1000, 2000, 3000, 4000)
@@ -35,11 +36,11 @@ def test_step_columns_from_dicts_take_and_where():
 
 
 def test_step_columns_refuse_unknown_fields_and_uneven_lengths():
-    good = dict(StepColumns.from_dicts([step(0)]).columns)
+    good = dict(StepTable.from_dicts([step(0)]).columns)
     with pytest.raises(ValueError, match="not the step fields"):
-        StepColumns({**good, "loss_us": (1,)})
+        StepTable({**good, "loss_us": (1,)})
     with pytest.raises(ValueError, match="different lengths"):
-        StepColumns({**good, "step": (0, 1)})
+        StepTable({**good, "step": (0, 1)})
 
 
 # --- the typed document and its schema -------------------------------------------------------
@@ -99,7 +100,14 @@ def test_the_generator_maps_each_annotation():
     schema = json_schema(_Outer, defs={"inner": _Inner}, title="t", description="d")
     assert schema["$defs"] == {"inner": inner}
     assert schema["required"] == [
-        "name", "maybe", "inline", "items", "parts", "free", "counts", "narrowed"
+        "name",
+        "maybe",
+        "inline",
+        "items",
+        "parts",
+        "free",
+        "counts",
+        "narrowed",
     ]
     props = schema["properties"]
     assert props["name"] == {"enum": ["a", "b"]}
@@ -136,11 +144,11 @@ def test_a_health_rule_alone():
     r1.end = None
     run = run_of([rank(0, steps()), r1], missing=[1])
     ranks = build(run).ranks
-    found = health.rank_missing(health.Facts(run, ranks, live=False))
+    found = health.rank_missing(health.Facts(run, ranks, live=False, now_unix_s=2e9))
     assert (found.kind, found.ranks) == ("RANK_MISSING", [1])
     assert found.evidence == {"missing_ranks": [1]}
-    assert health.rank_missing(health.Facts(run, ranks, live=True)) is None
-    assert health.rank_crashed(health.Facts(run, ranks, live=False)) is None
+    assert health.rank_missing(health.Facts(run, ranks, live=True, now_unix_s=2e9)) is None
+    assert health.rank_crashed(health.Facts(run, ranks, live=False, now_unix_s=2e9)) is None
 
 
 def test_a_system_rule_alone():
@@ -152,14 +160,16 @@ def test_a_system_rule_alone():
     assert system.high_cpu(facts).evidence["per_node_cpu_percent_median"] == {"0": 97.0}
     low = system.low_gpu_utilization(facts)
     assert (low.kind, low.ranks, low.evidence["gpus"][0]["util_percent_median"]) == (
-        "LOW_GPU_UTILIZATION", [0], 20.0
+        "LOW_GPU_UTILIZATION",
+        [0],
+        20.0,
     )
     assert system.moderate_gpu_utilization(facts) is None
     assert system.high_ram(facts) is None and system.high_gpu_temperature(facts) is None
 
 
 def test_a_memory_rule_alone():
-    m = RankMemory(80 * 2**30, 79 * 2**30, 80 * 2**30, 98.8, None, None)
+    m = RankMemory(80 * 2**30, 79 * 2**30, 80 * 2**30, 98.8, None, None, None)
     assert memory.RULES == (memory._pressure, memory._imbalance, memory._creep)
     assert memory._pressure({0: m}).evidence["per_rank_pressure_pct"] == {"0": 98.8}
     assert memory._imbalance({0: m}) is None  # one rank has no spread
@@ -170,5 +180,7 @@ def test_a_step_time_data_rule_alone():
     typed = build(run)
     assert typed.primary_diagnosis.evidence["window_steps"] == 8
     assert [rule.__name__ for rule in step_time.INSUFFICIENT_RULES] == [
-        "no_step_data", "too_few_steps", "phases_never_measured"
+        "no_step_data",
+        "too_few_steps",
+        "phases_never_measured",
     ]

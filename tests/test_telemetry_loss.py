@@ -7,8 +7,10 @@ signals, real network namespaces), and what is then counted:
   the counts its batches carried, though no finish marker came;
 * Ctrl-C while node 0 finalizes against an aggregator that no longer answers: the launcher
   returns within seconds and leaves no process and no port behind;
-* a 30 s partition between node 1 and node 0's aggregator: node 1's step time and memory do
-  not move, its telemetry resumes, and received + dropped = produced for every rank.
+* a partition between node 1 and node 0's aggregator, longer than the aggregator's bound for a
+  lost node (set short, ``TRACEML_NODE_LOST_AFTER_SEC``) and twice what node 1's buffer holds:
+  node 1's step time and memory do not move, it is lost and resumes, its telemetry resumes,
+  and received + dropped = produced for every rank.
 
 Every script here is ``tests/scripts/faulty_ddp.py`` with ``--step-log``: each rank's own
 count of the steps it completed (one line per step, written inside the step).
@@ -32,12 +34,17 @@ from conftest import (
     load_summary,
     process_family,
     query,
+    signal_and_wait,
     start_traceml,
+    wait_all,
+    wait_for,
     wait_training_started,
 )
-from netns_hosts import ip, two_hosts
+from helpers.netns import ip, two_hosts
 
-pytestmark = pytest.mark.slow
+from traceml import settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 
@@ -49,26 +56,31 @@ def logged_steps(step_log: Path, rank: int) -> list[str]:
 
 
 def wait_logged(step_log: Path, rank: int, steps: int, launcher, err: Path, timeout_s=180):
-    deadline = time.monotonic() + timeout_s
-    while len(logged_steps(step_log, rank)) < steps:
+    """Wait until rank ``rank`` logged ``steps`` steps; fails if the launcher exits first."""
+
+    def logged() -> bool:
         assert launcher.poll() is None, err.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"rank {rank} never logged {steps} steps"
-        time.sleep(0.05)
+        return len(logged_steps(step_log, rank)) >= steps
+
+    wait_for(logged, timeout_s, f"rank {rank} to log {steps} steps", poll_s=0.05)
 
 
 def rank_process(launcher, rank: int) -> psutil.Process:
     """The worker process of global rank ``rank`` under ``launcher`` (torchrun's child whose
     environment says RANK=<rank>)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def found() -> psutil.Process | None:
         for p in psutil.Process(launcher.pid).children(recursive=True):
             try:
-                if "faulty_ddp.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+                if "faulty_ddp.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(
+                    rank
+                ):
                     return p
             except psutil.Error:
                 continue
-        time.sleep(0.1)
-    raise AssertionError(f"no process of rank {rank}")
+        return None
+
+    return wait_for(found, 60, f"rank {rank}'s process", poll_s=0.1)
 
 
 def rank_ends(run_dir: Path, node: int = 0) -> dict[int, dict]:
@@ -88,9 +100,21 @@ def sigterm_rank_run(tmp_path: Path, port: int, label: str, env: dict) -> tuple:
     step_log = tmp_path / f"steps-{label}"
     step_log.mkdir()
     args = [
-        "run", SCRIPT, "--nproc-per-node=2", "--run-name", label, "--aggregator-port", str(port),
-        "--logs-dir", str(tmp_path / "logs"), "--steps", "100000", "--step-sleep", "0.02",
-        "--step-log", str(step_log),
+        "run",
+        SCRIPT,
+        "--nproc-per-node=2",
+        "--run-name",
+        label,
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.02",
+        "--step-log",
+        str(step_log),
     ]
     err = tmp_path / f"{label}.err"
     launcher = start_traceml(args, tmp_path, tmp_path / label, env=env)
@@ -140,9 +164,26 @@ def test_drops_of_a_rank_sigkilled_after_an_outage_are_in_the_summary(tmp_path, 
     step_log.mkdir()
     run_dir = tmp_path / "logs" / "dropkill"
     args = [
-        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "dropkill", "--aggregator-port",
-        str(port), "--logs-dir", str(tmp_path / "logs"), "--steps", str(steps), "--step-sleep",
-        "0.05", "--fail-rank", "1", "--fail", "hang", "--settle-sec", "0", "--step-log",
+        "run",
+        SCRIPT,
+        "--nproc-per-node=2",
+        "--run-name",
+        "dropkill",
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        "0.05",
+        "--fail-rank",
+        "1",
+        "--fail",
+        "hang",
+        "--settle-sec",
+        "0",
+        "--step-log",
         str(step_log),
     ]
     env = {
@@ -156,8 +197,10 @@ def test_drops_of_a_rank_sigkilled_after_an_outage_are_in_the_summary(tmp_path, 
     try:
         wait_logged(step_log, 1, 20, launcher, err)
         aggregator = aggregator_of(launcher)
+        logged_at_pause = len(logged_steps(step_log, 1))
         aggregator.send_signal(signal.SIGSTOP)
-        time.sleep(8.0)  # 160 steps a rank: the buffer of 40 overflows
+        # Three buffers' worth of rank 1's steps while stopped: the buffer of 40 overflows.
+        wait_logged(step_log, 1, logged_at_pause + 3 * buffer, launcher, err)
         aggregator.send_signal(signal.SIGCONT)
         wait_logged(step_log, 1, steps, launcher, err)
         # Rank 1 hangs now: its last steps go out within a flush (0.2 s), and its heartbeats
@@ -175,28 +218,36 @@ def test_drops_of_a_rank_sigkilled_after_an_outage_are_in_the_summary(tmp_path, 
     received = stored_steps(run_dir, 1)
     assert received < steps
     assert health[1] == {
-        "rank": 1, "steps_produced": steps, "steps_received": received,
-        "steps_dropped": steps - received, "steps_unaccounted": 0,
-        "records_dropped": steps - received, "final": False,
+        "rank": 1,
+        "steps_produced": steps,
+        "steps_received": received,
+        "steps_dropped": steps - received,
+        "steps_unaccounted": 0,
+        "records_dropped": steps - received,
+        "final": False,
     }
     ranks = {r["rank"]: r for r in summary["ranks"]}
-    assert (ranks[1]["steps_completed"], ranks[1]["records_received"],
-            ranks[1]["records_dropped"]) == (steps, received, steps - received)
+    assert (
+        ranks[1]["steps_completed"],
+        ranks[1]["records_received"],
+        ranks[1]["records_dropped"],
+    ) == (steps, received, steps - received)
     assert ranks[1]["end"]["state"] == "signaled" and ranks[1]["end"]["signal"] == 9
     # rank 0 finished: its figures came with its finish marker, and add up as well
     assert health[0]["final"] is True
     assert health[0]["steps_produced"] == len(logged_steps(step_log, 0)) == steps
     assert health[0]["steps_received"] + health[0]["steps_dropped"] == steps
-    finding = next(
-        f for f in summary["findings"]["health"] if f["kind"] == "TELEMETRY_DROPPED"
-    )
+    finding = next(f for f in summary["findings"]["health"] if f["kind"] == "TELEMETRY_DROPPED")
     assert f"rank 1: {steps - received} of {steps} steps not stored" in finding["summary"]
     assert finding["evidence"]["1"] == {
-        "steps_completed": steps, "records_received": received, "records_dropped": steps - received
+        "steps_completed": steps,
+        "records_received": received,
+        "records_dropped": steps - received,
     }
 
 
 # --- 4. Ctrl-C during finalization ---------------------------------------------------------------
+@pytest.mark.serial
 def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_seconds(
     tmp_path, port
 ):
@@ -209,12 +260,24 @@ def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_sec
 
     run_dir = tmp_path / "logs" / "slowfin"
     args = [
-        "run", SCRIPT, "--nproc-per-node=2", "--run-name", "slowfin", "--aggregator-port",
-        str(port), "--logs-dir", str(tmp_path / "logs"), "--steps", "60", "--step-sleep", "0.05",
+        "run",
+        SCRIPT,
+        "--nproc-per-node=2",
+        "--run-name",
+        "slowfin",
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        "--steps",
+        "60",
+        "--step-sleep",
+        "0.05",
     ]
     err = tmp_path / "slowfin.err"
-    launcher = start_traceml(args, tmp_path, tmp_path / "slowfin",
-                             env={"TRACEML_FINISH_TIMEOUT_SEC": "1"})
+    launcher = start_traceml(
+        args, tmp_path, tmp_path / "slowfin", env={"TRACEML_FINISH_TIMEOUT_SEC": "1"}
+    )
     try:
         wait_training_started(run_dir, launcher, err)
         aggregator = aggregator_of(launcher)
@@ -228,10 +291,7 @@ def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_sec
             time.sleep(0.1)
         time.sleep(1.0)  # the launcher waits on the stopped aggregator now
         assert launcher.poll() is None
-        interrupted = time.monotonic()
-        launcher.send_signal(signal.SIGINT)
-        code = launcher.wait(120)
-        took = time.monotonic() - interrupted
+        code, took = signal_and_wait(launcher, signal.SIGINT, 120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -244,21 +304,30 @@ def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_sec
     assert "got SIGINT: writing the summary with what is stored now" in text
     assert "ending now" in text
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "abandoned"
-# --- 2. a 30 s partition between node 1 and node 0 ----------------------------------------------
+
+
+# --- 2. a partition between node 1 and node 0 ---------------------------------------------------
 HOST0, HOST1 = "10.233.0.1", "10.233.0.2"  # training (rendezvous, gloo)
 TEL0, TEL1 = "10.234.0.1", "10.234.0.2"  # telemetry: node 1 reaches node 0's aggregator here
-PARTITION_S = 30.0
-#: Buffer of the partition run, records: far less than the ~600 steps of the partition.
-PARTITION_BUFFER = 300
+#: The partition, s: past the run's keepalive timeout and lost-node bound (below), as 30 s was
+#: past the defaults' 20 s and 25 s: node 1's streams break, the node is lost, and all of it
+#: comes back on new streams once the link is up.
+PARTITION_S = 15.0
+#: The run's ``TRACEML_GRPC_KEEPALIVE_TIMEOUT_MS``, ms (default 20 s).
+PARTITION_KEEPALIVE_TIMEOUT_MS = 4_000
+#: The run's ``TRACEML_NODE_LOST_AFTER_SEC``, s (default 25): node 1 is lost inside the partition.
+PARTITION_LOST_AFTER_S = 8.0
+STEP_SLEEP_S = 0.05
+#: Buffer of the partition run, records: half the ~300 steps of the partition.
+PARTITION_BUFFER = 150
 
 
 @pytest.fixture
 def two_links():
-    """Namespaces joined by a training and a telemetry link (tests/netns_hosts.py): yields
+    """Namespaces joined by a training and a telemetry link (tests/helpers/netns.py): yields
     ``(netns, {link: (ifname in ns 0, ifname in ns 1)})``."""
     with two_hosts("tmlp", (HOST0, HOST1), (TEL0, TEL1)) as two:
         yield two.netns, two.links
-
 
 
 def rss_bytes(pid: int) -> int:
@@ -271,14 +340,20 @@ def rss_bytes(pid: int) -> int:
 
 def step_times(step_log: Path, rank: int) -> list[tuple[float, float]]:
     """(end unix s, step s) of each step the rank logged."""
-    return [(float(e), float(d)) for _, _, e, d in (ln.split() for ln in logged_steps(step_log, rank))]
+    return [
+        (float(e), float(d)) for _, _, e, d in (ln.split() for ln in logged_steps(step_log, rank))
+    ]
 
 
-def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_links, tmp_path):
+@pytest.mark.serial
+@pytest.mark.netns
+def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links, tmp_path):
     from traceml.sdk.client import BUFFERED_RECORD_MAX_BYTES
 
     netns, links = two_links
-    steps = 1400  # about 70 s at 0.05 s a step: the partition falls inside
+    steps = 800  # about 40 s at 0.05 s a step: the partition falls inside, 12 s of steps after
+    assert PARTITION_BUFFER * 2 <= PARTITION_S / STEP_SLEEP_S
+    assert PARTITION_KEEPALIVE_TIMEOUT_MS / 1000 < PARTITION_LOST_AFTER_S < PARTITION_S - 4
     step_log = tmp_path / "steps"
     step_log.mkdir()
     procs = {}
@@ -287,16 +362,31 @@ def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_li
         "TRACEML_BUFFER_MAX_RECORDS": str(PARTITION_BUFFER),
         "TRACEML_FLUSH_INTERVAL_SEC": "0.5",
         "TRACEML_RPC_TIMEOUT_SEC": "2",
+        settings.NODE_LOST_AFTER_SEC.name: f"{PARTITION_LOST_AFTER_S:g}",
+        settings.GRPC_KEEPALIVE_TIMEOUT_MS.name: str(PARTITION_KEEPALIVE_TIMEOUT_MS),
     }
     for node in (1, 0):
         args = [
-            "run", SCRIPT, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
-            f"--master-addr={HOST0}", "--run-name=partition", f"--logs-dir={tmp_path / f'host{node}'}",
-            f"--aggregator-host={TEL0}", "--steps", str(steps), "--step-sleep", "0.05",
-            "--step-log", str(step_log),
+            "run",
+            SCRIPT,
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node}",
+            f"--master-addr={HOST0}",
+            "--run-name=partition",
+            f"--logs-dir={tmp_path / f'host{node}'}",
+            f"--aggregator-host={TEL0}",
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            str(STEP_SLEEP_S),
+            "--step-log",
+            str(step_log),
         ]
         procs[node] = start_traceml(
-            args, tmp_path, tmp_path / f"node{node}",
+            args,
+            tmp_path,
+            tmp_path / f"node{node}",
             prefix=["ip", "netns", "exec", netns[node]],
             env={**env, "GLOO_SOCKET_IFNAME": links["train"][node]},
         )
@@ -305,7 +395,7 @@ def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_li
     try:
         wait_logged(step_log, 1, 100, procs[1], err1)
         rank1 = rank_process(procs[1], 1)
-        end_before = time.time() + 10.0
+        end_before = time.time() + 6.0
         while time.time() < end_before:
             rss.append((time.time(), rss_bytes(rank1.pid)))
             time.sleep(0.25)
@@ -316,17 +406,14 @@ def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_li
             time.sleep(0.25)
         ip("-n", netns[1], "link", "set", links["tel"][1], "up")
         restored_at = time.time()
-        deadline = time.monotonic() + 300
-        while any(p.poll() is None for p in procs.values()):
-            assert time.monotonic() < deadline, "a launcher did not return"
-            time.sleep(0.2)
+        codes = wait_all(procs, 300)
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-    assert {n: p.returncode for n, p in procs.items()} == {0: 0, 1: 0}, (
-        (tmp_path / "node0.err").read_text()[-2000:] + err1.read_text()[-2000:]
-    )
+    assert codes == {0: 0, 1: 0}, (tmp_path / "node0.err").read_text()[-2000:] + err1.read_text()[
+        -2000:
+    ]
     assert restored_at + 10 < step_times(step_log, 1)[-1][0], "the run ended too soon after"
 
     # Step time by the script's own clock: inside the partition as outside it (median, 5 %).
@@ -358,9 +445,16 @@ def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_li
         assert h["steps_received"] + h["steps_dropped"] == produced, h
     assert health[0]["steps_dropped"] == 0
     assert health[1]["steps_dropped"] > 0  # the small buffer did overflow
-    print(f"partition: rank 1 RSS +{(during - before) / 1024:.0f} KiB (bound "
-          f"{PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES / 1024:.0f} KiB); rank 1 stored "
-          f"{health[1]['steps_received']} + dropped {health[1]['steps_dropped']} = {steps}")
+    # Node 1 was lost (the aggregator heard nothing from it for PARTITION_LOST_AFTER_S) inside
+    # the partition, and resumed after it.
+    losses = summary["run"]["telemetry_health"]["node_losses"]
+    assert [(n["node_rank"], n["lost_after_s"]) for n in losses] == [(1, PARTITION_LOST_AFTER_S)]
+    assert cut_at < losses[0]["lost_unix_s"] < restored_at <= losses[0]["resumed_unix_s"], losses
+    print(
+        f"partition: rank 1 RSS +{(during - before) / 1024:.0f} KiB (bound "
+        f"{PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES / 1024:.0f} KiB); rank 1 stored "
+        f"{health[1]['steps_received']} + dropped {health[1]['steps_dropped']} = {steps}"
+    )
 
     # Telemetry resumed: every step rank 1 ended once the link was back is stored, and node
     # 1's sampler was heard again.
@@ -368,5 +462,7 @@ def test_a_30s_partition_between_node_1_and_node_0_costs_training_nothing(two_li
     after = {i for i, e in ends.items() if e > restored_at + 5.0}
     stored = {s for (s,) in query(run_dir, "SELECT step FROM steps WHERE rank = 1")}
     assert after and after <= stored
-    (last_sample,) = query(run_dir, "SELECT MAX(unix_us) FROM system_samples WHERE node_rank = 1")[0]
+    (last_sample,) = query(run_dir, "SELECT MAX(unix_us) FROM system_samples WHERE node_rank = 1")[
+        0
+    ]
     assert last_sample / 1e6 > restored_at + 5.0

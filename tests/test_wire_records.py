@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 
 from traceml import wire
-from traceml.wire.records import (
-    STEP_OPTIONAL_FIELDS,
-    STEP_REQUIRED_FIELDS,
-    add_steps,
-    record_count,
-    step_group_columns,
-)
+from traceml.core.phases import STEP_FIELDS
+from traceml.wire.records import add_steps, record_count, step_group_columns
 
 
 def cpu_step(i: int) -> dict[str, int]:
@@ -24,8 +19,13 @@ def cpu_step(i: int) -> dict[str, int]:
 
 
 def gpu_step(i: int) -> dict[str, int]:
-    return {**cpu_step(i), "gpu_step_us": 24_000, "gpu_forward_us": 700,
-            "peak_allocated_bytes": 2**33, "peak_reserved_bytes": 2**34}
+    return {
+        **cpu_step(i),
+        "gpu_step_us": 24_000,
+        "gpu_forward_us": 700,
+        "peak_allocated_bytes": 2**33,
+        "peak_reserved_bytes": 2**34,
+    }
 
 
 def read_back(batch: wire.Batch) -> list[dict[str, int]]:
@@ -33,7 +33,7 @@ def read_back(batch: wire.Batch) -> list[dict[str, int]]:
     steps = []
     for group in wire.Batch.FromString(batch.SerializeToString()).step_groups:
         names, columns = step_group_columns(group)
-        steps += [dict(zip(names, values)) for values in zip(*columns)]
+        steps += [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
     return sorted(steps, key=lambda s: s["step"])
 
 
@@ -52,10 +52,24 @@ def test_an_unmeasured_field_is_an_empty_column_never_zeros():
     batch = wire.Batch()
     add_steps(batch, [cpu_step(1), cpu_step(2)])
     names, columns = step_group_columns(batch.step_groups[0])
-    assert names == ("step", "end_us", "step_us", "input_wait_us", "forward_us",
-                     "backward_us", "optimizer_us")
-    assert [list(c) for c in columns] == [[1, 2], [50_000, 75_000], [25_000] * 2, [601, 602],
-                                          [800] * 2, [13_001, 13_002], [1_200] * 2]
+    assert names == (
+        "step",
+        "end_us",
+        "step_us",
+        "input_wait_us",
+        "forward_us",
+        "backward_us",
+        "optimizer_us",
+    )
+    assert [list(c) for c in columns] == [
+        [1, 2],
+        [50_000, 75_000],
+        [25_000] * 2,
+        [601, 602],
+        [800] * 2,
+        [13_001, 13_002],
+        [1_200] * 2,
+    ]
     assert len(batch.step_groups[0].h2d_us) == 0
 
 
@@ -74,20 +88,24 @@ def test_a_field_that_is_no_step_field_is_refused_by_name():
 
 
 def test_the_columns_name_every_field_of_the_schema():
-    assert tuple(f.name for f in wire.StepColumns.DESCRIPTOR.fields) == (
-        STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
-    )
+    assert tuple(f.name for f in wire.StepColumns.DESCRIPTOR.fields) == STEP_FIELDS
 
 
 @pytest.mark.parametrize(
     "group, error",
     [
-        (wire.StepColumns(step=[0, 1], end_us=[5, 6], step_us=[5, 6], forward_us=[1]),
-         "malformed step group: 2 steps, columns of another length: forward_us"),
-        (wire.StepColumns(step=[0], step_us=[5]),
-         "malformed step group: 1 steps, no end_us column"),
-        (wire.StepColumns(step=[0], step_us=[5, 6]),
-         "malformed step group: 1 steps, no end_us column; columns of another length: step_us"),
+        (
+            wire.StepColumns(step=[0, 1], end_us=[5, 6], step_us=[5, 6], forward_us=[1]),
+            "malformed step group: 2 steps, columns of another length: forward_us",
+        ),
+        (
+            wire.StepColumns(step=[0], step_us=[5]),
+            "malformed step group: 1 steps, no end_us column",
+        ),
+        (
+            wire.StepColumns(step=[0], step_us=[5, 6]),
+            "malformed step group: 1 steps, no end_us column; columns of another length: step_us",
+        ),
     ],
 )
 def test_a_malformed_group_is_refused_with_the_reason(group, error):

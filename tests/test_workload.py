@@ -8,11 +8,12 @@ import time
 
 import pytest
 import torch
+from conftest import SCRIPTS, assert_rejected
+from rundata_factory import rank, run_of, step
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import SCRIPTS, assert_rejected
-from rundata_factory import rank, run_of, step
+from traceml import settings
 from traceml.analysis import throughput
 from traceml.analysis.summary import build_summary
 from traceml.core import peaks
@@ -210,10 +211,21 @@ def _work_run(peak_tflops=None, device="cpu", dtype="fp32"):
     """Two ranks, 20 steps of 40 ms; 32 samples of 128 tokens and 3e9 model FLOPs a step."""
     ranks = []
     for r in (0, 1):
-        rd = rank(r, [step(i, samples=32, tokens=32 * 128, flops=None if i < 1 else 3 * 10**9)
-                      for i in range(20)])  # fmt: skip
-        rd.flops = {"step": 1, "forward_flops": 10**9, "count_us": 2500, "dtype": dtype,
-                    "device_name": device, "peak_tflops": peak_tflops}  # fmt: skip
+        rd = rank(
+            r,
+            [
+                step(i, samples=32, tokens=32 * 128, flops=None if i < 1 else 3 * 10**9)
+                for i in range(20)
+            ],
+        )
+        rd.flops = {
+            "step": 1,
+            "forward_flops": 10**9,
+            "count_us": 2500,
+            "dtype": dtype,
+            "device_name": device,
+            "peak_tflops": peak_tflops,
+        }
         ranks.append(rd)
     return run_of(ranks)
 
@@ -256,6 +268,21 @@ def test_mfu_against_the_users_peak_and_against_the_table():
     assert s["analysis"]["throughput"]["peak_tflops"] == 2 * 989.5
 
 
+def test_an_mfu_above_100_percent_is_never_reported():
+    # 3e9 FLOPs in 33.5 ms is 0.0896 TFLOP/s: a peak of 0.05 TFLOP/s would give 179 % MFU
+    s = build_summary(_work_run(peak_tflops=0.05))
+    for r in s["ranks"]:
+        m = r["throughput"]["mfu"]
+        assert (m["mfu_pct"], m["peak_tflops"]) == (None, 0.05)
+        assert m["unavailable_reason"] == (
+            "achieved 0.08955 TFLOP/s exceeds the peak 0.05 TFLOP/s (--peak-tflops, dtype fp32): "
+            "the FLOPs count or the peak is wrong, so no MFU"
+        )
+    job = s["analysis"]["throughput"]
+    assert job["mfu_pct"] is None
+    assert job["mfu_unavailable_reason"].startswith("rank 0: achieved 0.08955 TFLOP/s exceeds")
+
+
 def test_a_run_without_batches_or_flops_has_null_figures():
     s = build_summary(run_of([rank(r, [step(i) for i in range(20)]) for r in (0, 1)]))
     t = s["ranks"][0]["throughput"]
@@ -266,19 +293,28 @@ def test_a_run_without_batches_or_flops_has_null_figures():
     assert (job["samples_per_s"], job["tokens_per_s"], job["mfu_pct"]) == (None, None, None)
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf", "lots"])
 def test_a_bad_peak_flag_is_refused_in_one_line(tmp_path, port, value):
     expected = (
-        "Invalid value for '--peak-tflops'" if value == "lots"
-        else f"--peak-tflops {float(value)!r}: must be a finite number of TFLOPS > 0"
+        "Invalid value for '--peak-tflops'"
+        if value == "lots"
+        else f"--peak-tflops must be a finite number > 0 (got {float(value)!r})"
     )
     assert_rejected(
-        tmp_path, [f"--peak-tflops={value}", "--aggregator-port", str(port),
-                   str(SCRIPTS / "planted_truth.py")],
-        expected, marker=str(port),
-    )  # fmt: skip
+        tmp_path,
+        [
+            f"--peak-tflops={value}",
+            "--aggregator-port",
+            str(port),
+            str(SCRIPTS / "planted_truth.py"),
+        ],
+        expected,
+        marker=str(port),
+    )
 
 
+@pytest.mark.torchrun
 def test_a_bad_peak_variable_is_refused_by_the_launcher_and_ignored_by_a_rank(
     tmp_path, monkeypatch
 ):
@@ -287,12 +323,14 @@ def test_a_bad_peak_variable_is_refused_by_the_launcher_and_ignored_by_a_rank(
     script = tmp_path / "train.py"
     script.write_text("pass\n")
     monkeypatch.setenv("TRACEML_PEAK_TFLOPS", "lots")
-    with pytest.raises(LaunchError, match=r"^TRACEML_PEAK_TFLOPS 'lots': not a number"):
+    with pytest.raises(
+        LaunchError, match=r"^TRACEML_PEAK_TFLOPS must be a finite number > 0 \(got 'lots'\)$"
+    ):
         LaunchConfig(script=str(script)).resolve()
-    assert workload.peak_tflops_setting() is None  # a rank warns and goes on
+    assert settings.read(settings.PEAK_TFLOPS) is None  # a rank warns and goes on
     monkeypatch.setenv("TRACEML_PEAK_TFLOPS", "312")
     assert LaunchConfig(script=str(script)).resolve().peak_tflops == 312.0
-    assert workload.peak_tflops_setting() == 312.0
+    assert settings.read(settings.PEAK_TFLOPS) == 312.0
 
 
 def test_summary_metrics_and_compare_carry_throughput_and_mfu():
@@ -303,9 +341,9 @@ def test_summary_metrics_and_compare_carry_throughput_and_mfu():
     a, b = build_summary(_work_run(peak_tflops=0.5)), build_summary(_work_run())
     metrics, _ = flatten(a)
     job = a["analysis"]["throughput"]
-    assert {k: metrics[k] for k in ("samples_per_s", "tokens_per_s", "achieved_tflops",
-                                     "mfu_pct")} == {k: job[k] for k in (
-        "samples_per_s", "tokens_per_s", "achieved_tflops", "mfu_pct")}  # fmt: skip
+    assert {
+        k: metrics[k] for k in ("samples_per_s", "tokens_per_s", "achieved_tflops", "mfu_pct")
+    } == {k: job[k] for k in ("samples_per_s", "tokens_per_s", "achieved_tflops", "mfu_pct")}
     assert "mfu_pct" not in flatten(b)[0]  # null on CPU: left out, never 0
     rows = {r["name"]: r for r in compare(a, a)["metrics"]}
     assert rows["samples_per_s"]["status"] == "unchanged" and not rows["samples_per_s"]["key"]

@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs and runs it: the README's test command, and CI's.
 #
-#   tools/test.sh [pytest args]
+#   tools/test.sh [pytest args]           everything, as CI runs it
+#   tools/test.sh --quick [pytest args]   the inner loop: unit-level tests and one end-to-end job
 #
 # - a virtual environment in .venv (torch 2.13.0 CPU, the project with its test extras);
 # - as root, the system packages some tests need when missing: chromium (HTML report check),
 #   iproute2 (network-namespace tests), tmux (the live terminal view's test); the Slurm lab
 #   installs its own packages (tests/slurm_lab/lab.sh);
-# - the import contract (pyproject.toml's [tool.importlinter], see docs/architecture.md): a
-#   broken contract fails the script before any test runs;
-# - pytest; "no tests collected" (exit 5) is a failure, not a pass.
+# - the import contract (pyproject.toml's [tool.importlinter], see docs/architecture.md), the
+#   linter and the formatter's check (ruff, [tool.ruff]) and the type checker (mypy,
+#   [tool.mypy]): a broken contract or any finding fails the script before any test runs (all
+#   three tools report first, then it fails);
+# - Python's bytecode cache on (PYTHONDONTWRITEBYTECODE unset: docs/testing.md);
+# - pytest on TRACEML_TEST_WORKERS xdist workers (default 4, measured: docs/testing.md),
+#   tests that share one real job kept on one worker (--dist loadgroup, tests/conftest.py);
+#   then, in the full run, the `serial` tests (timing benchmarks, whole-machine faults) alone,
+#   without xdist; at the end the 25 slowest tests of both;
+# - "no tests collected" (exit 5) is a failure: of either invocation of the full run without
+#   arguments (both always have tests), and with arguments of both together (a selection may
+#   hold no serial test, or only serial ones). Your own -m: run pytest itself.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+  quick=1
+  shift
+fi
 
 python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
@@ -33,13 +49,62 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 
 .venv/bin/lint-imports --no-cache
-
-set +e
-.venv/bin/python -m pytest -q -ra "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "tools/test.sh: pytest collected no tests: that is a failure" >&2
+checks=0
+.venv/bin/ruff check --no-cache . || checks=1
+.venv/bin/ruff format --check --no-cache . || checks=1
+.venv/bin/mypy || checks=1
+if [ "$checks" -ne 0 ]; then
+  echo "tools/test.sh: ruff or mypy found something (above): no tests run until it is fixed" >&2
   exit 1
 fi
-exit "$rc"
+
+# Python's bytecode cache on, whatever the caller's environment says: with
+# PYTHONDONTWRITEBYTECODE=1 every process the suite starts (each rank, aggregator, launcher)
+# compiles TraceML's sources again, and each xdist worker's collection rewrites and compiles
+# every test module again (measured: docs/testing.md). The cache is __pycache__/ (git-ignored).
+unset PYTHONDONTWRITEBYTECODE
+
+workers="${TRACEML_TEST_WORKERS:-4}"
+parallel=(-n "$workers" --dist loadgroup)
+reports="$(mktemp -d)"
+trap 'rm -rf "$reports"' EXIT
+
+# pytest ARGS...: runs it; its exit code in $rc.
+run_pytest() {
+  set +e
+  .venv/bin/python -m pytest -q -ra "$@"
+  rc=$?
+  set -e
+}
+
+if [ "$quick" = 1 ]; then
+  run_pytest "${parallel[@]}" -m "(not slow and not serial) or smoke" "$@"
+  if [ "$rc" -eq 5 ]; then
+    echo "tools/test.sh: pytest collected no tests: that is a failure" >&2
+    exit 1
+  fi
+  exit "$rc"
+fi
+
+run_pytest "${parallel[@]}" -m "not serial" --junitxml="$reports/parallel.xml" "$@"
+rc_parallel=$rc
+run_pytest -m serial --junitxml="$reports/serial.xml" "$@"
+rc_serial=$rc
+.venv/bin/python tools/slowest_tests.py 25 "$reports/parallel.xml" "$reports/serial.xml"
+
+status=0
+for rc in "$rc_parallel" "$rc_serial"; do
+  if [ "$status" -eq 0 ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+    status=$rc  # the first failure's code
+  fi
+done
+if [ "$status" -eq 0 ]; then
+  if [ $# -eq 0 ] && { [ "$rc_parallel" -eq 5 ] || [ "$rc_serial" -eq 5 ]; }; then
+    echo "tools/test.sh: a part of the full run collected no tests: that is a failure" >&2
+    status=1
+  elif [ "$rc_parallel" -eq 5 ] && [ "$rc_serial" -eq 5 ]; then
+    echo "tools/test.sh: pytest collected no tests: that is a failure" >&2
+    status=1
+  fi
+fi
+exit "$status"

@@ -38,10 +38,10 @@ def init(aggregator: str | None = None, run_name: str | None = None) -> bool:
         True when telemetry is on; False (after one warning line) when no aggregator is
         configured, ``TRACEML_DISABLE=1``, or the SDK could not start.
     """
-    from traceml.sdk import failopen, session
+    from traceml.sdk import failopen, rank_state
 
     try:
-        return session.start(aggregator, run_name) is not None
+        return rank_state.start(aggregator, run_name) is not None
     except Exception as exc:
         failopen.fail_open("traceml.init()", exc)
         return False
@@ -55,15 +55,15 @@ class _StepContext:
     only between ``__enter__`` and ``__exit__``.
     """
 
-    __slots__ = ("_session", "forward")
+    __slots__ = ("_state", "forward")
 
-    def __init__(self, session) -> None:
-        self._session = session
+    def __init__(self, state) -> None:
+        self._state = state
         self.forward = None
 
     def __enter__(self):
         try:
-            self._session.tracer.begin()
+            self._state.tracer.begin()
             if self.forward is not None:
                 self.forward.install()
         except Exception as exc:
@@ -75,9 +75,9 @@ class _StepContext:
             if self.forward is not None:
                 self.forward.remove()
             if exc_type is None:
-                self._session.tracer.end()
+                self._state.tracer.end()
             else:
-                self._session.tracer.abandon()
+                self._state.tracer.abandon()
         except Exception as error:
             _fail(error)
         return False
@@ -92,17 +92,17 @@ def _fail(exc: BaseException) -> None:
 _NULL = contextlib.nullcontext()
 
 
-def _current_session():
-    """The process's session (``traceml.sdk.session.current``), imported on the first call.
+def _current_state():
+    """The process's rank state (``traceml.sdk.rank_state.current``), imported on the first call.
 
     The import is not at the top of this module: the launcher imports the package too, and does
     not need the SDK. Nor is it in :func:`trace_step`: ``from package import module`` runs
     importlib's Python-level ``_handle_fromlist`` on every call, ~1 µs a step.
     """
-    global _current_session
-    from traceml.sdk.session import current
+    global _current_state
+    from traceml.sdk.rank_state import current
 
-    _current_session = current
+    _current_state = current
     return current()
 
 
@@ -111,24 +111,24 @@ def trace_step(model=None):
 
     Measures the step time and, automatically, input wait, forward (the outermost call of
     ``model``), backward, optimizer step and DataLoader ``__next__`` time on the CPU clock (ms in
-    the reports, µs on the wire). Without an active session it is a no-op context; so is a
+    the reports, µs on the wire). Without a rank state it is a no-op context; so is a
     ``trace_step`` opened inside an open step (its time is the outer step's, with one warning).
 
     Args:
         model: the ``torch.nn.Module`` the step runs (a DDP/FSDP wrapper is fine), or None
             to time the step without a forward phase.
     """
-    session = _current_session()
-    if session is None:
+    state = _current_state()
+    if state is None:
         return _NULL
     # Nested by mistake: the inner block is part of the open step. An open zero-code step is
     # no such step: the explicit one takes over from it (StepTracer.begin).
-    if session.tracer.in_step and session.tracer.auto is None:
-        session.note_nested_step()
+    if state.tracer.in_step and state.tracer.auto is None:
+        state.note_nested_step()
         return _NULL
-    ctx = session.step_context
+    ctx = state.step_context
     if ctx is None:
-        ctx = session.step_context = _StepContext(session)
+        ctx = state.step_context = _StepContext(state)
     if model is None:
         ctx.forward = None
     elif ctx.forward is None or not ctx.forward.watches(model):  # a model new to this context
@@ -136,7 +136,7 @@ def trace_step(model=None):
             from traceml.sdk import instrumentation
 
             ctx.forward = instrumentation.ForwardTimer(model)
-            session.note_model(model)
+            state.note_model(model)
         except Exception as exc:
             ctx.forward = None
             _fail(exc)
@@ -183,13 +183,13 @@ def summary(prefix: str = "traceml/", timeout_s: float | None = None) -> dict:
         timeout_s: bound of the whole call, s (default ``TRACEML_SUMMARY_TIMEOUT_SEC``, 30).
 
     Returns:
-        The dict; ``{}`` on ranks other than 0, and (after one warning) without a session or
+        The dict; ``{}`` on ranks other than 0, and (after one warning) without a rank state or
         when the aggregator cannot answer. Never raises (unless ``TRACEML_STRICT=1``).
     """
-    from traceml.sdk import failopen, live_summary
+    from traceml.sdk import failopen, summary_query
 
     try:
-        return live_summary.fetch(prefix, timeout_s)
+        return summary_query.fetch(prefix, timeout_s)
     except Exception as exc:
         failopen.fail_open("traceml.summary()", exc)
         return {}
@@ -197,8 +197,8 @@ def summary(prefix: str = "traceml/", timeout_s: float | None = None) -> dict:
 
 def shutdown() -> None:
     """Flush telemetry and send this rank's finish marker now (also done at exit)."""
-    from traceml.sdk import session
+    from traceml.sdk import rank_state
 
-    s = session.current()
+    s = rank_state.current()
     if s is not None:
         s.close()

@@ -30,12 +30,14 @@ from __future__ import annotations
 import copy
 import operator
 from collections import deque
+from collections.abc import Set as AbstractSet
 from itertools import islice
 
 import numpy as np
 
 from traceml.analysis.digest import RankDigest
-from traceml.analysis.rundata import STEP_FIELDS, StepColumns
+from traceml.analysis.rundata import StepTable
+from traceml.core.phases import STEP_FIELDS
 
 #: Most steps a rank's final series holds at full resolution; longer attempts are sampled to
 #: at most this many (see the module docstring).
@@ -131,8 +133,13 @@ class StepState:
         series_steps: the final series' bound (:func:`series_steps`).
     """
 
+    #: The step fields any group of this attempt carried (a field never carried is None at
+    #: every step of the window). A state checkpointed before it was kept reads all of them.
+    measured: AbstractSet[str] = frozenset(STEP_FIELDS)
+
     def __init__(self, window_steps: int, series_steps: int = SERIES_STEPS) -> None:
         self.window = {name: deque(maxlen=window_steps) for name in STEP_FIELDS}
+        self.measured = set()
         self.fold_steps = min(FOLD_STEPS, window_steps)
         self.pending = 0  # steps at the window's end not folded into the series yet
         self.last: dict[str, int | None] | None = None  # the highest step stored
@@ -146,13 +153,17 @@ class StepState:
         n = len(columns[0])
         if not n:
             return
-        given = dict(zip(names, columns))
+        given = dict(zip(names, columns, strict=True))
+        if not self.measured.issuperset(names):
+            self.measured = {*self.measured, *names}
         steps = given["step"]
         highest = max(steps)
         top = n - 1 if steps[n - 1] == highest else list(steps).index(highest)
         if self.last is None or steps[top] >= self.last["step"]:
-            self.last = {name: (c[top] if (c := given.get(name)) is not None else None)
-                         for name in STEP_FIELDS}  # fmt: skip
+            self.last = {
+                name: (c[top] if (c := given.get(name)) is not None else None)
+                for name in STEP_FIELDS
+            }
         start = 0
         while start < n:  # pieces that fill the pending chunk at most
             end = min(n, start + self.fold_steps - self.pending)
@@ -169,6 +180,16 @@ class StepState:
                 self.pending = 0
             start = end
 
+    def tail(self, count: int) -> dict[str, tuple]:
+        """The last ``count`` window steps (all when fewer) of each field in
+        :attr:`measured`, oldest first, in :data:`STEP_FIELDS` order: O(count x fields
+        measured); the fields left out are None at every step."""
+        return {
+            name: tuple(islice(reversed(self.window[name]), count))[::-1]
+            for name in STEP_FIELDS
+            if name in self.measured
+        }
+
     def _tail(self, count: int) -> dict[str, list]:
         """The last ``count`` window steps, as one list per step field."""
         size = len(self.window["step"])
@@ -179,7 +200,7 @@ class StepState:
         """The digest of the steps folded so far (the pending ones excepted)."""
         return self._series.digest
 
-    def final(self) -> tuple[StepColumns, RankDigest | None]:
+    def final(self) -> tuple[StepTable, RankDigest | None]:
         """The final series and its digest, with the pending steps folded into copies (this
         state goes on as it was): every step and None while the attempt stored at most
         ``series_steps`` steps, else the sample plus the last step, and the digest."""
@@ -193,10 +214,17 @@ class StepState:
         return in_step_order(columns), (series.digest if series.level else None)
 
 
-def in_step_order(columns: dict) -> StepColumns:
+def in_step_order(columns: dict) -> StepTable:
     """``columns`` (step field -> sequence, one value per step) sorted by step index."""
     steps = columns["step"]
-    if any(a > b for a, b in zip(steps, steps[1:])):
+    if any(a > b for a, b in zip(steps, steps[1:], strict=False)):
         order = sorted(range(len(steps)), key=steps.__getitem__)
         columns = {name: [c[i] for i in order] for name, c in columns.items()}
-    return StepColumns({name: tuple(c) for name, c in columns.items()})
+    return StepTable({name: tuple(c) for name, c in columns.items()})
+
+
+def last(items: deque, count: int) -> list:
+    """The last ``count`` of ``items`` (all of them when fewer), oldest first; O(count)."""
+    if count >= len(items):
+        return list(items)
+    return list(islice(reversed(items), count))[::-1]

@@ -19,6 +19,7 @@ to), and generic probes (``grpc_health_probe``, a cluster's liveness check) have
 from __future__ import annotations
 
 import hmac
+import ssl
 from pathlib import Path
 
 import grpc
@@ -75,9 +76,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             given = given if isinstance(given, bytes) else given.encode("utf-8", "replace")
             if hmac.compare_digest(given, self._token):
                 return handler
-        self._rejections.refuse(
-            "unauthenticated", f"a call of {method} without this run's token"
-        )
+        self._rejections.refuse("unauthenticated", f"a call of {method} without this run's token")
         return refusal(
             handler,
             grpc.StatusCode.UNAUTHENTICATED,
@@ -109,3 +108,31 @@ def server_credentials(cert: Path, key: Path):
         OSError: a file cannot be read.
     """
     return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+
+
+def same_token(given: str | None, token: str) -> bool:
+    """Whether ``given`` (None: none given) is the run's ``token``, compared in constant time."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
+
+
+def bearer(header: str | None) -> str | None:
+    """The token of an HTTP ``Authorization: Bearer TOKEN`` header value (the scheme's name in
+    any case, as RFC 7235 has it), None without one."""
+    scheme, _, token = (header or "").partition(" ")
+    return token if scheme.lower() == "bearer" else None
+
+
+def server_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The TLS context of the aggregator's HTTP endpoints (dashboard, ``/metrics``) from the
+    PEM files ``cert`` and ``key``, the gRPC port's own (:func:`server_credentials`).
+
+    Raises:
+        OSError: a file cannot be read.
+        ssl.SSLError: the files are not a certificate and its key.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert), str(key))
+    return context

@@ -3,8 +3,9 @@
 Usage::
 
     traceml-aggregator --run-dir logs/my-run --run-name my-run --world-size 8 \\
-        [--port 29765] [--bind-host 127.0.0.1] [--html-report] [--finalize-timeout-sec 300] \\
-        [--nnodes N] [--no-summary-at-stop] [--metrics-port P] [--dashboard-port P]
+        [--port P] [--bind-host H] [--html-report] [--finalize-timeout-sec S] \\
+        [--nnodes N] [--no-summary-at-stop] [--metrics-port P [--metrics-bind-host H]] \\
+        [--otlp-endpoint URL] [--dashboard-port P]
 
 ``--nnodes`` (set by ``traceml run``) makes finalization also wait, briefly, for each node
 launcher's report of its torchrun's exit; ranks under plain torchrun have no launcher, so a
@@ -24,11 +25,18 @@ previous aggregator died; ``--finalize-only`` writes the summary from the store 
 serving (exit code 1 if it cannot).
 
 Every call but the health check must carry the run token: ``--run-token``, else
-``TRACEML_RUN_TOKEN``, else a fresh random one written to ``<run-dir>/run_token`` (mode 0600;
-the aggregator prints where). Give the ranks the same token through ``TRACEML_RUN_TOKEN``.
+``TRACEML_RUN_TOKEN``, else the one in ``<run-dir>/run_token`` (a restart on the run's
+directory: its ranks keep theirs), else a fresh random one written there (mode 0600; the
+aggregator prints where, never the token). Give the ranks the same token through
+``TRACEML_RUN_TOKEN``.
 Prefer the variable to the flag: every user of the host sees a flag's value in ``ps``.
 ``--tls-cert``/``--tls-key`` (or ``TRACEML_TLS_CERT``/``TRACEML_TLS_KEY``) serve TLS; clients
 then need ``TRACEML_TLS_CA``.
+
+``--otlp-endpoint URL`` (or the standard ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` /
+``OTEL_EXPORTER_OTLP_ENDPOINT``) pushes the ``/metrics`` series to an OpenTelemetry collector
+(:mod:`traceml_aggregator.otlp`); without the ``otlp`` extra installed that is one line and
+the aggregator serves on without it.
 """
 
 from __future__ import annotations
@@ -36,13 +44,13 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from traceml import settings
-from traceml.core import endpoint, log, transport
-from traceml.core.rundir import validate_run_name
+from traceml.core import log, otlp, transport
+from traceml.core.cli import option
+from traceml.core.rundir import TOKEN_FILE_NAME, validate_run_name
 
 _log = log.get("aggregator")
 
@@ -54,51 +62,28 @@ app = typer.Typer(
 )
 
 
-def _seconds(value: float | None, setting: settings.Setting, flag: str) -> tuple[float, str]:
-    """``(seconds, "")`` from ``flag``'s ``value``, else from ``setting``'s environment
-    variable; ``(0.0, error)`` when that is not a finite number > 0."""
-    if value is None:
-        try:
-            return settings.env_float(setting, strict=True), ""
-        except ValueError as exc:
-            return 0.0, str(exc)
-    return value, endpoint.seconds_error(flag, value)
-
-
 @app.command(help="TraceML telemetry aggregator (gRPC + SQLite).")
 def serve_command(
     run_dir: Path = typer.Option(..., help="directory of the run's files"),
     run_name: str = typer.Option(..., help="accept telemetry of this run only"),
-    port: int = typer.Option(endpoint.DEFAULT_PORT, help="gRPC port"),
+    port: int = option(settings.AGGREGATOR_PORT, "--port"),
     bind_host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    world_size: Optional[int] = typer.Option(None, help="number of ranks expected"),
-    nnodes: Optional[int] = typer.Option(
+    world_size: int | None = typer.Option(None, help="number of ranks expected"),
+    nnodes: int | None = typer.Option(
         None, help="node launchers that report their torchrun's exit (set by `traceml run`)"
     ),
-    html_report: bool = typer.Option(False, "--html-report", help="also write final_summary.html"),
+    html_report: bool = option(settings.HTML_REPORT, negatable=False),
     no_summary_at_stop: bool = typer.Option(
         False,
         "--no-summary-at-stop",
         help="do not write the reports when stopped without a Finalize (traceml run sets it)",
     ),
-    metrics_port: Optional[int] = typer.Option(
-        None, help="serve Prometheus /metrics on this port of --bind-host [default: off]"
-    ),
-    dashboard_port: Optional[int] = typer.Option(
-        None,
-        help="serve the browser dashboard on this port of --bind-host (traceml run --mode "
-        f"dashboard sets it; {endpoint.DASHBOARD_PORT} there) [default: off]",
-    ),
-    finalize_timeout_sec: Optional[float] = typer.Option(
-        None,
-        help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or "
-        f"{settings.FINALIZE_TIMEOUT_SEC.default}]",
-    ),
-    hang_timeout_sec: Optional[float] = typer.Option(
-        None,
-        help="seconds without a completed step before a live rank is reported as hung "
-        f"[default: ${settings.HANG_TIMEOUT_SEC.name} or {settings.HANG_TIMEOUT_SEC.default}]",
-    ),
+    metrics_port: int | None = option(settings.METRICS_PORT, unset="off"),
+    metrics_bind_host: str = option(settings.METRICS_BIND_HOST),
+    otlp_endpoint: str | None = option(settings.OTLP_ENDPOINT, unset=otlp.DEFAULT_TEXT),
+    dashboard_port: int | None = option(settings.DASHBOARD_PORT, unset="off"),
+    finalize_timeout_sec: float | None = option(settings.FINALIZE_TIMEOUT_SEC),
+    hang_timeout_sec: float | None = option(settings.HANG_TIMEOUT_SEC),
     owned: bool = typer.Option(
         False,
         "--owned",
@@ -108,7 +93,7 @@ def serve_command(
     restart_reason: str = typer.Option(
         "", help="this aggregator replaces one that died for this reason (recorded in the store)"
     ),
-    down_since_unix_s: Optional[float] = typer.Option(
+    down_since_unix_s: float | None = typer.Option(
         None, help="with --restart-reason: when the run lost its aggregator (Unix s)"
     ),
     finalize_only: bool = typer.Option(
@@ -116,82 +101,62 @@ def serve_command(
         "--finalize-only",
         help="do not serve: write final_summary.* from the store in --run-dir, then exit",
     ),
-    node_exit_file: Optional[Path] = typer.Option(
+    node_exit_file: Path | None = typer.Option(
         None, help="with --finalize-only: a serialized NodeExit to store first (the launcher's)"
     ),
-    run_token: Optional[str] = typer.Option(
-        None,
-        help=f"the run's token [default: ${settings.RUN_TOKEN.name}, else a new one in "
-        f"RUN_DIR/{transport.TOKEN_FILE_NAME}]; prefer the variable: ps shows flags",
-    ),
-    tls_cert: Optional[Path] = typer.Option(None, help="TLS certificate, PEM"),
-    tls_key: Optional[Path] = typer.Option(None, help="TLS private key, PEM"),
-    max_concurrent_rpcs: Optional[int] = typer.Option(
-        None,
-        help="calls in flight at most, each sender's open stream included; more are answered "
-        "RESOURCE_EXHAUSTED [default: 16384]",
-    ),
-    max_queued_bytes: Optional[int] = typer.Option(
-        None,
-        help="bound of the writer's queue, bytes; beyond it a batch is pushed back "
-        "with a retry-after [default: 256 MiB]",
-    ),
+    run_token: str | None = option(settings.RUN_TOKEN),
+    tls_cert: Path | None = option(settings.TLS_CERT),
+    tls_key: Path | None = option(settings.TLS_KEY),
+    max_concurrent_rpcs: int = option(settings.MAX_CONCURRENT_RPCS),
+    max_queued_bytes: int = option(settings.MAX_QUEUED_BYTES),
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit code (see the module docstring)."""
-    from traceml_aggregator.server import (
-        MAX_CONCURRENT_RPCS,
-        BindError,
-        ServerConfig,
-        finalize_offline,
-        serve,
-    )
-    from traceml_aggregator.writer import MAX_QUEUED_BYTES
+    from traceml_aggregator.server import BindError, ServerConfig, finalize_offline, serve
     from traceml_aggregator.store import StoreVersionError
 
-    error = (
-        validate_run_name(run_name)
-        or endpoint.port_error("--port", port)
-        or endpoint.port_error("--metrics-port", metrics_port)
-        or endpoint.port_error("--dashboard-port", dashboard_port)
-    )
-    if not error and world_size is not None and world_size < 1:
-        error = f"--world-size {world_size} must be >= 1"
-    if not error and nnodes is not None and nnodes < 1:
-        error = f"--nnodes {nnodes} must be >= 1"
-    timeout, bad = _seconds(
-        finalize_timeout_sec, settings.FINALIZE_TIMEOUT_SEC, "--finalize-timeout-sec"
-    )
-    error = error or bad
-    hang_timeout, bad = _seconds(hang_timeout_sec, settings.HANG_TIMEOUT_SEC, "--hang-timeout-sec")
-    error = error or bad
+    error = validate_run_name(run_name)
     try:
+        for flag, value in (("--world-size", world_size), ("--nnodes", nnodes)):
+            settings.COUNT.check(flag, value)
+        settings.resolve(settings.METRICS_PORT, metrics_port)
+        settings.resolve(settings.AGGREGATOR_PORT, port, "--port")
+        settings.resolve(settings.DASHBOARD_PORT, dashboard_port)
+        finalize_timeout_sec = settings.resolve(settings.FINALIZE_TIMEOUT_SEC, finalize_timeout_sec)
+        hang_timeout_sec = settings.resolve(settings.HANG_TIMEOUT_SEC, hang_timeout_sec)
+        settings.resolve(settings.MAX_CONCURRENT_RPCS, max_concurrent_rpcs)
+        settings.resolve(settings.MAX_QUEUED_BYTES, max_queued_bytes)
         tls = transport.TlsFiles.resolve(tls_cert, tls_key, serves=True, reads_ca=False)
-    except transport.TlsFilesError as exc:
-        tls, error = transport.TlsFiles(), error or str(exc)
-    tls_cert, tls_key = tls.cert, tls.key
-    for flag, value in (
-        ("--max-concurrent-rpcs", max_concurrent_rpcs),
-        ("--max-queued-bytes", max_queued_bytes),
-    ):
-        if not error and value is not None and value < 1:
-            error = f"{flag} {value} must be >= 1"
+        if not finalize_only:
+            otlp.check(otlp_endpoint)
+    except (settings.KnobError, transport.TlsFilesError, ValueError) as exc:
+        error = error or str(exc)
     if error:
         _log.error(f"error: {error}")
         return 2
+    tls_cert, tls_key = tls.cert, tls.key
     token = run_token or settings.env_str(settings.RUN_TOKEN)
     if not token and not finalize_only:
-        token = transport.new_token()
-        token_file = run_dir / transport.TOKEN_FILE_NAME
+        token_file = run_dir / TOKEN_FILE_NAME
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            transport.write_token_file(token_file, token)
-        except OSError as exc:
-            _log.error(f"error: cannot write {token_file}: {exc}")
+            # A restart on the run's directory keeps its token: its ranks still send with it.
+            token = transport.read_token_file(token_file)
+        except transport.TokenFileError as exc:
+            _log.error(f"error: {exc}")
             return 2
-        _log.info(
-            f"run token written to {token_file} (mode 0600); give it to "
-            f"the ranks: export {settings.RUN_TOKEN.name}=$(cat {token_file})"
-        )
+        if token is not None:
+            _log.info(f"run token read from {token_file} (this run directory's)")
+        else:
+            token = transport.new_token()
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                transport.write_token_file(token_file, token)
+            except OSError as exc:
+                _log.error(f"error: cannot write {token_file}: {exc}")
+                return 2
+            _log.info(
+                f"run token written to {token_file} (mode 0600); give it to "
+                f"the ranks: export {settings.RUN_TOKEN.name}=$(cat {token_file})"
+            )
     config = ServerConfig(
         run_dir=run_dir,
         run_name=run_name,
@@ -201,18 +166,20 @@ def serve_command(
         nnodes=nnodes,
         html_report=html_report,
         summary_at_stop=not no_summary_at_stop,
-        finalize_timeout_s=timeout,
-        hang_timeout_s=hang_timeout,
+        finalize_timeout_s=finalize_timeout_sec,
+        hang_timeout_s=hang_timeout_sec,
         owned=owned,
         restart_reason=restart_reason,
         down_since_unix_s=down_since_unix_s,
         run_token=token,
         tls_cert=tls_cert,
         tls_key=tls_key,
-        max_concurrent_rpcs=max_concurrent_rpcs or MAX_CONCURRENT_RPCS,
-        max_queued_bytes=max_queued_bytes or MAX_QUEUED_BYTES,
+        max_concurrent_rpcs=max_concurrent_rpcs,
+        max_queued_bytes=max_queued_bytes,
         metrics_port=metrics_port,
+        metrics_bind_host=metrics_bind_host,
         dashboard_port=dashboard_port,
+        otlp_endpoint=otlp_endpoint,
     )
     if finalize_only:
         return finalize_offline(config, node_exit_file)

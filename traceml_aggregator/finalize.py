@@ -6,13 +6,16 @@ finish is dead, never waited for). :class:`Finalizer` answers the launcher's ``F
 wait until every expected rank is done or the budget runs out, then (briefly) for the node
 launchers' exit reports that carry the ranks' exit codes, drain the writer, checkpoint, write
 ``final_summary.*``. Its watchdog writes a partial summary on its own when the first rank
-has ended and the others are still not done after the budget (a hung rank keeps its torchrun,
-and so the launcher, from ever asking).
+of the latest attempt has ended and the others are still not done after the budget (a hung
+rank keeps its torchrun, and so the launcher, from ever asking). A rank is done once it
+finished its latest attempt: after a torchrun restart (``--max-restarts``), the earlier
+attempt's finish markers do not end the new attempt's ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,34 +40,57 @@ class RunState:
 
     world_size: int | None = None
     nnodes: int | None = None
-    finished: set[int] = field(default_factory=set)
+    #: rank -> the latest torchrun attempt (``restart_count``) it finished.
+    finished: dict[int, int] = field(default_factory=dict)
+    #: rank -> its latest attempt heard of (a finish of an earlier one does not end it).
+    attempts: dict[int, int] = field(default_factory=dict)
+    #: The run's latest attempt: the first end and the watchdog's budget are this attempt's.
+    attempt: int = 0
     exited_nodes: dict[int, set[int]] = field(default_factory=dict)
     first_end_monotonic: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Set once, with :attr:`first_end_monotonic` (the watchdog sleeps on it, not on a timer).
+    #: Set with :attr:`first_end_monotonic` (the watchdog sleeps on it, not on a timer);
+    #: cleared when a later attempt starts (torchrun restarted the workers).
     first_end: asyncio.Event = field(default_factory=asyncio.Event)
 
     def restore(self, store) -> None:
         """Take what an earlier aggregator of this run stored (a restart on the same store):
-        the ranks that finished, the nodes whose exit was reported, and the world size."""
+        the ranks that finished and their attempts, the nodes whose exit was reported, and
+        the world size."""
         if self.world_size is None:
             known = store.meta().get("world_size")
             self.world_size = int(known) if known else None
-        self.finished |= {row[0] for row in store.query("SELECT rank FROM rank_finish", by_name=False)}
+        for table, seen in (("ranks", self.attempts), ("rank_finish", self.finished)):
+            for rank, restart in store.query(
+                f"SELECT rank, MAX(restart) FROM {table} GROUP BY rank", by_name=False
+            ):
+                seen[rank] = max(restart, seen.get(rank, 0))
+                self.attempts[rank] = max(restart, self.attempts.get(rank, 0))
+        self.attempt = max(self.attempts.values(), default=0)
         for (node_rank,) in store.query("SELECT node_rank FROM node_exits", by_name=False):
             self.exited_nodes.setdefault(node_rank, set())
         for node_rank, rank in store.query("SELECT node_rank, rank FROM rank_ends", by_name=False):
             self.exited_nodes.setdefault(node_rank, set()).add(rank)
-        if self.finished or self.exited_nodes:
+        if self.exited_nodes or self.attempt in self.finished.values():
             self._mark_end()
 
     def on_batch(self, batch) -> None:
-        """Account a stored batch (identity and finish marker)."""
+        """Account a stored batch (identity, attempt and finish marker)."""
         if batch.HasField("identity") and self.world_size is None:
             self.world_size = batch.identity.world_size
-        if batch.HasField("finish") and batch.WhichOneof("sender") == "rank":
-            self.finished.add(batch.rank)
-            self._mark_end()
+        if batch.WhichOneof("sender") != "rank":
+            return
+        restart = batch.restart_count
+        self.attempts[batch.rank] = max(restart, self.attempts.get(batch.rank, 0))
+        if restart > self.attempt:  # torchrun restarted the workers: their ends start afresh
+            self.attempt = restart
+            self.first_end_monotonic = None
+            self.first_end.clear()
+            self.changed.set()
+        if batch.HasField("finish"):
+            self.finished[batch.rank] = max(restart, self.finished.get(batch.rank, 0))
+            if restart == self.attempt:
+                self._mark_end()
 
     def on_node_exit(self, report) -> None:
         """Account a node's torchrun exit: its ranks are done, finished or not."""
@@ -77,9 +103,14 @@ class RunState:
             self.first_end.set()
         self.changed.set()
 
-    def is_done(self, rank: int) -> bool:
-        """The rank finished, or its node's torchrun exited."""
-        return rank in self.finished or any(rank in r for r in self.exited_nodes.values())
+    def is_done(self, rank: int, attempt: int | None = None) -> bool:
+        """The rank finished ``attempt`` (default: the run's latest, or the rank's own when
+        later) or a later one, or its node's torchrun exited."""
+        if attempt is None:
+            attempt = max(self.attempts.get(rank, 0), self.attempt)
+        return self.finished.get(rank, -1) >= attempt or any(
+            rank in r for r in self.exited_nodes.values()
+        )
 
     def expected(self) -> set[int]:
         """Ranks 0..world_size-1 (empty while the world size is unknown)."""
@@ -90,16 +121,28 @@ class RunState:
         return sorted(set(range(self.nnodes or 0)) - self.exited_nodes.keys())
 
     def missing(self) -> list[int]:
-        """Expected ranks that neither finished nor belong to an exited node, sorted."""
-        done = set(self.finished)
-        for ranks in self.exited_nodes.values():
-            done |= ranks
-        return sorted(self.expected() - done)
+        """Expected ranks that neither finished their latest attempt nor belong to an exited
+        node, sorted."""
+        return sorted(r for r in self.expected() if not self.is_done(r))
 
-    async def wait_done(self, deadline: float) -> list[int]:
-        """Wait until no rank is missing or ``deadline`` (monotonic s); the missing ranks."""
-        await self._wait_for(lambda: bool(self.world_size) and not self.missing(), deadline)
+    async def wait_done(self, deadline: float, attempt: int | None = None) -> list[int]:
+        """Wait until no rank is missing or ``deadline`` (monotonic s), or, with ``attempt``,
+        until a later attempt starts; the missing ranks."""
+        await self._wait_for(
+            lambda: (
+                bool(self.world_size)
+                and not self.missing()
+                or attempt is not None
+                and self.attempt != attempt
+            ),
+            deadline,
+        )
         return self.missing()
+
+    async def wait_attempt_after(self, attempt: int) -> None:
+        """Wait until an attempt later than ``attempt`` starts (torchrun restarts the workers;
+        may never happen)."""
+        await self._wait_for(lambda: self.attempt != attempt, math.inf)
 
     async def wait_reported(self, deadline: float) -> list[int]:
         """Wait until every expected node reported or ``deadline``; the unreported nodes."""
@@ -145,6 +188,9 @@ class Finalizer:
     """
 
     def __init__(self, state: RunState, writer, write_reports, budget_s: float, steps) -> None:
+        #: ``fn(Outcome)``, called on the event loop with each partial summary the watchdog
+        #: wrote (the server pushes it down the node sessions); None: nobody hears.
+        self.on_partial = None
         self.state = state
         self._steps = steps
         self.writer = writer
@@ -152,6 +198,7 @@ class Finalizer:
         self.budget_s = budget_s
         self._lock = asyncio.Lock()
         self.last: Outcome | None = None
+        self._partial_attempt: int | None = None  # the attempt of the watchdog's last partial
 
     async def finalize(self, budget_s: float | None = None) -> Outcome:
         """Wait for every rank (bounded), drain, checkpoint and write the reports.
@@ -160,6 +207,7 @@ class Finalizer:
         with an endless one (inf, 1e300) must not leave a call waiting for ever; one that
         is not > 0 (0, NaN) means the aggregator's own.
         """
+        self._partial_attempt = None  # the reports from now on are this finalization's
         budget = min(budget_s, self.budget_s) if budget_s and budget_s > 0 else self.budget_s
         deadline = time.monotonic() + budget
         missing = await self.state.wait_done(deadline)
@@ -189,9 +237,23 @@ class Finalizer:
         return await self._write(self.state.missing(), time.monotonic() + 5.0)
 
     async def watchdog(self) -> None:
-        """Write a partial summary if ranks are still missing a budget after the first end."""
-        await self.state.first_end.wait()
-        deadline = self.state.first_end_monotonic + self.budget_s
-        missing = await self.state.wait_done(deadline)
-        if missing and self.last is None:
-            await self._write(missing, deadline)
+        """Write a partial summary if ranks are still missing a budget after the first end of
+        the run's latest attempt (a torchrun restart re-arms it: the new attempt's ranks are
+        missing until they end, and its budget runs from its own first end)."""
+        while True:
+            await self.state.first_end.wait()
+            attempt = self.state.attempt
+            deadline = self.state.first_end_monotonic + self.budget_s
+            missing = await self.state.wait_done(deadline, attempt)
+            if self.state.attempt != attempt:
+                continue
+            # Not once a finalization wrote the reports, unless that was this watch's partial
+            # summary of an earlier attempt.
+            if missing and (self.last is None or self._partial_attempt is not None):
+                self._partial_attempt = attempt
+                outcome = await self._write(missing, deadline)
+                if not outcome.error and self.on_partial is not None:
+                    self.on_partial(outcome)
+            # This attempt is over or given up on: the end of the run, or torchrun restarts
+            # the workers (the later attempt's partial summary replaces this one's).
+            await self.state.wait_attempt_after(attempt)

@@ -9,22 +9,34 @@ before the first one, loading a model or a data set, takes as long as it takes),
 hang timeout
 (``--hang-timeout-sec``, default ``TRACEML_HANG_TIMEOUT_SEC`` or 300 s: long enough for a
 checkpoint save or an evaluation between steps on most jobs, and well inside NCCL's default
-collective timeout of 10 minutes, so the line comes before the job dies of it) has *stalled*. The stall record
+collective timeout of 10 minutes, so the line comes before the job dies of it) has *stalled*. The
+stall record
 (:meth:`HangWatch.check`) names:
 
-* every stalled rank, with its steps completed, its phase, the seconds since its step count
-  last moved (``silent_s``), and whether it is ``alive``: a batch of its own, or a process
-  sample of it from its node's sampler, arrived within :data:`ALIVE_WINDOW_S`;
+* every stalled rank as it was when found stalled: its attempt, steps completed, phase, the
+  seconds since its step count last moved (``silent_s``), and whether it was ``alive``: a
+  batch of its own, or a process sample of it from its node's sampler, arrived within
+  :data:`ALIVE_WINDOW_S`;
 * the suspects: stalled ranks that are dead while others live; else the ranks furthest behind
   (fewest steps, then the earliest phase of a step: the rank still in forward while the others
   wait in backward's all-reduce); else, when every stalled rank stands at the same place while
   other ranks finished or move on, all of them; none when all stand at the same place (a
-  collective that cannot complete: the network, or mismatched collectives).
+  collective that cannot complete: the network, or mismatched collectives), and the record
+  says so rather than naming one. A rank further on than another (waiting for it, in a
+  collective or a step that ends in one) is never a suspect, and the suspects are chosen on
+  the ranks' states when the stall was detected, never on which rank ended last after.
+
+A rank is followed in its latest torchrun attempt (``restart_count``): after a restart, an
+earlier attempt's finish marker does not make the new attempt's rank done, and each stalled
+rank's entry names its attempt.
 
 The record is kept in the store's ``meta`` under ``stall`` (the partial and the final summary
-read it from there) and in ``aggregator/stall.json``, which node 0's launcher watches to print
-one line. It is refreshed while the stall lasts, frozen when the stalled ranks end (killed by
-the user, say), and removed when one of them makes progress again.
+read it from there), pushed down every node session (node 0's launcher prints one line from
+it: ``traceml_aggregator/sessions.py``) and mirrored in ``aggregator/stall.json`` for the user.
+All are written only when the record changes (a stall begins, a rank joins it, every
+stalled rank ended: frozen, or it is over: removed), the file off the event loop. A replacing
+aggregator takes the record its predecessor left (:meth:`HangWatch.restore`), and removes it
+as soon as a stalled rank is seen moving.
 """
 
 from __future__ import annotations
@@ -32,10 +44,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from traceml.analysis.hang import describe, suspects
+from traceml.analysis.hang import describe, silent_s, suspects
+from traceml.core.records import HangRecord, HungRank
 from traceml.core.rundir import write_atomic
 
 #: A rank counts as alive while a batch of its own or a process sample of it arrived this
@@ -43,16 +56,21 @@ from traceml.core.rundir import write_atomic
 ALIVE_WINDOW_S = 15.0
 #: How often the watch looks, s.
 CHECK_INTERVAL_S = 1.0
+#: A new stall waits while another watched rank has been silent this share of the hang
+#: timeout (it is about to stall too: the ranks of one hang stop within a step of each other).
+ABOUT_TO_STALL_SHARE = 0.5
 
 
 @dataclass
 class RankProgress:
-    """What the aggregator last heard of one rank (Unix s on the aggregator's clock)."""
+    """What the aggregator last heard of one rank's latest attempt (Unix s on the
+    aggregator's clock)."""
 
     steps_completed: int
     phase: str
     changed_unix_s: float  # when the step count last moved
     seen_unix_s: float  # its last batch or process sample
+    attempt: int = 0  # torchrun's restart_count
 
 
 class HangWatch:
@@ -60,8 +78,9 @@ class HangWatch:
 
     Args:
         timeout_s: seconds without a step before a live rank has stalled (> 0).
-        is_done: ``is_done(rank)``: the rank finished or its node's torchrun exited.
-        stall_file: where the record goes for node 0's launcher (``aggregator/stall.json``).
+        is_done: ``is_done(rank, attempt)``: the rank finished that attempt (or a later one)
+            or its node's torchrun exited.
+        stall_file: where the record is mirrored for the user (``aggregator/stall.json``).
     """
 
     def __init__(self, timeout_s: float, is_done, stall_file: Path) -> None:
@@ -71,69 +90,144 @@ class HangWatch:
         self.ranks: dict[int, RankProgress] = {}
         self.record: dict | None = None
 
+    def restore(self, record: dict | None, now: float | None = None) -> None:
+        """Take the stall record an earlier aggregator of this run left (None: none): its
+        ranks stand where the record says until they are heard of again, so the stall goes
+        on, is frozen, or ends (their steps move) as if no aggregator had been replaced."""
+        if not record:
+            return
+        now = time.time() if now is None else now
+        self.record = record
+        for e in record["ranks"]:
+            self.ranks[e["rank"]] = RankProgress(
+                e["steps_completed"],
+                e["phase"],
+                e["last_progress_unix_s"],
+                now,
+                e.get("attempt", 0),
+            )
+
     def on_batch(self, batch, now: float | None = None) -> None:
-        """Account a stored batch: a rank's progress, or a node sampler's process samples."""
+        """Account a stored batch: a rank's progress, or a node sampler's process samples (of
+        the ranks' latest attempts; an earlier attempt's are stale)."""
         now = time.time() if now is None else now
         if batch.WhichOneof("sender") != "rank":
             for sample in batch.process_samples:
                 seen = self.ranks.get(sample.rank)
-                if seen is not None:
+                if seen is not None and sample.restart_count == seen.attempt:
                     seen.seen_unix_s = now
             return
         if not batch.HasField("progress"):
             return
         p = batch.progress
         known = self.ranks.get(batch.rank)
-        if known is None or known.steps_completed != p.steps_completed:
-            self.ranks[batch.rank] = RankProgress(p.steps_completed, p.phase, now, now)
+        if known is not None and batch.restart_count < known.attempt:
+            return
+        if (
+            known is None
+            or known.attempt != batch.restart_count
+            or known.steps_completed != p.steps_completed
+        ):
+            self.ranks[batch.rank] = RankProgress(
+                p.steps_completed, p.phase, now, now, batch.restart_count
+            )
         else:
             known.phase = p.phase
             known.seen_unix_s = now
 
+    def _moved(self, entry: dict) -> bool:
+        known = self.ranks[entry["rank"]]
+        return (known.attempt, known.steps_completed) != (
+            entry.get("attempt", 0),
+            entry["steps_completed"],
+        )
+
+    def _entry(self, rank: int, now: float) -> dict:
+        p = self.ranks[rank]
+        return asdict(
+            HungRank(
+                rank=rank,
+                attempt=p.attempt,
+                steps_completed=p.steps_completed,
+                last_step=p.steps_completed - 1,
+                phase=p.phase,
+                silent_s=round(now - p.changed_unix_s, 1),
+                alive=now - p.seen_unix_s < ALIVE_WINDOW_S,
+                last_progress_unix_s=round(p.changed_unix_s, 3),
+            )
+        )
+
     def check(self, now: float | None = None) -> dict | None:
         """The stall record as of ``now`` (Unix s), or None: no stall, or one of the stalled
-        ranks moved again. A record whose ranks have all ended since is kept as it was."""
+        ranks moved again.
+
+        A record changes only when a stall begins, when another rank joins it, when every
+        stalled rank ended (frozen from then on, with ``ended_unix_s``), or when it is over:
+        each rank's entry is its state when it was found stalled, and the suspects are chosen
+        on those states (a rank that dies after the stall was detected, as the user stops the
+        job, is no evidence). A new stall waits while another watched rank that is not yet
+        stalled has been silent :data:`ABOUT_TO_STALL_SHARE` of the hang timeout: the ranks of
+        one hang stop within a step of each other, and the suspects are chosen once all of
+        them are in.
+        """
         now = time.time() if now is None else now
-        if self.record is not None:
-            stalled = [r["rank"] for r in self.record["ranks"]]
-            if any(self.ranks[r].changed_unix_s > self.record["detected_unix_s"] for r in stalled):
-                self.record = None  # progress again
-            elif all(self._is_done(r) for r in stalled):
-                return self.record  # frozen: the stalled ranks ended without moving
-        stalled = sorted(
-            r for r, p in self.ranks.items()
+        record = self.record
+        if record is not None:
+            if any(self._moved(e) for e in record["ranks"]):
+                record = None  # progress again
+            elif record.get("ended_unix_s") is not None:
+                return record  # frozen: the stalled ranks ended without moving
+            elif all(self._is_done(e["rank"], e.get("attempt", 0)) for e in record["ranks"]):
+                self.record = {
+                    **record,
+                    "ended_unix_s": round(now, 3),
+                    "ranks": [{**e, "silent_s": silent_s(record, e, now)} for e in record["ranks"]],
+                }
+                return self.record
+        watched = {
+            r: p
+            for r, p in self.ranks.items()
             if p.steps_completed  # watched from the first step on: set-up takes what it takes
-            and not self._is_done(r)
-            and now - p.changed_unix_s >= self.timeout_s
-        )
-        if not stalled:
-            return self.record
-        entries = [
-            {
-                "rank": r,
-                "steps_completed": self.ranks[r].steps_completed,
-                "last_step": self.ranks[r].steps_completed - 1,
-                "phase": self.ranks[r].phase,
-                "silent_s": round(now - self.ranks[r].changed_unix_s, 1),
-                "alive": now - self.ranks[r].seen_unix_s < ALIVE_WINDOW_S,
-                "last_progress_unix_s": round(self.ranks[r].changed_unix_s, 3),
-            }
-            for r in stalled
-        ]
-        others_move = len(self.ranks) > len(stalled)
-        self.record = {
-            "detected_unix_s": (self.record or {}).get("detected_unix_s", round(now, 3)),
-            "hang_timeout_s": self.timeout_s,
-            "ranks": entries,
-            "suspects": suspects(entries, others_move=others_move),
+            and not self._is_done(r, p.attempt)
         }
+        joined = {e["rank"] for e in record["ranks"]} if record else set()
+        stalled = sorted(
+            r
+            for r, p in watched.items()
+            if r not in joined and now - p.changed_unix_s >= self.timeout_s
+        )
+        quiet = any(
+            r not in joined
+            and self.timeout_s * ABOUT_TO_STALL_SHARE <= now - p.changed_unix_s < self.timeout_s
+            for r, p in watched.items()
+        )
+        if not stalled or (record is None and quiet):
+            self.record = record
+            return record
+        entries = sorted(
+            (record["ranks"] if record else []) + [self._entry(r, now) for r in stalled],
+            key=lambda e: e["rank"],
+        )
+        members = {e["rank"] for e in entries}
+        others_move = any(p.steps_completed for r, p in self.ranks.items() if r not in members)
+        self.record = asdict(
+            HangRecord(
+                detected_unix_s=record["detected_unix_s"] if record else round(now, 3),
+                hang_timeout_s=self.timeout_s,
+                ended_unix_s=None,
+                ranks=entries,
+                suspects=suspects(entries, others_move=others_move),
+            )
+        )
         return self.record
 
     async def run(self, persist, say) -> None:
         """Check every :data:`CHECK_INTERVAL_S`; hand each new or changed record (or None once
-        a stall is over) to ``await persist(record)`` and mirror it in :attr:`stall_file`;
-        ``say(line)`` once as a stall is detected and once as it ends."""
-        last = None
+        a stall is over, including one an earlier aggregator left: :meth:`restore`) to
+        ``await persist(record)``, then mirror it in :attr:`stall_file` (written off the event
+        loop, its directory made if missing); ``say(line)`` once as a stall is detected and
+        once as it ends."""
+        last = self.record
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
             record = self.check()
@@ -146,11 +240,15 @@ class HangWatch:
                 say(describe(record))
             last = record
             try:
-                if record is None:
-                    self.stall_file.unlink(missing_ok=True)
-                else:
-                    write_atomic(self.stall_file, json.dumps(record))
                 await persist(record)
+                await asyncio.to_thread(self._mirror, record)
             except Exception as exc:  # a full disk must not end the watch; the next check retries
                 say(f"could not store the stall record ({type(exc).__name__}: {exc})")
                 last = {"detected_unix_s": record["detected_unix_s"]} if record else None
+
+    def _mirror(self, record: dict | None) -> None:
+        if record is None:
+            self.stall_file.unlink(missing_ok=True)
+        else:  # (a standalone aggregator's run directory may not have it yet)
+            self.stall_file.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.stall_file, json.dumps(record))

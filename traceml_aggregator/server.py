@@ -26,46 +26,52 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from traceml import wire
+from traceml import settings, wire
+from traceml.analysis.document import AggregatorOutage
 from traceml.analysis.hang import STALL_META_KEY
-from traceml.core import endpoint, log
+from traceml.core import endpoint, log, otlp
 from traceml.core.heap import freeze_startup_objects
-from traceml.core.rundir import DATABASE_NAME, RunDir
+from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
-from traceml_aggregator.auth import TokenInterceptor, server_credentials
-from traceml_aggregator.finalize import Finalizer, RunState
+from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
+from traceml_aggregator.checkpoint import Checkpoint, Checkpointer
+from traceml_aggregator.checkpoint import read as read_checkpoint
+from traceml_aggregator.finalize import Finalizer, Outcome, RunState
 from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates
-from traceml_aggregator.live_rows import LiveRows, summarize_reply
+from traceml_aggregator.live.rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.senders import Rejections, check_batch
+from traceml_aggregator.script_world import ScriptWorld, store_record
+from traceml_aggregator.senders import BATCH_ONLY, Rejections, check_batch
 from traceml_aggregator.sessions import NodeSessions
 from traceml_aggregator.store import (
     NODE_LOSSES_META_KEY,
     REJECTED_META_KEY,
+    REJECTED_REASONS_META_KEY,
     RESTARTS_META_KEY,
+    STORE_INT_MAX,
     Store,
 )
 from traceml_aggregator.streams import CLOSED, LOST, STREAMS_META_KEY, StreamLedger
-from traceml_aggregator.writer import MAX_QUEUED_BYTES, QueueFull, Writer
+from traceml_aggregator.writer import QueueFull, Writer
 
 _log = log.get("aggregator")
 
 SERVICE_NAME = "traceml.wire.v1.Aggregator"
 #: How long a Summarize call lets queued batches commit (and reach the live aggregates), s.
 SUMMARIZE_DRAIN_S = 2.0
-#: Default bound of calls in flight (``--max-concurrent-rpcs``): a rank, or a node sampler, holds
-#: one stream open all along, so this bounds the senders one aggregator serves at once
-#: (docs/scale.md: 8,192 ranks and their nodes' samplers, with room for one-off calls).
-MAX_CONCURRENT_RPCS = 16384
 #: How long a client pushed back by a full writer queue waits before it sends again, ms.
 RETRY_AFTER_MS = 500
+#: How often the stream ledger and the refusal counts are written to the store when they
+#: changed, s: an aggregator killed in any way loses at most this much of them (its
+#: replacement restores the rest).
+RUN_RECORDS_PERSIST_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -74,15 +80,15 @@ class ServerConfig:
 
     run_dir: Path
     run_name: str
-    port: int = endpoint.DEFAULT_PORT
+    port: int = settings.AGGREGATOR_PORT.value
     bind_host: str = "127.0.0.1"
     world_size: int | None = None
     #: Node launchers that will report their torchrun's exit (None: ranks under plain torchrun).
     nnodes: int | None = None
-    html_report: bool = False
-    finalize_timeout_s: float = 300.0
+    html_report: bool = settings.HTML_REPORT.value
+    finalize_timeout_s: float = settings.FINALIZE_TIMEOUT_SEC.value
     #: Seconds without a completed step before a live rank has stalled (a hang).
-    hang_timeout_s: float = 300.0
+    hang_timeout_s: float = settings.HANG_TIMEOUT_SEC.value
     #: Write the reports when stopped if no Finalize asked for them (standalone use). The
     #: launcher turns it off: it finalizes itself, and a run it stops on purpose (a refused
     #: node claim) must leave no summary.
@@ -101,14 +107,35 @@ class ServerConfig:
     #: PEM files of the aggregator's TLS certificate and key (both, or neither: plain text).
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    max_concurrent_rpcs: int = settings.MAX_CONCURRENT_RPCS.value
     #: Bound of the writer's queue, bytes of serialized batches.
-    max_queued_bytes: int = MAX_QUEUED_BYTES
-    #: Serve Prometheus ``/metrics`` on this port of ``bind_host`` (None: off).
+    max_queued_bytes: int = settings.MAX_QUEUED_BYTES.value
+    #: Serve Prometheus ``/metrics`` on this port of ``metrics_bind_host`` (None: off).
     metrics_port: int | None = None
+    #: Where ``/metrics`` listens: this host only unless asked otherwise.
+    metrics_bind_host: str = settings.METRICS_BIND_HOST.value
+    #: ``--otlp-endpoint``: push the ``/metrics`` series to this OTLP/gRPC collector (None:
+    #: only when a standard ``OTEL_EXPORTER_OTLP_*ENDPOINT`` variable is set; see
+    #: :mod:`traceml_aggregator.otlp`).
+    otlp_endpoint: str | None = None
+    #: Seconds between two OTLP pushes: ``TRACEML_OTLP_INTERVAL_SEC``.
+    otlp_interval_s: float = field(
+        default_factory=lambda: settings.read(settings.OTLP_INTERVAL_SEC)
+    )
     #: Serve the dashboard (:mod:`traceml_aggregator.dashboard`) on this port of ``bind_host``
     #: (None: off).
     dashboard_port: int | None = None
+    #: Seconds between two checkpoints of the live aggregates (see
+    #: :mod:`traceml_aggregator.checkpoint`): ``TRACEML_AGGREGATOR_CHECKPOINT_SEC``.
+    checkpoint_interval_s: float = field(
+        default_factory=lambda: settings.read(settings.AGGREGATOR_CHECKPOINT_SEC)
+    )
+
+    @property
+    def tls(self) -> tuple[Path, Path] | None:
+        """``(cert, key)`` when the aggregator serves TLS (gRPC, the dashboard and
+        ``/metrics`` alike), else None."""
+        return (self.tls_cert, self.tls_key) if self.tls_cert is not None else None
 
 
 def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
@@ -116,14 +143,30 @@ def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
     entry, a JSON list of ``{"reason": str, "gap_s": float, "restarted_unix_s": float}`` (gap:
     s from the death the launcher saw to this replacement serving); returns the entry."""
     now = time.time()
-    entry = {
-        "reason": reason,
-        "gap_s": round(max(0.0, now - down_since_unix_s), 3),
-        "restarted_unix_s": round(now, 3),
-    }
+    entry = asdict(
+        AggregatorOutage(
+            reason=reason,
+            gap_s=round(max(0.0, now - down_since_unix_s), 3),
+            restarted_unix_s=round(now, 3),
+        )
+    )
     restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
     store.set_meta(RESTARTS_META_KEY, json.dumps(restarts + [entry]))
     return entry
+
+
+def seed(live: LiveAggregates, store: Store) -> Checkpoint:
+    """Seed ``live`` from what ``store`` holds, from its latest checkpoint on
+    (:meth:`LiveAggregates.seed`), and say how long it took (when the store held steps);
+    returns the checkpoint the next ones start from."""
+    started = time.monotonic()
+    checkpoint = live.seed(store, read_checkpoint(store))
+    if store.steps_rowid:
+        _log.info(
+            f"live aggregates seeded in {time.monotonic() - started:.2f} s: "
+            f"{store.steps_rowid - checkpoint.steps_from} stored steps after the checkpoint"
+        )
+    return checkpoint
 
 
 class AggregatorService(wire.AggregatorServicer):
@@ -138,8 +181,10 @@ class AggregatorService(wire.AggregatorServicer):
         rejections,
         live: LiveAggregates,
         streams: StreamLedger,
+        script_world: ScriptWorld | None = None,
     ):
         self.config = config
+        self.script_world = script_world or ScriptWorld()
         self.streams = streams
         self.writer = writer
         self.live = live
@@ -179,7 +224,10 @@ class AggregatorService(wire.AggregatorServicer):
         if request.seq < 1:
             reason = self.rejections.refuse("bad_sequence", "sequence numbers start at 1")
             return wire.Ack(rejected=True, reason=reason)
-        refusal = check_batch(request, self.state.world_size, self.config.nnodes)
+        refusal, adopt = self.script_world.check(request, self.state.world_size)
+        if adopt:
+            await self._adopt_script_world(request.identity)
+        refusal = refusal or check_batch(request, self.state.world_size, self.config.nnodes)
         if refusal is not None:
             return wire.Ack(rejected=True, reason=self.rejections.refuse(*refusal))
         try:
@@ -194,11 +242,30 @@ class AggregatorService(wire.AggregatorServicer):
             )
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
-        if result.rejected:
+        if result.rejected:  # a refusal of this batch alone names the batch's own seq
             return wire.Ack(
-                rejected=True, reason=self.rejections.refuse(result.kind, result.rejected)
+                rejected=True,
+                reason=self.rejections.refuse(result.kind, result.rejected),
+                stored_seq=request.seq if result.kind in BATCH_ONLY else 0,
+            )
+        if result.values_dropped:
+            sender = request.WhichOneof("sender") or "rank"
+            self.rejections.refuse(
+                "value_out_of_range",
+                f"{result.values_dropped} values above {STORE_INT_MAX} (2**63 - 1) in a batch "
+                f"of {sender.replace('_', ' ')} {getattr(request, sender)}: dropped, the rest "
+                "of the batch stored",
+                result.values_dropped,
             )
         return wire.Ack(stored_seq=result.stored_seq)
+
+    async def _adopt_script_world(self, identity) -> None:
+        """Make the script's own process group of ``identity`` the run's world (see
+        :mod:`traceml_aggregator.script_world`): its size is the run's from now on, here, in
+        the live aggregates and in the store."""
+        record = self.script_world.adopt(identity, self.state.world_size)
+        self.state.world_size = self.live.world_size = record["world_size"]
+        await self.writer.call(store_record, self.writer.store, record)
 
     async def Push(self, request, context):
         return await self._ingest(request, context, on_stream=False)
@@ -214,10 +281,11 @@ class AggregatorService(wire.AggregatorServicer):
                 if batch.closing:
                     state = CLOSED
                     continue
-                if key is None and batch.WhichOneof("sender") is not None:
-                    key = StreamLedger.key(batch)
-                    self.streams.opened(key)
                 ack = await self._ingest(batch, context, on_stream=True)
+                taken = not ack.rejected and not ack.retry_after_ms  # stored, or stored before
+                if key is None and taken and batch.WhichOneof("sender") is not None:
+                    key = StreamLedger.key(batch)  # a sender the checks let in, no other
+                    self.streams.opened(key)
                 if key is not None and batch.HasField("finish") and ack.stored_seq >= batch.seq:
                     self.streams.finished(key)
                 yield ack
@@ -273,16 +341,7 @@ class AggregatorService(wire.AggregatorServicer):
     async def _finalize(self, request):
         """Finalize within ``request.timeout_s``; the FinalizeReply (Finalize, or a node
         session's request)."""
-        outcome = await self.finalizer.finalize(request.timeout_s)
-        return wire.FinalizeReply(
-            complete=not outcome.missing,
-            missing_ranks=outcome.missing,
-            summary_json_path=str(outcome.json_path or ""),
-            summary_text_path=str(outcome.text_path or ""),
-            summary_html_path=str(outcome.html_path or ""),
-            summary_text=outcome.text,
-            error=outcome.error,
-        )
+        return finalize_reply(await self.finalizer.finalize(request.timeout_s))
 
     async def Summarize(self, request, context):
         reason = self._foreign(request.run_name)
@@ -297,9 +356,30 @@ class AggregatorService(wire.AggregatorServicer):
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
 
 
+def finalize_reply(outcome: Outcome):
+    """The FinalizeReply that tells a launcher what a finalization (or the watchdog's partial
+    summary) wrote."""
+    return wire.FinalizeReply(
+        complete=not outcome.missing,
+        missing_ranks=outcome.missing,
+        summary_json_path=str(outcome.json_path or ""),
+        summary_text_path=str(outcome.text_path or ""),
+        summary_html_path=str(outcome.html_path or ""),
+        summary_text=outcome.text,
+        error=outcome.error,
+    )
+
+
+def publish_stall(sessions: NodeSessions, record: dict | None) -> None:
+    """Push the run's stall record (None: the stall is over) down every node session."""
+    notice = wire.StallNotice(record_json=json.dumps(record) if record else "")
+    sessions.publish(wire.NodeDown(stall=notice))
+
 
 def grpc_server(
-    run_token: str, rejections: Rejections, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS
+    run_token: str,
+    rejections: Rejections,
+    max_concurrent_rpcs: int = settings.MAX_CONCURRENT_RPCS.value,
 ) -> grpc.aio.Server:
     """The aggregator's ``grpc.aio`` server, no service or port added yet: the run token
     checked on every call (:class:`~traceml_aggregator.auth.TokenInterceptor`, refusals counted
@@ -346,18 +426,20 @@ async def serve(config: ServerConfig, ready=None) -> int:
     raise_open_files_limit()
     store = Store(config.run_dir / DATABASE_NAME)
     store.set_meta("run_name", config.run_name)
-    if config.world_size:
-        store.set_meta("world_size", str(config.world_size))
-    state = RunState(world_size=config.world_size, nnodes=config.nnodes)
+    script_world = ScriptWorld.restore(store.meta())  # adopted by an earlier aggregator
+    world_size = script_world.world_size(config.world_size)
+    if world_size:
+        store.set_meta("world_size", str(world_size))
+    state = RunState(world_size=world_size, nnodes=config.nnodes)
     state.restore(store)  # what an aggregator of this run stored before this one
-    hangs = HangWatch(
-        config.hang_timeout_s, state.is_done, RunDir(config.run_dir, 0).stall_file
-    )
+    hangs = HangWatch(config.hang_timeout_s, state.is_done, RunDir(config.run_dir, 0).stall_file)
+    stall = store.meta().get(STALL_META_KEY)
+    hangs.restore(json.loads(stall) if stall else None)  # a stall an earlier aggregator left
 
-    live = LiveAggregates(config.run_name, config.world_size)
+    live = LiveAggregates(config.run_name, world_size)
     streams = StreamLedger()
     streams.restore(store.meta().get(STREAMS_META_KEY))
-    live.seed(store)  # after a restart: what the earlier aggregator stored
+    checkpoint = seed(live, store)  # after a restart: what the earlier aggregator stored
 
     def on_stored(batch) -> None:
         state.on_batch(batch)
@@ -365,31 +447,80 @@ async def serve(config: ServerConfig, ready=None) -> int:
         live.on_batch(batch)
 
     writer = Writer(store, on_stored, config.max_queued_bytes)
+    checkpointer = Checkpointer(checkpoint, live, writer)
     rejections = Rejections()
+    rejections.restore(
+        store.meta().get(REJECTED_META_KEY), store.meta().get(REJECTED_REASONS_META_KEY)
+    )
+
+    def write_run_records(store_) -> None:
+        """The refusal counts and the stream ledger into the store (on the writer thread:
+        copies taken now, each in one step, while the event loop may change them)."""
+        store_.set_meta(REJECTED_META_KEY, json.dumps(dict(rejections.counts), sort_keys=True))
+        store_.set_meta(
+            REJECTED_REASONS_META_KEY, json.dumps(dict(rejections.reasons), sort_keys=True)
+        )
+        store_.set_meta(STREAMS_META_KEY, streams.to_json())
+
+    async def store_run_records() -> bool:
+        """:func:`write_run_records` on the writer thread; False (said) when the store
+        failed (a full disk)."""
+        try:
+            await writer.call(write_run_records, store)
+        except Exception as exc:
+            _log.warning(f"cannot store the stream ledger and refusal counts: {exc}")
+            return False
+        return True
+
+    async def keep_run_records() -> None:
+        """Store them every :data:`RUN_RECORDS_PERSIST_S` when they changed (again at the
+        next check after a failed write)."""
+        written = (streams.changes, rejections.total)
+        while True:
+            await asyncio.sleep(RUN_RECORDS_PERSIST_S)
+            now = (streams.changes, rejections.total)
+            if now != written and await store_run_records():
+                written = now
 
     async def persist_stall(record: dict | None) -> None:
+        """Store the stall record, then push it to the node sessions."""
         if record is None:
             await writer.call(store.delete_meta, STALL_META_KEY)
         else:
             await writer.call(store.set_meta, STALL_META_KEY, json.dumps(record))
+        publish_stall(service.sessions, record)
 
     def reports(store_, missing, steps):
         from traceml_aggregator.reports import write_reports
 
-        streams_json = streams.to_json()  # on the writer thread: a copy taken now, not a view
-
-        store_.set_meta(REJECTED_META_KEY, json.dumps(rejections.counts, sort_keys=True))
-        store_.set_meta(STREAMS_META_KEY, streams_json)
+        write_run_records(store_)
         return write_reports(store_, config.run_dir, missing, html=config.html_report, steps=steps)
 
     finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, live.final_steps)
     server = grpc_server(config.run_token, rejections, config.max_concurrent_rpcs)
-    service = AggregatorService(config, writer, state, finalizer, rejections, live, streams)
+    service = AggregatorService(
+        config, writer, state, finalizer, rejections, live, streams, script_world
+    )
+
+    def publish_partial(outcome: Outcome) -> None:
+        """Push the watchdog's partial summary down every node session (its paths and missing
+        ranks; not its text, which no launcher prints while training runs)."""
+        reply = finalize_reply(outcome)
+        reply.summary_text = ""
+        service.sessions.publish(wire.NodeDown(partial_summary=reply))
+
+    finalizer.on_partial = publish_partial
+    if hangs.record is not None:  # an earlier aggregator's stall: sessions hear it on opening
+        publish_stall(service.sessions, hangs.record)
     restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
     live.run_records = lambda: {
-        "stall": hangs.record, "node_losses": list(service.sessions.losses),
-        "rejected": dict(rejections.counts), "aggregator_restarts": list(restarts),
-    }  # fmt: skip
+        "stall": hangs.record,
+        "node_losses": list(service.sessions.losses),
+        "rejected": dict(rejections.counts),
+        "rejected_reasons": dict(rejections.reasons),
+        "aggregator_restarts": list(restarts),
+        "script_world": script_world.record,
+    }
     wire.add_AggregatorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -407,37 +538,52 @@ async def serve(config: ServerConfig, ready=None) -> int:
         raise BindError(f"cannot listen on {address} (port in use or address not local)")
     metrics_server = None
     if config.metrics_port is not None:
-        from traceml_aggregator.metrics import serve_metrics
+        from traceml_aggregator.metrics import MetricsServer
 
+        where = endpoint.target(config.metrics_bind_host, config.metrics_port)
         try:
-            metrics_server = serve_metrics(live, config.bind_host, config.metrics_port)
-        except OSError as exc:
-            raise BindError(
-                f"cannot serve /metrics on {endpoint.target(config.bind_host, config.metrics_port)}"
-                f": {exc}"
-            ) from exc
+            metrics_server = MetricsServer(
+                live,
+                asyncio.get_running_loop(),
+                config.metrics_bind_host,
+                config.metrics_port,
+                config.run_token,
+                config.tls,
+            ).start()
+        except OSError as exc:  # ssl.SSLError included
+            raise BindError(f"cannot serve /metrics on {where}: {exc}") from exc
+        _log.info(
+            f"/metrics on {'https' if config.tls else 'http'}://{where}/metrics (bearer: the run "
+            "token)"
+        )
+    otlp_push = _otlp_push(config, live)
     dashboard = None
     if config.dashboard_port is not None:
         from traceml_aggregator.dashboard import app as dashboard_app
         from traceml_aggregator.dashboard.sources import LiveSource
 
+        url = endpoint.dashboard_url(config.bind_host, config.dashboard_port, bool(config.tls))
+        link_file = config.run_dir / DASHBOARD_LINK_FILE_NAME
         try:
+            tls = server_ssl_context(*config.tls) if config.tls else None
             dashboard = await dashboard_app.start(
-                LiveSource(live), config.bind_host, config.dashboard_port, config.run_token
+                LiveSource(live), config.bind_host, config.dashboard_port, config.run_token, tls
             )
-        except OSError as exc:
+            dashboard_app.write_link(link_file, url, config.run_token)
+        except OSError as exc:  # ssl.SSLError included
             raise BindError(
                 "cannot serve the dashboard on "
                 f"{endpoint.target(config.bind_host, config.dashboard_port)}: {exc}"
             ) from exc
         _log.info(
-            f"dashboard on {endpoint.target(config.bind_host, config.dashboard_port)} "
-            "(its URL carries the run token)"
+            f"dashboard on {url}: open the link in {link_file} (mode 0600: it holds the run token)"
         )
     writer.start()
     await server.start()
     if config.restart_reason:
-        down_since = config.down_since_unix_s if config.down_since_unix_s is not None else time.time()
+        down_since = (
+            config.down_since_unix_s if config.down_since_unix_s is not None else time.time()
+        )
         entry = await writer.call(record_restart, store, config.restart_reason, down_since)
         restarts.append(entry)
         _log.info(
@@ -449,6 +595,12 @@ async def serve(config: ServerConfig, ready=None) -> int:
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
     hang_watch = asyncio.get_running_loop().create_task(hangs.run(persist_stall, _log.warning))
     node_watch = asyncio.get_running_loop().create_task(service.sessions.watch())
+    records_keeper = asyncio.get_running_loop().create_task(keep_run_records())
+    checkpoints = asyncio.get_running_loop().create_task(
+        checkpointer.run(config.checkpoint_interval_s)
+    )
+    if otlp_push is not None:
+        otlp_push.start()
     if ready is not None:
         ready(port)
     # The analysis and report modules (~0.04 s) load once serving: neither on the way to
@@ -471,15 +623,25 @@ async def serve(config: ServerConfig, ready=None) -> int:
     watchdog.cancel()
     hang_watch.cancel()
     node_watch.cancel()
+    records_keeper.cancel()
+    checkpoints.cancel()
     await server.stop(grace=1.0)
     if metrics_server is not None:
         metrics_server.shutdown()
+        metrics_server.server_close()
     if dashboard is not None:
         await dashboard.cleanup()
     await writer.drain(5.0)
+    try:  # a replacement (or --finalize-only) starts from here
+        await checkpointer.write()
+    except Exception as exc:
+        _log.warning(f"cannot store the live aggregates' checkpoint: {exc}")
+    if otlp_push is not None:  # the run's last figures, after its last batches
+        await otlp_push.final()
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None
     if outcome is not None:
         _log.info(f"summary written at stop: {outcome.json_path or outcome.error}")
+    await store_run_records()  # the latest, also without reports
     await writer.close()
     live.close()
     _log.info(
@@ -488,9 +650,27 @@ async def serve(config: ServerConfig, ready=None) -> int:
     )
     refused = ", ".join(f"{k} {v}" for k, v in sorted(rejections.counts.items())) or "none"
     _log.info(
-        f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (queue full)"
+        f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (writer "
+        f"behind); queue peak {writer.peak_queued_bytes} bytes (bound {writer.max_queued_bytes})"
     )
     return 0
+
+
+def _otlp_push(config: ServerConfig, live: LiveAggregates):
+    """The OTLP push of ``config`` (:class:`traceml_aggregator.otlp.OtlpPush`), or None: not
+    asked for, or the ``otlp`` extra is not installed (one line says so)."""
+    target = otlp.requested(config.otlp_endpoint)
+    if target is None:
+        return None
+    missing = otlp.missing()
+    if missing:
+        _log.warning(missing)
+        return None
+    from traceml_aggregator.otlp import Options, OtlpPush
+
+    _log.info(f"OTLP export to {target} every {config.otlp_interval_s:g} s")
+    options = Options(config.otlp_endpoint or None, config.run_name)
+    return OtlpPush(live, options, target, config.otlp_interval_s)
 
 
 def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -537,15 +717,19 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
         if node_exit_path is not None:
             report = wire.NodeExit.FromString(node_exit_path.read_bytes())
             store.write_node_exit(report, time.time_ns() // 1000)
-        state = RunState(world_size=config.world_size, nnodes=config.nnodes)
+        world_size = ScriptWorld.restore(store.meta()).world_size(config.world_size)
+        state = RunState(world_size=world_size, nnodes=config.nnodes)
         state.restore(store)
         store.checkpoint()
-        live = LiveAggregates(config.run_name, config.world_size)
-        live.seed(store)  # the same aggregates, so the same summary, as the live aggregator's
+        live = LiveAggregates(config.run_name, world_size)
+        seed(live, store)  # the same aggregates, so the same summary, as the live aggregator's
         outcome = write_reports(
-            store, config.run_dir, state.missing(), html=config.html_report,
+            store,
+            config.run_dir,
+            state.missing(),
+            html=config.html_report,
             steps=live.final_steps(),
-        )  # fmt: skip
+        )
     except Exception as exc:
         _log.error(f"error: no summary: {type(exc).__name__}: {exc}")
         return 1

@@ -6,7 +6,10 @@ A node's launcher holds one bidirectional stream to node 0's aggregator for the 
 :data:`~traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S`, its torchrun's exit (stored like
 ``ReportNodeExit``, answered ``exit_stored``) and, from node 0, the finalization request. Down
 go the claim's verdict and what the aggregator pushes to every open session: the run's failure
-once another node's claim was refused, and the finalization result.
+once another node's claim was refused, the finalization result, and what it publishes
+(:meth:`NodeSessions.publish`: the stall record as it changes, the watchdog's partial summary),
+whose latest of each kind also goes to every session opened later. It is the one channel from
+the aggregator to the launchers: none of them reads the aggregator's files while it serves.
 
 Liveness: a node whose claim was accepted is expected to speak until its launcher ends its
 session cleanly: a ``goodbye`` message, then the end of the stream. Any other end (a reset, a
@@ -26,11 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 
 from traceml import wire
+from traceml.analysis.document import NodeLoss
 from traceml.core import log
 from traceml.core.transport import NODE_LOST_AFTER_S
 from traceml_aggregator.nodes import NodeRegistry
@@ -106,6 +110,9 @@ class NodeSessions:
         #: "lost_unix_s", "resumed_unix_s" (None while lost), "lost_after_s"}``.
         self.losses: list[dict] = list(losses or [])
         self.nodes: dict[int, _Node] = {}
+        #: The latest published NodeDown of each kind (``stall``, ``partial_summary``), for
+        #: the sessions that open later.
+        self._published: dict[str, wire.NodeDown] = {}
 
     def expect(self, node_ranks) -> None:
         """Expect a session from each of ``node_ranks`` from now on (a restarted aggregator:
@@ -132,7 +139,11 @@ class NodeSessions:
         accepted, refusal = self.registry.claim(claim)
         if not accepted:
             nnodes = self.registry.nnodes
-            kind = "node_rank_out_of_range" if nnodes is not None and claim.node_rank >= nnodes else "node_claim"
+            kind = (
+                "node_rank_out_of_range"
+                if nnodes is not None and claim.node_rank >= nnodes
+                else "node_claim"
+            )
             self._refuse(kind, f"a node claim: {refusal}")
             if self.registry.run_failure != failure_before:
                 self._push(wire.NodeDown(run_failure=self.registry.run_failure))
@@ -193,11 +204,13 @@ class NodeSessions:
                 session.goodbye = True
             elif kind == "exit":
                 if up.exit.node_rank != session.node_rank:  # a node reports its own exit only
-                    raise _Refused(self._refuse(
-                        "exit_of_another_node",
-                        f"node {session.node_rank}'s session reported the exit of node "
-                        f"{up.exit.node_rank}",
-                    ))  # fmt: skip
+                    raise _Refused(
+                        self._refuse(
+                            "exit_of_another_node",
+                            f"node {session.node_rank}'s session reported the exit of node "
+                            f"{up.exit.node_rank}",
+                        )
+                    )
                 refusal = await self._store_exit(up.exit)
                 if refusal:
                     raise _Refused(refusal)
@@ -217,6 +230,14 @@ class NodeSessions:
             if node.session is not None:
                 node.session.outbox.put_nowait(message)
 
+    def publish(self, message) -> None:
+        """Push ``message`` (a NodeDown) to every open session now, and to every session that
+        opens later until another message of its kind replaces it: a launcher whose session was
+        away (a network cut, a restarted aggregator) hears the latest stall and partial summary
+        as it comes back."""
+        self._published[message.WhichOneof("kind")] = message
+        self._push(message)
+
     async def _open(self, claim) -> _Session:
         """A new session of ``claim``'s node: it replaces an open one, resumes a lost node."""
         rank = claim.node_rank
@@ -227,13 +248,18 @@ class NodeSessions:
         if node.session is not None:
             node.session.outbox.put_nowait(None)
         node.hostname, node.session, node.ended = claim.hostname, session, False
+        for message in self._published.values():  # sent after the claim's verdict
+            session.outbox.put_nowait(message)
         self._heard(rank)
         if node.lost is not None:
             node.lost["resumed_unix_s"] = round(time.time(), 3)
             lost_s = node.lost["resumed_unix_s"] - node.lost["lost_unix_s"]
             node.lost = None
             await self._persist(self.losses)
-            _log.info(f"node {rank} ({claim.hostname}) is back: its session resumed {lost_s:.1f} s after it was marked lost")
+            _log.info(
+                f"node {rank} ({claim.hostname}) is back: its session resumed {lost_s:.1f} s "
+                f"after it was marked lost"
+            )
         return session
 
     def _heard(self, rank: int) -> None:
@@ -264,14 +290,16 @@ class NodeSessions:
             silent_s = now_m - node.last_heard_monotonic
             if silent_s <= self.lost_after_s:
                 continue
-            node.lost = {
-                "node_rank": rank,
-                "hostname": node.hostname or None,
-                "last_heard_unix_s": round(node.last_heard_unix_s, 3),
-                "lost_unix_s": round(now, 3),
-                "resumed_unix_s": None,
-                "lost_after_s": self.lost_after_s,
-            }
+            node.lost = asdict(
+                NodeLoss(
+                    node_rank=rank,
+                    hostname=node.hostname or None,
+                    last_heard_unix_s=round(node.last_heard_unix_s, 3),
+                    lost_unix_s=round(now, 3),
+                    resumed_unix_s=None,
+                    lost_after_s=self.lost_after_s,
+                )
+            )
             self.losses.append(node.lost)
             found.append(rank)
             _log.warning(

@@ -34,68 +34,56 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from traceml import wire
-from traceml.wire.records import STEP_OPTIONAL_FIELDS, step_group_columns
+from google.protobuf.message import Message
+
+from traceml.core import records
+from traceml.core.phases import STEP_REQUIRED_FIELDS
+from traceml.core.records import (
+    Finish,
+    Flops,
+    GpuSample,
+    Identity,
+    NodeExit,
+    ProcessSample,
+    RankEnd,
+    SenderCounts,
+    SystemSample,
+    step_group_columns,
+)
+from traceml.wire.records import add_steps
 
 #: Version of the table layout below; stored in ``meta``.
 SCHEMA_VERSION = 3
 #: ``meta`` key of the aggregator's refused calls by kind (a JSON object), written before the
 #: reports (see traceml_aggregator/senders.py).
 REJECTED_META_KEY = "rejected"
+#: The store's meta key of the first refusal's reason of each kind (JSON: kind -> reason).
+REJECTED_REASONS_META_KEY = "rejected_reasons"
 
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS streams (
-    sender TEXT NOT NULL, sender_id INTEGER NOT NULL, restart INTEGER NOT NULL,
-    stored_seq INTEGER NOT NULL, PRIMARY KEY (sender, sender_id, restart)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS ranks (
-    rank INTEGER NOT NULL, restart INTEGER NOT NULL, node_rank INTEGER, local_rank INTEGER,
-    world_size INTEGER, local_world_size INTEGER, hostname TEXT, pid INTEGER,
-    start_unix_us INTEGER, torch_version TEXT, cuda_version TEXT, backend TEXT,
-    parallelism TEXT, device TEXT, gpu_uuid TEXT,
-    PRIMARY KEY (rank, restart)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS steps (
-    rank INTEGER NOT NULL, restart INTEGER NOT NULL, step INTEGER NOT NULL,
-    end_us INTEGER NOT NULL, step_us INTEGER NOT NULL,
-    {", ".join(f"{name} INTEGER" for name in STEP_OPTIONAL_FIELDS)});
-CREATE TABLE IF NOT EXISTS process_samples (
-    rank INTEGER NOT NULL, restart INTEGER NOT NULL, unix_us INTEGER NOT NULL,
-    cpu_percent REAL, rss_bytes INTEGER, gpu_allocated_bytes INTEGER,
-    gpu_reserved_bytes INTEGER);
-CREATE TABLE IF NOT EXISTS system_samples (
-    node_rank INTEGER NOT NULL, unix_us INTEGER NOT NULL, hostname TEXT,
-    cpu_percent REAL, ram_used_bytes INTEGER, ram_total_bytes INTEGER,
-    gpu_unavailable_reason TEXT);
-CREATE TABLE IF NOT EXISTS gpu_samples (
-    node_rank INTEGER NOT NULL, unix_us INTEGER NOT NULL, nvml_index INTEGER NOT NULL,
-    uuid TEXT, util_percent REAL, memory_used_bytes INTEGER, memory_total_bytes INTEGER,
-    temperature_c REAL, power_w REAL, unavailable_reason TEXT);
-CREATE TABLE IF NOT EXISTS rank_finish (
-    rank INTEGER NOT NULL, restart INTEGER NOT NULL, steps_completed INTEGER NOT NULL,
-    records_dropped INTEGER NOT NULL, steps_gpu_unresolved INTEGER NOT NULL,
-    end_state TEXT NOT NULL, reason TEXT, last_seq INTEGER NOT NULL,
-    received_unix_us INTEGER NOT NULL, PRIMARY KEY (rank, restart)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS rank_flops (
-    rank INTEGER NOT NULL, restart INTEGER NOT NULL, step INTEGER NOT NULL,
-    forward_flops INTEGER NOT NULL, count_us INTEGER NOT NULL, dtype TEXT, device_name TEXT,
-    peak_tflops REAL, PRIMARY KEY (rank, restart)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS sender_counts (
-    rank INTEGER NOT NULL, restart INTEGER NOT NULL, seq INTEGER NOT NULL,
-    records_produced INTEGER NOT NULL, records_dropped INTEGER NOT NULL,
-    steps_produced INTEGER NOT NULL, steps_dropped INTEGER NOT NULL,
-    PRIMARY KEY (rank, restart)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS node_exits (
-    node_rank INTEGER PRIMARY KEY, hostname TEXT, exit_code INTEGER NOT NULL,
-    restart_count INTEGER NOT NULL, received_unix_us INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS rank_ends (
-    rank INTEGER PRIMARY KEY, local_rank INTEGER, node_rank INTEGER NOT NULL,
-    end_state TEXT NOT NULL, exit_code INTEGER, signal INTEGER, reason TEXT);
-"""
-
-
-_PROCESS_FIELDS = ("cpu_percent", "rss_bytes", "gpu_allocated_bytes", "gpu_reserved_bytes")
-_SYSTEM_FIELDS = ("cpu_percent", "ram_used_bytes", "ram_total_bytes")
-_GPU_FIELDS = ("util_percent", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
+#: The tables: the store's own (meta, streams, the live checkpoint), the records'
+#: (:mod:`traceml.core.records`) and the steps.
+_SCHEMA = "\n".join(
+    [
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);",
+        records.table_sql(
+            "streams",
+            [
+                ("sender", "TEXT NOT NULL"),
+                ("sender_id", "INTEGER NOT NULL"),
+                ("restart", "INTEGER NOT NULL"),
+                ("stored_seq", "INTEGER NOT NULL"),
+            ],
+            key=("sender", "sender_id", "restart"),
+        ),
+        records.create_table(records.Identity),
+        records.table_sql("steps", records.STEPS_TABLE),
+        *(records.create_table(r) for r in records.RECORDS if r is not records.Identity),
+        "CREATE TABLE IF NOT EXISTS live_checkpoint (id INTEGER PRIMARY KEY CHECK (id = 0),"
+        " written_unix_us INTEGER NOT NULL, state BLOB NOT NULL);",
+    ]
+)
+#: The INSERT of one row of each record (:func:`traceml.core.records.insert`).
+_INSERT = {r: records.insert(r) for r in records.RECORDS}
 
 
 #: ``meta`` key of the run's aggregator restarts: a JSON list, one entry per replacement
@@ -106,23 +94,72 @@ RESTARTS_META_KEY = "aggregator_restarts"
 NODE_LOSSES_META_KEY = "node_losses"
 
 
-def _optional(message, names: tuple[str, ...]) -> tuple:
-    """Values of ``names`` in ``message``, None where the optional field is absent."""
-    present = {fd.name: value for fd, value in message.ListFields()}
-    return tuple(present.get(name) for name in names)
+#: Largest integer the store takes (SQLite's INTEGER is signed 64-bit). The wire's integers
+#: are unsigned 64-bit: a value above this one (a FLOPs count of a large model with gradient
+#: accumulation can reach 2**63) is dropped by :func:`drop_unstorable`, and counted.
+STORE_INT_MAX = (1 << 63) - 1
+_REQUIRED = frozenset(STEP_REQUIRED_FIELDS)
 
 
-def flops_row(count) -> tuple:
-    """``rank_flops`` values of a wire FlopsCount after (rank, restart): step, forward FLOPs,
-    count µs, dtype, device name, peak TFLOPS (None when the rank was given none)."""
-    return (
-        count.step,
-        count.forward_flops,
-        count.count_us,
-        count.dtype or None,
-        count.device_name or None,
-        count.peak_tflops or None,
-    )
+def drop_unstorable(batch) -> int:
+    """Drop from ``batch`` (a wire Batch, changed in place) every integer above
+    :data:`STORE_INT_MAX`; returns how many were dropped.
+
+    A step's optional field is dropped alone (the step is stored without it); a step whose
+    step number, end or duration is beyond is dropped whole (one value counted). A field of
+    any other record is cleared (absent where it is optional, else 0). The batch's sequence
+    number is left as it is (a batch beyond it cannot be stored: it is refused as malformed).
+    """
+    dropped = 0
+    for fd, value in batch.ListFields():
+        if fd.name == "step_groups":
+            dropped += _drop_unstorable_steps(batch)
+        elif fd.message_type is not None:
+            dropped += sum(map(_drop_unstorable_fields, _messages(value)))
+    return dropped
+
+
+def _messages(value) -> tuple | list:
+    """The messages of a message field's value: itself (singular), or its items (repeated)."""
+    return (value,) if isinstance(value, Message) else value
+
+
+def _drop_unstorable_fields(message) -> int:
+    """Clear the integers above :data:`STORE_INT_MAX` in ``message`` and the messages it
+    holds; returns how many."""
+    dropped = 0
+    for fd, value in message.ListFields():
+        if fd.message_type is not None:
+            dropped += sum(map(_drop_unstorable_fields, _messages(value)))
+        elif type(value) is int and value > STORE_INT_MAX:  # a singular integer field
+            message.ClearField(fd.name)
+            dropped += 1
+    return dropped
+
+
+def _drop_unstorable_steps(batch) -> int:
+    """Rebuild ``batch.step_groups`` without the values above :data:`STORE_INT_MAX` (see
+    :func:`drop_unstorable`); returns how many were dropped. A malformed group is left for
+    the store to refuse."""
+    rows: list[dict[str, int]] = []
+    dropped = 0
+    for group in batch.step_groups:
+        try:
+            names, columns = step_group_columns(group)
+        except ValueError:
+            return 0
+        for values in zip(*columns, strict=True):
+            step = dict(zip(names, values, strict=True))
+            beyond = [name for name, value in step.items() if value > STORE_INT_MAX]
+            if _REQUIRED.isdisjoint(beyond):
+                rows.append({k: v for k, v in step.items() if k not in beyond})
+                dropped += len(beyond)
+            else:
+                dropped += 1
+    if dropped:
+        del batch.step_groups[:]
+        add_steps(batch, rows)
+    return dropped
 
 
 #: Most step rows one INSERT carries. A multi-row ``VALUES`` list stores a row for about 35 %
@@ -154,9 +191,11 @@ def _insert_steps(db: sqlite3.Connection, rank: int, restart: int, group) -> Non
     if not names:  # an empty group: no row (zip over the two repeats alone would never end)
         return
     width = 2 + len(names)
-    values = list(itertools.chain.from_iterable(
-        zip(itertools.repeat(rank), itertools.repeat(restart), *columns)
-    ))
+    values = list(
+        itertools.chain.from_iterable(
+            zip(itertools.repeat(rank), itertools.repeat(restart), *columns)
+        )
+    )
     start, rows_left, rows = 0, len(values) // width, MAX_ROWS_PER_INSERT
     while rows_left:
         while rows > rows_left:
@@ -164,10 +203,41 @@ def _insert_steps(db: sqlite3.Connection, rank: int, restart: int, group) -> Non
         span = rows * width
         end = start + rows_left // rows * span
         db.executemany(
-            _step_insert(names, rows), (values[i:i + span] for i in range(start, end, span))
+            _step_insert(names, rows), (values[i : i + span] for i in range(start, end, span))
         )
         rows_left -= (end - start) // width
         start = end
+
+
+#: The records of a batch stored at the end of its transaction, by :func:`_batch_rows`.
+_BATCH_ROWS = (ProcessSample, SystemSample, GpuSample, Flops, Finish)
+
+
+def _batch_rows(batch, sender: str, received_unix_us: int, rows: dict[type, list]) -> None:
+    """Append the rows of ``batch``'s samples, FLOPs counts and finish marker to ``rows``
+    (record -> rows), ``sender`` being the kind of its sender (``rank``, ``node_rank``).
+
+    Raises:
+        ValueError: an unknown end state.
+    """
+    rank, restart = batch.rank, batch.restart_count
+    process = rows[ProcessSample]
+    for s in batch.process_samples:
+        if sender == "node_rank":  # a node sampler reports for its local workers
+            process.append(ProcessSample.wire_row(s, rank=s.rank, restart=s.restart_count))
+        else:  # a rank for itself
+            process.append(ProcessSample.wire_row(s, rank=rank, restart=restart))
+    gpus = rows[GpuSample]
+    for s in batch.system_samples:
+        rows[SystemSample].append(SystemSample.wire_row(s))
+        gpus += [GpuSample.wire_row(g, node_rank=s.node_rank, unix_us=s.unix_us) for g in s.gpus]
+    rows[Flops] += [Flops.wire_row(c, rank=rank, restart=restart) for c in batch.flops_counts]
+    if batch.HasField("finish"):
+        rows[Finish].append(
+            Finish.wire_row(
+                batch.finish, rank=rank, restart=restart, received_unix_us=received_unix_us
+            )
+        )
 
 
 @dataclass
@@ -180,6 +250,8 @@ class WriteResult:
     rejected: str = ""
     #: The kind of refusal (see :mod:`traceml_aggregator.senders`), "" unless refused.
     kind: str = ""
+    #: Values above :data:`STORE_INT_MAX` dropped from the batch before it was stored.
+    values_dropped: int = 0
 
 
 class StoreVersionError(RuntimeError):
@@ -224,6 +296,9 @@ class Store:
         self._seqs: dict[tuple[str, int, int], int] = {}
         self._latest: dict[tuple[str, int], int] = {}  # (sender, id) -> highest restart stored
         self._load_streams()
+        #: The highest rowid of ``steps`` committed (0: none): the steps of every committed
+        #: transaction lie at or below it (see :mod:`traceml_aggregator.checkpoint`).
+        self.steps_rowid = self.max_rowid("steps")
 
     def _load_streams(self) -> None:
         """Read the stored sequence numbers and latest attempts back from ``streams``."""
@@ -244,9 +319,10 @@ class Store:
         has_meta = self._db.execute(
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
         ).fetchone()
-        row = has_meta and self._db.execute(
-            "SELECT value FROM meta WHERE key = 'schema_version'"
-        ).fetchone()
+        row = (
+            has_meta
+            and self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        )
         if row and row[0] != str(SCHEMA_VERSION):
             self._db.close()
             raise StoreVersionError(
@@ -273,11 +349,14 @@ class Store:
 
         Returns one :class:`WriteResult` per batch, in order. A batch whose sequence number
         was already stored is skipped (``duplicate=True``).
+
+        Raises:
+            OverflowError: an integer above :data:`STORE_INT_MAX` (see :func:`drop_unstorable`).
+            ValueError: a malformed batch (a step group, an end state); nothing was stored.
+            sqlite3.Error: the disk (full, I/O error); nothing was stored.
         """
         steps: list[tuple] = []  # (rank, restart, StepColumns) of the batches to store
-        process: list[tuple] = []
-        system: list[tuple] = []
-        gpus: list[tuple] = []
+        rows: dict[type, list[tuple]] = {record: [] for record in _BATCH_ROWS}
         counts: dict[tuple[int, int], tuple] = {}  # (rank, restart) -> its latest SenderCounts
         results: list[WriteResult] = []
         touched: dict[tuple[str, int, int], int] = {}
@@ -304,54 +383,28 @@ class Store:
                 results.append(WriteResult(batch.seq, False))
                 restart = batch.restart_count
                 if batch.HasField("identity"):
-                    self._write_identity(batch.identity)
-                rank = batch.rank
-                steps += [(rank, restart, group) for group in batch.step_groups]
-                for s in batch.process_samples:
-                    # A node sampler reports for its local workers; a rank for itself.
-                    owner = (s.rank, s.restart_count) if sender == "node_rank" else (rank, restart)
-                    process.append(owner + (s.unix_us,) + _optional(s, _PROCESS_FIELDS))
-                for s in batch.system_samples:
-                    system.append(
-                        (s.node_rank, s.unix_us, s.hostname)
-                        + _optional(s, _SYSTEM_FIELDS)
-                        + (s.gpu_unavailable_reason or None,)
-                    )
-                    for g in s.gpus:
-                        gpus.append(
-                            (s.node_rank, s.unix_us, g.nvml_index, g.uuid)
-                            + _optional(g, _GPU_FIELDS)
-                            + (g.unavailable_reason or None,)
-                        )
-                for count in batch.flops_counts:
-                    db.execute(
-                        "INSERT OR REPLACE INTO rank_flops VALUES (?,?,?,?,?,?,?,?)",
-                        (rank, restart) + flops_row(count),
-                    )
-                if batch.HasField("finish"):
-                    self._write_finish(rank, restart, batch.finish, received_unix_us)
+                    db.execute(_INSERT[Identity], Identity.wire_row(batch.identity))
+                steps += [(batch.rank, restart, group) for group in batch.step_groups]
+                _batch_rows(batch, sender, received_unix_us, rows)
                 if sender == "rank" and batch.HasField("counts"):
-                    c = batch.counts
-                    counts[rank, restart] = (rank, restart, batch.seq, c.records_produced,
-                                             c.records_dropped, c.steps_produced, c.steps_dropped)
+                    counts[batch.rank, restart] = SenderCounts.wire_row(
+                        batch.counts, rank=batch.rank, restart=restart, seq=batch.seq
+                    )
             for rank, restart, group in steps:
                 _insert_steps(db, rank, restart, group)
-            if process:
-                db.executemany("INSERT INTO process_samples VALUES (?,?,?,?,?,?,?)", process)
-            if system:
-                db.executemany("INSERT INTO system_samples VALUES (?,?,?,?,?,?,?)", system)
-            if gpus:
-                db.executemany("INSERT INTO gpu_samples VALUES (?,?,?,?,?,?,?,?,?,?)", gpus)
+            for record, values in rows.items():
+                if values:  # in the batches' order: a later FLOPs count or finish replaces
+                    db.executemany(_INSERT[record], values)
             if counts:  # a stream's batches are stored in order: the last one is the latest
-                db.executemany(
-                    "INSERT OR REPLACE INTO sender_counts VALUES (?,?,?,?,?,?,?)", counts.values()
-                )
+                db.executemany(_INSERT[SenderCounts], counts.values())
             if touched:
                 db.executemany(
                     "INSERT OR REPLACE INTO streams VALUES (?,?,?,?)",
                     [k + (v,) for k, v in touched.items()],
                 )
+            steps_rowid = self.max_rowid("steps") if steps else self.steps_rowid
             db.execute("COMMIT")
+            self.steps_rowid = steps_rowid
         except BaseException:
             # Forget the sequence numbers of what was rolled back, from memory: after an I/O
             # error the database may not answer a read either.
@@ -417,72 +470,17 @@ class Store:
             )
         return self._second_sender(batch, 0)
 
-    def _write_identity(self, ident) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO ranks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                ident.rank,
-                ident.restart_count,
-                ident.node_rank,
-                ident.local_rank,
-                ident.world_size,
-                ident.local_world_size,
-                ident.hostname,
-                ident.pid,
-                ident.start_unix_us,
-                ident.torch_version,
-                ident.cuda_version,
-                ident.backend,
-                ident.parallelism,
-                ident.device,
-                ident.gpu_uuid,
-            ),
-        )
-
-    def _write_finish(self, rank: int, restart: int, finish, received_unix_us: int) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO rank_finish VALUES (?,?,?,?,?,?,?,?,?)",
-            (
-                rank,
-                restart,
-                finish.steps_completed,
-                finish.records_dropped,
-                finish.steps_gpu_unresolved,
-                wire.end_state_name(finish.end_state),
-                finish.reason or None,
-                finish.last_seq,
-                received_unix_us,
-            ),
-        )
-
     def write_node_exit(self, report, received_unix_us: int) -> None:
         """Store a node's torchrun exit and its ranks' end states (a later report replaces)."""
-        rank_ends = [  # built first: an unknown end state raises before the transaction
-            (
-                r.rank,
-                r.local_rank,
-                report.node_rank,
-                wire.end_state_name(r.end_state),
-                r.exit_code if r.HasField("exit_code") else None,
-                r.signal if r.HasField("signal") else None,
-                r.reason or None,
-            )
-            for r in report.ranks
-        ]
+        # Built first: an unknown end state raises before the transaction.
+        rank_ends = [RankEnd.wire_row(r, node_rank=report.node_rank) for r in report.ranks]
         db = self._db
         db.execute("BEGIN")
         try:
             db.execute(
-                "INSERT OR REPLACE INTO node_exits VALUES (?,?,?,?,?)",
-                (
-                    report.node_rank,
-                    report.hostname,
-                    report.exit_code,
-                    report.restart_count,
-                    received_unix_us,
-                ),
+                _INSERT[NodeExit], NodeExit.wire_row(report, received_unix_us=received_unix_us)
             )
-            db.executemany("INSERT OR REPLACE INTO rank_ends VALUES (?,?,?,?,?,?,?)", rank_ends)
+            db.executemany(_INSERT[RankEnd], rank_ends)
             db.execute("COMMIT")
         except BaseException:
             self._rollback()
@@ -504,6 +502,36 @@ class Store:
         cur.execute(sql)
         while rows := cur.fetchmany(chunk_rows):
             yield rows
+
+    def max_rowid(self, table: str) -> int:
+        """The highest rowid of ``table`` (0 when empty); O(log rows): SQLite reads the last
+        entry of the table's b-tree."""
+        return self._db.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
+
+    def write_live_checkpoint(self, state: bytes, written_unix_us: int) -> None:
+        """Replace the live aggregates' checkpoint (:mod:`traceml_aggregator.checkpoint`) by
+        ``state``, in one transaction of its own: after a crash at any moment the store holds
+        the previous checkpoint or this one, whole.
+
+        Raises:
+            sqlite3.Error: the disk (full, I/O error); the previous checkpoint stays.
+        """
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            db.execute(
+                "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)", (written_unix_us, state)
+            )
+            db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    def live_checkpoint(self) -> bytes | None:
+        """The live aggregates' latest checkpoint (see :meth:`write_live_checkpoint`), None
+        when none was written (a new store, or one an older TraceML wrote)."""
+        row = self._db.execute("SELECT state FROM live_checkpoint WHERE id = 0").fetchone()
+        return row[0] if row else None
 
     def checkpoint(self) -> None:
         """Fold the WAL into the main database file (``wal_checkpoint(TRUNCATE)``)."""

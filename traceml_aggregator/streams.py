@@ -13,8 +13,10 @@ and attempt, how its latest stream ended:
 
 With ``finished`` (the sender's finish marker was stored), a rank that exited cleanly
 (``closed``, finished) is told apart from one that vanished (``lost``, not finished). The
-ledger is written to the store's :data:`STREAMS_META_KEY` entry with the reports, and read back
-by the summary as ``run.telemetry_health.sender_streams``.
+ledger is written to the store's :data:`STREAMS_META_KEY` entry while the aggregator runs (at
+most ``RUN_RECORDS_PERSIST_S`` after a change, :mod:`traceml_aggregator.server`: a replacement
+of a SIGKILLed aggregator restores it) and with the reports, and read back by the summary as
+``run.telemetry_health.sender_streams``. Only senders whose batch passed the checks enter it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class StreamLedger:
 
     def __init__(self) -> None:
         self._senders: dict[tuple[str, int, int], dict] = {}
+        #: Changes made since the start (the aggregator persists the ledger when it grew).
+        self.changes = 0
 
     @staticmethod
     def key(batch) -> tuple[str, int, int]:
@@ -53,18 +57,25 @@ class StreamLedger:
         if entry is None:
             kind, ident, restart = key
             entry = self._senders[key] = {
-                "sender": kind, "id": ident, "restart": restart, "finished": False, "streams": 0,
+                "sender": kind,
+                "id": ident,
+                "restart": restart,
+                "finished": False,
+                "streams": 0,
             }
         entry.update(state=OPEN, since_unix_s=round(time.time(), 3))
         entry["streams"] += 1
+        self.changes += 1
 
     def finished(self, key: tuple[str, int, int]) -> None:
         """The finish marker of ``key`` is stored."""
         self._senders[key]["finished"] = True
+        self.changes += 1
 
     def ended(self, key: tuple[str, int, int], state: str) -> None:
         """The stream of ``key`` ended: :data:`CLOSED` or :data:`LOST`."""
         self._senders[key].update(state=state, since_unix_s=round(time.time(), 3))
+        self.changes += 1
 
     def entries(self) -> list[dict]:
         """Every sender's entry, ranks first, by id and attempt: ``{"sender": "rank"|"node",

@@ -12,30 +12,77 @@ full disk) acknowledges nothing, and its senders resend. The store commits with
 ``synchronous=NORMAL`` (see :mod:`traceml_aggregator.store` for why): an operating-system crash
 of node 0 can lose the last commits, a process crash cannot.
 
-The queue is bounded in bytes (:data:`MAX_QUEUED_BYTES` of serialized batches): a batch that
-would exceed it raises :class:`QueueFull` at once, which the handler answers
-``RESOURCE_EXHAUSTED`` with a retry-after; the client keeps the batch and sends it again
-later. Memory stays bounded when the store falls behind, instead of the queue growing.
+The queue is bounded in bytes (:data:`traceml.settings.MAX_QUEUED_BYTES` of serialized batches): a
+batch that
+would exceed it raises :class:`QueueFull` at once, which the handler answers with a retry-after
+(``retry_after_ms`` on a stream, ``RESOURCE_EXHAUSTED`` on a Push); the client keeps the batch
+and sends it again later. Memory stays bounded when the store falls behind, instead of the
+queue growing:
+
+* a batch counts against the bound from the moment it is queued until its transaction is over
+  (stored, found a duplicate, refused, or failed), whatever happens to the call that brought it:
+  a handler cancelled meanwhile (the sender's acknowledgement deadline passed while SQLite was
+  slow) leaves it queued and counted;
+* a resend of a batch that is still queued (same sender, attempt and sequence number) is not
+  queued again: it is pushed back at once, and the copy already queued is stored once;
+* a batch still queued :data:`PUSHBACK_AFTER_S` after it arrived is pushed back too (it stays
+  queued, and its sender's resend finds it stored): while a stall of the store lasts, every
+  sender hears a retry-after before its own deadline instead of cancelling its stream.
+
+:attr:`Writer.peak_queued_bytes` is the most the queue held, in bytes. It is logged at a clean
+stop, and whenever it rose, at most every :data:`PEAK_LOG_INTERVAL_S` (a new high is rare once
+a run is under way: a few lines a run, more while the store stalls), so that an aggregator
+killed in any way has left it (``benchmarks/soak.py`` reads it).
+
+Test-only hook: when the environment variable :data:`COMMIT_STALL_FILE_ENV` names a file, the
+writer thread waits before each transaction of batches for as long as that file exists (a
+commit stall of a slow shared filesystem: a slow filesystem itself, a FUSE passthrough that
+sleeps or ``dm-delay``, needs a FUSE library or root and a device mapper that CI lacks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from traceml import settings
+from traceml.core import log
 from traceml.wire.records import record_count
-from traceml_aggregator.store import Store, WriteResult
+from traceml_aggregator.store import Store, WriteResult, drop_unstorable
 
 #: Upper bound of batches folded into one transaction (keeps a transaction under ~100 ms).
 MAX_BATCHES_PER_TRANSACTION = 2048
-#: Bound of the writer's queue, bytes of serialized batches waiting to be stored (256 MiB).
-MAX_QUEUED_BYTES = 256 * 1024 * 1024
+#: How long a handler waits for its queued batch to be stored before it pushes the sender
+#: back (the batch stays queued), s: well under the sender's acknowledgement deadline
+#: (``TRACEML_RPC_TIMEOUT_SEC``, 5 s by default), and ~20 transactions of ~100 ms.
+PUSHBACK_AFTER_S = 2.0
+#: How often the calls whose batches waited :data:`PUSHBACK_AFTER_S` are pushed back, s (one
+#: sweep for all of them: a timer per batch doubled the writer's CPU per batch, measured).
+PUSHBACK_SWEEP_S = 0.25
+#: Least seconds between two log lines of a new queue peak.
+PEAK_LOG_INTERVAL_S = 5.0
+#: Test-only: while the file this variable names exists, every transaction of batches waits.
+COMMIT_STALL_FILE_ENV = "TRACEML_TEST_COMMIT_STALL_FILE"
+
+_log = log.get("aggregator")
 
 
 class QueueFull(RuntimeError):
-    """The writer's queue holds :data:`MAX_QUEUED_BYTES` already: send the batch again later."""
+    """Send the batch again later: the writer's queue holds
+    :data:`traceml.settings.MAX_QUEUED_BYTES` already,
+    or a copy of the batch is still queued, or it has waited :data:`PUSHBACK_AFTER_S` (queued)."""
+
+
+def batch_key(batch) -> tuple[str, int, int, int]:
+    """``(sender kind, sender id, attempt, sequence number)`` of a Batch: its identity for
+    resends (the store's own key for idempotency, plus the sequence number)."""
+    sender = batch.WhichOneof("sender") or "rank"
+    return (sender, getattr(batch, sender), batch.restart_count, batch.seq)
 
 
 class Writer:
@@ -44,18 +91,34 @@ class Writer:
     Args:
         store: the run's store (used only on the writer thread from now on).
         on_stored: called on the event loop with each batch after it committed
-            (the run state tracks finish markers this way).
+            (the run state tracks finish markers this way); what it raises is counted in
+            :attr:`on_stored_errors`, never stops the writer.
+        max_queued_bytes: bound of the queue, bytes of serialized batches.
+        pushback_after_s: see :data:`PUSHBACK_AFTER_S`.
     """
 
     def __init__(
         self,
         store: Store,
         on_stored: Callable[[Any], None],
-        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        max_queued_bytes: int = settings.MAX_QUEUED_BYTES.value,
+        pushback_after_s: float = PUSHBACK_AFTER_S,
     ) -> None:
         self.store = store
         self.max_queued_bytes = max_queued_bytes
+        self.pushback_after_s = pushback_after_s
+        #: Bytes of the batches queued and not through their transaction yet, and the most
+        #: it ever was.
         self._queued_bytes = 0
+        self.peak_queued_bytes = 0
+        #: The peak last logged, and when (loop time; see :data:`PEAK_LOG_INTERVAL_S`).
+        self._peak_logged = (0, -PEAK_LOG_INTERVAL_S)
+        #: :func:`batch_key` of every batch counted in ``_queued_bytes`` -> (its future, bytes).
+        self._queued: dict[tuple, tuple[asyncio.Future, int]] = {}
+        #: (loop time when its call is pushed back, its future) of each batch queued, in order.
+        self._pushback_due: collections.deque = collections.deque()
+        self._sweeper: asyncio.Task | None = None
+        self._stall_file = os.environ.get(COMMIT_STALL_FILE_ENV) or None
         self._on_stored = on_stored
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
@@ -71,20 +134,36 @@ class Writer:
         self.batches_duplicate = 0
         #: Batches refused because the queue was full (their senders send them again).
         self.batches_pushed_back = 0
+        #: Stored batches whose ``on_stored`` call raised (see :meth:`_stored_hook`).
+        self.on_stored_errors = 0
+        #: The store's highest ``steps`` rowid whose batches ``on_stored`` has seen (read on
+        #: the event loop: every step row at or below it reached the live aggregates, none
+        #: above it did; see :mod:`traceml_aggregator.checkpoint`).
+        self.steps_rowid_seen = store.steps_rowid
 
     def start(self) -> None:
-        """Start the writer task on the running event loop."""
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        """Start the writer task, and the sweep of waiting calls, on the running event loop."""
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        self._sweeper = loop.create_task(self._push_back_waiting())
 
     async def store_batch(self, batch) -> WriteResult:
         """Queue ``batch`` and wait until it is durably stored, found to be a duplicate, or
-        refused. Its serialized size counts against the queue's bound while it waits.
+        refused. Its serialized size counts against the queue's bound until its transaction is
+        over, whether or not this call is still waiting then.
 
         Raises:
-            QueueFull: the queue holds :attr:`max_queued_bytes` already (nothing was queued).
+            QueueFull: the sender must send the batch again later: the queue holds
+                :attr:`max_queued_bytes` already, or a copy of the batch is still queued
+                (nothing was queued), or the batch was not stored within
+                :attr:`pushback_after_s` (it stays queued).
             sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
                 was stored.
         """
+        key = batch_key(batch)
+        if key in self._queued:
+            self.batches_pushed_back += 1
+            raise QueueFull("a copy of this batch waits to be stored")
         size_bytes = batch.ByteSize()
         if self._queued_bytes and self._queued_bytes + size_bytes > self.max_queued_bytes:
             self.batches_pushed_back += 1
@@ -92,13 +171,41 @@ class Writer:
                 f"{self._queued_bytes} bytes of batches wait to be stored "
                 f"(bound {self.max_queued_bytes})"
             )
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queued[key] = (future, size_bytes)
+        self._pushback_due.append((loop.time() + self.pushback_after_s, future))
         self._queued_bytes += size_bytes
+        self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
         self._queued_total += 1
         self._queue.put_nowait((batch, future))
-        try:
-            return await future
-        finally:
+        return await future  # a cancelled call cancels it: the batch stays queued and counted
+
+    async def _push_back_waiting(self) -> None:
+        """Every :data:`PUSHBACK_SWEEP_S`, answer the calls whose batches have waited
+        :attr:`pushback_after_s` with :class:`QueueFull`; their batches stay queued. Logs a
+        new queue peak (see :data:`PEAK_LOG_INTERVAL_S`)."""
+        due = self._pushback_due
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(PUSHBACK_SWEEP_S)
+            now = loop.time()
+            peak, logged_at = self.peak_queued_bytes, self._peak_logged[1]
+            if peak > self._peak_logged[0] and now >= logged_at + PEAK_LOG_INTERVAL_S:
+                self._peak_logged = (peak, now)
+                _log.info(f"writer queue peak {peak} bytes (bound {self.max_queued_bytes})")
+            while due and due[0][0] <= now:
+                future = due.popleft()[1]
+                if not future.done():
+                    self.batches_pushed_back += 1
+                    future.set_exception(
+                        QueueFull(f"not stored within {self.pushback_after_s:g} s (still queued)")
+                    )
+
+    def _dequeued(self, items: list) -> None:
+        """``items`` went through their transaction: they no longer count against the bound."""
+        for batch, _ in items:
+            _, size_bytes = self._queued.pop(batch_key(batch))
             self._queued_bytes -= size_bytes
 
     async def call(self, fn: Callable, *args):
@@ -130,31 +237,48 @@ class Writer:
                 items.append(self._queue.get_nowait())
             try:
                 await self._write(items)
+            except Exception as exc:  # a bug: the batches' handlers learn it, the writer goes on
+                _log.exception(f"writer error ({type(exc).__name__}: {exc})")
+                for _, future in items:
+                    if not future.done():
+                        future.set_exception(exc)
             finally:
+                self._dequeued(items)
                 self._written_total += len(items)
                 if self._written is not None:
                     async with self._written:
                         self._written.notify_all()
 
-    async def _write(self, items: list) -> None:
+    async def _write(self, items: list, values_dropped: dict[int, int] | None = None) -> None:
         """Store ``items`` ((batch, future) pairs) in one transaction and resolve the futures.
 
-        When the transaction fails, each batch is tried again in a transaction of its own: a
-        batch the store cannot take (a value beyond SQLite's 64-bit integers, a malformed step
-        group) fails alone and is refused as ``malformed`` (its sender must not send it again),
-        and the batches of other ranks that shared its transaction are stored. Any other
-        failure (the disk) reaches the batch's handler as the exception.
+        When the transaction fails on an integer the store cannot hold (above
+        :data:`~traceml_aggregator.store.STORE_INT_MAX`), those values are dropped from the
+        batches (:func:`~traceml_aggregator.store.drop_unstorable`; ``values_dropped``: how
+        many, by ``id`` of the batch) and the transaction is tried once more: the batches are
+        stored without them, and each result says how many its batch lost. When it fails
+        otherwise, each batch is tried again in a transaction of its own: a batch the store
+        cannot take (a malformed step group, an unknown end state) fails alone and is refused
+        as ``malformed`` (that batch alone: see :data:`~traceml_aggregator.senders.BATCH_ONLY`),
+        and the batches of other ranks that shared its transaction are stored. Any other failure
+        (the disk) reaches the batch's handler as
+        the exception.
         """
         loop = asyncio.get_running_loop()
         batches = [batch for batch, _ in items]
         try:
-            results = await loop.run_in_executor(
-                self._pool, self.store.write_batches, batches, time.time_ns() // 1000
+            results, steps_rowid = await loop.run_in_executor(
+                self._pool, self._write_batches, batches, time.time_ns() // 1000
             )
         except Exception as exc:
+            if isinstance(exc, OverflowError) and values_dropped is None:
+                values_dropped = {id(b): n for b in batches if (n := drop_unstorable(b))}
+                if values_dropped:
+                    await self._write(items, values_dropped)
+                    return
             if len(items) > 1:
                 for item in items:
-                    await self._write([item])
+                    await self._write([item], values_dropped)
                 return
             _, future = items[0]
             if future.done():
@@ -164,7 +288,7 @@ class Writer:
             else:  # its handler learns why
                 future.set_exception(exc)
             return
-        for (batch, future), result in zip(items, results):
+        for (batch, future), result in zip(items, results, strict=True):
             if result.rejected:
                 pass
             elif result.duplicate:
@@ -172,13 +296,37 @@ class Writer:
             else:
                 self.batches_stored += 1
                 self.records_stored += record_count(batch)
-                self._on_stored(batch)
+                result.values_dropped = (values_dropped or {}).get(id(batch), 0)
+                self._stored_hook(batch)
             if not future.done():
                 future.set_result(result)
+        self.steps_rowid_seen = steps_rowid
+
+    def _write_batches(self, batches: list, received_unix_us: int) -> tuple[list[WriteResult], int]:
+        """:meth:`Store.write_batches` on the writer thread, after the test-only stall (see
+        :data:`COMMIT_STALL_FILE_ENV`); with the store's highest ``steps`` rowid after it."""
+        while self._stall_file is not None and os.path.exists(self._stall_file):
+            time.sleep(0.01)
+        return self.store.write_batches(batches, received_unix_us), self.store.steps_rowid
+
+    def _stored_hook(self, batch) -> None:
+        """``on_stored(batch)``, guarded: its failure (a bug of the live state it feeds) is
+        counted in :attr:`on_stored_errors` and logged for the first one; the batch stays
+        stored and acknowledged, and the writer goes on."""
+        try:
+            self._on_stored(batch)
+        except Exception as exc:
+            self.on_stored_errors += 1
+            if self.on_stored_errors == 1:
+                _log.exception(
+                    f"error after storing a batch ({type(exc).__name__}: {exc}); the batch is "
+                    "stored; the live state may lag it (further errors are only counted)"
+                )
 
     async def close(self) -> None:
         """Stop the task, checkpoint and close the store."""
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
         await self.call(self.store.close)
         self._pool.shutdown(wait=True)

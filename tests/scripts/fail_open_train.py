@@ -8,8 +8,7 @@ Trains ``--steps`` steps of a tiny model under ``traceml.trace_step`` with a pla
 import argparse
 import time
 
-import torch
-from torch import nn
+from tiny_train import tiny_model, train
 
 import traceml
 
@@ -21,15 +20,7 @@ def main() -> None:
     args = parser.parse_args()
 
     traceml.init()
-    model = nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(args.steps):
-        with traceml.trace_step(model):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            time.sleep(args.step_sleep)
+    train(*tiny_model(), args.steps, step_sleep_s=args.step_sleep)
     print(f"trained {args.steps} steps", flush=True)
     print(f"training ended at {time.time():.3f}", flush=True)
 

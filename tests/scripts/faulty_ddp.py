@@ -12,9 +12,14 @@ model (one all-reduce per step). Rank ``--fail-rank`` ends itself at the start o
     hang      after all steps, sleeps forever instead of exiting (its peers exit normally)
     stall     in the forward of step ``--fail-step``, sleeps forever (its peers then wait in
               backward's all-reduce of that step: a hang inside training)
+    outside   before step ``--fail-step`` (outside any step), sleeps forever; with
+              ``--explicit-collective`` its peers then wait inside that step, in the
+              all-reduce it never joins
     none      no failure
 
 ``--step-sleep`` adds a planted sleep to every step (s), to make a run last without CPU work.
+``--explicit-collective`` adds an all-reduce of one number at the start of every step, inside
+the traced step and outside its phases (a metric synchronised by hand).
 ``--ignore-sigterm`` makes every rank ignore SIGTERM (a rank stuck in I/O that torchrun cannot
 stop in its grace period).
 Rank 0 prints ``faulty_ddp: training`` once its first step begins. ``--step-log DIR`` makes
@@ -49,13 +54,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=5)
     p.add_argument(
         "--fail",
-        choices=("segv", "exit3", "sysexit7", "raise", "hang", "stall", "none"),
+        choices=("segv", "exit3", "sysexit7", "raise", "hang", "stall", "outside", "none"),
         default="none",
     )
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--settle-sec", type=float, default=1.5)
     p.add_argument("--mark", default="")
     p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--explicit-collective", action="store_true")
     p.add_argument("--step-log", default="")
     return p.parse_args()
 
@@ -109,16 +115,24 @@ def main() -> None:
             os.path.join(args.step_log, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
         )
     for step in range(args.steps):
-        if failing and args.fail not in ("hang", "stall") and step == args.fail_step:
+        if failing and args.fail not in ("hang", "stall", "outside") and step == args.fail_step:
             die(rank, args.fail, args.settle_sec, args.mark)
         if failing and args.fail == "stall" and step == args.fail_step:
             print(f"faulty_ddp: rank {rank} stalls in forward now", file=sys.stderr, flush=True)
             layer.stall = True
+        if failing and args.fail == "outside" and step == args.fail_step:
+            print(
+                f"faulty_ddp: rank {rank} stops outside its step now", file=sys.stderr, flush=True
+            )
+            while True:
+                time.sleep(3600)
         if rank == 0 and step == 0:
             print("faulty_ddp: training", flush=True)
         began = time.perf_counter()
         with traceml.trace_step(model):
             time.sleep(args.step_sleep)
+            if args.explicit_collective:
+                dist.all_reduce(torch.ones(1))
             x = torch.randn(8, 16)
             optimizer.zero_grad()
             model(x).pow(2).mean().backward()

@@ -38,9 +38,16 @@ def main() -> None:
 
         callbacks.append(TraceMLCallback())
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps,
-        default_root_dir=args.out, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=args.steps,
+        default_root_dir=args.out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         callbacks=callbacks,
     )
     trainer.fit(Regression(), DataLoader(data, batch_size=8))

@@ -6,8 +6,7 @@ the keepalive test: ``--steps`` steps, sleeping ``--idle-sec`` seconds after ste
 import argparse
 import time
 
-import torch
-from torch import nn
+from tiny_train import tiny_model, train
 
 import traceml
 
@@ -20,16 +19,12 @@ def main() -> None:
     args = parser.parse_args()
 
     traceml.init()
-    model = nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for i in range(args.steps):
-        with traceml.trace_step(model):
-            loss = nn.functional.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+
+    def idle(i: int) -> None:
         if i + 1 == args.idle_after:
             time.sleep(args.idle_sec)
+
+    train(*tiny_model(), args.steps, after_step=idle)
     print(f"trained {args.steps} steps", flush=True)
 
 

@@ -9,8 +9,9 @@ a stable compute part that CPU contention cannot blur. Then, by ``--scenario``:
 * ``compute_straggler`` — the forward sleeps ``--delay-ms`` more on ``--slow-rank`` only;
 * ``residual`` — every rank sleeps ``--delay-ms`` inside the step, outside every phase.
 
-With ``--summary-out PATH``, rank 0 writes ``traceml.summary()`` there as JSON at the end,
-and logs it through TensorBoard's SummaryWriter into ``--tensorboard-dir`` when given.
+With ``--summary-out PATH``, at the end the other ranks shut TraceML down (their last steps
+delivered), every rank meets at a barrier, and rank 0 writes ``traceml.summary()`` there as
+JSON and logs it through TensorBoard's SummaryWriter into ``--tensorboard-dir`` when given.
 """
 
 import argparse
@@ -94,6 +95,12 @@ def main() -> None:
                 time.sleep(residual_s)
 
     if args.summary_out:
+        # docs/trackers.md's end-of-run order: the other ranks deliver their last steps before
+        # rank 0 asks (rank 0's summary() flushes its own only; the verdict covers what is
+        # stored, and on a loaded machine rank 1's last batches could still be on their way).
+        if rank != 0:
+            traceml.shutdown()
+        dist.barrier()
         flat = traceml.summary()
         if rank == 0:
             with open(args.summary_out, "w") as f:

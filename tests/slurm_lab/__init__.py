@@ -27,8 +27,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Union
 
 __all__ = ["SlurmLab", "SlurmLabError", "available", "LAB_SH", "DEFAULT_LAB_DIR"]
 
@@ -65,7 +66,7 @@ class SlurmLabError(RuntimeError):
     """A lab command failed; the message carries the command's output."""
 
 
-def available(mode: str = "loopback") -> Tuple[bool, str]:
+def available(mode: str = "loopback") -> tuple[bool, str]:
     """Tell whether the lab can run on this machine, without starting anything.
 
     Returns ``(True, "")`` or ``(False, reason)``, so a test can ``pytest.skip(reason)``.
@@ -102,13 +103,13 @@ class SlurmLab:
     Usable as a context manager: ``with SlurmLab().start() as lab: ...`` stops it on exit.
     """
 
-    def __init__(self, lab_dir: Optional[PathLike] = None) -> None:
+    def __init__(self, lab_dir: PathLike | None = None) -> None:
         self.lab_dir = Path(lab_dir or os.environ.get("SLURM_LAB_DIR") or DEFAULT_LAB_DIR)
-        self._vars: Optional[Dict[str, str]] = None
+        self._vars: dict[str, str] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @staticmethod
-    def available(mode: str = "loopback") -> Tuple[bool, str]:
+    def available(mode: str = "loopback") -> tuple[bool, str]:
         """Same as the module-level :func:`available`."""
         return available(mode)
 
@@ -118,7 +119,7 @@ class SlurmLab:
         nodes: int = 2,
         gpus_per_node: int = 2,
         timeout: float = 600,
-    ) -> "SlurmLab":
+    ) -> SlurmLab:
         """Start the lab (stopping a previous one first) and wait until all nodes are idle.
 
         Installs the Debian packages with apt-get on first use (~5-12 s), then takes
@@ -150,7 +151,7 @@ class SlurmLab:
         self._vars = None
         self._lab("stop", timeout=timeout)
 
-    def status(self) -> Tuple[bool, str]:
+    def status(self) -> tuple[bool, str]:
         """Return ``(running, text)``: whether all lab daemons are alive, and lab.sh's report."""
         proc = self._lab("status", check=False, timeout=60)
         return proc.returncode == 0, proc.stdout + proc.stderr
@@ -163,14 +164,14 @@ class SlurmLab:
         """Run ``lab.sh selftest`` (real jobs on every node); return its output or raise."""
         return self._lab("selftest", timeout=timeout).stdout
 
-    def __enter__(self) -> "SlurmLab":
+    def __enter__(self) -> SlurmLab:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ------------------------------------------------------------------ environment
-    def lab_vars(self) -> Dict[str, str]:
+    def lab_vars(self) -> dict[str, str]:
         """Only the lab's own variables, as printed by ``lab.sh env``.
 
         ``SLURM_CONF`` (the one the Slurm client commands need), ``SLURM_LAB_DIR``,
@@ -181,7 +182,7 @@ class SlurmLab:
         if self._vars is not None:
             return dict(self._vars)
         out = self._lab("env", timeout=30).stdout
-        result: Dict[str, str] = {}
+        result: dict[str, str] = {}
         for line in out.splitlines():
             words = shlex.split(line)
             if len(words) == 2 and words[0] == "export" and "=" in words[1]:
@@ -192,7 +193,7 @@ class SlurmLab:
         self._vars = result
         return dict(result)
 
-    def env(self, base: Optional[Mapping[str, str]] = None, **extra: str) -> Dict[str, str]:
+    def env(self, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
         """A complete environment for ``sbatch``/``srun``/``squeue``/``scontrol`` on the lab.
 
         A copy of ``base`` (default ``os.environ``) without the ``SLURM_*`` variables of an
@@ -228,8 +229,8 @@ class SlurmLab:
     def run(
         self,
         argv: Sequence[str],
-        env: Optional[Mapping[str, str]] = None,
-        cwd: Optional[PathLike] = None,
+        env: Mapping[str, str] | None = None,
+        cwd: PathLike | None = None,
         timeout: float = 60,
         check: bool = True,
     ) -> subprocess.CompletedProcess:
@@ -258,8 +259,8 @@ class SlurmLab:
         self,
         script_path: PathLike,
         *args: str,
-        env: Optional[Mapping[str, str]] = None,
-        cwd: Optional[PathLike] = None,
+        env: Mapping[str, str] | None = None,
+        cwd: PathLike | None = None,
         timeout: float = 60,
         script_args: Iterable[str] = (),
     ) -> int:
@@ -282,25 +283,27 @@ class SlurmLab:
             )
         return int(match.group(1))
 
-    def job_info(self, job_id: int) -> Dict[str, str]:
+    def job_info(self, job_id: int) -> dict[str, str]:
         """``scontrol -o show job <id>`` as a dict (``JobState``, ``ExitCode``, ``NodeList``...).
 
         Finished jobs stay visible for 10 minutes (``MinJobAge=600``).  Raises
         :class:`SlurmLabError` when the job is unknown.
         """
-        proc = self.run(["scontrol", "-o", "show", "job", str(int(job_id))], check=False, timeout=30)
+        proc = self.run(
+            ["scontrol", "-o", "show", "job", str(int(job_id))], check=False, timeout=30
+        )
         if proc.returncode != 0 or "JobId=" not in proc.stdout:
             raise SlurmLabError(
                 f"scontrol show job {job_id} failed ({proc.returncode}): {proc.stdout}{proc.stderr}"
             )
-        info: Dict[str, str] = {}
+        info: dict[str, str] = {}
         for token in proc.stdout.split():
             key, sep, value = token.partition("=")
             if sep and key not in info:
                 info[key] = value
         return info
 
-    def wait(self, job_id: int, timeout: float = 120, poll: float = 0.25) -> Tuple[str, int]:
+    def wait(self, job_id: int, timeout: float = 120, poll: float = 0.25) -> tuple[str, int]:
         """Poll ``scontrol show job`` until the job ends; return ``(state, exit_code)``.
 
         ``state`` is the final ``JobState`` (``"COMPLETED"``, ``"FAILED"``,
@@ -310,7 +313,7 @@ class SlurmLab:
         Faster than ``sbatch --wait``, which polls after 2 s, 10 s, 42 s...
         """
         deadline = time.monotonic() + timeout
-        info: Dict[str, str] = {}
+        info: dict[str, str] = {}
         while True:
             try:
                 info = self.job_info(job_id)
@@ -326,7 +329,9 @@ class SlurmLab:
                 exit_code = 128 + int(sig) if sig and int(sig) != 0 else int(code or 0)
                 return state, exit_code
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Slurm job {job_id} still {state or '?'} after {timeout}s: {info}")
+                raise TimeoutError(
+                    f"Slurm job {job_id} still {state or '?'} after {timeout}s: {info}"
+                )
             time.sleep(poll)
 
     def cancel(self, job_id: int) -> None:

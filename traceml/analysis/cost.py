@@ -14,14 +14,15 @@ Computed after the fact from the stored steps (no collective runs in the trainin
 from __future__ import annotations
 
 from traceml.analysis import onset
+from traceml.analysis.document import PARTS
 from traceml.analysis.findings import Finding
-from traceml.analysis.phases import PARTS, Clock, Profile, in_step_us
-from traceml.analysis.rundata import StepColumns
+from traceml.analysis.phases import Clock, Profile, in_step_us
+from traceml.analysis.rundata import StepTable
 
 _MS_PER_HOUR = 3_600_000.0
 
 
-def part_ms(steps: StepColumns, prof: Profile, part: str) -> list[float | None]:
+def part_ms(steps: StepTable, prof: Profile, part: str) -> list[float | None]:
     """One straggler part (``evidence.part``) per step of ``steps`` (the clock's steps of
     the rank of ``prof``), in ms."""
     if part == "step":
@@ -30,7 +31,7 @@ def part_ms(steps: StepColumns, prof: Profile, part: str) -> list[float | None]:
     if part == "forward_optimizer":
         return [
             None if f is None and o is None else ((f or 0) + (o or 0)) / 1000.0
-            for f, o in zip(columns["forward"], columns["optimizer"])
+            for f, o in zip(columns["forward"], columns["optimizer"], strict=True)
         ]
     return [None if v is None else v / 1000.0 for v in columns[part]]
 
@@ -55,7 +56,7 @@ def annotate_straggler(
     typical_ms = part_ms(clock.steps[typical_rank], profiles[typical_rank], ev["part"])
     pairs = [
         (step, a - b)
-        for step, a, b in zip(slow["step"], slow_ms, typical_ms)
+        for step, a, b in zip(slow["step"], slow_ms, typical_ms, strict=True)
         if a is not None and b is not None
     ]
     onset.straggler_onset(finding, [g for _, g in pairs], [s for s, _ in pairs], floor_ms)
@@ -71,12 +72,15 @@ def annotate_straggler(
 
 
 def relative_scores(profiles: dict[int, Profile]) -> dict[int, dict[str, float | None]]:
-    """rank -> phase (:data:`PARTS`) -> the fastest rank's median / this rank's (1.0 fastest)."""
+    """rank -> phase (:data:`~traceml.analysis.document.PARTS`) -> the fastest rank's median /
+    this rank's (1.0 fastest)."""
     out: dict[int, dict[str, float | None]] = {r: {} for r in profiles}
     for part in PARTS:
         values = {r: p.median_ms[part] for r, p in profiles.items()}
         known = [v for v in values.values() if v is not None]
         fastest = min(known, default=None)
         for r, v in values.items():
-            out[r][part] = None if v is None else 1.0 if not v else round(fastest / v, 3)
+            out[r][part] = (
+                None if v is None or fastest is None else 1.0 if not v else round(fastest / v, 3)
+            )
     return out

@@ -26,10 +26,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from typing import TypedDict
 
 import numpy as np
 
 from traceml.analysis import thresholds as th
+from traceml.analysis.document import CPU, GPU, PARTS
+from traceml.analysis.stats import Description
 from traceml.core import phases as table
 
 #: Relative accuracy of every sketched quantile (fraction: 0.005 = 0.5 %).
@@ -37,13 +40,23 @@ ALPHA = 0.005
 _GAMMA = (1.0 + ALPHA) / (1.0 - ALPHA)
 _LOG_GAMMA = math.log(_GAMMA)
 
-#: Parts of a step (:data:`traceml.analysis.phases.PARTS`), in report order.
-PARTS = tuple(p.name for p in table.PARTS)
 #: (part name, CPU-clock field, GPU-clock field or None) of the measured phases that are parts.
 _PHASES = tuple((p.name, p.cpu_field, p.gpu_field) for p in table.PHASES if p.part)
-CPU = "cpu"
-GPU = "gpu"
 _NAN = float("nan")
+
+
+class DigestFigures(TypedDict):
+    """A digest's figures on one clock (:meth:`RankDigest.figures`), as
+    :class:`traceml.analysis.phases.Profile` holds them."""
+
+    #: The in-step time (ms), None when no step was counted.
+    step_ms: Description | None
+    #: Part (and ``dataloader_next``) -> its median, ms; None when never measured.
+    median_ms: dict[str, float | None]
+    #: Part -> its share of the in-step time, %; None when never measured.
+    share_pct: dict[str, float | None]
+    #: The median of forward + optimizer per step, ms; None when never measured.
+    own_compute_ms: float | None
 
 
 class LogHistogram:
@@ -145,7 +158,8 @@ def _column(columns: Mapping[str, np.ndarray], name: str | None, n: int) -> np.n
 
 def _zero(values: np.ndarray) -> np.ndarray:
     """NaN (not measured) as 0; the values are durations or sizes, never negative."""
-    return np.fmax(values, 0.0)
+    zeroed: np.ndarray = np.fmax(values, 0.0)  # numpy types the ufunc's result as Any
+    return zeroed
 
 
 def _parts(columns: Mapping[str, np.ndarray], n: int, clock: str) -> dict[str, np.ndarray]:
@@ -247,23 +261,24 @@ class RankDigest:
         for name in clock.hist:
             clock.add(name, parts[name])
 
-    def figures(self, clock: str) -> dict:
-        """What :class:`traceml.analysis.phases.Profile` holds, on ``clock`` (ms, %):
-        ``{"step_ms": describe-like dict or None, "median_ms", "share_pct",
-        "own_compute_ms"}``; the step time is clock-independent, as in the window analysis."""
+    def figures(self, clock: str) -> DigestFigures:
+        """What :class:`traceml.analysis.phases.Profile` holds, on ``clock`` (ms, %); the step
+        time is clock-independent, as in the window analysis."""
         c = self.clocks[clock]
         n = self.counted
-        step_ms = None
-        if n:
+        step_ms: Description | None = None
+        p50, p95, top = self.in_step.percentile(50), self.in_step.percentile(95), self.in_step_max
+        if n and p50 is not None and p95 is not None and top is not None:  # all set once n > 0
             step_ms = {
-                "median": self.in_step.percentile(50) / 1000.0,
+                "median": p50 / 1000.0,
                 "mean": self.in_step_sum / n / 1000.0,
-                "p95": self.in_step.percentile(95) / 1000.0,
-                "max": self.in_step_max / 1000.0,
+                "p95": p95 / 1000.0,
+                "max": top / 1000.0,
                 "count": n,
             }
         total_us = c.step_us - c.outside_us
-        median_ms, share_pct = {}, {}
+        median_ms: dict[str, float | None] = {}
+        share_pct: dict[str, float | None] = {}
         for name in PARTS:
             med = c.hist[name].percentile(50)
             median_ms[name] = None if med is None else med / 1000.0

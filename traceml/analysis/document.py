@@ -17,34 +17,41 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from traceml.analysis import thresholds
-from traceml.analysis.findings import KINDS, SUMMED, Finding
-from traceml.analysis.phases import CPU, GPU, PARTS
+from traceml.analysis.findings import KINDS, PRIMARY_KINDS, SUMMED, Finding
 from traceml.analysis.schema import Keys, Refine, Schema, json_schema
+from traceml.core import phases as table
+from traceml.core.ends import COMPLETED, FAILED, REPORTED_END_STATES
 
 #: Version of the summary document's layout; see docs/final_summary.schema.json.
 SCHEMA_VERSION = 1
 
 #: End states of a rank, as in ``ranks[].end.state`` (:func:`traceml.analysis.health.end_state`
-#: decides them).
-COMPLETED = "completed"
-FAILED = "failed"
-SIGNALED = "signaled"
-TERMINATED = "terminated"
+#: decides them): those a rank or its launcher reports (:mod:`traceml.core.ends`), and two that
+#: only the analysis knows.
 RUNNING = "running"  # no end known yet (live summary) or given up on at finalization
 NEVER_REPORTED = "never_reported"
-END_STATES = (COMPLETED, FAILED, SIGNALED, TERMINATED, RUNNING, NEVER_REPORTED)
+END_STATES = REPORTED_END_STATES + (RUNNING, NEVER_REPORTED)
 #: ``run.status`` values besides COMPLETED, FAILED and RUNNING (see :func:`~.health.run_status`).
 INTERRUPTED = "interrupted"
 INCOMPLETE = "incomplete"
 RUN_STATUSES = (RUNNING, FAILED, INTERRUPTED, INCOMPLETE, COMPLETED)
 
+#: Clocks of an analysis, as in ``analysis.clock.name`` (picked by
+#: :func:`traceml.analysis.phases.choose_clock`): the host's (``time.perf_counter_ns``) or CUDA
+#: events'.
+CPU = "cpu"
+GPU = "gpu"
+
 #: Allocated-memory trends of a rank (see :mod:`traceml.analysis.memory`).
 PLATEAU = "plateau"
 CREEP = "creep"
 
+#: Every part of a step, as the summary keys it (``phase_share_pct``): the phases that are parts,
+#: then the residual, in the order of :data:`traceml.core.phases.PARTS`.
+PARTS = tuple(p.name for p in table.PARTS)
 #: Parts of ``ranks[].phase_median_ms``: the parts of the step, then the DataLoader's own time.
 MEDIAN_PARTS = PARTS + ("dataloader_next",)
 
@@ -54,9 +61,9 @@ MaybeMs = float | None
 MsByPart = dict[str, MaybeMs]  # part name -> ms (None: not measured)
 
 
-def _kinds(section: str):
-    """A finding of ``section`` (its ``kind`` one of that section's kinds)."""
-    return Annotated[Finding, Refine({"properties": {"kind": {"enum": list(KINDS[section])}}})]
+def _kinds(section: str) -> Refine:
+    """What refines a finding of ``section``: its ``kind`` is one of that section's kinds."""
+    return Refine({"properties": {"kind": {"enum": list(KINDS[section])}}})
 
 
 @dataclass
@@ -90,8 +97,9 @@ class RunInfo:
         Schema(
             description="calls the aggregator refused, by kind (unauthenticated, foreign_run, "
             "rank_out_of_range, world_size_mismatch, identity_mismatch, not_a_rank, "
-            "node_rank_out_of_range, restart_regressed, second_sender, bad_sequence, "
-            "malformed, node_claim): see docs/wire.md"
+            "node_rank_out_of_range, restart_regressed, second_sender, script_world_mismatch, "
+            "script_parent, bad_sequence, malformed, value_out_of_range, node_claim): see "
+            "docs/wire.md; findings.health's TELEMETRY_REFUSED gives each kind's first reason"
         ),
     ]
 
@@ -122,27 +130,38 @@ class RankDelivery:
 
     rank: Count
     steps_produced: Annotated[
-        int, Schema(minimum=0, description="steps the rank handed to its client, as of its latest batch")
+        int,
+        Schema(
+            minimum=0, description="steps the rank handed to its client, as of its latest batch"
+        ),
     ]
     steps_received: Annotated[int, Schema(minimum=0, description="steps stored")]
     steps_dropped: Annotated[
         int,
-        Schema(minimum=0, description="steps the client gave up: buffer full, unsendable, "
-               "unsent at exit (TRACEML_BUFFER_MAX_RECORDS, TRACEML_SIGTERM_FLUSH_SEC)"),
+        Schema(
+            minimum=0,
+            description="steps the client gave up: buffer full, unsendable, "
+            "unsent at exit (TRACEML_BUFFER_MAX_RECORDS, TRACEML_SIGTERM_FLUSH_SEC)",
+        ),
     ]
     steps_unaccounted: Annotated[
         int,
-        Schema(minimum=0, description="steps produced as of the latest batch, neither stored "
-               "nor dropped: still buffered when the rank was last heard from (lost when it "
-               "was killed); 0 when the finish marker arrived"),
+        Schema(
+            minimum=0,
+            description="steps produced as of the latest batch, neither stored "
+            "nor dropped: still buffered when the rank was last heard from (lost when it "
+            "was killed); 0 when the finish marker arrived",
+        ),
     ]
     records_dropped: Annotated[
         int, Schema(minimum=0, description="records (steps and samples) the client gave up")
     ]
     final: Annotated[
         bool,
-        Schema(description="the figures came with the rank's finish marker (its last word); "
-               "false: from its latest batch, the rank never finished its stream"),
+        Schema(
+            description="the figures came with the rank's finish marker (its last word); "
+            "false: from its latest batch, the rank never finished its stream"
+        ),
     ]
 
 
@@ -176,7 +195,9 @@ class SenderStream:
     aggregator ended (``traceml_aggregator/streams.py``). A rank that exited cleanly has
     ``closed`` and ``finished``; one that vanished (killed, host lost) has ``lost``."""
 
-    sender: Annotated[str, Schema(enum=["rank", "node"], description="a rank's SDK or a node's sampler")]
+    sender: Annotated[
+        str, Schema(enum=["rank", "node"], description="a rank's SDK or a node's sampler")
+    ]
     id: Annotated[int, Schema(minimum=0, description="the rank, or the node rank")]
     restart: Annotated[int, Schema(minimum=0, description="torchrun attempt")]
     state: Annotated[
@@ -190,8 +211,12 @@ class SenderStream:
     ]
     finished: Annotated[bool, Schema(description="the sender's finish marker was stored")]
     streams: Annotated[
-        int, Schema(minimum=1, description="streams the sender opened (one more after each "
-                    "fork, outage or aggregator restart)")
+        int,
+        Schema(
+            minimum=1,
+            description="streams the sender opened (one more after each "
+            "fork, outage or aggregator restart)",
+        ),
     ]
     since_unix_s: Annotated[float, Schema(description="when the state was reached, unix seconds")]
 
@@ -227,10 +252,10 @@ class TelemetryHealth:
 class Findings:
     """``findings``: the findings of each section (besides the primary diagnosis)."""
 
-    step_time: list[_kinds("step_time")]
-    memory: list[_kinds("memory")]
-    system: list[_kinds("system")]
-    health: list[_kinds("health")]
+    step_time: list[Annotated[Finding, _kinds("step_time")]]
+    memory: list[Annotated[Finding, _kinds("memory")]]
+    system: list[Annotated[Finding, _kinds("system")]]
+    health: list[Annotated[Finding, _kinds("health")]]
 
 
 @dataclass
@@ -323,7 +348,7 @@ class Trend:
     bytes_per_1k_steps: float
     readings: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The JSON object written to the summary."""
         return {
             "name": self.name,
@@ -335,9 +360,61 @@ class Trend:
         }
 
 
+@dataclass(frozen=True)
+class Growth:
+    """A memory series' growth test (:func:`traceml.analysis.memory.growth`): a rank's RSS
+    (``ranks[].memory.host_growth``), its CUDA allocator's peaks (``ranks[].memory.gpu_growth``)
+    or a node's used RAM (``nodes[].system.ram_growth``).
+
+    Attributes:
+        name: :data:`CREEP` (still growing after warm-up, significantly and by enough) or
+            :data:`PLATEAU`.
+        statistic: :data:`~traceml.analysis.findings.SLOPE`: the rates are Theil-Sen slopes
+            (the median of the slopes between every two readings) over the readings from the
+            growth's onset on (at least MEMORY_MIN_SAMPLES of them), else over the later half
+            of the readings after warm-up (and always for a plateau).
+        start_bytes: median of the first readings after warm-up (a tenth of them, at least 1).
+        end_bytes: median of the last readings (as many).
+        bytes_per_step: growth per training step (None for a node's RAM).
+        bytes_per_hour: growth per hour of wall time.
+        kendall_z: Mann-Kendall z of that later half (how sure the rise is: 3 is p ~ 0.001).
+        onset_step: the step at which the growth began (a flat level, then a line: the split
+            of least squared error); None for a node's RAM or a plateau.
+        onset_unix_s: the same moment in unix seconds (None for a plateau).
+        readings: readings the test used (after warm-up).
+    """
+
+    name: Annotated[str, Schema(enum=[PLATEAU, CREEP])]
+    statistic: str
+    start_bytes: int
+    end_bytes: int
+    bytes_per_step: float | None
+    bytes_per_hour: float
+    kendall_z: float
+    onset_step: int | None
+    onset_unix_s: float | None
+    readings: Count
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to the summary (rates rounded to a whole byte)."""
+        return {
+            "name": self.name,
+            "statistic": self.statistic,
+            "start_bytes": self.start_bytes,
+            "end_bytes": self.end_bytes,
+            "bytes_per_step": None if self.bytes_per_step is None else round(self.bytes_per_step),
+            "bytes_per_hour": round(self.bytes_per_hour),
+            "kendall_z": round(self.kendall_z, 2),
+            "onset_step": self.onset_step,
+            "onset_unix_s": None if self.onset_unix_s is None else round(self.onset_unix_s, 3),
+            "readings": self.readings,
+        }
+
+
 @dataclass
 class RankMemory:
-    """``ranks[].memory``: CUDA allocator peaks (bytes), the GPU's total, pressure, trend."""
+    """``ranks[].memory``: CUDA allocator peaks (bytes), the GPU's total, pressure, trend, and
+    the growth of the process's RSS (host memory)."""
 
     peak_allocated_bytes: int | None
     peak_reserved_bytes: int | None
@@ -345,6 +422,20 @@ class RankMemory:
     pressure_pct: float | None
     trend: Trend | None
     unavailable_reason: str | None
+    host_growth: Annotated[
+        Growth | None,
+        Schema(
+            description="the process's RSS over the steps (node sampler, about once a "
+            "second); null: fewer than MEMORY_MIN_SAMPLES readings after warm-up"
+        ),
+    ] = None
+    gpu_growth: Annotated[
+        Growth | None,
+        Schema(
+            description="the CUDA allocator's peak allocated readings under the same "
+            "growth test; null: fewer than MEMORY_MIN_SAMPLES readings after warm-up"
+        ),
+    ] = None
 
 
 @dataclass
@@ -395,16 +486,16 @@ class OutsideSteps:
     period_steps: Annotated[
         int | None, Schema(description="median steps between two such gaps (null: under 2)")
     ]
-    gap_steps: Annotated[
-        list[int], Schema(description="steps after such a gap (at most 50)")
-    ]
+    gap_steps: Annotated[list[int], Schema(description="steps after such a gap (at most 50)")]
     in_step_median_ms: Annotated[
         Ms, Schema(description="median step time without outside-step time, ms")
     ]
     first_gap_ms: Annotated[
         MaybeMs,
-        Schema(description="outside-step time before the rank's step 1 (start-up), ms; "
-               "kept out of every share and count"),
+        Schema(
+            description="outside-step time before the rank's step 1 (start-up), ms; "
+            "kept out of every share and count"
+        ),
     ]
 
 
@@ -414,35 +505,46 @@ class Mfu:
     (:mod:`traceml.analysis.throughput`; counted by :mod:`traceml.sdk.workload`)."""
 
     statistic: Annotated[
-        str, Schema(const=SUMMED, description="FLOPs summed over the window steps / their "
-                    "summed wall time")
+        str,
+        Schema(
+            const=SUMMED, description="FLOPs summed over the window steps / their summed wall time"
+        ),
     ]
     counted_step: Annotated[
         int | None, Schema(description="step whose first training forward was counted")
     ]
     forward_flops: Annotated[
-        int | None, Schema(description="FLOPs of that forward (FlopCounterMode; a "
-                           "multiply-add is 2)")
+        int | None,
+        Schema(description="FLOPs of that forward (FlopCounterMode; a multiply-add is 2)"),
     ]
     flops_per_step: Annotated[
-        int | None, Schema(description="median model FLOPs of a window step: 3 x forward "
-                           "FLOPs x training forwards in the step")
+        int | None,
+        Schema(
+            description="median model FLOPs of a window step: 3 x forward "
+            "FLOPs x training forwards in the step"
+        ),
     ]
     count_ms: Annotated[
         MaybeMs, Schema(description="wall time of the counted forward, counting included, ms")
     ]
     dtype: Annotated[str | None, Schema(description="matmul dtype of the counted forward")]
-    device_name: Annotated[str | None, Schema(description="the rank's device (cpu, or the "
-                                              "CUDA device's name)")]
+    device_name: Annotated[
+        str | None, Schema(description="the rank's device (cpu, or the CUDA device's name)")
+    ]
     achieved_tflops: Annotated[float | None, Schema(description="model TFLOP/s achieved")]
-    peak_tflops: Annotated[float | None, Schema(description="dense peak TFLOPS it is "
-                                                "measured against")]
+    peak_tflops: Annotated[
+        float | None, Schema(description="dense peak TFLOPS it is measured against")
+    ]
     peak_source: Annotated[
         str | None,
         Schema(description="--peak-tflops, or 'table: <GPU> <dtype> dense' (null: no peak)"),
     ]
-    mfu_pct: Annotated[float | None, Schema(description="achieved / peak, % (null: no peak "
-                                            "or no FLOPs: see unavailable_reason)")]
+    mfu_pct: Annotated[
+        float | None,
+        Schema(
+            description="achieved / peak, % (null: no peak or no FLOPs: see unavailable_reason)"
+        ),
+    ]
     unavailable_reason: str | None
 
 
@@ -453,18 +555,29 @@ class RankThroughput:
     shapes by :mod:`traceml.sdk.workload`)."""
 
     statistic: Annotated[
-        str, Schema(const=SUMMED, description="totals over the window steps / their summed "
-                    "wall time (step time, input wait and outside-step time included)")
+        str,
+        Schema(
+            const=SUMMED,
+            description="totals over the window steps / their summed "
+            "wall time (step time, input wait and outside-step time included)",
+        ),
     ]
     steps: Annotated[
         int,
-        Schema(minimum=0, description="window steps with a sample count (a step without one "
-               "adds its time, no samples: a loader that fetches ahead)"),
+        Schema(
+            minimum=0,
+            description="window steps with a sample count (a step without one "
+            "adds its time, no samples: a loader that fetches ahead)",
+        ),
     ]
-    samples_per_s: Annotated[float | None, Schema(description="samples per second (null: no "
-                                                  "DataLoader batch with a tensor seen)")]
-    tokens_per_s: Annotated[float | None, Schema(description="token ids per second (null: "
-                                                 "the batches hold no token ids)")]
+    samples_per_s: Annotated[
+        float | None,
+        Schema(description="samples per second (null: no DataLoader batch with a tensor seen)"),
+    ]
+    tokens_per_s: Annotated[
+        float | None,
+        Schema(description="token ids per second (null: the batches hold no token ids)"),
+    ]
     samples_per_step: Annotated[float | None, Schema(description="median samples per step")]
     tokens_per_step: Annotated[float | None, Schema(description="median tokens per step")]
     mfu: Mfu
@@ -480,8 +593,10 @@ class JobThroughput:
     tokens_per_s: Annotated[float | None, Schema(description="tokens/s, summed over ranks")]
     achieved_tflops: Annotated[float | None, Schema(description="model TFLOP/s, summed")]
     peak_tflops: Annotated[float | None, Schema(description="peaks, summed")]
-    mfu_pct: Annotated[float | None, Schema(description="achieved / peak, % (null unless "
-                                            "every window rank has both)")]
+    mfu_pct: Annotated[
+        float | None,
+        Schema(description="achieved / peak, % (null unless every window rank has both)"),
+    ]
     mfu_unavailable_reason: str | None
 
 
@@ -511,23 +626,31 @@ class RankSummary:
     series: Series
     outside_steps: Annotated[
         OutsideSteps | None,
-        Schema(description="time outside the steps; null when not separable (no DataLoader) "
-               "or the rank is outside the window"),
+        Schema(
+            description="time outside the steps; null when not separable (no DataLoader) "
+            "or the rank is outside the window"
+        ),
     ]
     relative_score: Annotated[
         Annotated[
             MsByPart,
-            Keys(PARTS, "{}: the fastest rank's median / this rank's (1.0 fastest; null: "
-                 "not measured)"),
+            Keys(
+                PARTS,
+                "{}: the fastest rank's median / this rank's (1.0 fastest; null: not measured)",
+            ),
         ]
         | None,
-        Schema(description="per part, how this rank compares with the fastest (null: rank "
-               "outside the window)"),
+        Schema(
+            description="per part, how this rank compares with the fastest (null: rank "
+            "outside the window)"
+        ),
     ]
     step_time_sample_ms: Annotated[
         list[float],
-        Schema(description="window step times without outside-step time, ms, every k-th "
-               "step so that at most STEP_SAMPLE_MAX remain (traceml compare's bootstrap)"),
+        Schema(
+            description="window step times without outside-step time, ms, every k-th "
+            "step so that at most STEP_SAMPLE_MAX remain (traceml compare's bootstrap)"
+        ),
     ]
     throughput: Annotated[
         RankThroughput | None, Schema(description="null: the rank is outside the window")
@@ -567,6 +690,13 @@ class NodeSystem:
     ram_total_bytes: int | None
     gpus: list[GpuFigures]
     unavailable_reason: str | None
+    ram_growth: Annotated[
+        Growth | None,
+        Schema(
+            description="the node's used RAM (total - available: page cache is not used) "
+            "over the window's span; null: fewer than MEMORY_MIN_SAMPLES samples"
+        ),
+    ] = None
 
 
 @dataclass
@@ -593,19 +723,19 @@ class Summary:
     ]
     live: Annotated[
         bool,
-        Schema(
-            description="true for a live summary (traceml.summary()), false at finalization"
-        ),
+        Schema(description="true for a live summary (traceml.summary()), false at finalization"),
     ]
     run: RunInfo
-    primary_diagnosis: _kinds("step_time")
+    primary_diagnosis: Annotated[
+        Finding, Refine({"properties": {"kind": {"enum": list(PRIMARY_KINDS)}}})
+    ]
     findings: Findings
     analysis: Analysis
     ranks: list[RankSummary]
     nodes: list[NodeSummary]
 
 
-def summary_schema() -> dict:
+def summary_schema() -> dict[str, Any]:
     """The JSON Schema of ``final_summary.json`` (what docs/final_summary.schema.json holds)."""
     return json_schema(
         Summary,
@@ -617,7 +747,6 @@ def summary_schema() -> dict:
             "percent (*_pct); null = not measured. See docs/reading-output.md."
         ),
     )
-
 
 
 def main(argv: list[str]) -> int:

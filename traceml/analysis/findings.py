@@ -7,7 +7,7 @@ The primary diagnosis and every per-section finding of ``final_summary.json`` ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 from traceml.analysis.schema import Schema
 
@@ -16,7 +16,7 @@ from traceml.analysis.schema import Schema
 SEVERITIES = ("info", "warning", "critical")
 
 #: Every kind of finding, by section of ``final_summary.json`` (``step_time`` kinds are also
-#: the possible primary diagnoses). docs/reading-output.md explains each one.
+#: possible primary diagnoses: :data:`PRIMARY_KINDS`). docs/reading-output.md explains each one.
 KINDS = {
     "step_time": (
         "INPUT_BOUND",
@@ -34,12 +34,13 @@ KINDS = {
         "STEP_TIME_DRIFT",
         "INSUFFICIENT_DATA",
     ),
-    "memory": ("MEMORY_PRESSURE", "MEMORY_IMBALANCE", "MEMORY_CREEP"),
+    "memory": ("MEMORY_PRESSURE", "MEMORY_IMBALANCE", "MEMORY_CREEP", "HOST_MEMORY_CREEP"),
     "system": (
         "LOW_GPU_UTILIZATION",
         "MODERATE_GPU_UTILIZATION",
         "HIGH_CPU",
         "HIGH_RAM",
+        "NODE_RAM_GROWTH",
         "HIGH_GPU_TEMPERATURE",
     ),
     "health": (
@@ -56,8 +57,14 @@ KINDS = {
         "GPU_TIMING_UNRESOLVED",
         "RESTARTED",
         "AGGREGATOR_RESTARTED",
+        "TELEMETRY_REFUSED",
+        "SCRIPT_PROCESS_GROUP",
     ),
 }
+
+#: The possible primary diagnoses: the step-time kinds, and RANK_HUNG when a hang lost more
+#: wall time than the step-time verdict costs over the run (:func:`~.health.hang_first`).
+PRIMARY_KINDS = KINDS["step_time"] + ("RANK_HUNG",)
 
 #: ``evidence.statistic`` of a step-time finding: its headline figure, its percentage and its
 #: evidence are all medians per step (the percentage is one median over another) ...
@@ -73,12 +80,16 @@ SAMPLED_MEDIAN = "median_over_samples"
 #: ... or the growth between the medians of the first and last thirds of the readings after
 #: warm-up (memory creep, :mod:`traceml.analysis.memory`).
 TREND = "growth_between_thirds"
+#: ... or the Theil-Sen slope (the median of the slopes between every two readings) of the
+#: later half of a memory series after warm-up (host memory creep, node RAM growth:
+#: :func:`traceml.analysis.memory.growth`).
+SLOPE = "theil_sen_slope"
 #: ``evidence.statistic`` of a health finding and of INSUFFICIENT_DATA: what happened to ranks,
 #: nodes or the telemetry, or what is missing (end states, restarts, counts of records), not a
 #: statistic of a series.
 EVENTS = "events"
 #: Every ``evidence.statistic``: each finding states the one its figures use.
-STATISTICS = (MEDIAN, SUMMED, PEAK, SAMPLED_MEDIAN, TREND, EVENTS)
+STATISTICS = (MEDIAN, SUMMED, PEAK, SAMPLED_MEDIAN, TREND, SLOPE, EVENTS)
 
 
 @dataclass
@@ -102,7 +113,7 @@ class Finding:
     severity: Annotated[str, Schema(enum=list(SEVERITIES))]
     summary: Annotated[str, Schema(minLength=1)]
     action: Annotated[str, Schema(minLength=1)]
-    evidence: dict = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
     ranks: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
     impact_ms: Annotated[
@@ -110,7 +121,7 @@ class Finding:
         Schema(description="step time this finding costs every step, ms (step-time findings)"),
     ] = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The JSON object written to the summary."""
         return {
             "kind": self.kind,

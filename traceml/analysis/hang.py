@@ -5,13 +5,22 @@ shared by it (the suspects), by the health findings (``RANK_HUNG``) and by node 
 (the console line). A record is a dict::
 
     {"detected_unix_s": float, "hang_timeout_s": float, "suspects": [rank, ...],
-     "ranks": [{"rank", "steps_completed", "last_step", "phase", "silent_s", "alive",
-                "last_progress_unix_s"}, ...]}
+     "ended_unix_s": float | None,
+     "ranks": [{"rank", "attempt", "steps_completed", "last_step", "phase", "silent_s",
+                "alive", "last_progress_unix_s"}, ...]}
 
-``phase`` is one of :data:`PHASE_ORDER`'s keys (the SDK's ``Progress.phase``).
+``phase`` is one of :data:`PHASE_ORDER`'s keys (the SDK's ``Progress.phase``); ``attempt`` is
+the rank's torchrun attempt (``restart_count``). Each rank's entry is its state when it was
+found stalled (``alive``: a batch or process sample of it arrived within the aggregator's alive
+window then), so a rank that dies afterwards (the user stopping the job) changes nothing;
+``silent_s`` is as of the last change of the record. ``ended_unix_s`` is set once every stalled
+rank ended (the record is frozen then, ``silent_s`` up to that moment); None while the stall
+lasts (see :func:`silent_s`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 #: Key of the record in the store's ``meta`` table (JSON).
 STALL_META_KEY = "stall"
@@ -19,11 +28,17 @@ STALL_META_KEY = "stall"
 #: Where a phase falls in a step, to tell which rank is behind (a rank between steps, "idle",
 #: has not started the step its peers are in; "step" is inside a step, outside the phases).
 PHASE_ORDER = {
-    "idle": 0, "dataloader": 1, "step": 2, "h2d": 3, "forward": 4, "backward": 5, "optimizer": 6,
+    "idle": 0,
+    "dataloader": 1,
+    "step": 2,
+    "h2d": 3,
+    "forward": 4,
+    "backward": 5,
+    "optimizer": 6,
 }
 
 
-def suspects(entries: list[dict], *, others_move: bool) -> list[int]:
+def suspects(entries: list[dict[str, Any]], *, others_move: bool) -> list[int]:
     """The ranks to look at first among the stalled ``entries``: the dead ones while others
     live; else the ranks furthest behind (fewest steps, then the earliest phase); else, when
     all stand at one place while other ranks finished or move on, all of them; else none (all
@@ -44,7 +59,15 @@ def suspects(entries: list[dict], *, others_move: bool) -> list[int]:
     return []
 
 
-def describe(record: dict) -> str:
+def silent_s(record: dict[str, Any], entry: dict[str, Any], now_unix_s: float) -> float:
+    """Seconds ``entry``'s rank went without a step: up to the record's end when every stalled
+    rank ended, else up to ``now_unix_s`` (Unix s)."""
+    until: float = record.get("ended_unix_s") or now_unix_s
+    silent: float = max(entry["silent_s"], until - entry["last_progress_unix_s"])
+    return round(silent, 1)
+
+
+def describe(record: dict[str, Any]) -> str:
     """One line for the console: who stopped, where, for how long, and the suspect."""
     ranks = record["ranks"]
     where = "; ".join(
@@ -54,12 +77,15 @@ def describe(record: dict) -> str:
     )
     silent = max(e["silent_s"] for e in ranks)
     names = ", ".join(str(e["rank"]) for e in ranks)
+    attempt = max(e.get("attempt", 0) for e in ranks)
     suspect = record["suspects"]
     tail = (
-        f"suspect: rank {', '.join(map(str, suspect))}" if suspect
-        else "every stalled rank is at the same place (a collective that cannot complete?)"
+        f"suspect: rank {', '.join(map(str, suspect))}"
+        if suspect
+        else "every stalled rank is at the same place, none differs: no suspect (a "
+        "collective that cannot complete?)"
     )
     return (
         f"hang: rank{'s' if len(ranks) > 1 else ''} {names} made no progress for "
-        f"{silent:.0f} s ({where}); {tail}"
+        f"{silent:.0f} s{f' in attempt {attempt}' if attempt else ''} ({where}); {tail}"
     )

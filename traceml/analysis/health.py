@@ -9,26 +9,49 @@ wins.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from traceml.analysis.document import (
-    COMPLETED,
-    FAILED,
     INCOMPLETE,
     INTERRUPTED,
     NEVER_REPORTED,
     RUNNING,
-    SIGNALED,
-    TERMINATED,
     RankSummary,
 )
 from traceml.analysis.findings import EVENTS, Finding, ranks_text
+from traceml.analysis.hang import silent_s
 from traceml.analysis.rundata import RankData, RunData
 from traceml.analysis.schema import plain
-from traceml.core.ends import is_interrupted
+from traceml.core.ends import COMPLETED, FAILED, SIGNALED, TERMINATED, is_interrupted
 
 
-def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
+class EndState(TypedDict):
+    """How a rank ended (:func:`end_state`): the fields of
+    :class:`~traceml.analysis.document.RankEnd`."""
+
+    state: str
+    exit_code: int | None
+    signal: int | None
+    reason: str | None
+
+
+class NotExited(TypedDict):
+    """A rank that completed its steps and did not exit (:func:`not_exited`)."""
+
+    rank: int
+    attempt: int
+    steps_completed: int
+    #: From the end of its last step (or its peers' exit) to its end, s.
+    did_not_exit_s: float
+    #: The ranks that exited.
+    exited_ranks: list[int]
+    #: The last of their finish markers' arrival, Unix s; None when not stored.
+    exited_unix_s: float | None
+
+
+def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> EndState:
     """How ``rd`` ended: ``{"state", "exit_code", "signal", "reason"}`` (the fields of
     :class:`~traceml.analysis.document.RankEnd`).
 
@@ -48,7 +71,12 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> dict:
         and (end.get("signal") is None or is_interrupted(end.get("reason")))
         and finish.get("end_state") == COMPLETED
     ):
-        return {"state": COMPLETED, "exit_code": None, "signal": None, "reason": finish.get("reason")}
+        return {
+            "state": COMPLETED,
+            "exit_code": None,
+            "signal": None,
+            "reason": finish.get("reason"),
+        }
     if end.get("end_state") not in (None, COMPLETED):
         state = end["end_state"]  # the launcher saw a failure
     elif finish:
@@ -71,14 +99,16 @@ def last_seen_us(rd: RankData) -> float:
     end of its last stored step; +inf when nothing is known. A rank that failed because another
     one had (a collective's peer vanished) was seen alive after that one, so the crashed ranks
     sorted by it name the first failure first."""
+    seen: float
     if rd.finish and rd.finish.get("received_unix_us"):
-        return rd.finish["received_unix_us"]
-    if rd.process_samples:
-        return rd.process_samples[-1]["unix_us"]
-    start = (rd.identity or {}).get("start_unix_us")
-    if rd.steps and start is not None:
-        return start + rd.steps["end_us"][-1]
-    return float("inf")
+        seen = rd.finish["received_unix_us"]
+    elif rd.process_samples:
+        seen = rd.process_samples[-1]["unix_us"]
+    elif rd.steps and (start := (rd.identity or {}).get("start_unix_us")) is not None:
+        seen = start + rd.steps["end_us"][-1]
+    else:
+        seen = float("inf")
+    return seen
 
 
 def run_status(ranks: list[RankSummary], missing: list[int], *, live: bool) -> str:
@@ -101,19 +131,23 @@ def run_status(ranks: list[RankSummary], missing: list[int], *, live: bool) -> s
 @dataclass(frozen=True)
 class Facts:
     """What the health rules look at: the run, the summary's ``ranks`` (each with its
-    ``end``), whether the run is still going, and the ranks by end state."""
+    ``end``), whether the run is still going, when the summary is built (Unix s), and the
+    ranks by end state."""
 
     run: RunData
     ranks: list[RankSummary]
     live: bool
+    now_unix_s: float
 
     def in_state(self, *states: str) -> list[RankSummary]:
         """The ranks that ended in one of ``states``, in ``ranks`` order within a state."""
         return [r for state in states for r in self.ranks if r.end.state == state]
 
     def hung(self) -> set[int]:
-        """The ranks of the aggregator's stall record (:mod:`traceml.analysis.hang`)."""
-        return {e["rank"] for e in self.run.stall["ranks"]} if self.run.stall else set()
+        """The ranks of the aggregator's stall record (:mod:`traceml.analysis.hang`), and the
+        ranks that completed their steps but did not exit (:func:`not_exited`)."""
+        stalled = {e["rank"] for e in self.run.stall["ranks"]} if self.run.stall else set()
+        return stalled | {e["rank"] for e in not_exited(self)}
 
     def interrupted(self) -> list[RankSummary]:
         """Terminated ranks, not hung, that their launcher's SIGTERM/SIGINT stopped."""
@@ -125,16 +159,18 @@ class Facts:
         ]
 
 
-def findings(run: RunData, ranks: list[RankSummary], *, live: bool) -> list[Finding]:
+def findings(
+    run: RunData, ranks: list[RankSummary], *, live: bool, now_unix_s: float
+) -> list[Finding]:
     """Health findings over the summary's ``ranks`` (each with ``end``) and the run, one per
-    rule of :data:`RULES` that applies.
+    rule of :data:`RULES` that applies; ``now_unix_s``: when the summary is built (Unix s).
 
     Kinds: RANK_CRASHED, RANK_HUNG, RUN_INTERRUPTED, RANK_TERMINATED (ranks stopped after
     another failed; hung and interrupted ranks are left out), RANK_MISSING, RANK_NEVER_REPORTED,
     NODE_FAILED, NODE_LOST, AGGREGATOR_RESTARTED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED,
-    GPU_TIMING_UNRESOLVED, RESTARTED.
+    GPU_TIMING_UNRESOLVED, RESTARTED, TELEMETRY_REFUSED, SCRIPT_PROCESS_GROUP.
     """
-    facts = Facts(run, ranks, live)
+    facts = Facts(run, ranks, live, now_unix_s)
     found = [f for f in (rule(facts) for rule in RULES) if f is not None]
     for f in found:  # every health finding reports events: statistic first, as elsewhere
         f.evidence = {"statistic": EVENTS, **f.evidence}
@@ -145,7 +181,7 @@ def _utc(unix_s: float) -> str:
     return time.strftime("%H:%M:%S UTC", time.gmtime(unix_s))
 
 
-def lost_note(facts: Facts, ranks) -> str:
+def lost_note(facts: Facts, ranks: Iterable[int]) -> str:
     """`` Node N (host) was lost at T ...`` for the nodes of ``ranks`` the aggregator lost and
     never got back (:attr:`RunData.node_losses`); "" when none was."""
     node_of = {r.rank: r.node_rank for r in facts.ranks}
@@ -193,46 +229,186 @@ def rank_crashed(facts: Facts) -> Finding | None:
     )
 
 
+def _unix_s(us: float | None) -> float | None:
+    return None if us is None else us / 1e6
+
+
+def not_exited(facts: Facts) -> list[NotExited]:
+    """Ranks that completed as many steps as the ranks that exited normally (finish marker
+    ``completed``, same attempt), then did not exit themselves: no completed finish of their
+    own, and found stalled by the hang watch, given up on by finalization (missing), or
+    stopped since by their launcher's SIGTERM/SIGINT (the user's stop). None while a rank
+    crashed (its peers are torn down, not lingering), nor a rank of a live run still on its
+    way out.
+
+    Returns:
+        one per such rank, by rank; ``did_not_exit_s`` runs from the end of its last step, or
+        its peers' exit when that is unknown, to its end: the stall record's end, its node's
+        torchrun exit, else now.
+    """
+    completed = [
+        (rd.rank, rd.restart, rd.finish)
+        for rd in facts.run.ranks.values()
+        if rd.finish and rd.finish.get("end_state") == COMPLETED
+    ]
+    if not completed or facts.in_state(FAILED, SIGNALED):
+        return []
+    attempt = max(a for _, a, _ in completed)
+    ended = [(r, f) for r, a, f in completed if a == attempt]
+    steps = max(f["steps_completed"] for _, f in ended)
+    arrived = [f["received_unix_us"] for _, f in ended if f.get("received_unix_us")]
+    exited_unix_s = _unix_s(max(arrived)) if arrived else None
+    stall = facts.run.stall or {}
+    stalled = {e["rank"]: e for e in stall.get("ranks", ())}
+    now = facts.now_unix_s
+    found: list[NotExited] = []
+    for r in facts.ranks:
+        rd = facts.run.ranks[r.rank]
+        entry = stalled.get(r.rank)
+        if (
+            r.end.state not in (RUNNING, TERMINATED)
+            or r.end.state == RUNNING
+            and entry is None
+            and r.rank not in facts.run.missing
+            or r.end.state == TERMINATED
+            and not is_interrupted(r.end.reason)
+            or (rd.finish or {}).get("end_state") == COMPLETED
+            or rd.restart != attempt
+            or r.steps_completed != steps
+        ):
+            continue
+        start_us = (rd.identity or {}).get("start_unix_us")
+        since = (
+            entry["last_progress_unix_s"]
+            if entry
+            else (start_us + rd.steps["end_us"][-1]) / 1e6
+            if start_us is not None and len(rd.steps) and rd.steps["end_us"][-1] is not None
+            else exited_unix_s or now
+        )
+        node_exit = (
+            facts.run.node_exits.get(r.node_rank) if r.node_rank is not None else None
+        ) or {}
+        until = (
+            (stall.get("ended_unix_s") if entry else None)
+            or (_unix_s(node_exit.get("received_unix_us")) if r.end.state == TERMINATED else None)
+            or now
+        )
+        found.append(
+            {
+                "rank": r.rank,
+                "attempt": attempt,
+                "steps_completed": steps,
+                "did_not_exit_s": round(max(0.0, until - since), 1),
+                "exited_ranks": sorted(q for q, _ in ended),
+                "exited_unix_s": None if exited_unix_s is None else round(exited_unix_s, 3),
+            }
+        )
+    return found
+
+
+def _not_exited_text(e: NotExited) -> str:
+    exited = e["exited_ranks"]
+    who = ranks_text(exited) + (" exited" if len(exited) == 1 else " had exited")
+    if e["exited_unix_s"] is not None:
+        who += (" at " if len(exited) == 1 else " by ") + _utc(e["exited_unix_s"])
+    return (
+        f"rank {e['rank']} completed its {e['steps_completed']} steps, then did not exit "
+        f"for {e['did_not_exit_s']:.0f} s ({who})"
+    )
+
+
+def _stalled_text(e: dict[str, Any]) -> str:
+    attempt = f" of attempt {e['attempt']}" if e.get("attempt") else ""
+    life = "alive (samples still arriving)" if e["alive"] else "dead (no sign of life)"
+    return (
+        f"rank {e['rank']}{attempt}: {e['steps_completed']} steps done (last step "
+        f"{e['last_step']}), in {e['phase']}, {life}, silent {e['silent_s']:.0f} s"
+    )
+
+
 def rank_hung(facts: Facts) -> Finding | None:
     """RANK_HUNG: ranks that stopped making progress, from the aggregator's stall record
-    (:mod:`traceml.analysis.hang`), naming the suspects the others wait for."""
-    stall = facts.run.stall
-    if not stall or not stall["ranks"]:
+    (:mod:`traceml.analysis.hang`), naming the suspects the others wait for (each stalled
+    rank's state is the one it was found stalled in), and ranks that completed their steps
+    but did not exit (:func:`not_exited`; named even before a stall record has them)."""
+    stall = facts.run.stall or {}
+    entries = [
+        {**e, "silent_s": silent_s(stall, e, facts.now_unix_s)} for e in stall.get("ranks", ())
+    ]
+    lingering = not_exited(facts)
+    if not entries and not lingering:
         return None
-    entries = stall["ranks"]
-    stalled = [e["rank"] for e in entries]
-    since = min(e["last_progress_unix_s"] for e in entries)
-    when = _utc(since)
-    where = "; ".join(
-        f"rank {e['rank']} after {e['steps_completed']} steps, in {e['phase']}, silent "
-        f"{e['silent_s']:.0f} s{'' if e['alive'] else ', no sign of life'}"
-        for e in entries
-    )
-    suspect = stall["suspects"]
+    lingered = {e["rank"] for e in lingering}
+    told = [_not_exited_text(e) for e in lingering] + [
+        _stalled_text(e) for e in entries if e["rank"] not in lingered
+    ]
+    text = "; ".join(told)
+    if entries:
+        stalled = [e["rank"] for e in entries]
+        when = _utc(min(e["last_progress_unix_s"] for e in entries))
+        text = f"{ranks_text(stalled).capitalize()} stopped making progress at {when}: {text}."
+    else:
+        stalled = sorted(lingered)
+        text = text[0].upper() + text[1:] + "."
+    suspect = sorted(set(stall.get("suspects", ())) | lingered)
     if suspect:
         look = (
-            f"Look at {ranks_text(suspect)} first: the others wait for it. Its stack "
-            "(py-spy dump --pid, or faulthandler) shows where it is stuck."
+            f"Look at {ranks_text(suspect)} first: the others wait for it, or it does not "
+            "exit. Its stack (py-spy dump --pid, or faulthandler) shows where it is stuck."
         )
     else:
         look = (
-            "Every stalled rank stopped at the same place: a collective that cannot complete "
-            "(the network, or ranks calling different collectives); see each rank's stack."
+            "Every stalled rank stopped at the same place and none differs, so none is named: "
+            "a collective that cannot complete (the network, or ranks calling different "
+            "collectives); see each rank's stack."
         )
     return Finding(
         "RANK_HUNG",
         "critical",
-        f"{ranks_text(stalled).capitalize()} stopped making progress at {when} ({where})."
-        + lost_note(facts, stalled),
+        text + lost_note(facts, stalled),
         look,
         evidence={
             "ranks": entries,
             "suspects": suspect,
-            "hang_timeout_s": stall["hang_timeout_s"],
-            "detected_unix_s": stall["detected_unix_s"],
+            "not_exited": lingering,
+            "hang_timeout_s": stall.get("hang_timeout_s"),
+            "detected_unix_s": stall.get("detected_unix_s"),
         },
-        ranks=suspect or stalled,
+        ranks=suspect,
     )
+
+
+def hang_first(
+    primary: Finding, others: list[Finding], health: list[Finding], steps: int
+) -> tuple[Finding, list[Finding], list[Finding]]:
+    """Make RANK_HUNG the primary diagnosis when the hang lost more wall time than the
+    step-time verdict costs over the run (its ``impact_ms`` x ``steps``): the verdict then
+    becomes the first of the step-time findings and RANK_HUNG leaves the health findings.
+
+    Args:
+        primary: the step-time verdict; others: the other step-time findings.
+        health: the health findings; steps: the most steps a rank completed.
+
+    Returns:
+        ``(primary, step-time findings, health findings)``, unchanged when no hang cost more.
+    """
+    hung = next((f for f in health if f.kind == "RANK_HUNG"), None)
+    if hung is None:
+        return primary, others, health
+    lost_s = max(
+        [e["silent_s"] for e in hung.evidence["ranks"]]
+        + [e["did_not_exit_s"] for e in hung.evidence["not_exited"]]
+    )
+    verdict_s = (primary.impact_ms or 0.0) * steps / 1000.0
+    if lost_s < verdict_s:
+        return primary, others, health
+    hung.evidence["lost_s"] = lost_s
+    hung.evidence["verdict_before"] = {"kind": primary.kind, "lost_s": round(verdict_s, 1)}
+    hung.summary += (
+        f" The hang lost {lost_s:.0f} s of wall time, more than {primary.kind} cost over "
+        f"{steps} steps ({verdict_s:.0f} s)."
+    )
+    return hung, [primary] + others, [f for f in health if f is not hung]
 
 
 def run_interrupted(facts: Facts) -> Finding | None:
@@ -475,6 +651,66 @@ def restarted(facts: Facts) -> Finding | None:
     )
 
 
+#: The refusal kind of the torchrun process whose script built its own process group
+#: (traceml_aggregator/script_world.py): expected, so told by SCRIPT_PROCESS_GROUP.
+SCRIPT_PARENT = "script_parent"
+
+
+def telemetry_refused(facts: Facts) -> Finding | None:
+    """TELEMETRY_REFUSED: calls the aggregator refused (nothing of them stored), by kind, each
+    with its first refusal's reason, so a summary short of data says why (the script's parent,
+    :data:`SCRIPT_PARENT`, is told by SCRIPT_PROCESS_GROUP instead)."""
+    rejected = {k: n for k, n in facts.run.rejected.items() if k != SCRIPT_PARENT}
+    if not rejected:
+        return None
+    total = sum(rejected.values())
+    reasons = facts.run.rejected_reasons
+    kinds = "; ".join(
+        f"{n} {kind}" + (f" (the first: {reasons[kind]})" if kind in reasons else "")
+        for kind, n in sorted(rejected.items())
+    )
+    return Finding(
+        "TELEMETRY_REFUSED",
+        "warning",
+        f"The aggregator refused {total} call{'s' * (total != 1)} and stored nothing of "
+        f"{'them' if total != 1 else 'it'}: {kinds}.",
+        "Each reason names the sender and what did not fit the run (its token, its run name, "
+        "its rank or world size); docs/wire.md lists every kind.",
+        evidence={
+            "rejected": dict(sorted(rejected.items())),
+            "reasons": dict(sorted(reasons.items())),
+        },
+    )
+
+
+def script_process_group(facts: Facts) -> Finding | None:
+    """SCRIPT_PROCESS_GROUP: the run's world is a process group the script built itself
+    (processes it started, e.g. ``torch.multiprocessing.spawn``), not torchrun's."""
+    world = facts.run.script_world
+    if not world:
+        return None
+    size, node, launched = world["world_size"], world["node_rank"], world["launched_world_size"]
+    return Finding(
+        "SCRIPT_PROCESS_GROUP",
+        "info",
+        f"The run's world came from the script's own process group: {size} ranks on node "
+        f"{node}, in processes the script started itself, where torchrun started {launched}; "
+        "the summary holds them as the run's ranks."
+        + (
+            f" Torchrun's own process, which started them, reports nothing itself "
+            f"({facts.run.rejected[SCRIPT_PARENT]} calls refused as {SCRIPT_PARENT}: "
+            f"{facts.run.rejected_reasons.get(SCRIPT_PARENT, '')})."
+            if SCRIPT_PARENT in facts.run.rejected
+            else ""
+        ),
+        f"Nothing to do. To have torchrun start every rank instead, run {size} processes per "
+        "node with traceml run (--nproc-per-node) and no process start in the script.",
+        evidence={"world_size": size, "node_rank": node, "launched_world_size": launched},
+        ranks=list(range(size)),
+        nodes=[node],
+    )
+
+
 #: The health rules, in the order their findings are listed.
 RULES = (
     rank_crashed,
@@ -490,4 +726,6 @@ RULES = (
     telemetry_dropped,
     gpu_timing_unresolved,
     restarted,
+    telemetry_refused,
+    script_process_group,
 )

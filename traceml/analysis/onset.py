@@ -9,6 +9,10 @@ a gap below the straggler floor before and at or above it after; for SLOWDOWN, t
 median step grows by at least SLOWDOWN_PCT (and 1 ms) and the series is no drift (below).
 Long series are first reduced to at most 400 bucket medians.
 
+**Start-up.** A change point is no SLOWDOWN when it is the start of the steady state
+(:func:`start_up`): at or before STARTUP_PREFETCH_STEPS, a rise that is mostly input wait from
+an input wait below the straggler floor is the DataLoader's prefetched batches running out.
+
 **Drift.** A series drifts when a straight line fits it better than two flat segments (smaller
 summed squared error) and the line rises by at least DRIFT_PCT of the series' median (and
 1 ms) over the window: STEP_TIME_DRIFT, with the rate per 1,000 steps.
@@ -16,13 +20,19 @@ summed squared error) and the line rises by at least DRIFT_PCT of the series' me
 
 from __future__ import annotations
 
+import bisect
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import TypedDict
+
 from traceml.analysis import thresholds as th
 from traceml.analysis.findings import MEDIAN, Finding
-from traceml.analysis.stats import bucket_medians, lower_median, median
+from traceml.analysis.stats import bucket_medians, median_of
 
 SLOWDOWN = "SLOWDOWN"
 STEP_TIME_DRIFT = "STEP_TIME_DRIFT"
-_MAX_POINTS = 400
+#: Most points a change point or drift looks at (longer series become bucket medians).
+MAX_POINTS = 400
 
 
 def _sse_split(ys: list[float], min_side: int) -> tuple[int, float] | None:
@@ -51,40 +61,60 @@ def _line_sse(xs: list[float], ys: list[float]) -> tuple[float, float]:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    slope = 0.0 if not sxx else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return slope, sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    slope = 0.0 if not sxx else sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return slope, sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
 
 
-def change_point(steps: list[int], values: list[float]) -> dict | None:
+class ChangePoint(TypedDict):
+    """The best split of a series into two flat segments (:func:`change_point`)."""
+
+    #: The first step of the second segment.
+    onset_step: int
+    #: The segments' medians, in the values' unit.
+    before: float
+    after: float
+    #: The split's summed squared error.
+    sse_split: float
+
+
+class Drift(TypedDict):
+    """The upward drift of a series (:func:`drift`), in the values' unit."""
+
+    rate_per_1000_steps: float
+    rise: float
+    median: float
+
+
+def change_point(steps: Sequence[int], values: Sequence[float]) -> ChangePoint | None:
     """The best split of ``values`` (one per step of ``steps``) into two flat segments.
 
     Returns ``{"onset_step", "before", "after", "sse_split"}`` (segment medians, in the
     values' unit) or None with fewer than 2 x ONSET_MIN_STEPS values.
     """
-    xs, ys = bucket_medians(steps, values, _MAX_POINTS)
+    xs, ys = bucket_medians(steps, values, MAX_POINTS)
     best = _sse_split(ys, max(1, th.ONSET_MIN_STEPS * len(xs) // max(1, len(steps))))
     if best is None:
         return None
     k, err = best
     return {
         "onset_step": xs[k],
-        "before": median(ys[:k]),
-        "after": median(ys[k:]),
+        "before": median_of(ys[:k]),
+        "after": median_of(ys[k:]),
         "sse_split": err,
     }
 
 
-def drift(steps: list[int], values: list[float]) -> dict | None:
+def drift(steps: Sequence[int], values: Sequence[float]) -> Drift | None:
     """The upward drift of ``values``: ``{"rate_per_1000_steps", "rise", "median"}`` when a
     line fits better than a change point and rises by DRIFT_PCT of the median (and 1 ms, for
     values in ms) over the steps; else None."""
-    xs, ys = bucket_medians(steps, values, _MAX_POINTS)
+    xs, ys = bucket_medians(steps, values, MAX_POINTS)
     split = _sse_split(ys, th.ONSET_MIN_STEPS)
     if split is None:
         return None
     slope, err = _line_sse([float(x) for x in xs], ys)
     rise = slope * (xs[-1] - xs[0])
-    med = median(ys)
+    med = median_of(ys)
     if err >= split[1] or rise < max(1.0, med * th.DRIFT_PCT / 100.0):
         return None
     return {"rate_per_1000_steps": slope * 1000.0, "rise": rise, "median": med}
@@ -122,22 +152,50 @@ def straggler_onset(
     )
 
 
-def job_findings(series: dict[int, tuple[list[int], list[float]]], explained: bool) -> list:
+def _job(series: Mapping[int, Sequence[float]], n: int) -> list[float]:
+    """Per step, the lower median across ranks of ``series`` (rank -> one value per step; at
+    least one rank)."""
+    return [statistics.median_low([vals[i] for vals in series.values()]) for i in range(n)]
+
+
+def start_up(cp: ChangePoint, steps: list[int], waits: list[float], floor_ms: float) -> bool:
+    """The change point ``cp`` of the job's step time is a start-up transient: at or before
+    STARTUP_PREFETCH_STEPS, the job's input wait (``waits``, ms per step of ``steps``) rose
+    from below the straggler floor ``floor_ms`` by at least half the step time's rise: the
+    DataLoader's prefetched batches ran out and the steady state began."""
+    if cp["onset_step"] > th.STARTUP_PREFETCH_STEPS:
+        return False
+    k = bisect.bisect_left(steps, cp["onset_step"])
+    before, after = median_of(waits[:k]), median_of(waits[k:])
+    return before < floor_ms and after - before >= (cp["after"] - cp["before"]) / 2
+
+
+def job_findings(
+    series: dict[int, tuple[list[int], list[float]]],
+    explained: bool,
+    waits: dict[int, list[float]] | None = None,
+    floor_ms: float = 0.0,
+) -> list[Finding]:
     """SLOWDOWN or STEP_TIME_DRIFT of the job's step time.
 
     Args:
         series: rank -> (steps, step time per step in ms, without time outside the steps).
         explained: a straggler with an onset already explains a change (no SLOWDOWN then).
+        waits: rank -> input wait per step of ``series`` (ms), to set aside a start-up
+            transient (:func:`start_up`); None: none is set aside.
+        floor_ms: the straggler floor (ms), for :func:`start_up`.
 
     The job's series is, per step, the lower median across ranks.
     """
     if not series:
         return []
     steps = next(iter(series.values()))[0]
-    job = [lower_median(vals[i] for _, vals in series.values()) for i in range(len(steps))]
-    out = []
+    job = _job({r: vals for r, (_, vals) in series.items()}, len(steps))
+    out: list[Finding] = []
     cp = change_point(steps, job)
     d = drift(steps, job)
+    if cp and waits and start_up(cp, steps, _job(waits, len(steps)), floor_ms):
+        cp = None
     if cp and not explained and d is None:
         effect = cp["after"] - cp["before"]
         if effect >= max(1.0, cp["before"] * th.SLOWDOWN_PCT / 100.0):

@@ -19,11 +19,12 @@ and kept out of every share and count. Shares are of the wall time of the window
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypedDict, cast
 
 from traceml.analysis import thresholds as th
 from traceml.analysis.findings import SUMMED, Finding, ranks_text
-from traceml.analysis.rundata import NO_STEPS, StepColumns
-from traceml.analysis.stats import median
+from traceml.analysis.rundata import NO_STEPS, StepTable
+from traceml.analysis.stats import median_of
 
 OUTSIDE_STEP_TIME = "OUTSIDE_STEP_TIME"
 
@@ -46,14 +47,17 @@ def split_gap(
     if all(d is None for d in dataloader_next_us):
         return list(input_wait_us), [None] * len(input_wait_us)
     if None not in input_wait_us and None not in dataloader_next_us:  # the common case, 4x faster
+        gaps, loaders = cast(Sequence[int], input_wait_us), cast(Sequence[int], dataloader_next_us)
         return (
-            list(map(min, input_wait_us, dataloader_next_us)),
-            [gap - loader if gap > loader else 0
-             for gap, loader in zip(input_wait_us, dataloader_next_us)],
-        )  # fmt: skip
+            list(map(min, gaps, loaders)),
+            [
+                gap - loader if gap > loader else 0
+                for gap, loader in zip(gaps, loaders, strict=True)
+            ],
+        )
     wait: list[int | None] = []
     outside: list[int | None] = []
-    for gap, loader in zip(input_wait_us, dataloader_next_us):
+    for gap, loader in zip(input_wait_us, dataloader_next_us, strict=True):
         if gap is None:
             wait.append(loader)
             outside.append(None)
@@ -63,7 +67,7 @@ def split_gap(
     return wait, outside
 
 
-def outside_column(steps: StepColumns) -> list[int | None]:
+def outside_column(steps: StepTable) -> list[int | None]:
     """The outside-step time of each of ``steps``, µs (:func:`split_gap`)."""
     return split_gap(steps["input_wait_us"], steps["dataloader_next_us"])[1]
 
@@ -77,8 +81,26 @@ def long_gaps(outside_us: list[int | None], step_ms: float) -> list[int]:
 
 def period(steps: list[int]) -> int | None:
     """The median distance in steps between successive ``steps`` (None for fewer than 2)."""
-    gaps = [b - a for a, b in zip(steps, steps[1:])]
-    return None if not gaps else int(round(median(gaps)))
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    return None if not gaps else int(round(median_of(gaps)))
+
+
+class OutsideSteps(TypedDict):
+    """One rank's time outside the window steps (:func:`rank_outside`), ms unless named."""
+
+    statistic: str
+    #: Of the summed wall time of the window steps, %; None when that is 0.
+    share_of_wall_pct: float | None
+    total_ms: float
+    wall_ms: float
+    #: The long gaps (:func:`long_gaps`): how many, their median and largest (None: none).
+    gaps: int
+    gap_median_ms: float | None
+    gap_max_ms: float | None
+    period_steps: int | None
+    gap_steps: list[int]
+    in_step_median_ms: float
+    first_gap_ms: float | None
 
 
 def rank_outside(
@@ -86,7 +108,7 @@ def rank_outside(
     step_us: list[int],
     outside_us: list[int | None],
     first_gap_us: int | None,
-) -> dict | None:
+) -> OutsideSteps | None:
     """``ranks[].outside_steps``: one rank's time outside the window steps.
 
     Args:
@@ -96,18 +118,15 @@ def rank_outside(
         first_gap_us: outside-step time of the rank's first gap (before its step 1), µs.
 
     Returns:
-        ``{"share_of_wall_pct", "total_ms", "wall_ms", "gaps", "gap_median_ms", "gap_max_ms",
-        "period_steps", "gap_steps", "first_gap_ms", "statistic"}``: the share is of the summed
-        wall time of the window steps; ``gaps`` counts the long gaps (:func:`long_gaps`) and
-        the median/max are over them. None when outside-step time is not separable (no
-        DataLoader).
+        None when outside-step time is not separable (no DataLoader).
     """
     if all(v is None for v in outside_us):
         return None
     wall_us = sum(step_us)
-    in_step_ms = median(s - (o or 0) for s, o in zip(step_us, outside_us)) / 1000.0
+    in_step_us = [s - (o or 0) for s, o in zip(step_us, outside_us, strict=True)]
+    in_step_ms = median_of(in_step_us) / 1000.0
     idx = long_gaps(outside_us, in_step_ms)
-    sizes = [outside_us[i] / 1000.0 for i in idx]
+    sizes = [v / 1000.0 for i in idx if (v := outside_us[i]) is not None]  # all: long gaps
     total_us = sum(v for v in outside_us if v is not None)
     return {
         "statistic": SUMMED,
@@ -115,7 +134,7 @@ def rank_outside(
         "total_ms": round(total_us / 1000.0, 3),
         "wall_ms": round(wall_us / 1000.0, 3),
         "gaps": len(idx),
-        "gap_median_ms": None if not sizes else round(median(sizes), 3),
+        "gap_median_ms": None if not sizes else round(median_of(sizes), 3),
         "gap_max_ms": None if not sizes else round(max(sizes), 3),
         "period_steps": period([steps[i] for i in idx]),
         "gap_steps": [steps[i] for i in idx][:50],
@@ -124,12 +143,11 @@ def rank_outside(
     }
 
 
-def _cause(section: dict) -> str:
+def _cause(section: OutsideSteps) -> str:
     """The likely cause, from the pattern of the gaps (a hypothesis, said as one)."""
     step_ms = section["in_step_median_ms"] or 0.0
-    if section["gaps"] and section["gap_median_ms"] >= 5 * step_ms and (
-        section["period_steps"] or 0
-    ) >= 2:
+    gap_ms = section["gap_median_ms"]  # None exactly when there are no gaps
+    if gap_ms is not None and gap_ms >= 5 * step_ms and (section["period_steps"] or 0) >= 2:
         return (
             f"long pauses every {section['period_steps']} steps look like periodic evaluation "
             "or checkpoint saving between steps"
@@ -137,7 +155,7 @@ def _cause(section: dict) -> str:
     return "short pauses between most steps look like logging, metrics or host work between steps"
 
 
-def finding(sections: dict[int, dict | None], steps_in_window: int) -> Finding | None:
+def finding(sections: Mapping[int, OutsideSteps | None], steps_in_window: int) -> Finding | None:
     """OUTSIDE_STEP_TIME when the ranks spend at least OUTSIDE_STEP_PCT of their wall time
     outside the steps (share of summed time, the lower median across ranks so one rank alone
     does not make it); None otherwise.
@@ -147,15 +165,18 @@ def finding(sections: dict[int, dict | None], steps_in_window: int) -> Finding |
         steps_in_window: the window's step count (``impact_ms`` is the outside-step time
             spread over the window steps: ms per step).
     """
-    known = {r: s for r, s in sections.items() if s and s["share_of_wall_pct"] is not None}
-    if not known:
+    share = {
+        r: pct for r, s in sections.items() if s and (pct := s["share_of_wall_pct"]) is not None
+    }
+    if not share:
         return None
-    ordered = sorted(known, key=lambda r: (known[r]["share_of_wall_pct"], r))
+    ordered = sorted(share, key=lambda r: (share[r], r))
     rank = ordered[(len(ordered) - 1) // 2]
-    s = known[rank]
-    if s["share_of_wall_pct"] < th.OUTSIDE_STEP_PCT:
+    s = sections[rank]
+    assert s is not None  # it has a share
+    if share[rank] < th.OUTSIDE_STEP_PCT:
         return None
-    affected = sorted(r for r, v in known.items() if v["share_of_wall_pct"] >= th.OUTSIDE_STEP_PCT)
+    affected = sorted(r for r, pct in share.items() if pct >= th.OUTSIDE_STEP_PCT)
     gaps = (
         f"{s['gaps']} gaps of median {s['gap_median_ms']:.0f} ms (max {s['gap_max_ms']:.0f} ms)"
         + (f", one every {s['period_steps']} steps" if s["period_steps"] else "")
@@ -183,16 +204,14 @@ def finding(sections: dict[int, dict | None], steps_in_window: int) -> Finding |
 
 
 def sections(
-    window_steps: Mapping[int, StepColumns], all_steps: Mapping[int, StepColumns]
-) -> dict:
+    window_steps: Mapping[int, StepTable], all_steps: Mapping[int, StepTable]
+) -> dict[int, OutsideSteps | None]:
     """rank -> :func:`rank_outside` of each window rank, from its step columns (``all_steps``
     gives the first gap, which lies before the window)."""
-    out = {}
+    out: dict[int, OutsideSteps | None] = {}
     for rank, steps in window_steps.items():
         rank_steps = all_steps.get(rank, NO_STEPS)
-        first = next(
-            (i for i, v in enumerate(rank_steps["input_wait_us"]) if v is not None), None
-        )
+        first = next((i for i, v in enumerate(rank_steps["input_wait_us"]) if v is not None), None)
         out[rank] = rank_outside(
             list(steps["step"]),
             list(steps["step_us"]),

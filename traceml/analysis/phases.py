@@ -20,24 +20,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from traceml.analysis import thresholds as th
+from traceml.analysis.document import CPU, GPU, PARTS
 from traceml.analysis.outside import outside_column, split_gap
-from traceml.analysis.rundata import StepColumns
-from traceml.analysis.stats import describe, median
+from traceml.analysis.rundata import StepTable
+from traceml.analysis.stats import Description, describe, median
 from traceml.analysis.window import Window
 from traceml.core import phases as table
 
 #: Measured phases that are parts of the step: (summary name, CPU-clock field, GPU-clock field
 #: or None), all µs, in the order of :data:`traceml.core.phases.PHASES`.
 PHASES = tuple((p.name, p.cpu_field, p.gpu_field) for p in table.PHASES if p.part)
-#: Every part of a step in the reports: the phases, then the residual.
-PARTS = tuple(p.name for p in table.PARTS)
 #: Phases without which the residual is meaningless (it would absorb them).
 REQUIRED_PHASES = tuple(p.name for p in table.PHASES if p.required)
 #: GPU-clock fields that must be present on every window step for the GPU clock.
 _GPU_NEEDED = tuple(p.gpu_field for p in table.PHASES if p.required and p.gpu_field)
-
-CPU = "cpu"
-GPU = "gpu"
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ class Clock:
 
     name: str
     reason: str
-    steps: dict[int, StepColumns] = field(default_factory=dict, compare=False)
+    steps: dict[int, StepTable] = field(default_factory=dict, compare=False)
 
     def phase_field(self, cpu_field: str, gpu_field: str | None) -> str:
         """The step field to read for a phase on this clock."""
@@ -74,7 +70,9 @@ def choose_clock(window: Window) -> Clock:
         return Clock(CPU, "no step data")
     timed = set(window.indices)
     for steps in window.steps.values():
-        timed &= {i for i, gpu in zip(steps["step"], steps["gpu_step_us"]) if gpu is not None}
+        timed &= {
+            i for i, gpu in zip(steps["step"], steps["gpu_step_us"], strict=True) if gpu is not None
+        }
     if not timed:
         return Clock(
             CPU,
@@ -107,10 +105,11 @@ def choose_clock(window: Window) -> Clock:
     )
 
 
-def part_columns(steps: StepColumns, clock: Clock) -> dict[str, Sequence[int | None]]:
-    """Each part of ``steps`` on ``clock``, as a column: part name (:data:`PARTS`) -> one value
-    per step in µs (None: not measured), plus ``outside``: the time outside the step
-    (:func:`traceml.analysis.outside.split_gap`; input wait is then the DataLoader time alone).
+def part_columns(steps: StepTable, clock: Clock) -> dict[str, Sequence[int | None]]:
+    """Each part of ``steps`` on ``clock``, as a column: part name
+    (:data:`~traceml.analysis.document.PARTS`) -> one value per step in µs (None: not measured),
+    plus ``outside``: the time outside the step (:func:`traceml.analysis.outside.split_gap`;
+    input wait is then the DataLoader time alone).
     The residual is the step minus its outside-step time and the measured phases, at least 0
     (phases timed on the GPU may overlap host time). Built column by column: the
     analysis of a million steps must not build a dict per step."""
@@ -119,7 +118,8 @@ def part_columns(steps: StepColumns, clock: Clock) -> dict[str, Sequence[int | N
         columns["input_wait"], steps["dataloader_next_us"]
     )
     residual = []
-    for step_us, outside, *phases in zip(steps["step_us"], outside_us, *columns.values()):
+    rows = zip(steps["step_us"], outside_us, *columns.values(), strict=True)
+    for step_us, outside, *phases in rows:
         measured = [v for v in phases if v is not None]
         residual.append(max(0, step_us - (outside or 0) - sum(measured)) if measured else None)
     columns["residual"] = residual
@@ -136,8 +136,9 @@ class Profile:
         steps: number of window steps (``step_ms`` covers them all).
         step_ms: ``describe`` of the step time without time outside the steps (median, mean,
             p95, max, count; :func:`in_step_us`).
-        median_ms: per part (:data:`PARTS`, plus ``dataloader_next``), the median over the
-            clock's steps where it was measured; None when never measured.
+        median_ms: per part (:data:`~traceml.analysis.document.PARTS`, plus
+            ``dataloader_next``), the median over the clock's steps where it was measured;
+            None when never measured.
         share_pct: per part, its total over the steps as a share of the total step time
             without time outside the steps (unmeasured steps count 0); None when never
             measured.
@@ -150,7 +151,7 @@ class Profile:
 
     rank: int
     steps: int
-    step_ms: dict | None
+    step_ms: Description | None
     median_ms: dict[str, float | None]
     share_pct: dict[str, float | None]
     own_compute_ms: float | None
@@ -161,7 +162,7 @@ def _ms(us: float | None) -> float | None:
     return None if us is None else us / 1000.0
 
 
-def profile(rank: int, window_steps: StepColumns, clock: Clock) -> Profile:
+def profile(rank: int, window_steps: StepTable, clock: Clock) -> Profile:
     """The :class:`Profile` of ``rank``: step time over its window steps, parts over the
     clock's steps."""
     steps = clock.steps[rank]
@@ -177,7 +178,7 @@ def profile(rank: int, window_steps: StepColumns, clock: Clock) -> Profile:
     median_ms["dataloader_next"] = _ms(median(steps["dataloader_next_us"]))
     own = [
         None if forward is None and optimizer is None else (forward or 0) + (optimizer or 0)
-        for forward, optimizer in zip(parts["forward"], parts["optimizer"])
+        for forward, optimizer in zip(parts["forward"], parts["optimizer"], strict=True)
     ]
     return Profile(
         rank=rank,
@@ -190,9 +191,9 @@ def profile(rank: int, window_steps: StepColumns, clock: Clock) -> Profile:
     )
 
 
-def in_step_us(steps: StepColumns) -> list[int]:
+def in_step_us(steps: StepTable) -> list[int]:
     """Each step's time without its outside-step time (µs): input wait plus the step body."""
-    return [s - (o or 0) for s, o in zip(steps["step_us"], outside_column(steps))]
+    return [s - (o or 0) for s, o in zip(steps["step_us"], outside_column(steps), strict=True)]
 
 
 def profiles(window: Window, clock: Clock) -> dict[int, Profile]:
@@ -220,9 +221,7 @@ def missing_phases(clock: Clock) -> dict[str, list[int]]:
         if name not in REQUIRED_PHASES:
             continue
         key = clock.phase_field(cpu, gpu)
-        lacking = [
-            r for r, steps in clock.steps.items() if all(v is None for v in steps[key])
-        ]
+        lacking = [r for r, steps in clock.steps.items() if all(v is None for v in steps[key])]
         if lacking:
             out[name] = sorted(lacking)
     return out

@@ -3,29 +3,31 @@
 :func:`traceml_aggregator.load.load` turns the SQLite tables into these; the functions in
 :mod:`traceml.analysis` then work on :class:`RunData` alone and never touch the store.
 
-A rank's steps stay columns from the store to the analysis (:class:`StepColumns`), as they
-travel on the wire: the analysis of a million steps builds no object per step.
+A rank's steps stay columns from the store to the analysis (:class:`StepTable`), as they
+travel on the wire: the analysis of a million steps builds no object per step. Samples
+(process, system, GPU) load as NumPy columns (:class:`SampleColumns`): a million samples are a
+few arrays, not a million dicts.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-from traceml.wire.records import STEP_OPTIONAL_FIELDS, STEP_REQUIRED_FIELDS
+import numpy as np
+
+from traceml.core.phases import STEP_FIELDS
 
 if TYPE_CHECKING:
     from traceml.analysis.digest import RankDigest
 
-#: Every step field, in column order: :data:`STEP_REQUIRED_FIELDS`, then the optional ones.
-STEP_FIELDS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS
-
 
 @dataclass(frozen=True)
-class StepColumns:
-    """One attempt's steps as columns, in step order.
+class StepTable:
+    """One attempt's steps as columns, in step order (the analysis's table of them; the wire's
+    message of the same columns is ``StepColumns``).
 
     Attributes:
         columns: step field (every name of :data:`STEP_FIELDS`) -> one value per step (µs, or
@@ -48,19 +50,25 @@ class StepColumns:
             raise ValueError(f"step columns of different lengths: {sorted(lengths)}")
 
     @classmethod
-    def from_rows(cls, rows: Iterable[Sequence[int | None]]) -> StepColumns:
+    def from_rows(cls, rows: Iterable[Sequence[int | None]]) -> StepTable:
         """Columns of ``rows``, each a tuple of the :data:`STEP_FIELDS` in that order (as the
         store returns them); transposed in C, with no Python code per step."""
-        columns = list(zip(*rows)) or [()] * len(STEP_FIELDS)
+        columns = list(zip(*rows, strict=True)) or [()] * len(STEP_FIELDS)
         return cls(dict(zip(STEP_FIELDS, columns, strict=True)))
 
     @classmethod
-    def from_dicts(cls, steps: Iterable[Mapping[str, int | None]]) -> StepColumns:
+    def from_dicts(cls, steps: Iterable[Mapping[str, int | None]]) -> StepTable:
         """Columns of one mapping per step (fields it lacks are None): for hand-built runs."""
         return cls.from_rows(tuple(s.get(name) for name in STEP_FIELDS) for s in steps)
 
     def __len__(self) -> int:
         return len(self.columns["step"])
+
+    @overload
+    def __getitem__(self, name: Literal["step", "end_us", "step_us"]) -> Sequence[int]: ...
+
+    @overload
+    def __getitem__(self, name: str) -> Sequence[int | None]: ...
 
     def __getitem__(self, name: str) -> Sequence[int | None]:
         """The column of step field ``name``.
@@ -70,53 +78,191 @@ class StepColumns:
         """
         return self.columns[name]
 
-    def take(self, positions: Sequence[int]) -> StepColumns:
+    def take(self, positions: Sequence[int]) -> StepTable:
         """The steps at ``positions`` (indices into these columns, ascending), as columns."""
         if len(positions) == len(self):
             return self
         if positions and positions[-1] - positions[0] + 1 == len(positions):
             window = slice(positions[0], positions[-1] + 1)  # contiguous: copy, no lookups
-            return StepColumns({k: c[window] for k, c in self.columns.items()})
+            return StepTable({k: c[window] for k, c in self.columns.items()})
         if not positions:
             return NO_STEPS
         pick = operator.itemgetter(*positions)  # two or more: a tuple, built in C
-        return StepColumns({k: pick(c) for k, c in self.columns.items()})
+        return StepTable({k: pick(c) for k, c in self.columns.items()})
 
-    def where(self, name: str, keep: set[int] | frozenset[int]) -> StepColumns:
+    def where(self, name: str, keep: set[int] | frozenset[int]) -> StepTable:
         """The steps whose field ``name`` (usually ``step``) is in ``keep``."""
         return self.take([i for i, v in enumerate(self.columns[name]) if v in keep])
 
 
 #: No steps (a rank that stored none).
-NO_STEPS = StepColumns.from_rows(())
+NO_STEPS = StepTable.from_rows(())
+
+
+@dataclass(frozen=True, eq=False)
+class SampleColumns:
+    """Samples of one kind (a rank's process samples, a node's system or GPU samples) as NumPy
+    columns, one entry per sample, in the order loaded (time order).
+
+    It also reads as a sequence of row dicts (``len``, ``[i]``, iteration, ``[a:b]`` gives
+    columns), so code written for a list of dicts keeps working; analysis over many samples
+    uses :meth:`column`, :meth:`present`, :meth:`max`, :meth:`take` and :meth:`between`
+    instead, which build no object per sample.
+
+    Attributes:
+        columns: column name (the store's: ``unix_us``, ``cpu_percent``, ``rss_bytes``, ...)
+            -> 1-D array: float64 for numbers (NaN where not measured; integers, µs and bytes,
+            are exact below 2**53), object for text (None where absent).
+        ints: the columns whose values are integers (a row, and :meth:`max`, give them back as
+            ``int``).
+    """
+
+    columns: Mapping[str, np.ndarray]
+    ints: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, samples: SampleColumns | Iterable[Mapping[str, object]]) -> SampleColumns:
+        """``samples`` as columns: unchanged when they are, else from one dict per sample
+        (hand-built runs, the live windows). A column whose values are all numbers (or None)
+        is numeric; an integer one when every present value is an ``int``."""
+        if isinstance(samples, SampleColumns):
+            return samples
+        rows = list(samples)
+        names = list(dict.fromkeys(name for row in rows for name in row))
+        columns: dict[str, np.ndarray] = {}
+        ints: set[str] = set()
+        for name in names:
+            values = [row.get(name) for row in rows]
+            present = [v for v in values if v is not None]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+                columns[name] = np.array(values, dtype=np.float64)
+                if all(isinstance(v, int) for v in present):
+                    ints.add(name)
+            else:
+                columns[name] = np.array(values, dtype=object)
+        return cls(columns, frozenset(ints))
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    @overload
+    def __getitem__(self, key: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> SampleColumns: ...
+
+    def __getitem__(self, key: int | slice) -> dict[str, Any] | SampleColumns:
+        """Row ``key`` as a dict (None where not measured), or the rows of a slice as columns.
+
+        Raises:
+            IndexError: no such row.
+        """
+        if isinstance(key, slice):
+            return self.take(key)
+        return self.row(key)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """One dict per sample (for the few consumers that want rows; costs a dict each)."""
+        return (self.row(i) for i in range(len(self)))
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Sample ``i`` (negative counts from the end) as ``{column: value}``.
+
+        Raises:
+            IndexError: no such row.
+        """
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} of {n}")
+        return {name: self._value(name, column[i]) for name, column in self.columns.items()}
+
+    def _value(self, name: str, value: object) -> object:
+        if isinstance(value, np.floating):
+            if np.isnan(value):
+                return None
+            return int(value) if name in self.ints else float(value)
+        return value
+
+    def column(self, name: str) -> np.ndarray:
+        """The column ``name`` (all NaN, or all None for text, when no sample has it)."""
+        column = self.columns.get(name)
+        return column if column is not None else np.full(len(self), np.nan)
+
+    def present(self, name: str) -> np.ndarray:
+        """The measured values of numeric column ``name`` (NaN left out), float64."""
+        column = self.column(name)
+        present: np.ndarray = column[~np.isnan(column)]  # numpy types a masked read as Any
+        return present
+
+    def max(self, name: str) -> int | float | None:
+        """The largest measured value of numeric column ``name`` (``int`` for an integer
+        column), None when none was measured."""
+        present = self.present(name)
+        if not len(present):
+            return None
+        top = present.max()
+        return int(top) if name in self.ints else float(top)
+
+    def last_text(self, name: str) -> str | None:
+        """The latest non-empty value of text column ``name``, None when there is none."""
+        column = self.columns.get(name)
+        if column is None or column.dtype != object:  # absent, or never given (all NaN)
+            return None
+        filled = np.flatnonzero(np.frompyfunc(bool, 1, 1)(column).astype(bool))
+        return str(column[filled[-1]]) if len(filled) else None
+
+    def take(self, index: slice | np.ndarray) -> SampleColumns:
+        """The samples at ``index`` (a slice, a boolean mask or positions), as columns."""
+        return SampleColumns({k: c[index] for k, c in self.columns.items()}, self.ints)
+
+    def between(self, first_us: int, last_us: int) -> SampleColumns:
+        """The samples with ``first_us <= unix_us <= last_us``."""
+        t = self.column("unix_us")
+        return self.take((t >= first_us) & (t <= last_us))
+
+
+#: No samples.
+NO_SAMPLES = SampleColumns({})
 
 
 @dataclass
 class RankData:
     """One rank (its latest attempt) as stored.
 
-    ``steps`` holds the steps of that attempt as :class:`StepColumns`, in step order, with the
-    step fields of :mod:`traceml.wire.records` (µs, bytes; None when not measured): all of
-    them, or, when ``digest`` is set, a uniform sample of them (the same step indices on every
-    rank; see :mod:`traceml_aggregator.aggregates`) whose per-rank figures come from the digest.
+    Its records are rows of the store as dicts, ``{column: value}``, the columns of their
+    record in :mod:`traceml.core.records` (units in its docstring): ``identity``
+    (:class:`~traceml.core.records.Identity`), ``finish`` (:class:`~traceml.core.records.
+    Finish`), ``counts`` (:class:`~traceml.core.records.SenderCounts`), ``end``
+    (:class:`~traceml.core.records.RankEnd`), ``flops`` (:class:`~traceml.core.records.Flops`),
+    each None when none arrived; its process samples have the columns of
+    :class:`~traceml.core.records.ProcessSample`.
+
+    ``steps`` holds the steps of that attempt as :class:`StepTable`, in step order, with the
+    step fields of :data:`traceml.core.phases.STEP_FIELDS` (µs, bytes; None when not
+    measured): all of them, or, when ``digest`` is set, a uniform sample of them (the same step
+    indices on every rank; see :mod:`traceml_aggregator.aggregates`) whose per-rank figures
+    come from the digest.
     """
 
     rank: int
     restart: int = 0
-    identity: dict | None = None
-    steps: StepColumns = NO_STEPS
-    finish: dict | None = None
-    #: The latest running totals the rank's client sent (``records_produced``,
-    #: ``records_dropped``, ``steps_produced``, ``steps_dropped``; see ``SenderCounts`` in
-    #: ``proto/traceml/wire/v1/finish.proto``), with the ``seq`` of the batch that carried
-    #: them; None when no batch carried them.
-    counts: dict | None = None
-    end: dict | None = None  # from the node launcher's report, when any
-    process_samples: list[dict] = field(default_factory=list)
+    identity: dict[str, Any] | None = None
+    steps: StepTable = NO_STEPS
+    finish: dict[str, Any] | None = None
+    #: The latest running totals the rank's client sent, with the ``seq`` of the batch that
+    #: carried them; None when no batch carried them.
+    counts: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None  # from the node launcher's report, when any
+    #: The attempt's process samples (the store's ``process_samples`` columns), oldest first:
+    #: :class:`SampleColumns` as loaded from the store, or a list of row dicts (hand-built
+    #: runs, the live windows); :meth:`SampleColumns.of` reads either as columns.
+    process_samples: SampleColumns | list[dict[str, Any]] = field(default_factory=list)
     earlier_attempts: dict[int, int] = field(default_factory=dict)  # restart -> steps stored
-    #: How the rank counted its model FLOPs (``rank_flops`` row: step, forward_flops,
-    #: count_us, dtype, device_name, peak_tflops), None when it did not.
-    flops: dict | None = None
+    #: How the rank counted its model FLOPs, None when it did not.
+    flops: dict[str, Any] | None = None
 
     #: The attempt's step statistics (:class:`traceml.analysis.digest.RankDigest`) when
     #: ``steps`` is a sample of its steps; None when ``steps`` holds them all.
@@ -130,29 +276,71 @@ class RankData:
 
 @dataclass
 class RunData:
-    """The whole run: ranks by global rank, node exits and system samples by node rank."""
+    """The whole run: ranks by global rank, node exits and system samples by node rank
+    (assembled by :func:`run_data`).
+
+    ``node_exits`` are rows of :class:`~traceml.core.records.NodeExit` as dicts; system and GPU
+    samples have the columns of :class:`~traceml.core.records.SystemSample` and
+    :class:`~traceml.core.records.GpuSample`. The run's own records (``stall``,
+    ``script_world``, ...) are the JSON entries the aggregator keeps, as dicts: their schemas
+    are ``META_RECORDS`` in ``traceml_aggregator/load.py``.
+
+    ``system_samples`` and ``gpu_samples`` hold each node's samples (oldest first; GPUs by NVML
+    index within a time) as :class:`SampleColumns` when loaded from the store, or lists of
+    row dicts (see :attr:`RankData.process_samples`).
+    """
 
     run_name: str
     world_size: int
     ranks: dict[int, RankData]
-    node_exits: dict[int, dict]
-    system_samples: dict[int, list[dict]]
-    gpu_samples: dict[int, list[dict]]
+    node_exits: dict[int, dict[str, Any]]
+    system_samples: dict[int, SampleColumns | list[dict[str, Any]]]
+    gpu_samples: dict[int, SampleColumns | list[dict[str, Any]]]
     missing: list[int]
-    #: The aggregator's stall record when ranks stopped making progress (a hang; see
-    #: :mod:`traceml.analysis.hang` for its fields), else None.
-    stall: dict | None = None
+    #: The aggregator's stall record when ranks stopped making progress (a hang:
+    #: :class:`~traceml.core.records.HangRecord` as a dict), else None.
+    stall: dict[str, Any] | None = None
     #: Node 0's aggregator restarts on this run's store, in order: ``{"reason": str,
     #: "gap_s": float (s without an aggregator), "restarted_unix_s": float}``.
-    aggregator_restarts: list[dict] = field(default_factory=list)
+    aggregator_restarts: list[dict[str, Any]] = field(default_factory=list)
     #: Nodes the aggregator lost (a launcher's session stream broke and did not come back in
     #: time; see traceml_aggregator/sessions.py), in order: ``{"node_rank": int, "hostname":
     #: str | None, "last_heard_unix_s", "lost_unix_s", "resumed_unix_s" (None: never came
     #: back), "lost_after_s"}`` (times: Unix s; ``lost_after_s``: the bound, s).
-    node_losses: list[dict] = field(default_factory=list)
+    node_losses: list[dict[str, Any]] = field(default_factory=list)
     #: Calls the aggregator refused, by kind (``unauthenticated``, ``rank_out_of_range``, ...:
     #: see traceml_aggregator/senders.py); empty when none was.
     rejected: dict[str, int] = field(default_factory=dict)
+    #: The first refusal's reason of each kind in ``rejected`` (one line each).
+    rejected_reasons: dict[str, str] = field(default_factory=dict)
+    #: The world the script built itself, when the aggregator took it as the run's
+    #: (:class:`~traceml.core.records.ScriptWorld` as a dict); None when the world is
+    #: torchrun's.
+    script_world: dict[str, Any] | None = None
     #: How each sender's latest stream ended (see traceml_aggregator/streams.py for the
     #: fields), ranks first; empty when the aggregator recorded none.
-    sender_streams: list[dict] = field(default_factory=list)
+    sender_streams: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_data(
+    run_name: str,
+    world_size: int | None,
+    ranks: dict[int, RankData],
+    **fields: Any,
+) -> RunData:
+    """The run of ``ranks`` (rank -> its data, changed in place: filled in), the one way a
+    RunData is assembled (the store's loader, the live windows).
+
+    Ranks ``0 .. world size - 1`` all appear (a :class:`RankData` of their own when nothing
+    of them arrived), in rank order; the world size is ``world_size``, else (None or 0) the
+    largest an identity names, else the ranks known. ``fields`` are RunData's other fields
+    (``node_exits``, ``system_samples``, ``gpu_samples``, ``missing``, the run's records).
+    """
+    world_size = world_size or max(
+        [(rd.identity or {}).get("world_size") or 0 for rd in ranks.values()] + [len(ranks)]
+    )
+    for rank in range(world_size):
+        ranks.setdefault(rank, RankData(rank))
+    return RunData(
+        run_name=run_name, world_size=world_size, ranks=dict(sorted(ranks.items())), **fields
+    )

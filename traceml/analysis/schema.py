@@ -49,7 +49,7 @@ class Keys:
 class Refine:
     """The ``allOf`` of the annotated type's schema and ``schema`` (e.g. a narrower enum)."""
 
-    def __init__(self, schema: dict) -> None:
+    def __init__(self, schema: dict[str, Any]) -> None:
         self.schema = schema
 
 
@@ -126,7 +126,7 @@ def _schema(hint: Any, refs: dict[type, str]) -> dict[str, Any]:
         return {"$ref": f"#/$defs/{refs[hint]}"}
     if hint in _TYPES:
         return {"type": _TYPES[hint]}
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _object(hint, refs)
     origin = typing.get_origin(hint)
     if hint is dict:
@@ -134,11 +134,13 @@ def _schema(hint: Any, refs: dict[type, str]) -> dict[str, Any]:
     if origin is list:
         return {"type": "array", "items": _schema(args[0], refs)}
     if origin is dict:
+        if args[1] is Any:  # a JSON object of anything (a finding's evidence)
+            return {"type": "object"}
         return {"type": "object", "additionalProperties": _schema(args[1], refs)}
     raise TypeError(f"no JSON Schema for {hint!r}")
 
 
-def _annotate(out: dict, extra: Any, base: Any, refs: dict[type, str]) -> dict[str, Any]:
+def _annotate(out: dict[str, Any], extra: Any, base: Any, refs: dict[type, str]) -> dict[str, Any]:
     if isinstance(extra, Schema):
         if "enum" in extra.keywords or "const" in extra.keywords:
             out = {k: v for k, v in out.items() if k != "type"}
@@ -148,8 +150,10 @@ def _annotate(out: dict, extra: Any, base: Any, refs: dict[type, str]) -> dict[s
         return {
             "type": "object",
             "properties": {
-                name: {**value, **({"description": extra.describe.format(name)}
-                                   if extra.describe else {})}
+                name: {
+                    **value,
+                    **({"description": extra.describe.format(name)} if extra.describe else {}),
+                }
                 for name in extra.names
             },
             "required": list(extra.names),
@@ -158,4 +162,3 @@ def _annotate(out: dict, extra: Any, base: Any, refs: dict[type, str]) -> dict[s
     if isinstance(extra, Refine):
         return {"allOf": [out, extra.schema]}
     raise TypeError(f"unknown schema annotation {extra!r}")
-

@@ -13,11 +13,14 @@ three normal steps in a row is left out (and counted as ``warmup_steps_left_out`
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import TypedDict
+
 from traceml.analysis import thresholds as th
 from traceml.analysis.findings import SUMMED, Finding, ranks_text
 from traceml.analysis.outside import period
 from traceml.analysis.phases import Clock, Profile
-from traceml.analysis.stats import median
+from traceml.analysis.stats import median, median_of
 
 STEP_SPIKES = "STEP_SPIKES"
 #: Parts tested for spikes (backward holds the DDP all-reduce: see the module docstring).
@@ -40,7 +43,25 @@ _ACTIONS = {
 }
 
 
-def rank_spikes(steps: list[int], wall_us: list[int], part_us: list[int | None]) -> dict | None:
+class Spikes(TypedDict):
+    """The spikes of one part on one rank (:func:`rank_spikes`); ms unless named otherwise."""
+
+    statistic: str
+    count: int
+    size_ms: float
+    excess_ms: float
+    median_ms: float
+    period_steps: int | None
+    share_of_wall_pct: float
+    total_excess_ms: float
+    wall_ms: float
+    steps: list[int]
+    warmup_steps_left_out: int
+
+
+def rank_spikes(
+    steps: Sequence[int], wall_us: Sequence[int], part_us: Sequence[int | None]
+) -> Spikes | None:
     """The spikes of one part on one rank, or None.
 
     Args:
@@ -65,15 +86,16 @@ def rank_spikes(steps: list[int], wall_us: list[int], part_us: list[int | None])
     warmup = sum(high[:start])
     if len(idx) < 2:
         return None
-    excess = [part_us[i] - med for i in idx]
+    spiking = [v for i in idx if (v := part_us[i]) is not None]  # all of them (high)
+    excess = [v - med for v in spiking]
     share = 100.0 * sum(excess) / sum(wall_us)
     if share < th.SPIKE_SHARE_PCT:
         return None
     return {
         "statistic": SUMMED,
         "count": len(idx),
-        "size_ms": round(median(part_us[i] for i in idx) / 1000.0, 3),
-        "excess_ms": round(median(excess) / 1000.0, 3),
+        "size_ms": round(median_of(spiking) / 1000.0, 3),
+        "excess_ms": round(median_of(excess) / 1000.0, 3),
         "median_ms": round(med / 1000.0, 3),
         "period_steps": period([steps[i] for i in idx]),
         "share_of_wall_pct": round(share, 1),
@@ -84,13 +106,15 @@ def rank_spikes(steps: list[int], wall_us: list[int], part_us: list[int | None])
     }
 
 
-def findings(per_rank: dict[int, dict[str, dict | None]], window_steps: int) -> list[Finding]:
+def findings(
+    per_rank: Mapping[int, Mapping[str, Spikes | None]], window_steps: int
+) -> list[Finding]:
     """One STEP_SPIKES finding per spiking part, naming every rank where it spikes; the
     figures are the worst rank's (largest share). ``per_rank``: rank -> part ->
     :func:`rank_spikes`. ``impact_ms`` is the summed excess spread over the window steps."""
-    out = []
+    out: list[Finding] = []
     for part in SPIKE_PARTS:
-        hit = {r: parts[part] for r, parts in per_rank.items() if parts.get(part)}
+        hit = {r: s for r, parts in per_rank.items() if (s := parts.get(part))}
         if not hit:
             continue
         worst = max(hit, key=lambda r: (hit[r]["share_of_wall_pct"], -r))
@@ -114,12 +138,10 @@ def findings(per_rank: dict[int, dict[str, dict | None]], window_steps: int) -> 
     return out
 
 
-def window_findings(
-    clock: Clock, profiles: dict[int, Profile], window_steps: int
-) -> list[Finding]:
+def window_findings(clock: Clock, profiles: dict[int, Profile], window_steps: int) -> list[Finding]:
     """:func:`findings` over every rank's steps on ``clock`` (the parts of its profile, its
     wall time)."""
-    per_rank = {}
+    per_rank: dict[int, dict[str, Spikes | None]] = {}
     for rank, steps in clock.steps.items():
         columns = profiles[rank].parts
         index, wall = list(steps["step"]), list(steps["step_us"])

@@ -14,6 +14,18 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
+from typing import TypedDict
+
+
+class Description(TypedDict):
+    """What :func:`describe` gives: the median, mean, 95th percentile and largest of the
+    values (their unit) and how many there were."""
+
+    median: float
+    mean: float
+    p95: float
+    max: float
+    count: int
 
 
 def _present(values: Iterable[float | None]) -> list[float]:
@@ -34,9 +46,14 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def describe(values: Iterable[float | None]) -> dict | None:
+def describe(values: Iterable[float | None]) -> Description | None:
     """``{"median", "mean", "p95", "max", "count"}`` of the non-None values; None if none."""
-    present = sorted(_present(values))
+    return describe_sorted(sorted(_present(values)))
+
+
+def describe_sorted(present: Sequence[float]) -> Description | None:
+    """:func:`describe` of values already sorted, none of them None (a NumPy column's
+    ``np.sort(...).tolist()``, for example); None when there are none."""
     if not present:
         return None
     return {
@@ -46,6 +63,15 @@ def describe(values: Iterable[float | None]) -> dict | None:
         "max": present[-1],
         "count": len(present),
     }
+
+
+def median_of(values: Sequence[float]) -> float:
+    """The median of ``values``, none of them None: :func:`median`'s figure where there is one.
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    return percentile(sorted(values), 50)
 
 
 def median(values: Iterable[float | None]) -> float | None:

@@ -6,7 +6,10 @@ Candidates, each with the step time it costs every step (``impact_ms``):
   in DDP the gradient all-reduce makes every rank's step time equal, so the slow rank is found
   from each rank's *own* parts of the step: input wait, H2D, forward + optimizer, residual.
   Backward is never used for this: it holds the all-reduce, where the fast ranks wait for the
-  slow one. The slow rank is compared with the typical rank (the lower median across ranks),
+  slow one. Neither is a residual that is a wait: a rank whose time outside the measured phases
+  is matched by another rank's own work or time outside its step waits for that rank in a
+  collective called by hand (:func:`_waits`), and is never named. The slow rank is compared with the
+  typical rank (the lower median across ranks),
   and the gap is what every rank waits per step.
 * job-wide bottlenecks (INPUT_BOUND, H2D_BOUND, RESIDUAL_HEAVY): the typical rank — the lower
   median across ranks, so one slow rank cannot make the job look bound — spends a large share
@@ -17,20 +20,21 @@ none, the run is COMPUTE_BOUND (``info``: nothing outside the model's compute ho
 Too few steps or unmeasured phases give INSUFFICIENT_DATA naming what is missing.
 
 Each rule stands alone: the data rules are functions (:data:`INSUFFICIENT_RULES`), each
-straggler part and each bottleneck one row of its table (:data:`_STRAGGLER_PARTS`,
+straggler part and each bottleneck one row of its table (:data:`STRAGGLER_PARTS`,
 :data:`_BOUNDS`) that one function evaluates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from traceml.analysis import thresholds as th
 from traceml.analysis.document import Typical
 from traceml.analysis.findings import EVENTS, MEDIAN, Finding, ranks_text
 from traceml.analysis.phases import Clock, Profile, missing_phases
-from traceml.analysis.stats import lower_median
+from traceml.analysis.stats import lower_median, median
 from traceml.analysis.window import Window
 
 INSUFFICIENT_DATA = "INSUFFICIENT_DATA"
@@ -55,7 +59,7 @@ class _Part:
     action: str
 
 
-_STRAGGLER_PARTS = (
+STRAGGLER_PARTS = (
     _Part(
         "input_wait",
         "input wait",
@@ -92,11 +96,11 @@ _STRAGGLER_PARTS = (
         "the critical path; time it with traceml.phase() to see it.",
     ),
 )
-_STEP_PART = _Part(
+STEP_PART = _Part(
     "step",
     "step time",
     "STRAGGLER",
-    lambda p: (p.step_ms or {}).get("median"),
+    lambda p: p.step_ms["median"] if p.step_ms else None,
     "{who}'s steps are slower but no measured phase explains it: look for work the phases "
     "do not cover, or a slower device.",
 )
@@ -154,7 +158,7 @@ def typical(profiles: dict[int, Profile]) -> Typical:
     parts = next(iter(profiles.values())).median_ms.keys() if profiles else ()
     return Typical(
         step_time_ms=_round(
-            lower_median((p.step_ms or {}).get("median") for p in profiles.values())
+            lower_median(p.step_ms["median"] if p.step_ms else None for p in profiles.values())
         ),
         phase_median_ms={
             k: _round(lower_median(p.median_ms[k] for p in profiles.values())) for k in parts
@@ -167,7 +171,9 @@ def typical(profiles: dict[int, Profile]) -> Typical:
     )
 
 
-def _severity(impact_ms: float, step_ms: float) -> str:
+def severity(impact_ms: float, step_ms: float) -> str:
+    """``critical`` when ``impact_ms`` is at least CRITICAL_PCT of the step ``step_ms``, else
+    ``warning``."""
     return "critical" if impact_ms >= step_ms * th.CRITICAL_PCT / 100.0 else "warning"
 
 
@@ -254,15 +260,16 @@ def _stragglers(
     named: set[int] = set()
     # Under DDP/FSDP every step ends with a collective, so step times differ only by when
     # each rank leaves it: noise, never a straggler. Only the ranks' own phases can tell.
-    parts = _STRAGGLER_PARTS if synchronized else _STRAGGLER_PARTS + (_STEP_PART,)
+    parts = STRAGGLER_PARTS if synchronized else STRAGGLER_PARTS + (STEP_PART,)
     for part in parts:
-        values = {r: part.value(p) for r, p in profiles.items()}
-        values = {r: v for r, v in values.items() if v is not None}
+        values = {r: v for r, p in profiles.items() if (v := part.value(p)) is not None}
         if len(values) < 2:
             continue
-        typical_ms = lower_median(values.values())
+        typical_ms = statistics.median_low(values.values())
         slow = {r: v - typical_ms for r, v in values.items() if v - typical_ms >= floor_ms}
-        if part is _STEP_PART:
+        if synchronized and part.name == "residual":
+            slow = {r: g for r, g in slow.items() if not _waits(r, g, profiles)}
+        if part is STEP_PART:
             slow = {r: g for r, g in slow.items() if r not in named}
         if not slow:
             continue
@@ -272,6 +279,24 @@ def _stragglers(
             _straggler_finding(part, values, slow, typical_rank, node_of, profiles, step_ms)
         )
     return findings
+
+
+def _own_ms(p: Profile) -> float:
+    """A rank's own time per step, that no collective holds (ms): the medians of its input
+    wait, H2D, forward and optimizer, and of its time outside the steps."""
+    parts = [p.median_ms.get(k) for k in ("input_wait", "h2d", "forward", "optimizer")]
+    outside = median(p.parts.get("outside", ())) if p.parts else None
+    return sum(v or 0.0 for v in parts) + (outside or 0.0) / 1000.0
+
+
+def _waits(rank: int, gap_ms: float, profiles: dict[int, Profile]) -> bool:
+    """Whether ``rank``'s time outside the measured phases, ``gap_ms`` over the typical rank,
+    is its wait for another rank in a collective of the step (an all-reduce called by hand):
+    another rank's own time (:func:`_own_ms`) exceeds ``rank``'s by at least half that gap.
+    A rank that waits for others is never the straggler; the one it waits for spent the
+    time in its own work or outside its step."""
+    own = _own_ms(profiles[rank])
+    return any(_own_ms(p) - own >= gap_ms / 2 for r, p in profiles.items() if r != rank)
 
 
 def _straggler_finding(
@@ -333,12 +358,12 @@ def _straggler_finding(
     )
     return Finding(
         kind,
-        _severity(gap, step_ms),
+        severity(gap, step_ms),
         summary,
         action,
         evidence=evidence,
         ranks=list(slow),
-        nodes=slow_nodes or sorted({node_of[r] for r in slow if node_of.get(r) is not None}),
+        nodes=slow_nodes or sorted({n for r in slow if (n := node_of.get(r)) is not None}),
         impact_ms=gap,
     )
 
@@ -348,9 +373,10 @@ def _whole_nodes(slow: set[int], ranks: set[int], node_of: dict[int, int | None]
     and not every node; else []."""
     by_node: dict[int, set[int]] = {}
     for r in ranks:
-        if node_of.get(r) is None:
+        node = node_of.get(r)
+        if node is None:
             return []
-        by_node.setdefault(node_of[r], set()).add(r)
+        by_node.setdefault(node, set()).add(r)
     if len(by_node) < 2:
         return []
     nodes = sorted(n for n, members in by_node.items() if members <= slow)
@@ -392,7 +418,7 @@ def _bounds(profiles: dict[int, Profile], typ: Typical, step_ms: float) -> list[
         findings.append(
             Finding(
                 bound.kind,
-                _severity(ms, step_ms),
+                severity(ms, step_ms),
                 f"The typical rank spends {ms:.1f} ms per step ({share:.0f}% of its "
                 f"{step_ms:.1f} ms step; medians per step) {bound.words}; "
                 f"{'every rank' if len(profiles) > 1 else 'the rank'} is affected "
@@ -436,7 +462,7 @@ def diagnose(
     node_of: dict[int, int | None],
     *,
     synchronized: bool = False,
-    extra: list[Finding] = (),
+    extra: Sequence[Finding] = (),
 ) -> tuple[Finding, list[Finding]]:
     """The primary diagnosis and the other step-time findings (largest impact first).
 
@@ -455,6 +481,7 @@ def diagnose(
             return missing, []
     typ = typical(profiles)
     step_ms = typ.step_time_ms
+    assert step_ms is not None, "the rules above leave steps on every window rank"
     candidates = (
         _stragglers(profiles, node_of, step_ms, synchronized)
         + _bounds(profiles, typ, step_ms)
@@ -462,5 +489,5 @@ def diagnose(
     )
     if not candidates:
         return _compute_bound(profiles, typ, step_ms), []
-    candidates.sort(key=lambda f: -f.impact_ms)
+    candidates.sort(key=lambda f: -(f.impact_ms or 0.0))  # every candidate has its impact
     return candidates[0], candidates[1:]

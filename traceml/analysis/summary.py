@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any, overload
 
 from traceml.analysis import (
     cost,
@@ -21,6 +22,7 @@ from traceml.analysis import (
     memory,
     onset,
     outside,
+    segments,
     spikes,
     step_time,
     system,
@@ -28,6 +30,8 @@ from traceml.analysis import (
     throughput,
 )
 from traceml.analysis.document import (
+    MEDIAN_PARTS,
+    PARTS,
     SCHEMA_VERSION,
     AggregatorOutage,
     Analysis,
@@ -36,6 +40,7 @@ from traceml.analysis.document import (
     NodeLoss,
     NodeSummary,
     OutsideSteps,
+    RankDelivery,
     RankEnd,
     RankSummary,
     RankThroughput,
@@ -44,11 +49,11 @@ from traceml.analysis.document import (
     Series,
     StepTime,
     Summary,
-    RankDelivery,
     TelemetryHealth,
     WindowInfo,
 )
-from traceml.analysis.phases import PARTS, Clock, Profile, choose_clock, in_step_us, profiles
+from traceml.analysis.findings import Finding
+from traceml.analysis.phases import Clock, Profile, choose_clock, in_step_us, profiles
 from traceml.analysis.rundata import RankData, RunData
 from traceml.analysis.schema import plain
 from traceml.analysis.stats import bucket_medians, median
@@ -59,7 +64,15 @@ SERIES_MAX_POINTS = 400
 #: Most step times per rank in ``ranks[].step_time_sample_ms`` (the compare's bootstrap).
 STEP_SAMPLE_MAX = 500
 
-_EMPTY_PHASES = dict.fromkeys(PARTS + ("dataloader_next",))
+_EMPTY_PHASES = dict.fromkeys(MEDIAN_PARTS)
+
+
+@overload
+def _round(value: float, digits: int = 3) -> float: ...
+
+
+@overload
+def _round(value: float | None, digits: int = 3) -> float | None: ...
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:
@@ -69,8 +82,9 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 def node_rank(rd: RankData) -> int | None:
     """The rank's node: from its identity, else from its launcher's end report."""
     for source in (rd.identity, rd.end):
-        if source and source.get("node_rank") is not None:
-            return source["node_rank"]
+        node: int | None = source.get("node_rank") if source else None
+        if node is not None:
+            return node
     return None
 
 
@@ -80,7 +94,8 @@ def _series(rd: RankData) -> Series:
         steps["step"], [us / 1000.0 for us in steps["step_us"]], SERIES_MAX_POINTS
     )
     mem = steps.take([i for i, b in enumerate(steps["peak_allocated_bytes"]) if b is not None])
-    mem_x, alloc = bucket_medians(mem["step"], mem["peak_allocated_bytes"], SERIES_MAX_POINTS)
+    allocated = [b for b in mem["peak_allocated_bytes"] if b is not None]  # all of them
+    mem_x, alloc = bucket_medians(mem["step"], allocated, SERIES_MAX_POINTS)
     _, reserved = bucket_medians(
         mem["step"], [b or 0 for b in mem["peak_reserved_bytes"]], SERIES_MAX_POINTS
     )
@@ -96,6 +111,7 @@ def _series(rd: RankData) -> Series:
 def _delivery(rd: RankData) -> RankDelivery:
     """``run.telemetry_health.ranks[]`` entry of a rank with ``counts``."""
     c = rd.counts
+    assert c is not None, "only a rank with counts has a delivery entry"
     received = rd.steps_stored
     return RankDelivery(
         rank=rd.rank,
@@ -104,7 +120,7 @@ def _delivery(rd: RankData) -> RankDelivery:
         steps_dropped=c["steps_dropped"],
         steps_unaccounted=max(0, c["steps_produced"] - received - c["steps_dropped"]),
         records_dropped=c["records_dropped"],
-        final=bool(rd.finish) and rd.finish.get("last_seq") == c["seq"],
+        final=bool(rd.finish and rd.finish.get("last_seq") == c["seq"]),
     )
 
 
@@ -116,9 +132,9 @@ def rank_summary(
     live: bool,
     gpu_totals: dict[str, int],
     span: tuple[int, int] | None,
-    outside_steps: dict | None = None,
+    outside_steps: outside.OutsideSteps | None = None,
     relative_score: dict[str, float | None] | None = None,
-    in_step_us: list[int] = (),
+    in_step_us: Sequence[int] = (),
     work: RankThroughput | None = None,
 ) -> RankSummary:
     """``ranks[]`` entry: identity, end, counts, step time and phases over the window (None
@@ -186,6 +202,7 @@ def node_summaries(
             or (samples[-1].get("hostname") if samples else None)
         )
         stepped = [r for r in members if r.step_time_ms]
+        step_medians = [st.median for r in stepped if (st := r.step_time_ms)]
         out.append(
             NodeSummary(
                 node_rank=n,
@@ -193,7 +210,7 @@ def node_summaries(
                 ranks=[r.rank for r in members],
                 exit_code=exit_.get("exit_code"),
                 restart_count=exit_.get("restart_count"),
-                step_time_ms_median=_round(median(r.step_time_ms.median for r in stepped)),
+                step_time_ms_median=_round(median(step_medians)),
                 phase_median_ms={
                     k: _round(median(r.phase_median_ms[k] for r in stepped)) for k in PARTS
                 },
@@ -211,23 +228,114 @@ def _sample(values: Sequence[int]) -> list[float]:
     return [round(v / 1000.0, 3) for v in values[::stride]]
 
 
-def _onsets_and_costs(run, clock, profs, in_step, primary, others, steps_per_index=1.0):
-    """Stragglers get their onset and cost; the job's SLOWDOWN or STEP_TIME_DRIFT joins the
-    candidates (a straggler with an onset explains a slowdown); the largest impact leads."""
+def _onsets_and_costs(
+    run: RunData,
+    window: Window,
+    clock: Clock,
+    profs: dict[int, Profile],
+    in_step: dict[int, tuple[list[int], list[int]]],
+    primary: Finding,
+    others: list[Finding],
+    synchronized: bool,
+) -> tuple[Finding, list[Finding]]:
+    """Stragglers get their onset and cost; ranks slower than the others for a stretch of the
+    window join them (:func:`_stretches`); the job's SLOWDOWN or STEP_TIME_DRIFT joins the
+    candidates (a straggler with an onset explains a slowdown); the largest impact leads, and
+    when a change (an onset, a drift) and a steady-state bottleneck are both found, the
+    primary says which costs the run more (:func:`_weigh`)."""
     found = [primary] + others
+    step_ms = step_time.typical(profs).step_time_ms
+    assert step_ms is not None, "a diagnosis other than INSUFFICIENT_DATA has a typical step"
+    floor = step_time.straggler_floor(step_ms)
     for f in found:
         if f.kind.endswith("STRAGGLER"):
-            floor = step_time.straggler_floor(f.evidence["step_time_ms"])
-            cost.annotate_straggler(f, clock, profs, run.world_size, floor, steps_per_index)
+            cost.annotate_straggler(f, clock, profs, run.world_size, floor, window.steps_per_index)
+    found = _stretches(
+        found,
+        segments.findings(
+            clock,
+            profs,
+            step_ms,
+            segments.stretch_floor(step_ms),
+            synchronized=synchronized,
+            world_size=run.world_size,
+            steps_per_index=window.steps_per_index,
+        ),
+    )
     explained = any(f.evidence.get("onset_step") is not None for f in found)
     series = {r: (steps, [v / 1000.0 for v in values]) for r, (steps, values) in in_step.items()}
+    waits = {r: [(v or 0) / 1000.0 for v in window.steps[r]["input_wait_us"]] for r in in_step}
     found = [f for f in found if f.kind != step_time.COMPUTE_BOUND] + onset.job_findings(
-        series, explained
+        series, explained, waits, floor
     )
     if not found:
         return primary, others
-    found.sort(key=lambda f: -f.impact_ms)
+    found.sort(key=lambda f: -(f.impact_ms or 0.0))  # every candidate has its impact
+    _weigh(found, len(window.indices) * window.steps_per_index)
     return found[0], found[1:]
+
+
+def _stretches(found: list[Finding], stretched: list[Finding]) -> list[Finding]:
+    """``found`` with the stretch stragglers ``stretched`` (:func:`segments.findings`): a
+    one-rank straggler is replaced by its rank's stretch in the same part when the rank is not
+    slow outside its stretches (its median gap there, ``outside_ms``, under the straggler
+    floor): the stretch also says where it began and ended and what it cost. Other ranks the
+    findings already name get no stretch; STEP_SPIKES of the stretched ranks whose spikes lie
+    mostly in their stretches are the stretches themselves, and go."""
+    by_rank = {f.evidence["slow_rank"]: f for f in stretched}
+    kept: list[Finding] = []
+    for f in found:
+        s = by_rank.get(f.ranks[0]) if f.kind.endswith("STRAGGLER") and len(f.ranks) == 1 else None
+        replaced = (
+            s is not None
+            and f.kind != step_time.NODE_STRAGGLER
+            and s.evidence["part"] == f.evidence["part"]
+            and s.evidence["outside_ms"] is not None
+            and s.evidence["outside_ms"] < step_time.straggler_floor(s.evidence["step_time_ms"])
+        )
+        if not replaced:
+            kept.append(f)
+    named = {r for f in kept if f.kind.endswith("STRAGGLER") for r in f.ranks}
+    stretched = [s for s in stretched if s.evidence["slow_rank"] not in named]
+    spans = {
+        s.evidence["slow_rank"]: [
+            (x["onset_step"], x["last_step"]) for x in s.evidence["stretches"]
+        ]
+        for s in stretched
+    }
+
+    def in_stretches(f: Finding) -> bool:
+        hit = spans.get(f.evidence["rank"])
+        inside = [x for x in f.evidence["steps"] if any(a <= x <= b for a, b in hit or ())]
+        return set(f.ranks) <= set(spans) and 2 * len(inside) >= len(f.evidence["steps"])
+
+    kept = [f for f in kept if f.kind != spikes.STEP_SPIKES or not in_stretches(f)]
+    return kept + stretched
+
+
+def _is_change(f: Finding) -> bool:
+    return f.kind in (onset.SLOWDOWN, onset.STEP_TIME_DRIFT) or (
+        f.evidence.get("onset_step") is not None
+    )
+
+
+def _weigh(found: list[Finding], steps: float) -> None:
+    """When the primary ``found[0]`` is a change of the steady state (an onset, a drift) and a
+    steady-state bottleneck is also found, or the other way round, say in the primary which
+    costs the run more: each one's ``impact_ms`` over the window's ``steps``
+    (``evidence.window_cost_ms``, ms)."""
+    primary = found[0]
+    rival = next((f for f in found[1:] if _is_change(f) != _is_change(primary)), None)
+    if rival is None or primary.kind == step_time.INSUFFICIENT_DATA:
+        return
+    ours, theirs = primary.impact_ms or 0.0, rival.impact_ms or 0.0  # both candidates: set
+    primary.evidence["window_cost_ms"] = round(ours * steps, 3)
+    rival.evidence["window_cost_ms"] = round(theirs * steps, 3)
+    primary.summary += (
+        f" It costs the run more than {rival.kind} does: "
+        f"{ours * steps / 1000.0:.2f} s against {theirs * steps / 1000.0:.2f}"
+        f" s over the window's {round(steps)} steps."
+    )
 
 
 def _clock_info(clock: Clock) -> ClockInfo:
@@ -245,14 +353,17 @@ def _window_info(window: Window) -> WindowInfo:
     )
 
 
-def build(run: RunData, *, live: bool = False) -> Summary:
+def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) -> Summary:
     """The whole summary of ``run``, typed (what :func:`build_summary` writes as JSON).
 
     Args:
         run: everything stored for the run.
         live: the run is still going (``traceml.summary()``): ranks without an end are
             ``running``, and the run is not ``complete``.
+        now_unix_s: when the summary is built (Unix s; default: now): its
+            ``generated_unix_s``, and the end of a hang that still lasts.
     """
+    now_unix_s = time.time() if now_unix_s is None else now_unix_s
     missing = set(run.missing)
     window = align(run)
     clock = choose_clock(window)
@@ -272,12 +383,10 @@ def build(run: RunData, *, live: bool = False) -> Summary:
     )
     if primary.kind != step_time.INSUFFICIENT_DATA:
         primary, step_findings = _onsets_and_costs(
-            run, clock, profs, in_step, primary, step_findings, window.steps_per_index
+            run, window, clock, profs, in_step, primary, step_findings, synchronized
         )
     scores = cost.relative_scores(profs)
-    work = {
-        r: throughput.rank_throughput(run.ranks[r], steps) for r, steps in window.steps.items()
-    }
+    work = {r: throughput.rank_throughput(run.ranks[r], steps) for r, steps in window.steps.items()}
     span = system.window_span_us(run, window)
     totals = memory.gpu_totals(run)
     ranks = [
@@ -296,6 +405,12 @@ def build(run: RunData, *, live: bool = False) -> Summary:
         for r, rd in run.ranks.items()
     ]
     nodes = node_summaries(run, ranks, span)
+    primary, step_findings, health_findings = health.hang_first(
+        primary,
+        step_findings,
+        health.findings(run, ranks, live=live, now_unix_s=now_unix_s),
+        max((r.steps_completed or 0 for r in ranks), default=0),
+    )
     gpu_ranks: dict[str, list[int]] = {}
     for r, rd in run.ranks.items():
         uuid = (rd.identity or {}).get("gpu_uuid")
@@ -303,7 +418,7 @@ def build(run: RunData, *, live: bool = False) -> Summary:
             gpu_ranks.setdefault(uuid, []).append(r)
     return Summary(
         schema_version=SCHEMA_VERSION,
-        generated_unix_s=round(time.time(), 3),
+        generated_unix_s=round(now_unix_s, 3),
         live=live,
         run=RunInfo(
             run_name=run.run_name,
@@ -325,9 +440,21 @@ def build(run: RunData, *, live: bool = False) -> Summary:
         primary_diagnosis=primary,
         findings=Findings(
             step_time=step_findings,
-            memory=memory.findings({r.rank: r.memory for r in ranks}),
-            system=system.findings(nodes, gpu_ranks),
-            health=health.findings(run, ranks, live=live),
+            memory=memory.findings(
+                {r.rank: r.memory for r in ranks},
+                {r.rank: r.node_rank for r in ranks},
+                {n: system.ram_available(s) for n, s in run.system_samples.items()},
+            ),
+            system=system.findings(
+                nodes,
+                gpu_ranks,
+                {
+                    r.rank: r.memory.host_growth.bytes_per_hour
+                    for r in ranks
+                    if r.memory.host_growth is not None
+                },
+            ),
+            health=health_findings,
         ),
         analysis=Analysis(
             clock=_clock_info(clock),
@@ -341,7 +468,10 @@ def build(run: RunData, *, live: bool = False) -> Summary:
     )
 
 
-def build_summary(run: RunData, *, live: bool = False) -> dict:
+def build_summary(
+    run: RunData, *, live: bool = False, now_unix_s: float | None = None
+) -> dict[str, Any]:
     """The whole summary document for ``run``, as the JSON values written to
     ``final_summary.json`` (see :func:`build` for the typed form and the arguments)."""
-    return plain(build(run, live=live))
+    document: dict[str, Any] = plain(build(run, live=live, now_unix_s=now_unix_s))
+    return document

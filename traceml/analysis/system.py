@@ -11,20 +11,25 @@ on a MIG slice.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypedDict, overload
+
+import numpy as np
 
 from traceml.analysis import thresholds as th
 from traceml.analysis.document import (
+    CREEP,
     CpuPercent,
     GpuFigures,
     NodeSummary,
     NodeSystem,
     RankProcess,
 )
-from traceml.analysis.findings import PEAK, SAMPLED_MEDIAN, Finding, ranks_text
-from traceml.analysis.stats import describe, median
+from traceml.analysis.findings import PEAK, SAMPLED_MEDIAN, SLOPE, Finding, ranks_text
+from traceml.analysis.memory import MIB, growth, hours_text
+from traceml.analysis.rundata import RankData, RunData, SampleColumns
+from traceml.analysis.stats import Description, describe_sorted
 from traceml.analysis.window import Window
-from traceml.analysis.rundata import RankData, RunData
 
 
 def window_span_us(run: RunData, window: Window) -> tuple[int, int] | None:
@@ -40,26 +45,89 @@ def window_span_us(run: RunData, window: Window) -> tuple[int, int] | None:
     return (min(starts), max(ends)) if starts else None
 
 
-def _in_span(samples: list[dict], span: tuple[int, int] | None) -> list[dict]:
+def _in_span(
+    samples: SampleColumns | list[dict[str, Any]], span: tuple[int, int] | None
+) -> SampleColumns:
+    """The samples inside ``span`` (unix µs), or all of them when none is (or no span)."""
+    samples = SampleColumns.of(samples)
     if span is None:
         return samples
-    inside = [s for s in samples if span[0] <= s["unix_us"] <= span[1]]
+    inside = samples.between(*span)
     return inside or samples
+
+
+def _describe(samples: SampleColumns, name: str) -> Description | None:
+    """:func:`~traceml.analysis.stats.describe` of numeric column ``name``."""
+    return describe_sorted(np.sort(samples.present(name)).tolist())
+
+
+def _median(samples: SampleColumns, name: str) -> float | None:
+    figures = _describe(samples, name)
+    return figures["median"] if figures else None
+
+
+@overload
+def _round(value: float, digits: int = 1) -> float: ...
+
+
+@overload
+def _round(value: float | None, digits: int = 1) -> float | None: ...
 
 
 def _round(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def _max(values) -> float | None:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
+def _max_int(samples: SampleColumns, name: str) -> int | None:
+    """The largest measured value of integer column ``name`` (bytes), None when none was."""
+    top = samples.max(name)
+    return None if top is None else int(top)
+
+
+def _by_device(gpus: SampleColumns) -> list[SampleColumns]:
+    """GPU samples grouped by device: by UUID, so a MIG slice (its parent's ``nvml_index``,
+    its own ``MIG-`` UUID) is a device of its own, never folded into its parent; a sample
+    without a UUID (NVML could not read the GPU) by its ``nvml_index``. Ordered by NVML index,
+    a parent before its slices, slices in the order first seen."""
+    if not gpus:
+        return []
+    index = gpus.column("nvml_index")
+    uuids = gpus.column("uuid").tolist()
+    keys = np.array(
+        [
+            u if isinstance(u, str) and u else f"index {i:g}"
+            for u, i in zip(uuids, index.tolist(), strict=True)
+        ]
+    )
+    unique, first = np.unique(keys, return_index=True)
+    order = sorted(
+        range(len(unique)),
+        key=lambda k: (index[first[k]], str(unique[k]).startswith("MIG-"), first[k]),
+    )
+    return [gpus.take(keys == unique[k]) for k in order]
+
+
+def _gpu_figures(rows: SampleColumns) -> GpuFigures:
+    """One device's figures from its samples."""
+    return GpuFigures(
+        nvml_index=int(rows.row(-1)["nvml_index"]),
+        uuid=rows.row(-1).get("uuid"),
+        util_percent_median=_round(_median(rows, "util_percent")),
+        memory_used_bytes_max=_max_int(rows, "memory_used_bytes"),
+        memory_total_bytes=_max_int(rows, "memory_total_bytes"),
+        temperature_c_max=_round(rows.max("temperature_c")),
+        power_w_median=_round(_median(rows, "power_w")),
+        unavailable_reason=rows.last_text("unavailable_reason"),
+    )
 
 
 def node_system(
-    samples: list[dict], gpus: list[dict], span: tuple[int, int] | None
+    samples: SampleColumns | list[dict[str, Any]],
+    gpus: SampleColumns | list[dict[str, Any]],
+    span: tuple[int, int] | None,
 ) -> NodeSystem:
-    """``nodes[].system`` of the summary from one node's system and GPU samples."""
+    """``nodes[].system`` of the summary from one node's system and GPU samples (columns, or
+    one dict per sample), over ``span`` (unix µs) when samples fall into it."""
     samples = _in_span(samples, span)
     gpus = _in_span(gpus, span)
     if not samples:
@@ -70,36 +138,13 @@ def node_system(
             ram_total_bytes=None,
             gpus=[],
             unavailable_reason="no system samples from this node",
+            ram_growth=None,
         )
-    cpu = describe(s["cpu_percent"] for s in samples)
-    ram = [
-        100.0 * s["ram_used_bytes"] / s["ram_total_bytes"]
-        for s in samples
-        if s.get("ram_used_bytes") is not None and s.get("ram_total_bytes")
-    ]
-    by_index: dict[int, list[dict]] = {}
-    for g in gpus:
-        by_index.setdefault(g["nvml_index"], []).append(g)
-    gpu_rows = []
-    for index, rows in sorted(by_index.items()):
-        util = median(g["util_percent"] for g in rows)
-        reasons = [g["unavailable_reason"] for g in rows if g.get("unavailable_reason")]
-        gpu_rows.append(
-            GpuFigures(
-                nvml_index=index,
-                uuid=rows[-1].get("uuid"),
-                util_percent_median=_round(util),
-                memory_used_bytes_max=_max(g["memory_used_bytes"] for g in rows),
-                memory_total_bytes=_max(g["memory_total_bytes"] for g in rows),
-                temperature_c_max=_round(_max(g["temperature_c"] for g in rows)),
-                power_w_median=_round(median(g["power_w"] for g in rows)),
-                unavailable_reason=reasons[-1] if reasons else None,
-            )
-        )
-    node_reason = next(
-        (s["gpu_unavailable_reason"] for s in reversed(samples) if s.get("gpu_unavailable_reason")),
-        None,
-    )
+    cpu = _describe(samples, "cpu_percent")
+    used, total = samples.column("ram_used_bytes"), samples.column("ram_total_bytes")
+    known = ~np.isnan(used) & ~np.isnan(total) & (total != 0)
+    ram = 100.0 * used[known] / total[known]
+    gpu_rows = [_gpu_figures(rows) for rows in _by_device(gpus)]
     return NodeSystem(
         samples=len(samples),
         cpu_percent=(
@@ -107,37 +152,73 @@ def node_system(
             if cpu
             else None
         ),
-        ram_used_pct_max=_round(max(ram)) if ram else None,
-        ram_total_bytes=_max(s["ram_total_bytes"] for s in samples),
+        ram_used_pct_max=_round(float(ram.max())) if len(ram) else None,
+        ram_total_bytes=_max_int(samples, "ram_total_bytes"),
         gpus=gpu_rows,
-        unavailable_reason=node_reason if not gpu_rows else None,
+        unavailable_reason=samples.last_text("gpu_unavailable_reason") if not gpu_rows else None,
+        ram_growth=growth(
+            [
+                (None, t / 1e6, u)
+                for t, u in zip(samples.column("unix_us").tolist(), used.tolist(), strict=True)
+                if not math.isnan(u)
+            ]
+        ),
     )
+
+
+def ram_available(samples: SampleColumns | list[dict[str, Any]]) -> int | None:
+    """A node's RAM available at its latest system sample (total - used, bytes), or None."""
+    samples = SampleColumns.of(samples)
+    used, total = samples.column("ram_used_bytes"), samples.column("ram_total_bytes")
+    known = np.flatnonzero(~np.isnan(used) & ~np.isnan(total) & (total != 0))
+    return int(total[known[-1]] - used[known[-1]]) if len(known) else None
 
 
 def rank_process(rd: RankData, span: tuple[int, int] | None) -> RankProcess:
     """``ranks[].process`` of the summary: CPU (% of one core), RSS and CUDA allocator peaks."""
     samples = _in_span(rd.process_samples, span)
-    cpu = describe(s["cpu_percent"] for s in samples)
     return RankProcess(
         samples=len(samples),
-        cpu_percent_median=_round(cpu["median"]) if cpu else None,
-        rss_bytes_max=_max(s["rss_bytes"] for s in samples),
-        gpu_allocated_bytes_max=_max(s["gpu_allocated_bytes"] for s in samples),
-        gpu_reserved_bytes_max=_max(s["gpu_reserved_bytes"] for s in samples),
+        cpu_percent_median=_round(_median(samples, "cpu_percent")),
+        rss_bytes_max=_max_int(samples, "rss_bytes"),
+        gpu_allocated_bytes_max=_max_int(samples, "gpu_allocated_bytes"),
+        gpu_reserved_bytes_max=_max_int(samples, "gpu_reserved_bytes"),
     )
+
+
+class GpuPlace(TypedDict):
+    """Where a GPU is (:meth:`Facts.gpu_rows`): its node, NVML index and the ranks on it."""
+
+    node_rank: int
+    nvml_index: int
+    ranks: list[int]
+
+
+class GpuUtilization(GpuPlace):
+    """A GPU and its median utilisation, % (the utilisation findings' evidence)."""
+
+    util_percent_median: float
+
+
+class GpuTemperature(GpuPlace):
+    """A GPU and its highest temperature, °C (the temperature finding's evidence)."""
+
+    temperature_c_max: float
 
 
 @dataclass(frozen=True)
 class Facts:
-    """What the system rules look at: the summary's ``nodes`` (with ``system``) and
-    ``gpu_ranks``, GPU UUID -> ranks on it (when empty, every GPU with figures counts)."""
+    """What the system rules look at: the summary's ``nodes`` (with ``system``),
+    ``gpu_ranks``, GPU UUID -> ranks on it (when empty, every GPU with figures counts), and
+    ``rss_per_hour``, rank -> its RSS growth rate (bytes per hour, ``host_growth``)."""
 
     nodes: list[NodeSummary]
     gpu_ranks: dict[str, list[int]]
+    rss_per_hour: dict[int, float] = field(default_factory=dict)
 
-    def gpu_rows(self) -> list[tuple[dict, GpuFigures]]:
-        """``({"node_rank", "nvml_index", "ranks"}, figures)`` of every GPU this run used."""
-        out = []
+    def gpu_rows(self) -> list[tuple[GpuPlace, GpuFigures]]:
+        """``(where, figures)`` of every GPU this run used."""
+        out: list[tuple[GpuPlace, GpuFigures]] = []
         for node in self.nodes:
             for g in node.system.gpus:
                 used_by = self.gpu_ranks.get(g.uuid or "", [])
@@ -149,15 +230,20 @@ class Facts:
         return out
 
 
-def findings(nodes: list[NodeSummary], gpu_ranks: dict[str, list[int]]) -> list[Finding]:
+def findings(
+    nodes: list[NodeSummary],
+    gpu_ranks: dict[str, list[int]],
+    rss_per_hour: dict[int, float] | None = None,
+) -> list[Finding]:
     """GPU utilisation and temperature, CPU and RAM findings over the summary's ``nodes``, one
     per rule of :data:`RULES` that applies.
 
     Args:
         nodes: ``nodes[]`` of the summary (with ``system``).
         gpu_ranks: GPU UUID -> ranks on it; when empty, every GPU with a utilisation counts.
+        rss_per_hour: rank -> its RSS growth rate, bytes per hour (ranks without one: none).
     """
-    facts = Facts(nodes, gpu_ranks)
+    facts = Facts(nodes, gpu_ranks, rss_per_hour or {})
     found = (rule(facts) for rule in RULES)
     return [f for f in found if f is not None]
 
@@ -167,9 +253,9 @@ def _utilization(
 ) -> Finding | None:
     """A GPU utilisation finding over the GPUs busy ``at_least`` <= median < ``below`` %."""
     rows = [
-        dict(row, util_percent_median=g.util_percent_median)
+        GpuUtilization(**row, util_percent_median=util)
         for row, g in facts.gpu_rows()
-        if g.util_percent_median is not None and at_least <= g.util_percent_median < below
+        if (util := g.util_percent_median) is not None and at_least <= util < below
     ]
     if not rows:
         return None
@@ -219,9 +305,9 @@ def moderate_gpu_utilization(facts: Facts) -> Finding | None:
 def high_gpu_temperature(facts: Facts) -> Finding | None:
     """HIGH_GPU_TEMPERATURE: GPUs that reached GPU_TEMP_HIGH_C (the hottest one named)."""
     hot = [
-        dict(row, temperature_c_max=g.temperature_c_max)
+        GpuTemperature(**row, temperature_c_max=temp)
         for row, g in facts.gpu_rows()
-        if g.temperature_c_max is not None and g.temperature_c_max >= th.GPU_TEMP_HIGH_C
+        if (temp := g.temperature_c_max) is not None and temp >= th.GPU_TEMP_HIGH_C
     ]
     if not hot:
         return None
@@ -243,9 +329,9 @@ def high_gpu_temperature(facts: Facts) -> Finding | None:
 def high_cpu(facts: Facts) -> Finding | None:
     """HIGH_CPU: nodes whose CPUs are busy at least CPU_HIGH_PCT of the time (median)."""
     busy = [
-        n
+        (n, cpu.median)
         for n in facts.nodes
-        if n.system.cpu_percent is not None and n.system.cpu_percent.median >= th.CPU_HIGH_PCT
+        if (cpu := n.system.cpu_percent) is not None and cpu.median >= th.CPU_HIGH_PCT
     ]
     if not busy:
         return None
@@ -253,19 +339,17 @@ def high_cpu(facts: Facts) -> Finding | None:
         "HIGH_CPU",
         "warning",
         "CPUs of node "
-        + ", ".join(f"{n.node_rank} ({n.system.cpu_percent.median:.0f}%)" for n in busy)
+        + ", ".join(f"{n.node_rank} ({median:.0f}%)" for n, median in busy)
         + f" are busy at least {th.CPU_HIGH_PCT:g}% of the time (median): data "
         "loading and kernel launches compete for cores.",
         "Lower DataLoader num_workers or threads (OMP_NUM_THREADS), move decoding to the "
         "GPU, or look for other processes on the node.",
         evidence={
             "statistic": SAMPLED_MEDIAN,
-            "per_node_cpu_percent_median": {
-                str(n.node_rank): n.system.cpu_percent.median for n in busy
-            },
+            "per_node_cpu_percent_median": {str(n.node_rank): median for n, median in busy},
             "threshold_pct": th.CPU_HIGH_PCT,
         },
-        nodes=[n.node_rank for n in busy],
+        nodes=[n.node_rank for n, _ in busy],
     )
 
 
@@ -294,6 +378,57 @@ def high_ram(facts: Facts) -> Finding | None:
     )
 
 
+def node_ram_growth(facts: Facts) -> Finding | None:
+    """NODE_RAM_GROWTH: nodes whose used RAM grows (:func:`~.memory.growth`) while their
+    ranks' RSS growth explains less than NODE_RAM_UNEXPLAINED_PCT of it. Used RAM is total
+    minus available, so the page cache (reclaimable) never counts as growth."""
+    rows: list[dict[str, Any]] = []  # the evidence's nodes
+    for n in facts.nodes:
+        g = n.system.ram_growth
+        if g is None or g.name != CREEP or g.bytes_per_hour <= 0:
+            continue
+        ranks_rate = sum(max(0.0, facts.rss_per_hour.get(r, 0.0)) for r in n.ranks)
+        unexplained = g.bytes_per_hour - ranks_rate
+        if unexplained < g.bytes_per_hour * th.NODE_RAM_UNEXPLAINED_PCT / 100.0:
+            continue
+        free = (n.system.ram_total_bytes or 0) - g.end_bytes
+        rows.append(
+            {
+                "node_rank": n.node_rank,
+                "bytes_per_hour": round(g.bytes_per_hour),
+                "ranks_rss_bytes_per_hour": round(ranks_rate),
+                "unexplained_bytes_per_hour": round(unexplained),
+                "hours_to_exhaust": round(free / g.bytes_per_hour, 2) if free > 0 else None,
+                "growth": g.to_json(),
+            }
+        )
+    if not rows:
+        return None
+    worst = max(rows, key=lambda r: r["unexplained_bytes_per_hour"])
+    when = (
+        f"; at that rate it runs out of RAM in {hours_text(worst['hours_to_exhaust'])}"
+        if worst["hours_to_exhaust"] is not None
+        else ""
+    )
+    return Finding(
+        "NODE_RAM_GROWTH",
+        "warning",
+        f"Used RAM of node {worst['node_rank']} grows {worst['bytes_per_hour'] / MIB:.0f} MiB "
+        f"per hour (Theil-Sen slope; page cache not counted), of which its ranks' RSS "
+        f"explains {worst['ranks_rss_bytes_per_hour'] / MIB:.0f} MiB per hour{when}.",
+        "The growth is outside the training processes: DataLoader workers (each a process of "
+        "its own; persistent workers keep what they cache), files in /dev/shm or tmpfs, or "
+        "another process on the node.",
+        evidence={
+            "statistic": SLOPE,
+            "nodes": rows,
+            "threshold_pct": th.NODE_RAM_UNEXPLAINED_PCT,
+            "threshold_z": th.MEMORY_GROWTH_Z,
+        },
+        nodes=[r["node_rank"] for r in rows],
+    )
+
+
 #: The system rules, in the order their findings are listed.
 RULES = (
     low_gpu_utilization,
@@ -301,4 +436,5 @@ RULES = (
     high_gpu_temperature,
     high_cpu,
     high_ram,
+    node_ram_growth,
 )

@@ -55,6 +55,18 @@ SPIKE_SHARE_PCT = 10.0
 
 #: Fewest steps on each side of a change point (onset of a straggler, SLOWDOWN).
 ONSET_MIN_STEPS = 5
+#: A straggler for a stretch of the run (a rank slower than the other ranks for part of the
+#: window, :mod:`traceml.analysis.segments`): fewest steps the stretch lasts.
+STRETCH_MIN_STEPS = 10
+#: ... and by how much it is slower, at least: this share of the typical step time (%) (and
+#: STRAGGLER_MIN_GAP_MS). Twice the whole-window gap: on a busy host a rank loses 10-15 % of
+#: its step for ten steps now and then (seen on the shared 2-core test machine).
+STRETCH_GAP_PCT = 20.0
+#: SLOWDOWN is not a start-up transient: a rise of the job's step time that is mostly input
+#: wait, from an input wait below the straggler floor, at or before this step of the run, is
+#: the DataLoader's prefetched batches running out (num_workers x prefetch_factor batches are
+#: ready before the first step; 64 = 32 workers x the default 2), the start of the steady state.
+STARTUP_PREFETCH_STEPS = 64
 #: SLOWDOWN: the job's median step after the change point exceeds the median before by at
 #: least this share of it (%) (and 1 ms). High: a busy shared host swings the step time of a
 #: whole job by 20 % for tens of steps.
@@ -84,6 +96,11 @@ MEMORY_CREEP_PCT = 5.0
 MEMORY_CREEP_MIN_BYTES = 64 * 1024 * 1024
 #: Fewest memory readings of a rank for the creep test; fewer gives a ``null`` trend.
 MEMORY_MIN_SAMPLES = 6
+#: HOST_MEMORY_CREEP, NODE_RAM_GROWTH: the later half of the readings after warm-up rises
+#: with at least this Mann-Kendall z (3: a flat series rises so by chance about once in a
+#: thousand), and at its Theil-Sen rate the memory grows by MEMORY_CREEP_PCT and
+#: MEMORY_CREEP_MIN_BYTES over the readings after warm-up.
+MEMORY_GROWTH_Z = 3.0
 
 # --- system and process -------------------------------------------------------------------------
 #: LOW_GPU_UTILIZATION: a rank's GPU is busy less than this share of the time, median (%).
@@ -94,6 +111,10 @@ GPU_UTIL_MODERATE_PCT = 80.0
 CPU_HIGH_PCT = 90.0
 #: HIGH_RAM: a node's used RAM reaches this share of its total, maximum (%).
 RAM_HIGH_PCT = 90.0
+#: NODE_RAM_GROWTH: a node's used RAM grows (the host-memory growth test) and its ranks' RSS
+#: growth, summed, explains less than this share of the node's rate (%): the growth is
+#: elsewhere (DataLoader workers, other processes, /dev/shm).
+NODE_RAM_UNEXPLAINED_PCT = 50.0
 #: HIGH_GPU_TEMPERATURE: a GPU reaches this temperature, maximum (°C).
 GPU_TEMP_HIGH_C = 85.0
 

@@ -17,13 +17,18 @@ given (then a CPU run has an MFU too: the user said what its peak is), else the 
 of :mod:`traceml.core.peaks` for the rank's GPU and dtype; without either MFU is ``null``
 and ``unavailable_reason`` says why (always on CPU without the flag). The job's MFU is its
 summed achieved FLOP/s over its summed peaks, ``null`` unless every window rank has both.
+An MFU above 100 % is never reported: it can only come from a FLOPs count or a peak that is
+wrong (a dtype misread, a wrong ``--peak-tflops``), so the MFU is ``null`` and
+``unavailable_reason`` gives both figures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from traceml.analysis.document import JobThroughput, Mfu, RankThroughput
 from traceml.analysis.findings import SUMMED
-from traceml.analysis.rundata import RankData, StepColumns
+from traceml.analysis.rundata import RankData, StepTable
 from traceml.analysis.stats import median
 from traceml.core import peaks
 
@@ -31,7 +36,9 @@ from traceml.core import peaks
 FLAG_SOURCE = "--peak-tflops"
 
 
-def _rate(values, step_us) -> tuple[float | None, float | None, int]:
+def _rate(
+    values: Sequence[int | None], step_us: Sequence[int]
+) -> tuple[float | None, float | None, int]:
     """``(total per second, median per step, steps with a value)`` of ``values`` over the
     summed ``step_us`` of every step; ``(None, None, 0)`` when no step has a value.
 
@@ -54,13 +61,27 @@ def _significant(value: float | None, digits: int = 6) -> float | None:
     return None if value is None else float(f"{value:.{digits}g}")
 
 
-def rank_mfu(rd: RankData, steps: StepColumns) -> Mfu:
+def rank_mfu(rd: RankData, steps: StepTable) -> Mfu:
     """``ranks[].throughput.mfu`` over ``steps`` (the rank's window steps)."""
     count = rd.flops
     if count is None:
-        return Mfu(SUMMED, *[None] * 10, unavailable_reason=(
-            "no FLOPs count: no training forward of a traced model from step 1 on, or "
-            "FlopCounterMode knows none of its ops"))  # fmt: skip
+        return Mfu(
+            statistic=SUMMED,
+            counted_step=None,
+            forward_flops=None,
+            flops_per_step=None,
+            count_ms=None,
+            dtype=None,
+            device_name=None,
+            achieved_tflops=None,
+            peak_tflops=None,
+            peak_source=None,
+            mfu_pct=None,
+            unavailable_reason=(
+                "no FLOPs count: no training forward of a traced model from step 1 on, or "
+                "FlopCounterMode knows none of its ops"
+            ),
+        )
     counted = steps.take([i for i, n in enumerate(steps["step"]) if n >= count["step"]])
     achieved, per_step, _ = _rate(counted["flops"], counted["step_us"])
     if count.get("peak_tflops"):
@@ -68,11 +89,20 @@ def rank_mfu(rd: RankData, steps: StepColumns) -> Mfu:
     else:
         peak, source = peaks.lookup(count.get("device_name"), count.get("dtype"))
     tflops = None if achieved is None else achieved / 1e12
-    reason = None
+    reason: str | None = None
+    mfu_pct = None
     if tflops is None:
         reason = "no window step carries model FLOPs (counted after the window)"
     elif peak is None:
         reason = source
+    elif tflops > peak:
+        reason = (
+            f"achieved {_significant(tflops, 4)} TFLOP/s exceeds the peak {peak} TFLOP/s "
+            f"({source}, dtype {count.get('dtype')}): the FLOPs count or the peak is "
+            "wrong, so no MFU"
+        )
+    else:
+        mfu_pct = _significant(100.0 * tflops / peak)
     return Mfu(
         statistic=SUMMED,
         counted_step=count["step"],
@@ -84,12 +114,12 @@ def rank_mfu(rd: RankData, steps: StepColumns) -> Mfu:
         achieved_tflops=_significant(tflops),
         peak_tflops=peak,
         peak_source=source if peak is not None else None,
-        mfu_pct=_significant(100.0 * tflops / peak) if tflops is not None and peak else None,
+        mfu_pct=mfu_pct,
         unavailable_reason=reason,
     )
 
 
-def rank_throughput(rd: RankData, steps: StepColumns) -> RankThroughput:
+def rank_throughput(rd: RankData, steps: StepTable) -> RankThroughput:
     """``ranks[].throughput``: the rank's samples, tokens and MFU over its window ``steps``."""
     samples, samples_step, counted = _rate(steps["samples"], steps["step_us"])
     tokens, tokens_step, _ = _rate(steps["tokens"], steps["step_us"])
@@ -108,17 +138,24 @@ def job_throughput(ranks: dict[int, RankThroughput]) -> JobThroughput:
     """``analysis.throughput``: sums over the window ranks (``ranks``; see the module
     docstring); a figure some rank lacks is ``null``."""
 
-    def total(values) -> float | None:
-        values = list(values)
-        return None if not values or None in values else sum(values)
+    def total(values: Iterable[float | None]) -> float | None:
+        given = list(values)
+        known = [v for v in given if v is not None]
+        return None if not given or len(known) < len(given) else sum(known)
 
     figures = list(ranks.values())
     samples = total(t.samples_per_s for t in figures)
     tokens = total(t.tokens_per_s for t in figures)
     achieved = total(t.mfu.achieved_tflops for t in figures)
     peak = total(t.mfu.peak_tflops for t in figures)
-    reason = next((f"rank {r}: {t.mfu.unavailable_reason}" for r, t in ranks.items()
-                   if t.mfu.unavailable_reason), None)  # fmt: skip
+    reason = next(
+        (
+            f"rank {r}: {t.mfu.unavailable_reason}"
+            for r, t in ranks.items()
+            if t.mfu.unavailable_reason
+        ),
+        None,
+    )
     if not figures:
         reason = "no rank in the window"
     return JobThroughput(
@@ -127,6 +164,10 @@ def job_throughput(ranks: dict[int, RankThroughput]) -> JobThroughput:
         tokens_per_s=_round(tokens, 3),
         achieved_tflops=_significant(achieved),
         peak_tflops=_significant(peak),
-        mfu_pct=_significant(100.0 * achieved / peak) if achieved is not None and peak else None,
-        mfu_unavailable_reason=reason if peak is None or achieved is None else None,
+        mfu_pct=(
+            None
+            if reason or achieved is None or peak is None
+            else _significant(100.0 * achieved / peak)
+        ),
+        mfu_unavailable_reason=reason,
     )

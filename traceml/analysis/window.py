@@ -9,9 +9,13 @@ while enough remain.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from traceml.analysis import thresholds
-from traceml.analysis.rundata import RunData, StepColumns
+from traceml.analysis.rundata import RunData, StepTable
+
+if TYPE_CHECKING:
+    from traceml.analysis.digest import RankDigest
 
 
 @dataclass(frozen=True)
@@ -32,11 +36,11 @@ class Window:
             ``cost_steps``).
     """
 
-    steps: dict[int, StepColumns] = field(default_factory=dict)
+    steps: dict[int, StepTable] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)
     warmup_skipped: int = 0
     ranks_without_steps: list[int] = field(default_factory=list)
-    digests: dict = field(default_factory=dict)
+    digests: dict[int, RankDigest] = field(default_factory=dict)
     steps_per_index: float = 1.0
 
     @property
@@ -56,7 +60,7 @@ def align(run: RunData) -> Window:
     skip = min(thresholds.WARMUP_STEPS, max(0, len(indices) - thresholds.MIN_WINDOW_STEPS))
     indices = indices[skip:]
     keep = set(indices)
-    digests = {r: run.ranks[r].digest for r in with_steps if run.ranks[r].digest is not None}
+    digests = {r: d for r in with_steps if (d := run.ranks[r].digest) is not None}
     counted = max((d.counted for d in digests.values()), default=0)
     return Window(
         steps={r: steps.where("step", keep) for r, steps in with_steps.items()},

@@ -1,11 +1,42 @@
-"""What the two commands (``traceml``, ``traceml-aggregator``) share around typer: running an
-app so that a usage error is one ``<prog>: error: <message>`` line and exit code 2."""
+"""What the commands (``traceml``, ``traceml-aggregator``) share around typer: running an
+app so that a usage error is one ``<prog>: error: <message>`` line and exit code 2, and the
+option of a knob, derived from its declaration in :mod:`traceml.settings`."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from traceml.settings import Setting
+
+
+def option(
+    setting: Setting, flag: str = "", *, negatable: bool = True, unset: str = ""
+) -> Any:  # what typer.Option returns (typer declares it Any: it stands for the value)
+    """The ``typer.Option`` of the knob ``setting``: its flag, default and help.
+
+    A knob with a ``TRACEML_*`` variable defaults to None (not given: the command reads the
+    variable, else the default, with :func:`traceml.settings.resolve`); one without defaults
+    to its declared value. The help is the knob's doc and ``[default: ...]``
+    (:meth:`~traceml.settings.Setting.default_text`).
+
+    Args:
+        flag: this command's spelling of the flag (default: the declared one).
+        negatable: a boolean knob also takes ``--no-<flag>``.
+        unset: for a knob this command leaves None unless the flag is given, what it does
+            then (the help's ``[default: ...]``, e.g. ``off``).
+    """
+    flag = flag or setting.flag
+    if setting.kind.type is bool and negatable:
+        flag = f"{flag}/--no-{flag[2:]}"
+    default = None if setting.name or unset else setting.value
+    shown = unset or setting.default_text()
+    return typer.Option(
+        default, flag, help=f"{setting.doc}  [default: {shown}]", show_default=False
+    )
 
 
 def run_app(

@@ -1,5 +1,5 @@
-"""The aggregator's endpoint, for every side that reaches it: ``host:port``, the default port,
-one-off unary RPCs, and the validation of ports and durations given on a command line.
+"""The aggregator's endpoint, for every side that reaches it: ``host:port``, the dashboard's
+URL and one-off unary RPCs (its ports are knobs: :mod:`traceml.settings`).
 
 Used by ``traceml run`` (launcher), ``traceml-aggregator`` and the SDK, so none of them has to
 import another. gRPC and the wire code are imported by :func:`call`, the only function that
@@ -8,27 +8,31 @@ needs them (about 0.2 s of imports).
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING
 
-#: The aggregator's gRPC port on node 0 unless ``--aggregator-port``/``--port`` says otherwise.
-DEFAULT_PORT = 29765
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
-#: The dashboard's HTTP port (``--dashboard-port``; ``traceml run --mode dashboard``, ``traceml
-#: view --serve``): two above the aggregator's, as 29766 is the Prometheus ``--metrics-port`` of
-#: docs/prometheus.md's examples.
-DASHBOARD_PORT = 29767
+    from traceml.core.transport import Credentials
 
 #: Bind addresses that mean "every interface": a client on the same host reaches them locally.
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
-def dashboard_url(bind_host: str, port: int, token: str) -> str:
-    """The dashboard's URL as printed, token included: ``http://HOST:PORT/?token=TOKEN``, HOST
-    being this machine's name when the dashboard listens on every interface (``0.0.0.0``)."""
+def dashboard_url(bind_host: str, port: int, tls: bool = False) -> str:
+    """The dashboard's URL as printed, without the token: ``http[s]://HOST:PORT/``, HOST being
+    this machine's name when the dashboard listens on every interface (``0.0.0.0``), https
+    when it serves TLS."""
     import socket
 
     host = socket.gethostname() if bind_host in ANY_ADDRESS else bind_host
-    return f"http://{target(host, port)}/?token={token}"
+    return f"{'https' if tls else 'http'}://{target(host, port)}/"
+
+
+def dashboard_link(url: str, token: str) -> str:
+    """The dashboard's ``url`` (:func:`dashboard_url`) that opens the page: ``URL?token=TOKEN``.
+    It holds the run token: written only to a file of mode 0600, never printed."""
+    return f"{url}?token={token}"
 
 
 def bracket(host: str) -> str:
@@ -49,23 +53,13 @@ def local_target(bind_host: str, port: int) -> str:
     return target("127.0.0.1" if bind_host in ANY_ADDRESS else bind_host, port)
 
 
-def port_error(flag: str, port: int | None) -> str:
-    """The one-line refusal of ``port`` given with ``flag``, or "" when it is a TCP port
-    (1-65535) or None (not given)."""
-    if port is not None and not 0 < port < 65536:
-        return f"{flag} {port} is not a TCP port (1-65535)"
-    return ""
-
-
-def seconds_error(flag: str, value: float) -> str:
-    """The one-line refusal of the duration ``value`` (s) given with ``flag``, or "" when it is
-    a finite number > 0."""
-    if math.isfinite(value) and value > 0:
-        return ""
-    return f"{flag} must be a finite number > 0 (got {value})"
-
-
-def call(target: str, method: str, request, timeout_s: float, credentials=None):
+def call(
+    target: str,
+    method: str,
+    request: Message,
+    timeout_s: float,
+    credentials: Credentials | None = None,
+) -> Message:
     """One unary RPC ``method`` (e.g. ``"Finalize"``) of the aggregator at ``target``, on a
     channel of its own (with the run token and TLS of :func:`traceml.core.transport.open_channel`)
     that is closed when the call returns.

@@ -1,8 +1,31 @@
-"""The end-state reason that marks an interrupted run (the launcher writes it, the analysis
-reads it): a rank stopped because its launcher got SIGTERM or SIGINT (scancel, preemption,
-Ctrl-C), not because it or another rank failed."""
+"""How a rank ended, in the words every side uses, and the reason that marks an interrupted run.
+
+The end-state names are those of ``EndState`` in ``proto/traceml/wire/v1/finish.proto``
+without their ``END_STATE_`` prefix, in lower case: the wire carries the enum's numbers, and
+:func:`traceml.wire.end_state_name` converts a number to its name, which is what the store keeps
+and what the analysis reads. They are declared here, not in the wire, so that the offline
+library (:mod:`traceml.analysis`, :mod:`traceml.report`) compares end states without importing
+protobuf or gRPC; ``tests/test_offline_imports.py`` fails when the enum and
+:data:`REPORTED_END_STATES` disagree.
+
+The interrupted reason: the launcher writes it, the analysis reads it. A rank stopped because
+its launcher got SIGTERM or SIGINT (scancel, preemption, Ctrl-C), not because it or another rank
+failed.
+"""
 
 from __future__ import annotations
+
+#: Finished normally (exit code 0).
+COMPLETED = "completed"
+#: Exited with a non-zero code or raised.
+FAILED = "failed"
+#: Killed by a signal (SIGSEGV, SIGKILL, ...).
+SIGNALED = "signaled"
+#: Stopped by torchrun or the launcher after another rank failed.
+TERMINATED = "terminated"
+#: The end states a rank or its launcher reports, in the order of their ``EndState`` numbers
+#: (1, 2, ...; 0 is ``END_STATE_UNSPECIFIED``, never set on purpose).
+REPORTED_END_STATES = (COMPLETED, FAILED, SIGNALED, TERMINATED)
 
 INTERRUPTED_PREFIX = "interrupted: "
 
@@ -14,4 +37,4 @@ def interrupted_reason(signal_name: str) -> str:
 
 def is_interrupted(reason: str | None) -> bool:
     """True for a reason written by :func:`interrupted_reason`."""
-    return bool(reason) and reason.startswith(INTERRUPTED_PREFIX)
+    return reason is not None and reason.startswith(INTERRUPTED_PREFIX)

@@ -8,46 +8,59 @@ H100 and H200 datasheets. A GPU or dtype not listed, a MIG slice (a share of the
 peak the table cannot know) and a CPU have no peak: MFU is then ``null`` unless the user
 gives one (``traceml run --peak-tflops``, ``TRACEML_PEAK_TFLOPS``).
 
-Neutral code, no imports beyond the standard library: the SDK and the launcher validate the
-user's peak with :func:`peak_tflops_error`, the analysis looks peaks up with :func:`lookup`.
+Neutral code, no imports beyond the standard library: the analysis looks peaks up with
+:func:`lookup` (the user's peak is the knob :data:`traceml.settings.PEAK_TFLOPS`).
 """
 
 from __future__ import annotations
-
-import math
 
 #: ``(model, name patterns, {dtype: dense peak TFLOPS})``. A device name (as
 #: ``torch.cuda.get_device_name()`` gives it, e.g. "NVIDIA H100 80GB HBM3") matches a row when
 #: it contains every pattern of one of the row's pattern tuples (case-insensitive); the first
 #: row that matches wins, so the specific rows (PCIe, NVL) come before the general ones.
 TABLE: tuple[tuple[str, tuple[tuple[str, ...], ...], dict[str, float]], ...] = (
-    ("H100 NVL", (("h100", "nvl"),),
-     {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5}),
-    ("H100 PCIe", (("h100", "pcie"),),
-     {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5, "fp8": 1513.0}),
-    ("H100 SXM", (("h100",),),
-     {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0}),
-    ("H200 NVL", (("h200", "nvl"),),
-     {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5}),
-    ("GH200", (("gh200",),),
-     {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0}),
-    ("H200 SXM", (("h200",),),
-     {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0}),
-    ("A100", (("a100",),),
-     {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
-    ("A10", (("a10",),),
-     {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}),
-    ("L40S", (("l40s",),),
-     {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05, "fp8": 733.0}),
-    ("L4", (("l4",),),
-     {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5}),
-    ("V100 SXM2", (("v100", "sxm2"),),
-     {"fp32": 15.7, "fp16": 125.0}),
-    ("V100 PCIe", (("v100",),),
-     {"fp32": 14.0, "fp16": 112.0}),
-    ("T4", (("t4",),),
-     {"fp32": 8.1, "fp16": 65.0}),
-)  # fmt: skip
+    (
+        "H100 NVL",
+        (("h100", "nvl"),),
+        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
+    ),
+    (
+        "H100 PCIe",
+        (("h100", "pcie"),),
+        {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5, "fp8": 1513.0},
+    ),
+    (
+        "H100 SXM",
+        (("h100",),),
+        {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
+    ),
+    (
+        "H200 NVL",
+        (("h200", "nvl"),),
+        {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
+    ),
+    (
+        "GH200",
+        (("gh200",),),
+        {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
+    ),
+    (
+        "H200 SXM",
+        (("h200",),),
+        {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
+    ),
+    ("A100", (("a100",),), {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
+    ("A10", (("a10",),), {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}),
+    (
+        "L40S",
+        (("l40s",),),
+        {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05, "fp8": 733.0},
+    ),
+    ("L4", (("l4",),), {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5}),
+    ("V100 SXM2", (("v100", "sxm2"),), {"fp32": 15.7, "fp16": 125.0}),
+    ("V100 PCIe", (("v100",),), {"fp32": 14.0, "fp16": 112.0}),
+    ("T4", (("t4",),), {"fp32": 8.1, "fp16": 65.0}),
+)
 
 
 #: Device names the SDK reports for a model that is not on a CUDA device (its device type).
@@ -70,15 +83,20 @@ def lookup(device_name: str | None, dtype: str | None) -> tuple[float | None, st
         return None, f"no peak for a {device_name} device in the table: give --peak-tflops"
     lowered = device_name.lower()
     if " mig " in f" {lowered} ":
-        return None, f"{device_name} is a MIG slice, whose share of the peak is not known: " \
-            "give --peak-tflops"
+        return (
+            None,
+            f"{device_name} is a MIG slice, whose share of the peak is not known: "
+            "give --peak-tflops",
+        )
     words = lowered.replace("-", " ").split()
     for model, patterns, peaks in TABLE:
         if any(all(_has(words, lowered, p) for p in pattern) for pattern in patterns):
             if dtype in peaks:
                 return peaks[dtype], f"table: {model} {dtype} dense"
-            return None, f"no {dtype or 'unknown dtype'} peak for {model} in the table: " \
-                "give --peak-tflops"
+            return (
+                None,
+                f"no {dtype or 'unknown dtype'} peak for {model} in the table: give --peak-tflops",
+            )
     return None, f"{device_name} is not in the peak table: give --peak-tflops"
 
 
@@ -87,17 +105,6 @@ def _has(words: list[str], lowered: str, pattern: str) -> bool:
     followed by a non-letter (``a100`` is not ``a10``); a long one may appear anywhere."""
     if len(pattern) > 4:
         return pattern in lowered
-    return any(w == pattern or (w.startswith(pattern) and not w[len(pattern)].isalnum())
-               for w in words)  # fmt: skip
-
-
-def peak_tflops_error(name: str, raw) -> str:
-    """Why ``raw`` (from flag or variable ``name``) is not a peak in TFLOPS ("" when it is):
-    it must be a finite number > 0."""
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        return f"{name} {raw!r}: not a number (the peak in TFLOPS, e.g. 989.5 for H100 SXM bf16)"
-    if not math.isfinite(value) or value <= 0:
-        return f"{name} {raw!r}: must be a finite number of TFLOPS > 0"
-    return ""
+    return any(
+        w == pattern or (w.startswith(pattern) and not w[len(pattern)].isalnum()) for w in words
+    )

@@ -13,8 +13,9 @@ analysis (:mod:`traceml.analysis.phases`), the reports and the live view.
 The step fields and their order. :data:`STEP_FIELDS` lists every field of a step in one
 canonical order: :data:`STEP_REQUIRED_FIELDS`, the phases' CPU-clock fields in table order,
 :data:`GPU_STEP_FIELD`, the phases' GPU-clock fields in table order, then
-:data:`MEMORY_FIELDS` and :data:`WORKLOAD_FIELDS`. It is the order of the fields in ``StepColumns`` and of the store's
-``steps`` columns; within each clock the phases' field numbers increase in table order.
+:data:`MEMORY_FIELDS` and :data:`WORKLOAD_FIELDS`. It is the order of the fields in
+``StepColumns`` and of the store's ``steps`` columns; within each clock the phases' field
+numbers increase in table order.
 ``tests/test_phase_table.py`` checks all of that against the generated descriptor and the
 .proto file.
 
@@ -123,7 +124,7 @@ WORKLOAD_FIELDS = ("samples", "tokens", "flops")
 STEP_OPTIONAL_FIELDS = (
     tuple(p.cpu_field for p in PHASES)
     + (GPU_STEP_FIELD,)
-    + tuple(p.gpu_field for p in GPU_PHASES)
+    + tuple(p.gpu_field for p in GPU_PHASES if p.gpu_field)  # all of them (GPU_PHASES)
     + MEMORY_FIELDS
     + WORKLOAD_FIELDS
 )

@@ -20,11 +20,10 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from traceml.core import log
-from traceml.core.transport import TOKEN_FILE_NAME
-
 
 #: Files the aggregator writes at the top of the run directory (also read by the launcher).
 DATABASE_NAME = "telemetry.sqlite"
@@ -34,6 +33,12 @@ SUMMARY_HTML_NAME = "final_summary.html"
 #: The aggregator's current stall record (a hang), under ``aggregator/``; node 0's launcher
 #: prints one line when it appears.
 STALL_NAME = "stall.json"
+#: Node 0's launcher writes the run's token there (mode 0600, atomically); the other nodes read
+#: it (:func:`traceml.core.transport.write_token_file`, :func:`~.transport.read_token_file`).
+TOKEN_FILE_NAME = "run_token"
+#: The dashboard's link with the run token in it (mode 0600): what a user opens, since no
+#: console line ever holds the token (:func:`traceml.core.endpoint.dashboard_link`).
+DASHBOARD_LINK_FILE_NAME = "dashboard_link"
 
 
 #: A run name is one safe path segment: letters, digits, '.', '_' and '-', not '.' or '..'.
@@ -73,6 +78,7 @@ class RunDir:
         self.database = self.root / DATABASE_NAME
         self.final_summary_json = self.root / SUMMARY_JSON_NAME
         self.token_file = self.root / TOKEN_FILE_NAME
+        self.dashboard_link = self.root / DASHBOARD_LINK_FILE_NAME
 
     def create(self, *, owner: bool) -> None:
         """Create the directories this node writes into."""
@@ -93,7 +99,7 @@ def write_atomic(path: Path, content: str) -> None:
     os.replace(tmp, path)
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: Mapping[str, object]) -> None:
     """Write ``data`` as indented JSON with :func:`write_atomic`."""
     write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
@@ -103,20 +109,21 @@ class Manifest:
 
     Args:
         path: where it lives.
-        initial: its first content.
+        initial: its first content (its lifecycle events are the manifest's own: :meth:`event`).
     """
 
-    def __init__(self, path: Path, initial: dict) -> None:
+    def __init__(self, path: Path, initial: Mapping[str, object]) -> None:
         self.path = path
-        self.data = dict(initial)
-        self.data.setdefault("lifecycle", {})
+        #: lifecycle event -> when it happened (Unix s): ``data["lifecycle"]``.
+        self.lifecycle: dict[str, float] = {}
+        self.data: dict[str, object] = {**initial, "lifecycle": self.lifecycle}
 
-    def event(self, name: str, **fields) -> None:
+    def event(self, name: str, **fields: object) -> None:
         """Record lifecycle event ``name`` at the current wall time (Unix s), plus fields."""
-        self.data["lifecycle"][name] = round(time.time(), 3)
+        self.lifecycle[name] = round(time.time(), 3)
         self.update(**fields)
 
-    def update(self, **fields) -> None:
+    def update(self, **fields: object) -> None:
         """Merge ``fields`` into the top level and rewrite the file (a failure only warns)."""
         self.data.update(fields)
         try:

@@ -14,7 +14,8 @@ to every user of the host): ``traceml run`` exports them to its ranks and to its
 
 The run token file: node 0's launcher writes ``<run dir>/run_token`` (mode 0600, atomically)
 so that the other nodes, which share the run directory, read it there
-(:func:`write_token_file`, :func:`read_token_file`). grpc is imported by the functions that
+(:func:`write_token_file`, :func:`read_token_file`; the name is
+:data:`traceml.core.rundir.TOKEN_FILE_NAME`). grpc is imported by the functions that
 need it, never by this module.
 """
 
@@ -24,15 +25,18 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from traceml import settings
 
+if TYPE_CHECKING:
+    import grpc
+
 #: Metadata key of the run token on every call (gRPC metadata keys are lower case).
 TOKEN_METADATA_KEY = "traceml-run-token"
-#: Name of the token file in the run directory.
-TOKEN_FILE_NAME = "run_token"
 #: Largest message either side sends or receives, bytes (both sides set it: 4 MiB, gRPC's
 #: usual receive bound, about 80 times a full batch of 512 steps).
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -47,6 +51,26 @@ RETRY_AFTER_METADATA_KEY = "traceml-retry-after-ms"
 WIRE_VERSION = 1
 VERSION_METADATA_KEY = "traceml-wire-version"
 
+#: gRPC core's switch for its own ``pthread_atfork`` handlers, which grpcio builds turn on by
+#: default (grpcio's Python layer reads the same variable, default off). They hang fork()
+#: itself: the prepare handler blocks new gRPC work and then waits for gRPC's timer threads to
+#: stop, while a timer thread that was running an expired timer (a reconnect backoff, a connect
+#: or call deadline: many while an aggregator is unreachable) waits for that fork to complete,
+#: both forever (grpcio 1.85, ``tests/scripts/fork_outage.py``'s 200 forks during an outage,
+#: two runs at a time on the 2-core test machine: 12 of 115 runs hung, the parent inside
+#: fork(); with the handlers off, 0 of 100, no fork over 0.08 s). TraceML never uses gRPC in a
+#: forked child (:mod:`traceml.sdk.client`), so it needs none of them:
+#: :func:`disable_grpc_fork_handlers` sets the variable to ``false`` unless the user set it.
+#: gRPC reads it once, at ``import grpc``: setting it later changes nothing.
+GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+
+
+def disable_grpc_fork_handlers(env: MutableMapping[str, str]) -> None:
+    """Set :data:`GRPC_FORK_SUPPORT_ENV` to ``false`` in ``env`` (``os.environ``, or the
+    environment of a process to start) unless it is set already (the user's choice stands)."""
+    env.setdefault(GRPC_FORK_SUPPORT_ENV, "false")
+
+
 #: Keepalive, one policy for both sides (they must agree, or the server answers a client's
 #: pings with GOAWAY ``too_many_pings`` and the client logs it on the user's stderr). The
 #: client pings at most every :data:`CLIENT_KEEPALIVE_MS`, also while no call is open, and the
@@ -58,10 +82,12 @@ VERSION_METADATA_KEY = "traceml-wire-version"
 #: on a host whose CPUs training saturates, gRPC's threads may answer a ping late (at a load of
 #: 13 per core, a 10 s timeout dropped connections of benchmarks/ingest.py's clients), and a
 #: dropped stream costs a reconnect and resends.
-CLIENT_KEEPALIVE_MS = 30_000
-SERVER_KEEPALIVE_MS = 20_000
-SERVER_MIN_PING_INTERVAL_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 20_000
+#: Each is a setting (``TRACEML_GRPC_*_MS``, :mod:`traceml.settings`, which holds the defaults
+#: named here), read once at import.
+CLIENT_KEEPALIVE_MS = settings.read(settings.GRPC_CLIENT_KEEPALIVE_MS)
+SERVER_KEEPALIVE_MS = settings.read(settings.GRPC_SERVER_KEEPALIVE_MS)
+SERVER_MIN_PING_INTERVAL_MS = settings.read(settings.GRPC_SERVER_MIN_PING_INTERVAL_MS)
+KEEPALIVE_TIMEOUT_MS = settings.read(settings.GRPC_KEEPALIVE_TIMEOUT_MS)
 
 #: A node launcher's heartbeat on its session stream, s (traceml/launcher/session.py).
 NODE_HEARTBEAT_INTERVAL_S = 2.0
@@ -70,7 +96,8 @@ NODE_HEARTBEAT_INTERVAL_S = 2.0
 #: not keepalive, show that a node is alive, so this is shorter than the server's keepalive
 #: drop (``SERVER_KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS``, 40 s); a launcher that reconnects with
 #: its backoff (at most :data:`SESSION_MAX_BACKOFF_S`) after a short cut comes back before it.
-NODE_LOST_AFTER_S = 25.0
+#: The setting ``TRACEML_NODE_LOST_AFTER_SEC`` (read once at import) holds the default.
+NODE_LOST_AFTER_S = settings.read(settings.NODE_LOST_AFTER_SEC)
 #: Longest wait of a node launcher between two attempts to reopen its session, s.
 SESSION_MAX_BACKOFF_S = 2.0
 
@@ -89,8 +116,14 @@ class TlsFiles:
 
     @classmethod
     def resolve(
-        cls, cert=None, key=None, ca=None, *, serves: bool, reads_ca: bool
-    ) -> "TlsFiles":
+        cls,
+        cert: str | Path | None = None,
+        key: str | Path | None = None,
+        ca: str | Path | None = None,
+        *,
+        serves: bool,
+        reads_ca: bool,
+    ) -> TlsFiles:
         """The files from their flags, else ``TRACEML_TLS_CERT``/``_KEY``/``_CA``, absolute,
         checked: the one validator of the launcher and the aggregator.
 
@@ -104,7 +137,8 @@ class TlsFiles:
             TlsFilesError: one line: ``--tls-cert and --tls-key go together``, or
                 ``--tls-X PATH not found``.
         """
-        def given(value, setting) -> Path | None:
+
+        def given(value: str | Path | None, setting: settings.Setting) -> Path | None:
             value = value or settings.env_str(setting) or None
             return None if value is None else Path(value).absolute()
 
@@ -131,8 +165,9 @@ def new_token() -> str:
 
 
 def write_token_file(path: Path, token: str) -> None:
-    """Write ``token`` to ``path``, mode 0600 from its creation, through a temporary file and a
-    rename: a reader sees no file or the whole token, never part of one.
+    """Write ``token`` (or a text that holds it, ASCII: the dashboard's link) to ``path``, mode
+    0600 from its creation, through a temporary file and a rename: a reader sees no file or
+    the whole token, never part of one.
 
     Raises:
         OSError: the directory is not writable.
@@ -203,7 +238,7 @@ class Credentials:
     tls_ca: bytes | None = None
 
     @classmethod
-    def from_env(cls) -> "Credentials":
+    def from_env(cls) -> Credentials:
         """``TRACEML_RUN_TOKEN`` and the file ``TRACEML_TLS_CA`` names.
 
         Raises:
@@ -254,7 +289,11 @@ def server_options() -> list[tuple[str, int]]:
     ]
 
 
-def open_channel(target: str, options: list | None = None, credentials: Credentials | None = None):
+def open_channel(
+    target: str,
+    options: list[tuple[str, int | str]] | None = None,
+    credentials: Credentials | None = None,
+) -> grpc.Channel:
     """A synchronous gRPC channel to the aggregator at ``target`` (``host:port``) that sends
     the run token and :data:`WIRE_VERSION` with every call (unary and streaming), over TLS
     when the credentials carry a CA.
@@ -280,7 +319,9 @@ def open_channel(target: str, options: list | None = None, credentials: Credenti
     return grpc.intercept_channel(channel, _metadata_interceptor(creds.token))
 
 
-def _metadata_interceptor(token: str):
+def _metadata_interceptor(
+    token: str,
+) -> grpc.UnaryUnaryClientInterceptor | grpc.StreamStreamClientInterceptor:
     """A client interceptor that adds the wire version and the run token (when not "") to
     every call's metadata, unary and streaming."""
     import grpc
@@ -289,8 +330,11 @@ def _metadata_interceptor(token: str):
     if token:
         entries.append((TOKEN_METADATA_KEY, token))
 
-    class _Details(grpc.ClientCallDetails):
-        def __init__(self, details, metadata):
+    # grpc ships no type stubs: its classes are Any to mypy, and subclassing Any is refused.
+    class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
+        def __init__(
+            self, details: grpc.ClientCallDetails, metadata: list[tuple[str, str]]
+        ) -> None:
             self.method = details.method
             self.timeout = details.timeout
             self.metadata = metadata
@@ -298,11 +342,24 @@ def _metadata_interceptor(token: str):
             self.wait_for_ready = details.wait_for_ready
             self.compression = details.compression
 
-    class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-        def intercept_unary_unary(self, continuation, details, request):
+    class _Interceptor(  # as _Details: grpc's classes are Any
+        grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+        grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
+    ):
+        def intercept_unary_unary(
+            self,
+            continuation: Callable[..., object],
+            details: grpc.ClientCallDetails,
+            request: object,
+        ) -> object:
             return continuation(_Details(details, list(details.metadata or ()) + entries), request)
 
-        def intercept_stream_stream(self, continuation, details, request_iterator):
+        def intercept_stream_stream(
+            self,
+            continuation: Callable[..., object],
+            details: grpc.ClientCallDetails,
+            request_iterator: Iterator[object],
+        ) -> object:
             return continuation(
                 _Details(details, list(details.metadata or ()) + entries), request_iterator
             )

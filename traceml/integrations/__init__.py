@@ -1,4 +1,6 @@
-"""Framework callbacks: TraceML steps for runs that ``traceml run``'s zero-code mode does not start.
+"""Framework callbacks, and the verdict in the trackers where people log.
+
+Framework callbacks: TraceML steps for runs that ``traceml run``'s zero-code mode does not start.
 
 * :mod:`traceml.integrations.hf` — ``TraceMLCallback`` for the Hugging Face ``Trainer``;
 * :mod:`traceml.integrations.lightning` — ``TraceMLCallback`` for the Lightning ``Trainer``.
@@ -7,12 +9,18 @@ Each module imports its framework only when its callback class is first used, so
 imports without either framework. The callbacks turn on the same zero-code steps as
 ``traceml run`` (:mod:`traceml.sdk.auto`), so the numbers mean the same either way, and a run
 with both counts every step once. See ``docs/frameworks.md``.
+
+Trackers: ``track()`` in :mod:`traceml.integrations.wandb`, :mod:`traceml.integrations.mlflow`
+and :mod:`traceml.integrations.tensorboard` logs the verdict and key figures of
+``traceml.summary()`` to that tracker, live and at the end of the run
+(:mod:`traceml.integrations.tracking`). Each imports its tracker only when ``track()`` needs
+it. See ``docs/trackers.md``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 
 def lazy_callback(module: str, build: Callable[[], type]) -> Callable[[str], type]:

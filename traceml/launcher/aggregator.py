@@ -29,7 +29,11 @@ class AggregatorUnavailable(RuntimeError):
 
 
 def start(
-    config: LaunchConfig, run_dir: RunDir, *, restart_reason: str = "", down_since_unix_s: float = 0.0
+    config: LaunchConfig,
+    run_dir: RunDir,
+    *,
+    restart_reason: str = "",
+    down_since_unix_s: float = 0.0,
 ) -> subprocess.Popen:
     """Start ``traceml-aggregator --owned`` for this run in its own session (node 0 only).
 
@@ -41,7 +45,12 @@ def start(
     """
     argv = aggregator_argv(config, run_dir) + ["--owned", "--no-summary-at-stop"]
     if restart_reason:
-        argv += ["--restart-reason", restart_reason, "--down-since-unix-s", f"{down_since_unix_s:.3f}"]
+        argv += [
+            "--restart-reason",
+            restart_reason,
+            "--down-since-unix-s",
+            f"{down_since_unix_s:.3f}",
+        ]
     log = open(run_dir.aggregator_stderr, "ab")
     try:
         return subprocess.Popen(
@@ -57,34 +66,26 @@ def start(
 
 
 def aggregator_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
-    """``python -m traceml_aggregator`` with this run's store, name, address and sizes."""
-    argv = [
-        sys.executable,
-        "-m",
-        "traceml_aggregator",
-        "--run-dir",
-        str(run_dir.root),
-        "--run-name",
-        str(config.run_name),
-        "--port",
-        str(config.aggregator_port),
-        "--bind-host",
-        str(config.aggregator_bind_host),
-        "--world-size",
-        str(config.world_size),
-        "--nnodes",
-        str(config.nnodes),
-        "--finalize-timeout-sec",
-        str(config.finalize_timeout_sec),
-        "--hang-timeout-sec",
-        str(config.hang_timeout_sec),
-    ]
-    if config.html_report:
-        argv.append("--html-report")
+    """``python -m traceml_aggregator`` with this run's store, name, bind address and sizes,
+    and the value of every knob the launcher passes on (:attr:`Setting.passed_as`: a boolean
+    as its bare flag when on, a value unless it is None)."""
+    argv = [sys.executable, "-m", "traceml_aggregator"]
+    for flag, value in (
+        ("--run-dir", run_dir.root),
+        ("--run-name", config.run_name),
+        ("--bind-host", config.aggregator_bind_host),
+        ("--world-size", config.world_size),
+        ("--nnodes", config.nnodes),
+    ):
+        argv += [flag, str(value)]
+    for knob in settings.ALL:
+        value = getattr(config, knob.field) if knob.passed_as else None
+        if value is True:
+            argv.append(knob.passed_as)
+        elif value is not None and value is not False:
+            argv += [knob.passed_as, str(value)]
     if config.mode == "dashboard":
-        argv += ["--dashboard-port", str(config.dashboard_port)]
-    if config.tls_cert:
-        argv += ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)]
+        argv += [settings.DASHBOARD_PORT.flag, str(config.dashboard_port)]
     return argv
 
 
@@ -97,7 +98,11 @@ def finalize_offline(
     Raises:
         subprocess.TimeoutExpired: it ran longer than ``timeout_s`` (it is killed first).
     """
-    argv = aggregator_argv(config, run_dir) + ["--finalize-only", "--node-exit-file", str(node_exit_file)]
+    argv = aggregator_argv(config, run_dir) + [
+        "--finalize-only",
+        "--node-exit-file",
+        str(node_exit_file),
+    ]
     with open(run_dir.aggregator_stderr, "ab") as log:
         return subprocess.run(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=timeout_s

@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from traceml import settings
-from traceml.core import log
-from traceml.core.endpoint import DASHBOARD_PORT, DEFAULT_PORT
+from traceml.core import log, otlp
+from traceml.core.cli import option
 
 app = typer.Typer(
     name="traceml",
@@ -46,8 +45,9 @@ def _environment_help() -> str:
     (:data:`traceml.settings.ALL`), one paragraph each."""
     lines = ["Environment variables [default]:"]
     for setting in settings.ALL:
-        default = f" [{setting.default}]" if setting.default else ""
-        lines.append(f"{setting.name}{default}: {setting.doc}")
+        if setting.name:
+            default = f" [{setting.default}]" if setting.default else ""
+            lines.append(f"{setting.name}{default}: {setting.doc}")
     return "\n\n".join(lines)
 
 
@@ -63,76 +63,42 @@ def run_command(
     nnodes: int = typer.Option(1, help="number of nodes"),
     node_rank: int = typer.Option(0, help="this node's rank, 0..nnodes-1"),
     master_addr: str = typer.Option("127.0.0.1", help="address of node 0 (rendezvous)"),
-    master_port: Optional[int] = typer.Option(
-        None, help="rendezvous port on node 0 [default: 29500; a free port on one node]"
+    master_port: int | None = option(
+        settings.MASTER_PORT, unset=f"{settings.MASTER_PORT.default} on several nodes"
     ),
-    run_name: Optional[str] = typer.Option(
+    run_name: str | None = typer.Option(
         None, help="run name; required with --nnodes > 1, the same on every node"
     ),
-    session_id: Optional[str] = typer.Option(None, help="alias of --run-name"),
-    aggregator_host: Optional[str] = typer.Option(
+    session_id: str | None = typer.Option(None, help="alias of --run-name"),
+    aggregator_host: str | None = typer.Option(
         None, help="address ranks use to reach the aggregator [default: --master-addr]"
     ),
-    aggregator_port: int = typer.Option(DEFAULT_PORT, help="aggregator port on node 0"),
-    aggregator_bind_host: Optional[str] = typer.Option(
-        None, help="address node 0's aggregator listens on [default: 127.0.0.1; 0.0.0.0 with --nnodes > 1]"
+    aggregator_port: int = option(settings.AGGREGATOR_PORT),
+    aggregator_bind_host: str | None = typer.Option(
+        None,
+        help="address node 0's aggregator listens on "
+        "[default: 127.0.0.1; 0.0.0.0 with --nnodes > 1]",
     ),
     mode: str = typer.Option(
         "summary", help="summary | cli | dashboard (a page served by node 0: see --dashboard-port)"
     ),
-    dashboard_port: int = typer.Option(
-        DASHBOARD_PORT, help="node 0, --mode dashboard: the page's HTTP port, on --aggregator-bind-host"
-    ),
+    dashboard_port: int = option(settings.DASHBOARD_PORT),
     logs_dir: Path = typer.Option(Path("logs"), help="parent of the run directory"),
-    html_report: bool = typer.Option(False, help="also write final_summary.html (node 0)"),
-    finalize_timeout_sec: Optional[float] = typer.Option(
-        None,
-        help=f"finalization budget, s [default: ${settings.FINALIZE_TIMEOUT_SEC.name} or 300]",
-    ),
-    hang_timeout_sec: Optional[float] = typer.Option(
-        None,
-        help="seconds without a completed step before a live rank is reported as hung "
-        f"[default: ${settings.HANG_TIMEOUT_SEC.name} or {settings.HANG_TIMEOUT_SEC.default}]",
-    ),
-    max_restarts: int = typer.Option(0, help="torchrun --max-restarts"),
-    aggregator_max_restarts: Optional[int] = typer.Option(
-        None,
-        help="times node 0 restarts an aggregator that died during the run "
-        f"[default: ${settings.AGGREGATOR_MAX_RESTARTS.name} or 3]",
-    ),
-    save_training_output: Optional[bool] = typer.Option(
-        None,
-        "--save-training-output/--no-save-training-output",
-        help="also write torchrun's output to nodes/node_<r>/training.*.log "
-        f"[default: ${settings.SAVE_TRAINING_OUTPUT.name} or on]",
-    ),
-    run_token: Optional[str] = typer.Option(
-        None,
-        help=f"the run's secret token [default: ${settings.RUN_TOKEN.name}; node 0 makes one, "
-        "the other nodes read it from the run directory]; prefer the variable: ps shows flags",
-    ),
-    tls_cert: Optional[Path] = typer.Option(
-        None, help=f"node 0: the aggregator's TLS certificate, PEM [default: ${settings.TLS_CERT.name}]"
-    ),
-    tls_key: Optional[Path] = typer.Option(
-        None, help=f"node 0: the certificate's private key, PEM [default: ${settings.TLS_KEY.name}]"
-    ),
-    tls_ca: Optional[Path] = typer.Option(
-        None,
-        help=f"CA certificate that signed the aggregator's, PEM [default: ${settings.TLS_CA.name}; "
-        "node 0: --tls-cert]",
-    ),
-    auto_instrument: Optional[bool] = typer.Option(
-        None,
-        "--auto-instrument/--no-auto-instrument",
-        help="zero-code steps and phases for a script that never calls trace_step "
-        f"[default: on; ${settings.AUTO_INSTRUMENT.name}=0 turns it off]",
-    ),
-    peak_tflops: Optional[float] = typer.Option(
-        None,
-        help="peak dense TFLOPS of one rank's device, for MFU (wins over the GPU table; "
-        f"gives CPU runs an MFU) [default: ${settings.PEAK_TFLOPS.name} or the table]",
-    ),
+    html_report: bool = option(settings.HTML_REPORT),
+    finalize_timeout_sec: float | None = option(settings.FINALIZE_TIMEOUT_SEC),
+    hang_timeout_sec: float | None = option(settings.HANG_TIMEOUT_SEC),
+    max_restarts: int = option(settings.MAX_RESTARTS),
+    aggregator_max_restarts: int | None = option(settings.AGGREGATOR_MAX_RESTARTS),
+    save_training_output: bool | None = option(settings.SAVE_TRAINING_OUTPUT),
+    run_token: str | None = option(settings.RUN_TOKEN),
+    tls_cert: Path | None = option(settings.TLS_CERT),
+    tls_key: Path | None = option(settings.TLS_KEY),
+    tls_ca: Path | None = option(settings.TLS_CA),
+    auto_instrument: bool | None = option(settings.AUTO_INSTRUMENT),
+    peak_tflops: float | None = option(settings.PEAK_TFLOPS),
+    metrics_port: int | None = option(settings.METRICS_PORT, unset="off"),
+    metrics_bind_host: str = option(settings.METRICS_BIND_HOST),
+    otlp_endpoint: str | None = option(settings.OTLP_ENDPOINT, unset=otlp.DEFAULT_TEXT),
     use_slurm: bool = typer.Option(
         False,
         "--slurm",
@@ -175,6 +141,9 @@ def run_command(
         tls_ca=tls_ca,
         auto_instrument=auto_instrument,
         peak_tflops=peak_tflops,
+        metrics_port=metrics_port,
+        metrics_bind_host=metrics_bind_host,
+        otlp_endpoint=otlp_endpoint,
     )
     try:
         step = slurm.SlurmStep.from_env(os.environ)
@@ -183,13 +152,15 @@ def run_command(
             _log.info(note)
         config.resolve()
         preflight(config)
+        for line in config.node0_notes():
+            _log.info(line)
     except claim.ClaimError as exc:
         _error(str(exc))
         _log.info(claim.report_refusal(config, str(exc)))
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except LaunchError as exc:
         _error(str(exc))
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     _exit_now(Launch(config).run())
 
 
@@ -220,11 +191,11 @@ def _typed(ctx: typer.Context) -> set[str]:
 @app.command("view")
 def view_command(
     summary: Path = typer.Argument(..., help="final_summary.json (or its run directory)"),
-    html: Optional[Path] = typer.Option(None, help="write the HTML report to this file"),
+    html: Path | None = typer.Option(None, help="write the HTML report to this file"),
     serve: bool = typer.Option(
         False, "--serve", help="serve the run's dashboard over its stored telemetry (Ctrl-C stops)"
     ),
-    port: int = typer.Option(DASHBOARD_PORT, help="with --serve: the HTTP port"),
+    port: int = option(settings.DASHBOARD_PORT, "--port"),
     bind_host: str = typer.Option("127.0.0.1", help="with --serve: the address to listen on"),
 ) -> None:
     """Print a saved summary's text report, render its HTML report with --html, or serve its
@@ -238,7 +209,7 @@ def view_command(
         document = read_summary(summary)
     except SummaryFileError as exc:
         _error(str(exc))
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if html is None:
         from traceml.report.text import render_text
 
@@ -246,11 +217,14 @@ def view_command(
         return
     from traceml.report.html import render_html
 
+    if html.is_dir() or not html.name:  # "", ".", "/", "..", an existing directory
+        _error(f"--html {str(html)!r} is a directory: give the report's file name")
+        raise typer.Exit(2)
     try:
         write_atomic(html, render_html(document))
     except OSError as exc:
         _error(f"cannot write {html}: {exc.strerror or exc}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     _log.info(f"wrote {html}")
 
 
@@ -259,8 +233,16 @@ def _serve_stored(path: Path, port: int, bind_host: str) -> None:
     (the launcher and the aggregator import each other in neither direction; exec'd, it gets
     Ctrl-C itself and its exit code is the command's)."""
     run_dir = path.parent if path.is_file() else path
-    argv = [sys.executable, "-m", "traceml_aggregator.dashboard", str(run_dir),
-            "--port", str(port), "--bind-host", bind_host]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "traceml_aggregator.dashboard",
+        str(run_dir),
+        "--port",
+        str(port),
+        "--bind-host",
+        bind_host,
+    ]
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os.execv(sys.executable, argv)
@@ -271,7 +253,7 @@ def compare_command(
     baseline: Path = typer.Argument(..., help="run A: final_summary.json (or its run directory)"),
     candidate: Path = typer.Argument(..., help="run B, compared with A"),
     out_dir: Path = typer.Option(Path("."), help="where compare.json and compare.txt go"),
-    fail_on_regression: Optional[float] = typer.Option(
+    fail_on_regression: float | None = typer.Option(
         None,
         metavar="PCT",
         help="exit with code 3 when a key metric got worse by more than PCT percent (step "
@@ -298,7 +280,7 @@ def compare_command(
         a, b = read_summary(baseline), read_summary(candidate)
     except SummaryFileError as exc:
         _error(str(exc))
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     document = compare(a, b, a_path=str(baseline), b_path=str(candidate))
     text = render_compare_text(document)
     try:
@@ -307,7 +289,7 @@ def compare_command(
         write_atomic(out_dir / "compare.txt", text)
     except OSError as exc:
         _error(f"cannot write to {out_dir}: {exc.strerror or exc}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     sys.stdout.write(text)
     if fail_on_regression is not None:
         if document["verdict"] == "INCONCLUSIVE":

@@ -6,8 +6,12 @@ of every session, a resumed one too), a heartbeat every
 end states (:meth:`NodeSession.report_exit`), and from node 0 the finalization request
 (:meth:`NodeSession.finalize`). Down: the claim's verdict, the run's failure as soon as
 another node's claim is refused (:attr:`NodeSession.run_failure`: pushed, never polled), the
-exit's acknowledgement and the finalization result. The aggregator's side, and how it tells
-a lost node from one that ended: ``traceml_aggregator/sessions.py``.
+exit's acknowledgement, the finalization result, and what the aggregator publishes while the
+run goes on: the stall record as it changes (:attr:`NodeSession.hang_record`) and the watchdog's
+partial summary (:attr:`NodeSession.partial_summary`), the latest of each again on every
+resumed session. It is the launcher's one channel from the aggregator: no file of the
+aggregator's is polled. The aggregator's side, and how it tells a lost node from one that
+ended: ``traceml_aggregator/sessions.py``.
 
 One daemon thread holds the stream. When it breaks (a network cut, node 0's aggregator
 restarted on the run's store), the thread opens a new one after a backoff (0.1 s doubling
@@ -75,6 +79,12 @@ class NodeSession:
         self.claim_reply = None
         #: Why the run cannot rendezvous, once the aggregator said so ("" until then).
         self.run_failure = ""
+        #: The latest stall record the aggregator pushed, as JSON ("": the stall is over;
+        #: None: none heard).
+        self.hang_record: str | None = None
+        #: The latest partial summary the aggregator's watchdog wrote (a FinalizeReply), None
+        #: until one is written.
+        self.partial_summary = None
         #: Why the session gave up for good ("" while it holds or retries).
         self.error = ""
         #: Streams that broke (each one reopened after a backoff).
@@ -87,7 +97,7 @@ class NodeSession:
         self._finalized = None
         self._thread = threading.Thread(target=self._run, name="traceml-node-session", daemon=True)
 
-    def start(self) -> "NodeSession":
+    def start(self) -> NodeSession:
         """Open the session in its thread; returns self."""
         self._thread.start()
         return self
@@ -134,7 +144,9 @@ class NodeSession:
                 if cancelled is not None and cancelled():
                     return None
                 if time.monotonic() >= deadline:
-                    raise SessionBroken(f"no finalization result within {budget_s + FINALIZE_SLACK_S:g} s")
+                    raise SessionBroken(
+                        f"no finalization result within {budget_s + FINALIZE_SLACK_S:g} s"
+                    )
                 self._cond.wait(0.2)
             self._finalize_request = None
             return self._finalized
@@ -224,8 +236,7 @@ class NodeSession:
                             self.error = f"{code.name}: {exc.details()}"
                             self._cond.notify_all()
                         _log.warning(
-                            f"warning: node 0's aggregator ended this node's session "
-                            f"({self.error})"
+                            f"warning: node 0's aggregator ended this node's session ({self.error})"
                         )
                         return
                 finally:
@@ -262,5 +273,9 @@ class NodeSession:
                 self._exit_stored = True
             elif kind == "finalized" and self._finalize_request is not None:
                 self._finalized = down.finalized
+            elif kind == "stall":
+                self.hang_record = down.stall.record_json
+            elif kind == "partial_summary":
+                self.partial_summary = down.partial_summary
             self._cond.notify_all()
         return kind != "claim" or down.claim.accepted

@@ -71,7 +71,7 @@ class SlurmStep:
     ntasks_per_node: str | None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "SlurmStep | None":
+    def from_env(cls, environ: Mapping[str, str]) -> SlurmStep | None:
         """The step this process runs in, or None outside Slurm (no ``SLURM_JOB_ID``)."""
 
         def get(name: str) -> str | None:
@@ -123,9 +123,7 @@ class SlurmStep:
             LaunchError: the list is unset, empty or not a Slurm host list.
         """
         if self.nodelist is None:
-            raise LaunchError(
-                f"--slurm: {self.nodelist_source} is not set; pass --master-addr"
-            )
+            raise LaunchError(f"--slurm: {self.nodelist_source} is not set; pass --master-addr")
         try:
             hosts = hostlist.expand_hostlist(self.nodelist)
         except hostlist.BadHostlist as exc:

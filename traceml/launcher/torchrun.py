@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
-import queue
 import sys
 import threading
 from pathlib import Path
 
 from traceml import settings
 from traceml.core import log
-from traceml.launcher.config import LaunchConfig
 from traceml.core.ends import interrupted_reason
 from traceml.core.rundir import RunDir
-from traceml.launcher.torchrun_main import AUTORUN_MODULE
-from traceml.launcher.torchrun_main import LAUNCHER_PID_ENV
-from traceml.launcher.torchrun_main import RANK_ENDS_FILE_ENV
+from traceml.core.transport import disable_grpc_fork_handlers
+from traceml.launcher.config import LaunchConfig
+from traceml.launcher.torchrun_main import AUTORUN_MODULE, LAUNCHER_PID_ENV, RANK_ENDS_FILE_ENV
 
 _log = log.get("launcher")
 
@@ -65,7 +64,8 @@ def torchrun_argv(config: LaunchConfig) -> list[str]:
 
 
 def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
-    """The environment for torchrun and its ranks: the caller's, plus the TraceML endpoint."""
+    """The environment for torchrun and its ranks: the caller's, plus the TraceML endpoint
+    (and gRPC's fork handlers off: :func:`~traceml.core.transport.disable_grpc_fork_handlers`)."""
     env = dict(os.environ)
     env[settings.RUN_NAME.name] = str(config.run_name)
     env[settings.AGGREGATOR.name] = config.aggregator_target
@@ -75,6 +75,7 @@ def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
     if config.peak_tflops is not None:
         env[settings.PEAK_TFLOPS.name] = repr(config.peak_tflops)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    disable_grpc_fork_handlers(env)  # also for a script that imports grpc before traceml
     return env
 
 
@@ -91,7 +92,9 @@ class Tee:
     never touches the file. A second thread writes the log from a bounded queue, so a log
     that fails (a full disk: ENOSPC) or blocks (a stalled network filesystem) can cost only
     the log, never the pipe the ranks print into: the first failure is said once on stderr,
-    and the log stops; chunks the queue cannot take are skipped and counted.
+    and the log stops; chunks the queue cannot take are skipped and counted. The log file is
+    created as the tee starts, and stays empty when nothing is printed: every node launcher
+    that saves training output has both of its ``training.*.log`` files.
 
     Args:
         source: the pipe (binary, with ``read1``).
@@ -115,7 +118,9 @@ class Tee:
         if log_path is not None:
             self._queue = queue.Queue(LOG_QUEUE_CHUNKS)
             self._threads.append(
-                threading.Thread(target=self._save, name=f"traceml-log-{log_path.name}", daemon=True)
+                threading.Thread(
+                    target=self._save, name=f"traceml-log-{log_path.name}", daemon=True
+                )
             )
         for thread in self._threads:
             thread.start()
@@ -139,28 +144,34 @@ class Tee:
     def _save(self) -> None:
         assert self._queue is not None and self.log_path is not None
         log = None
+        try:  # at start, not at the first chunk: a node whose ranks print nothing has its log
+            log = open(self.log_path, "ab", buffering=0)
+        except OSError as exc:
+            self._log_failed(exc)
         while (chunk := self._queue.get()) is not None:
             if self.log_error:
                 self.bytes_failed += len(chunk)
                 continue
             view = memoryview(chunk)
             try:
-                if log is None:
-                    log = open(self.log_path, "ab", buffering=0)
                 while view:  # unbuffered: a full disk takes part of a chunk, then fails
-                    view = view[log.write(view):]
+                    view = view[log.write(view) :]
             except OSError as exc:
-                self.log_error = f"{exc.strerror or exc}"
                 self.bytes_failed += len(view)
-                _log.warning(
-                    f"warning: cannot save training output to {self.log_path} "
-                    f"({self.log_error}); it still reaches the console"
-                )
+                self._log_failed(exc)
         if log is not None:
             try:
                 log.close()
             except OSError:
                 pass
+
+    def _log_failed(self, exc: OSError) -> None:
+        """The log cannot be written (opened or appended to): say why once; it stops."""
+        self.log_error = f"{exc.strerror or exc}"
+        _log.warning(
+            f"warning: cannot save training output to {self.log_path} "
+            f"({self.log_error}); it still reaches the console"
+        )
 
     @property
     def bytes_not_saved(self) -> int:
@@ -196,7 +207,7 @@ class TorchrunProcess:
             consoles: the binary streams its stdout and stderr are copied to (the launcher's
                 ``sys.stdout.buffer`` and ``sys.stderr.buffer`` when None; node 0's live table
                 gives streams that print above it,
-                :meth:`traceml.launcher.live.LiveView.consoles`).
+                :meth:`traceml.launcher.terminal_view.TerminalView.consoles`).
         """
         self.run_dir.rank_ends.unlink(missing_ok=True)
         self.process = subprocess.Popen(
@@ -316,7 +327,11 @@ def exit_code(returncode: int) -> int:
 
 def _stopped(info: dict | None) -> bool:
     """A failure record of a rank that died of a stop signal (SIGTERM, SIGINT, SIGKILL)."""
-    return info is not None and info.get("signal") in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+    return info is not None and info.get("signal") in (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGKILL,
+    )
 
 
 def _read_failures(path: Path) -> dict[int, dict] | None:

@@ -1,4 +1,5 @@
-"""``python -m traceml.launcher.torchrun_main ARGS``: torchrun, plus a record of how each rank ended.
+"""``python -m traceml.launcher.torchrun_main ARGS``: torchrun, plus a record of how each rank
+ended.
 
 This is ``torch.distributed.run.main`` itself (same argument parsing, same rendezvous, same
 exit codes), bound first to die with the launcher that started it, then wrapped to catch
@@ -15,8 +16,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import sys
+import threading
+import time
 
 from traceml.core import log
 
@@ -26,6 +30,9 @@ RANK_ENDS_FILE_ENV = "TRACEML_RANK_ENDS_FILE"
 LAUNCHER_PID_ENV = "TRACEML_LAUNCHER_PID"
 #: ``prctl`` option from <linux/prctl.h>.
 PR_SET_PDEATHSIG = 1
+#: Once the launcher is gone and the ranks have ended, how long torchrun may take to exit on
+#: its own before it is SIGKILLed, s (its normal exit takes ~1 s).
+ORPHAN_EXIT_GRACE_S = 5.0
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -41,6 +48,46 @@ def _die_with_launcher(launcher_pid: int) -> None:
             pass
     if os.getppid() != launcher_pid:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _wait_gone(pid: int) -> None:
+    """Return once process ``pid`` has exited (a pidfd where the kernel has them, else the
+    parent-pid change of this process, polled every 0.5 s)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3), or ``pid`` is gone already
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        return
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
+def reap_when_orphaned(launcher_pid: int) -> None:
+    """Bound how long torchrun outlives the launcher. Once the launcher has died (SIGKILLed:
+    the OOM killer, a scheduler), torchrun gets SIGTERM from ``PR_SET_PDEATHSIG`` and stops
+    its ranks as on any SIGTERM (within its ``--shutdown-timeout``). This waits until they
+    have ended, gives torchrun :data:`ORPHAN_EXIT_GRACE_S` to exit on its own, then SIGKILLs
+    it: a torchrun still in its own teardown long after its ranks ended was seen on a loaded
+    machine (more than 30 s). Blocks; run it on a daemon thread."""
+    import psutil
+
+    def running_ranks() -> bool:  # ranks that ended but are not reaped yet do not count
+        for child in psutil.Process().children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
+    _wait_gone(launcher_pid)
+    while running_ranks():
+        time.sleep(0.2)
+    time.sleep(ORPHAN_EXIT_GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _reason(failure) -> str:
@@ -92,10 +139,16 @@ def main() -> None:
     from torch.distributed.run import main as torchrun_main
 
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
-    if launcher.isdigit():
-        _die_with_launcher(int(launcher))
     path = os.environ.pop(RANK_ENDS_FILE_ENV, "")
     argv = sys.argv[1:]
+    if launcher.isdigit():
+        _die_with_launcher(int(launcher))
+        threading.Thread(
+            target=reap_when_orphaned,
+            args=(int(launcher),),
+            name="traceml-orphan-reaper",
+            daemon=True,
+        ).start()
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:

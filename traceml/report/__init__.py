@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from traceml.analysis.summary import SCHEMA_VERSION
+from traceml.analysis.document import SCHEMA_VERSION
 from traceml.core.rundir import SUMMARY_JSON_NAME
 
 

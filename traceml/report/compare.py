@@ -23,7 +23,7 @@ import random
 import textwrap
 from dataclasses import dataclass
 
-from traceml.analysis.phases import PARTS
+from traceml.analysis.document import PARTS
 from traceml.analysis.stats import lower_median, median, percentile
 from traceml.report.flat import flatten
 from traceml.report.fmt import num
@@ -149,9 +149,9 @@ def compare(a: dict, b: dict, *, a_path: str = "", b_path: str = "") -> dict:
     """The compare document of summary documents ``a`` (baseline) and ``b``."""
     (ma, la), (mb, lb) = flatten(a), flatten(b)
     rows = [r for r in (_metric_row(m, ma, mb) for m in METRICS) if r is not None]
-    interval = change_interval(*(
-        [r.get("step_time_sample_ms") for r in doc["ranks"]] for doc in (a, b)
-    ))  # fmt: skip
+    interval = change_interval(
+        *([r.get("step_time_sample_ms") for r in doc["ranks"]] for doc in (a, b))
+    )
     for r in rows:
         if r["name"] == "step_time_ms" and interval and r["status"] != "not_comparable":
             r["change_ci_pct"] = list(interval)
@@ -159,8 +159,12 @@ def compare(a: dict, b: dict, *, a_path: str = "", b_path: str = "") -> dict:
     improved = [r["name"] for r in key if r["status"] == "improved"]
     regressed = [r["name"] for r in key if r["status"] == "regressed"]
     step = next((r for r in rows if r["name"] == "step_time_ms"), None)
-    unfit = [f"run {n} {why}" for n, doc, labels in (("A", a, la), ("B", b, lb))
-             for why in [_unfit(doc, labels)] if why]
+    unfit = [
+        f"run {n} {why}"
+        for n, doc, labels in (("A", a, la), ("B", b, lb))
+        for why in [_unfit(doc, labels)]
+        if why
+    ]
     if step is None or step["status"] == "not_comparable":
         which = [n for n, m in (("A", ma), ("B", mb)) if "step_time_ms" not in m]
         verdict = "INCONCLUSIVE"

@@ -7,8 +7,8 @@ Numbers go to ``metrics`` (``wandb.log``, ``mlflow.log_metrics``, TensorBoard sc
 
 from __future__ import annotations
 
+from traceml.analysis.document import PARTS
 from traceml.analysis.findings import SEVERITIES
-from traceml.analysis.phases import PARTS
 from traceml.analysis.stats import median
 from traceml.report.fmt import gpu_util
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import datetime
 from html import escape
 
-from traceml.analysis.phases import PARTS
+from traceml.analysis.document import PARTS
 from traceml.core import phases
-from traceml.report import svg
+from traceml.report import grid, svg
 from traceml.report.fmt import (
     MIB,
     NA,
@@ -157,7 +157,7 @@ def _verdict(summary: dict) -> str:
     who = ""
     if p["kind"] == "NODE_STRAGGLER" and p["nodes"]:
         who = " · node " + ", ".join(map(str, p["nodes"]))
-    elif p["kind"].endswith("STRAGGLER") and p["ranks"]:
+    elif (p["kind"].endswith("STRAGGLER") or p["kind"] == "RANK_HUNG") and p["ranks"]:
         who = " · rank " + ", ".join(map(str, p["ranks"][:8]))
     partial = ""
     if summary["run"]["missing_ranks"]:
@@ -224,6 +224,49 @@ def _step_chart(summary: dict) -> str:
     return (
         "<section><h2>Step time per rank <small>over the run; shaded: the analysis window"
         f"</small></h2>{chart}{note}</section>"
+    )
+
+
+def _measured(xs: list, ys: list) -> tuple[list, list]:
+    """The points of ``xs``, ``ys`` whose y is not None."""
+    kept = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+    return [x for x, _ in kept], [y for _, y in kept]
+
+
+def _scale_charts(summary: dict) -> str:
+    """Above :data:`~traceml.report.grid.SCALE_RANKS` ranks, in place of one line per rank:
+    the rank x step heatmap of step time and the band over the ranks with the slowest ranks
+    as lines (:mod:`traceml.report.grid`, as the dashboard draws them), from each rank's
+    charted series."""
+    g = grid.from_series(
+        {r["rank"]: (r["series"]["step"], r["series"]["step_ms"]) for r in summary["ranks"]}
+    )
+    if not g.columns:
+        return _step_chart(summary)
+    slowest = g.slowest()
+    heat = svg.heatmap(g, label_ranks=slowest, unit="ms")
+    steps, band = g.column_steps(), g.band()
+    lines = [
+        ("max", band["max"], "#9aa4b2"),
+        ("median", band["median"], "#1d2530"),
+        ("min", band["min"], "#9aa4b2"),
+    ]
+    lines += [
+        (f"rank {r}", g.row(r), svg.PALETTE[(i + 2) % len(svg.PALETTE)])
+        for i, r in enumerate(slowest)
+    ]
+    chart = svg.line_chart(
+        [svg.Series(label, *_measured(steps, ys), color) for label, ys, color in lines],
+        y_label="step time (ms)",
+        x_label="step",
+    )
+    each = f"mean of {g.bin_steps} steps" if g.bin_steps > 1 else "one step"
+    return (
+        f"<section><h2>Step time by rank and step <small>{len(g.ranks)} ranks, rows in rank "
+        f"order, each row the slowest of its ranks; a column: {each}; labelled: the "
+        f"{len(slowest)} slowest ranks</small></h2>{heat}</section>"
+        "<section><h2>Spread over ranks <small>step time: min, median and max over the "
+        f"ranks, and the {len(slowest)} slowest ranks</small></h2>{chart}</section>"
     )
 
 
@@ -432,7 +475,9 @@ def render_html(summary: dict) -> str:
             _header(summary),
             _verdict(summary),
             _findings(summary),
-            _step_chart(summary),
+            _scale_charts(summary)
+            if len(summary["ranks"]) > grid.SCALE_RANKS
+            else _step_chart(summary),
             _phase_chart(summary),
             _memory_chart(summary),
             _nodes(summary),

@@ -1,4 +1,4 @@
-"""Inline SVG charts for the HTML report: line charts and stacked horizontal bars.
+"""Inline SVG charts for the HTML report: line charts, stacked horizontal bars, heatmaps.
 
 Plain strings, no dependencies, no scripts: the charts render in any browser and in a saved
 file without network access. Coordinates are in SVG user units (CSS pixels at 100% zoom).
@@ -9,6 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from html import escape
+
+import numpy as np
+
+from traceml.report import grid
 
 #: Colours of successive series (Tableau 10, readable on white and distinguishable).
 PALETTE = (
@@ -141,7 +145,7 @@ def line_chart(
         )
     )
     for s in series:
-        points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(s.xs, s.ys))
+        points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(s.xs, s.ys, strict=True))
         out.append(
             f'<polyline points="{points}" fill="none" stroke="{s.color}" stroke-width="1.6" '
             'stroke-linejoin="round"/>'
@@ -189,11 +193,83 @@ def stacked_bars(
         y = top + r * (bar_h + gap)
         out.append(_text(left - 8, y + bar_h - 5, label, "end"))
         x = float(left)
-        for (part, color), value in zip(parts, values):
+        for (part, color), value in zip(parts, values, strict=True):
             if value:
                 out.append(
                     _rect(x, y, value * scale, bar_h, color, f"{label} {part}: {value:.2f} {unit}")
                 )
                 x += value * scale
+    out.append("</svg>")
+    return "".join(out)
+
+
+def heatmap(
+    g: grid.Grid,
+    *,
+    label_ranks: list[int],
+    unit: str,
+    width: int = 860,
+    max_rows: int = 256,
+    classes: int = 32,
+) -> str:
+    """The rank x step heatmap of ``g`` (:mod:`traceml.report.grid`): one row of rectangles
+    per pixel row, each the slowest (highest level) of its ranks when there are more ranks
+    than ``max_rows``, in ``classes`` colours of :data:`~traceml.report.grid.COLORS` (equal
+    neighbours merged into one rectangle); the ranks of ``label_ranks`` labelled at their rows
+    (those that would overlap a label placed before skipped), steps below, the scale's legend
+    (``unit``) above. Each row is a ``<g data-ranks="FIRST-LAST">``."""
+    if not g.ranks or not g.columns:
+        return ""
+    left, right, top, bottom = 84, 16, 28, 30
+    levels = np.frombuffer(g.levels(), np.uint8).reshape(len(g.ranks), g.columns)
+    rows = min(len(g.ranks), max_rows)
+    starts = [y * len(g.ranks) // rows for y in range(rows)]
+    pixels = np.maximum.reduceat(levels, starts, axis=0)
+    plot_w = width - left - right
+    plot_h = min(384, max(120, rows * 3))
+    cell_w, row_h = plot_w / g.columns, plot_h / rows
+    lo, hi = g.scale()
+    colours = [grid.NO_DATA_COLOR] + [grid.colour(c / (classes - 1)) for c in range(classes)]
+
+    def cls(level: int) -> int:
+        return 0 if not level else 1 + round((level - 1) / (grid.LEVELS - 1) * (classes - 1))
+
+    out = [_open(width, top + plot_h + bottom, f"{unit} by rank and step")]
+    for c in range(classes):
+        out.append(_rect(left + 60 + c * 4, 8, 4, 10, colours[1 + c]))
+    out.append(_text(left + 54, 17, f"{lo:.1f} {unit}", "end"))
+    out.append(_text(left + 66 + classes * 4, 17, f"{hi:.1f} {unit} or more"))
+    for y in range(rows):
+        first, last = starts[y], (starts[y + 1] if y + 1 < rows else len(g.ranks)) - 1
+        out.append(f'<g data-ranks="{g.ranks[first]}-{g.ranks[last]}">')
+        row = [cls(v) for v in pixels[y]]
+        c = 0
+        while c < g.columns:
+            end = c
+            while end + 1 < g.columns and row[end + 1] == row[c]:
+                end += 1
+            out.append(
+                _rect(
+                    left + c * cell_w,
+                    top + y * row_h,
+                    (end - c + 1) * cell_w,
+                    row_h,
+                    colours[row[c]],
+                )
+            )
+            c = end + 1
+        out.append("</g>")
+    placed: list[float] = []
+    for rank in label_ranks:
+        y = top + (g.ranks.index(rank) + 0.5) * plot_h / len(g.ranks)
+        if all(abs(y - other) >= 11 for other in placed):
+            out.append(_text(left - 6, y + 4, f"rank {rank} ▸", "end", f' data-rank="{rank}"'))
+            placed.append(y)
+    steps = g.column_steps()
+    for t in range(5):
+        c = round(t * (g.columns - 1) / 4)
+        out.append(
+            _text(left + (c + 0.5) * cell_w, top + plot_h + 16, f"step {steps[c]}", "middle")
+        )
     out.append("</svg>")
     return "".join(out)

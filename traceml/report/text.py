@@ -38,11 +38,12 @@ def _wrap(label: str, text: str) -> list[str]:
 
 def _table(headers: list[str], rows: list[list[str]], left: int = 0) -> list[str]:
     """Columns right-aligned except the first ``left`` ones; widths from the content."""
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
 
     def line(cells) -> str:
         return "  ".join(
-            f"{c:<{w}}" if i < left else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths))
+            f"{c:<{w}}" if i < left else f"{c:>{w}}"
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 
     return [line(headers)] + [line(r) for r in rows]
@@ -75,7 +76,7 @@ def _verdict(summary: dict) -> list[str]:
     who = []
     if p["nodes"] and p["kind"] == "NODE_STRAGGLER":
         who.append("node " + ", ".join(map(str, p["nodes"])))
-    elif p["ranks"] and p["kind"].endswith("STRAGGLER"):
+    elif p["ranks"] and (p["kind"].endswith("STRAGGLER") or p["kind"] == "RANK_HUNG"):
         who.append(
             ("rank " if len(p["ranks"]) == 1 else "ranks ") + ", ".join(map(str, p["ranks"][:8]))
         )
@@ -145,13 +146,19 @@ def _throughput(summary: dict) -> list[str]:
     any rank counted samples or FLOPs."""
     shown, _ = rank_rows(summary)
     rows = [
-        [str(r["rank"]), num(t["samples_per_s"]), num(t["tokens_per_s"], 0),
-         _sig(t["mfu"]["achieved_tflops"]), _sig(t["mfu"]["mfu_pct"]),
-         t["mfu"]["dtype"] or "-", num(t["mfu"]["peak_tflops"], 1)]
+        [
+            str(r["rank"]),
+            num(t["samples_per_s"]),
+            num(t["tokens_per_s"], 0),
+            _sig(t["mfu"]["achieved_tflops"]),
+            _sig(t["mfu"]["mfu_pct"]),
+            t["mfu"]["dtype"] or "-",
+            num(t["mfu"]["peak_tflops"], 1),
+        ]
         for r in shown
         for t in [r.get("throughput")]
         if t and (t["samples_per_s"] is not None or t["mfu"]["forward_flops"] is not None)
-    ]  # fmt: skip
+    ]
     if not rows:
         return []
     job = summary["analysis"]["throughput"]
@@ -166,8 +173,9 @@ def _throughput(summary: dict) -> list[str]:
     else:
         figures.append(f"MFU n/a ({job['mfu_unavailable_reason']})")
     lines = ["", "Throughput (window totals over wall time; job: sum over ranks)"]
-    lines += textwrap.wrap("job: " + ", ".join(figures), WIDTH, initial_indent="  ",
-                           subsequent_indent="    ")  # fmt: skip
+    lines += textwrap.wrap(
+        "job: " + ", ".join(figures), WIDTH, initial_indent="  ", subsequent_indent="    "
+    )
     return lines + _table(
         ["rank", "samples/s", "tokens/s", "TFLOP/s", "MFU %", "dtype", "peak"], rows
     )
@@ -177,13 +185,19 @@ def _outside_table(summary: dict) -> list[str]:
     """Time outside the steps per rank (``ranks[].outside_steps``), when any rank paused."""
     shown, _ = rank_rows(summary)
     rows = [
-        [str(r["rank"]), num(o["share_of_wall_pct"], 0), str(o["gaps"]),
-         num(o["gap_median_ms"]), num(o["gap_max_ms"]), num(o["period_steps"], 0),
-         num(o["first_gap_ms"])]
+        [
+            str(r["rank"]),
+            num(o["share_of_wall_pct"], 0),
+            str(o["gaps"]),
+            num(o["gap_median_ms"]),
+            num(o["gap_max_ms"]),
+            num(o["period_steps"], 0),
+            num(o["first_gap_ms"]),
+        ]
         for r in shown
         for o in [r.get("outside_steps")]
         if o and o["gaps"]
-    ]  # fmt: skip
+    ]
     if not rows:
         return []
     return [

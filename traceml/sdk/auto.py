@@ -33,10 +33,10 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 from traceml.sdk import instrumentation
-from traceml.sdk.session import Session, fail_open
+from traceml.sdk.rank_state import RankState, fail_open
 from traceml.sdk.step import StepTracer
 
 
@@ -47,7 +47,7 @@ class AutoSteps:
 
     Args:
         tracer: the rank's step tracer (its ``auto`` is this object while zero-code steps last).
-        on_model: called with each model whose forward is timed (``Session.note_model``).
+        on_model: called with each model whose forward is timed (``RankState.note_model``).
     """
 
     def __init__(self, tracer: StepTracer, on_model: Callable[[object], None]) -> None:
@@ -155,32 +155,32 @@ def start(model=None) -> bool:
         script already uses ``trace_step``, or starting failed (one warning).
     """
     import traceml
-    from traceml.sdk import session
+    from traceml.sdk import rank_state
 
     try:
-        return traceml.init() and enable(session.current(), model) is not None
+        return traceml.init() and enable(rank_state.current(), model) is not None
     except Exception as exc:
         fail_open("zero-code instrumentation", exc)
         return False
 
 
-def enable(session: Session | None, model=None) -> AutoSteps | None:
-    """Turn on zero-code steps for ``session`` (idempotent); time ``model``'s forward too.
+def enable(state: RankState | None, model=None) -> AutoSteps | None:
+    """Turn on zero-code steps for ``state`` (idempotent); time ``model``'s forward too.
 
-    Does nothing (returns None) without a session, or once the script has used
+    Does nothing (returns None) without a rank state, or once the script has used
     ``trace_step`` (its steps win).
 
     Args:
-        session: the rank's session (``traceml.sdk.session.current()``).
+        state: the rank's state (``traceml.sdk.rank_state.current()``).
         model: a ``torch.nn.Module`` to time as forward now (a framework callback knows it
             before the first optimizer step), or None to find it from the optimizer.
     """
-    if session is None or session.step_context is not None:
+    if state is None or state.step_context is not None:
         return None
-    tracer = session.tracer
+    tracer = state.tracer
     auto = tracer.auto
     if auto is None:
-        auto = tracer.auto = AutoSteps(tracer, session.note_model)
+        auto = tracer.auto = AutoSteps(tracer, state.note_model)
     if model is not None:
         auto.time_forward(model)
     return auto

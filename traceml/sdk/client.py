@@ -17,7 +17,10 @@ Every channel comes from :func:`traceml.core.transport.open_channel`: it carries
 token (``TRACEML_RUN_TOKEN``) with every call, over TLS when ``TRACEML_TLS_CA`` is set. An
 aggregator that answers ``UNAUTHENTICATED`` (another token) is treated like one that rejected
 the run: one warning, nothing more sent; so is one of another wire version (``FAILED_PRECONDITION``,
-one line naming both versions). One whose writer is behind pushes back (an Ack carrying
+one line naming both versions). A batch refused alone (the aggregator cannot store it: its Ack
+names the batch's own sequence number) is dropped and its records counted, and the next one
+is sent; a value the store cannot hold (above 2**63 - 1) is dropped by the aggregator and
+counted there, never the batch. One whose writer is behind pushes back (an Ack carrying
 ``retry_after_ms``, or ``RESOURCE_EXHAUSTED`` when it serves its bound of calls): the client
 keeps the batch and sends it again after the retry-after the aggregator names (its own backoff
 without one), with no warning.
@@ -38,12 +41,20 @@ arrives; the total dropped is also in the rank's :class:`~traceml.wire.RankFinis
 
 Fork safety (DataLoader workers fork the rank). grpcio is not fork-safe while a call is in
 flight; measured with grpcio 1.85, streaming during fork() killed children and broke the parent's
-stream, and ``GRPC_ENABLE_FORK_SUPPORT=1`` hung the parent. So an ``os.register_at_fork`` hook
+stream. gRPC's own fork handlers, on by default in grpcio builds, hung fork() itself (about one
+run in ten of ``tests/scripts/fork_outage.py``'s 200 forks during an outage): importing this
+module turns them off (``GRPC_ENABLE_FORK_SUPPORT=false`` unless the user set it, before the
+SDK imports grpc; see :data:`traceml.core.transport.GRPC_FORK_SUPPORT_ENV`), and so does
+``traceml run`` for its ranks (for a script that imports grpc before traceml: gRPC reads the
+variable once, at its import). And an ``os.register_at_fork`` hook
 ends every client's stream before fork() (a clean close, waiting a bounded 0.2 s, cancelled
 after that: an unreachable aggregator must not make fork() wait for a deadline; see
-:mod:`traceml.sdk.stream`) and keeps it closed until fork() returns; the next batch reopens it.
-One-off calls (:meth:`TelemetryClient.call`) run under a lock the hook takes as well. A forked
-child marks every client dead and never touches gRPC: its copy of the sender thread does not
+:mod:`traceml.sdk.stream`), cancels its one-off call in flight (made again after the fork),
+and holds the client's gRPC lock until fork() returns: every channel, stream and one-off call
+is made and closed under that lock, so none is created during a fork, also while the client
+has no stream (its first connection, or reconnecting during an outage); the next batch
+reopens the stream. The hook waits at most :data:`FORK_WAIT_MAX_S` in all. A forked child
+marks every client dead and never touches gRPC: its copy of the sender thread does not
 exist, and :meth:`submit` becomes a no-op there.
 """
 
@@ -54,14 +65,24 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from traceml import settings
 from traceml.core.backoff import Backoff
+from traceml.core.phases import STEP_FIELDS
 from traceml.core.threads import name_os_thread
-from traceml.core.transport import MAX_MESSAGE_BYTES, RETRY_AFTER_METADATA_KEY
+from traceml.core.transport import (
+    MAX_MESSAGE_BYTES,
+    RETRY_AFTER_METADATA_KEY,
+    disable_grpc_fork_handlers,
+)
 from traceml.sdk import failopen
+
+# Before any import of grpc by the SDK: gRPC's own fork() handlers can hang a fork() (see
+# GRPC_FORK_SUPPORT_ENV); the fork hooks below make forks safe without them.
+disable_grpc_fork_handlers(os.environ)
 
 # grpc and the wire modules are imported by the sender thread as it starts, not by init(): they
 # cost ~0.2 s of CPU (most of it protobuf's), which then overlaps the script's set-up (model,
@@ -104,6 +125,8 @@ _CLOSE_WAIT_S = 1.0
 #: First pause before the sender reconnects after a failed send, s (then doubling).
 FIRST_BACKOFF_S = 0.2
 
+_STEP_FIELDS = frozenset(STEP_FIELDS)
+
 #: Kinds of record a client can carry (the Batch fields they go to).
 STEPS = "step_groups"
 PROCESS_SAMPLES = "process_samples"
@@ -115,20 +138,18 @@ class ClientConfig:
     """Tuning of one client; every field defaults from :mod:`traceml.settings`."""
 
     flush_interval_s: float = field(
-        default_factory=lambda: settings.env_float(settings.FLUSH_INTERVAL_SEC)
+        default_factory=lambda: settings.read(settings.FLUSH_INTERVAL_SEC)
     )
     batch_max_records: int = field(
-        default_factory=lambda: settings.env_int(settings.BATCH_MAX_RECORDS)
+        default_factory=lambda: settings.read(settings.BATCH_MAX_RECORDS)
     )
     buffer_max_records: int = field(
-        default_factory=lambda: settings.env_int(settings.BUFFER_MAX_RECORDS)
+        default_factory=lambda: settings.read(settings.BUFFER_MAX_RECORDS)
     )
-    rpc_timeout_s: float = field(
-        default_factory=lambda: settings.env_float(settings.RPC_TIMEOUT_SEC)
-    )
+    rpc_timeout_s: float = field(default_factory=lambda: settings.read(settings.RPC_TIMEOUT_SEC))
     #: Longest time without a batch while the client has a ``progress`` slot, seconds: a
     #: progress-only batch goes out then (the aggregator's evidence that the rank lives).
-    heartbeat_s: float = field(default_factory=lambda: settings.env_float(settings.HEARTBEAT_SEC))
+    heartbeat_s: float = field(default_factory=lambda: settings.read(settings.HEARTBEAT_SEC))
     #: Longest pause between reconnect attempts, seconds (the backoff doubles from
     #: :data:`FIRST_BACKOFF_S`, jittered: :class:`~traceml.core.backoff.Backoff`).
     max_backoff_s: float = 5.0
@@ -165,8 +186,12 @@ class ClientStats:
     #: never completed: sent without GPU fields).
     unresolved: int = 0
     #: Steps with a value the wire cannot carry (negative, or beyond 64 bits): a bug of the
-    #: measurement, never a reason to lose the rest of their batch.
+    #: measurement, never a reason to lose the rest of their batch; and the records of
+    #: batches the aggregator refused alone (:attr:`batches_refused`).
     dropped_invalid: int = 0
+    #: Batches the aggregator refused alone (one it cannot store, ``malformed``): dropped,
+    #: and the next one sent.
+    batches_refused: int = 0
     #: Records still buffered when a bounded close gave the rest of its time to the finish
     #: marker (:data:`FINISH_RESERVE_S`).
     dropped_unsent: int = 0
@@ -193,7 +218,7 @@ class ClientStats:
 
 
 # --- fork hooks: shared by every client of the process ------------------------------------
-_clients: "weakref.WeakSet[TelemetryClient]" = weakref.WeakSet()
+_clients: weakref.WeakSet[TelemetryClient] = weakref.WeakSet()
 _in_forked_child = False
 #: Aggregators some client of this process reported unreachable and has not reached since: a
 #: rank and the node sampler it hosts share one endpoint, and the user gets one warning for it.
@@ -209,14 +234,21 @@ def in_forked_child() -> bool:
 _held_for_fork: list = []
 
 
+#: Longest a fork() waits for the telemetry clients of its process, s, all of them together:
+#: for a client's gRPC lock (held only while a channel, stream or one-off call is made or
+#: closed), then for its stream to end (cleanly within ``FORK_CLOSE_WAIT_S`` = 0.2 s of
+#: :mod:`traceml.sdk.stream`, else cancelled) and its one-off call to be cancelled. A client
+#: not quiet by then is left as it is: the fork goes ahead.
+FORK_WAIT_MAX_S = 1.2
+
+
 def _before_fork() -> None:
+    deadline = time.monotonic() + FORK_WAIT_MAX_S
     for client in list(_clients):
-        stream = client._stream
-        if stream is not None:  # ended with a bounded wait: see traceml.sdk.stream
-            stream.quiesce_for_fork()
-            _held_for_fork.append(stream.resume_after_fork)
-        client._rpc_lock.acquire()
-        _held_for_fork.append(client._rpc_lock.release)
+        try:
+            client._quiesce_for_fork(deadline)
+        except Exception as exc:  # fail-open: the fork goes ahead, the other clients quiesce
+            client._warn(f"telemetry fork hook error ({type(exc).__name__}: {exc})")
 
 
 def _after_fork_in_parent() -> None:
@@ -297,11 +329,14 @@ class TelemetryClient:
         self._rejected = False
         self._dead = False  # set in a forked child, or once the client is closed
         self._closing = False  # set by close(): the sender thread finishes the stream
-        self._unreachable_warned = False
+        self._unreachable_sends = 0  # sends that found no aggregator (the first one warns)
         self._retry_after_s = 0.0  # the aggregator's retry-after, once it pushed back
         self._finish = None  # RankFinish to send last, set by close()
         self._unsent_cutoff = float("inf")  # monotonic s: a closing client sends the finish next
-        self._rpc_lock = threading.Lock()  # one-off calls (call()), held by the fork hook
+        #: Held while a gRPC object of this client (channel, stream, one-off call) is made or
+        #: closed, never across a wait on the network; the fork hook holds it through fork().
+        self._grpc_lock = threading.Lock()
+        self._one_off = None  # the one-off call in flight (a grpc future) and its channel
         self._wake = threading.Event()
         self._done = threading.Event()  # set by the sender thread when closing is over
         self._delivered = False  # everything, finish marker included, was acknowledged
@@ -397,8 +432,12 @@ class TelemetryClient:
         """
         deadline = time.monotonic() + timeout_s
         target = self.stats.submitted
+        unreachable_before = self._unreachable_sends
         while self.stats.acked < target:
-            never_reached = self._unreachable_warned and not self._ever_acked
+            # Never reached: a send made since this call found no aggregator, and none ever
+            # succeeded. One before it (an aggregator that came up after this rank's first
+            # send) does not count: the woken sender tries again now.
+            never_reached = not self._ever_acked and self._unreachable_sends > unreachable_before
             if self._dead or self._rejected or never_reached or time.monotonic() >= deadline:
                 return False
             self._wake.set()
@@ -406,20 +445,58 @@ class TelemetryClient:
         return not self._rejected
 
     def call(self, method: str, request, timeout_s: float):
-        """One unary RPC of the aggregator (e.g. ``"Summarize"``, see
-        :func:`traceml.core.endpoint.call`) with this client's credentials, under the fork
-        lock, so that no fork() (a DataLoader worker) happens while it is in flight.
+        """One unary RPC of the aggregator (e.g. ``"Summarize"``) with this client's
+        credentials, on a channel of its own, within ``timeout_s``. A fork() (a DataLoader
+        worker) never waits for it: the fork hook cancels it, and it is made again once the
+        fork is over, within the same ``timeout_s``.
 
         Raises:
             grpc.RpcError: the call failed or timed out.
             RuntimeError: called in a forked child, which must never touch gRPC.
         """
-        if _in_forked_child:
-            raise RuntimeError("no telemetry RPC from a forked child")
-        from traceml.core import endpoint
+        import grpc
 
-        with self._rpc_lock:
-            return endpoint.call(self.target, method, request, timeout_s, self._credentials())
+        from traceml import wire
+        from traceml.core.transport import open_channel
+        from traceml.sdk.stream import StreamError
+
+        if _in_forked_child:  # before the lock: a child inherits it held by the fork hook
+            raise RuntimeError("no telemetry RPC from a forked child")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._grpc_lock:
+                channel = open_channel(self.target, credentials=self._credentials())
+                stub = getattr(wire.AggregatorStub(channel), method)
+                future = stub.future(request, timeout=max(0.001, deadline - time.monotonic()))
+                self._one_off = (future, channel)
+            try:
+                return future.result()
+            except grpc.FutureCancelledError:  # by the fork hook: again, after the fork
+                if time.monotonic() >= deadline:
+                    raise StreamError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s"
+                    ) from None
+            finally:
+                with self._grpc_lock:
+                    self._one_off = None
+                    _close_quietly(channel)
+
+    def _quiesce_for_fork(self, deadline: float) -> None:
+        """The fork hook's part for this client: take its gRPC lock, cancel its one-off call,
+        end its stream, and hold both locks through fork(); every wait ends at ``deadline``
+        (monotonic, s), after which the client is left as it is."""
+        if not self._grpc_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return
+        _held_for_fork.append(self._grpc_lock.release)
+        if self._one_off is not None:
+            from traceml.sdk.stream import wait_calls_done
+
+            future, channel = self._one_off
+            future.cancel()
+            wait_calls_done(channel, deadline)
+        stream = self._stream  # set and cleared under the lock: no stream opens meanwhile
+        if stream is not None and stream.quiesce_for_fork(deadline):
+            _held_for_fork.append(stream.resume_after_fork)
 
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -446,8 +523,9 @@ class TelemetryClient:
                 if self._retry_after_s and not ok:
                     wait, self._retry_after_s = self._retry_after_s, 0.0
                 if self._closing and self._close_over(ok):
-                    if self._stream is not None:  # a clean end: the aggregator sees a close
-                        self._stream.close(_CLOSE_WAIT_S)
+                    with self._grpc_lock:
+                        if self._stream is not None:  # a clean end: the aggregator sees a close
+                            self._stream.close(_CLOSE_WAIT_S)
                     self._done.set()
                     return
         finally:
@@ -459,7 +537,7 @@ class TelemetryClient:
         if self._rejected:
             return True
         if ok and self._pending is None and not self._buffer and self._finish is None:
-            self._delivered = True
+            self._delivered = self.stats.batches_refused == 0  # a refused one was not
             return True
         return not ok and not (self._ever_acked or self._pushed_back_ever)
 
@@ -529,10 +607,14 @@ class TelemetryClient:
         # A heartbeat (a batch of progress alone) waits for the first completed step: before
         # it the hang watch ignores the rank, and the first batch carries the identity, whose
         # parallelism is known only once a step has seen the model.
-        if records == 0 and not last and (
-            progress is None
-            or progress[0] == 0
-            or now - self._last_batch_at < self.config.heartbeat_s
+        if (
+            records == 0
+            and not last
+            and (
+                progress is None
+                or progress[0] == 0
+                or now - self._last_batch_at < self.config.heartbeat_s
+            )
         ):
             return None
         self._last_batch_at = now
@@ -587,9 +669,11 @@ class TelemetryClient:
             self._on_unreachable(exc)
             return False
         self.stats.batches_sent += 1
+        if ack.rejected and ack.stored_seq >= batch.seq:
+            return self._drop_refused(batch, ack.reason)
         if ack.rejected:
             return self._give_up(ack.reason)
-        if ack.retry_after_ms:  # the writer is behind: this batch was not taken
+        if ack.retry_after_ms:  # the writer is behind: this batch is not acknowledged
             self.stats.pushed_back += 1
             self._pushed_back_ever = True
             self._retry_after_s = min(ack.retry_after_ms / 1000.0, 30.0)
@@ -612,6 +696,22 @@ class TelemetryClient:
         self._warn(f"aggregator rejected telemetry: {reason}; sending no more")
         self._pending = None
         self._buffer.clear()
+        return True
+
+    def _drop_refused(self, batch, reason: str) -> bool:
+        """The aggregator refused this batch alone (its Ack names the batch's own sequence
+        number): count its records as dropped, warn for the first one, send the next."""
+        from traceml.wire.records import record_count
+
+        self._pending = None
+        self.stats.dropped_invalid += record_count(batch)
+        self.stats.steps_dropped += sum(len(group.step) for group in batch.step_groups)
+        self.stats.batches_refused += 1
+        if self.stats.batches_refused == 1:
+            self._warn(
+                f"aggregator refused a batch: {reason}; its records are dropped and counted, "
+                "telemetry goes on (further ones are only counted)"
+            )
         return True
 
     def _give_up_buffer(self) -> None:
@@ -640,21 +740,23 @@ class TelemetryClient:
         return self.credentials
 
     def _connect(self):
-        """The stream (on a channel of this client's), opened on first use."""
+        """The stream (on a channel of this client's), opened on first use (never during a
+        fork: under the gRPC lock)."""
         if self._stream is None:
             from traceml.core.transport import open_channel
             from traceml.sdk.stream import BatchStream
 
-            self._channel = open_channel(
-                self.target, [("grpc.enable_retries", 0)], self._credentials()
-            )
-            self._stream = BatchStream(self._channel)
+            with self._grpc_lock:
+                self._channel = open_channel(
+                    self.target, [("grpc.enable_retries", 0)], self._credentials()
+                )
+                self._stream = BatchStream(self._channel)
         return self._stream
 
     def _on_unreachable(self, exc) -> None:
         """A send failed: warn once per process and endpoint, drop the channel."""
-        if not self._unreachable_warned:
-            self._unreachable_warned = True
+        self._unreachable_sends += 1
+        if self._unreachable_sends == 1:
             if self.target not in _unreachable_targets:
                 _unreachable_targets.add(self.target)
                 code = exc.code() if hasattr(exc, "code") else None
@@ -665,20 +767,36 @@ class TelemetryClient:
         self._close_channel()
 
     def _close_channel(self) -> None:
-        if self._stream is not None:
-            self._stream.cancel()
-        if self._channel is not None:
-            try:
-                self._channel.close()
-            except Exception:
-                pass
-        self._channel = None
-        self._stream = None
+        """End the stream and close the channel (never during a fork: under the gRPC lock,
+        until gRPC's channel thread is done with it, at most :data:`FORK_WAIT_MAX_S`)."""
+        with self._grpc_lock:
+            if self._stream is not None:
+                self._stream.cancel()
+            if self._channel is not None:
+                _close_quietly(self._channel)
+            self._channel = None
+            self._stream = None
+
+
+def _close_quietly(channel) -> None:
+    """Close ``channel`` and wait (at most :data:`FORK_WAIT_MAX_S`) until gRPC's channel
+    thread is done with its calls: a fork() right after finds no thread inside gRPC."""
+    from traceml.sdk.stream import wait_calls_done
+
+    try:
+        channel.close()
+    except Exception:
+        pass
+    wait_calls_done(channel, time.monotonic() + FORK_WAIT_MAX_S)
 
 
 def _fits_wire(step: dict) -> bool:
-    """Whether every field of ``step`` is an integer a uint64 column takes."""
-    return all(type(v) is int and 0 <= v < 1 << 64 for v in step.values())
+    """Whether every field of ``step`` is a step field holding an integer a uint64 column
+    takes (the aggregator stores up to 2**63 - 1 and drops, counted, a value above: see
+    ``traceml_aggregator/senders.py``)."""
+    return all(
+        name in _STEP_FIELDS and type(v) is int and 0 <= v < 1 << 64 for name, v in step.items()
+    )
 
 
 def _retry_after_s(exc) -> float:
@@ -698,4 +816,3 @@ def _load_wire() -> None:
 
     from traceml import wire  # noqa: F401
     from traceml.sdk import stream  # noqa: F401
-

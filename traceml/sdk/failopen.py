@@ -20,6 +20,6 @@ def warn(message: str) -> None:
 
 def fail_open(what: str, exc: BaseException) -> None:
     """Report an SDK error as one warning, or raise it under ``TRACEML_STRICT=1``."""
-    if settings.env_bool(settings.STRICT):
+    if settings.read(settings.STRICT):
         raise exc
     warn(f"{what} failed ({type(exc).__name__}: {exc}); training continues")

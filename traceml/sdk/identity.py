@@ -37,9 +37,12 @@ class RankInfo:
     restart_count: int
     hostname: str
     pid: int
+    #: The rank and world size are those of a process group the script built itself
+    #: (:meth:`from_process_group`), not torchrun's.
+    own_process_group: bool = False
 
     @classmethod
-    def from_env(cls, environ=None) -> "RankInfo":
+    def from_env(cls, environ=None) -> RankInfo:
         """Read ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
         and ``TORCHELASTIC_RESTART_COUNT``.
 
@@ -58,7 +61,7 @@ class RankInfo:
             pid=os.getpid(),
         )
 
-    def from_process_group(self) -> "RankInfo":
+    def from_process_group(self) -> RankInfo:
         """This identity, or the rank and world size of the default process group when one is
         initialised and disagrees with torchrun's variables.
 
@@ -66,7 +69,8 @@ class RankInfo:
         under ``traceml run --nproc-per-node=1``): every child inherits torchrun's ``RANK=0``
         and builds its own group, so the group's rank is the one that tells the children
         apart. Their local rank and local world size become the group's too (spawned
-        children share the node).
+        children share the node), and ``own_process_group`` is set: the aggregator then
+        takes the group's world as the run's (see ``traceml_aggregator/script_world.py``).
         """
         try:
             import torch.distributed as dist
@@ -79,5 +83,10 @@ class RankInfo:
         if (rank, world_size) == (self.rank, self.world_size):
             return self
         return dataclasses.replace(
-            self, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size
+            self,
+            rank=rank,
+            world_size=world_size,
+            local_rank=rank,
+            local_world_size=world_size,
+            own_process_group=True,
         )

@@ -1,6 +1,7 @@
 """GPU memory of a rank, from PyTorch's CUDA caching allocator (only the process can read it).
 
-Step peaks, cheaply and without touching the user's statistics. ``torch.cuda.max_memory_allocated()``
+Step peaks, cheaply and without touching the user's statistics.
+``torch.cuda.max_memory_allocated()``
 costs about 90-115 µs per call on an H200 (measured for issue 5): it builds the allocator's whole
 statistics dictionary and then flattens it in Python. :class:`StepMemory` instead reads the
 nested statistics once every N steps (``TRACEML_MEMORY_EVERY_N_STEPS``, default 10; the steps
@@ -23,7 +24,7 @@ device 0.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

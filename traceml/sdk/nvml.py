@@ -9,6 +9,11 @@ A figure NVML cannot give is absent and the sample's ``unavailable_reason`` says
 MIG mode and its slices report no utilisation, a slice has no temperature or power of its own.
 NVML missing or broken (CPU hosts, containers without the driver library) raises
 :class:`NvmlUnavailable` from :meth:`Nvml.open`; the caller reports that once and goes on.
+
+Each device is read on its own: a GPU whose handle or UUID NVML refuses (``NO_PERMISSION`` in
+a restricted container, ``GPU_IS_LOST`` after an Xid 79) is sampled as a row with only its
+NVML index and the reason, and a figure one GPU or slice cannot give never costs another
+device its samples.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class _Gpu:
     uuid: str
     mig: bool = False
     slices: list[tuple[object, str]] = field(default_factory=list)
+    #: Why NVML could not describe this GPU (its handle or UUID), "" when it could.
+    error: str = ""
 
 
 def _text(value) -> str:
@@ -43,7 +50,7 @@ class Nvml:
         self.gpus = gpus
 
     @classmethod
-    def open(cls) -> "Nvml":
+    def open(cls) -> Nvml:
         """Initialise NVML and list the GPUs (and MIG slices).
 
         Raises:
@@ -58,7 +65,7 @@ class Nvml:
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, OSError...
             raise NvmlUnavailable(f"NVML did not start ({exc})") from None
         try:
-            gpus = [_describe(nv, i) for i in range(nv.nvmlDeviceGetCount())]
+            gpus = describe_all(nv)
         except Exception as exc:
             _shutdown(nv)
             raise NvmlUnavailable(f"NVML cannot list GPUs ({exc})") from None
@@ -71,7 +78,8 @@ class Nvml:
         """UUIDs of every GPU and MIG slice (``GPU-…``, ``MIG-…``)."""
         out = []
         for gpu in self.gpus:
-            out.append(gpu.uuid)
+            if gpu.uuid:
+                out.append(gpu.uuid)
             out.extend(uuid for _, uuid in gpu.slices)
         return out
 
@@ -82,17 +90,26 @@ class Nvml:
         nv = self._nv
         samples = []
         for gpu in self.gpus:
+            if gpu.error:
+                samples.append(wire.GpuSample(nvml_index=gpu.index, unavailable_reason=gpu.error))
+                continue
             h = gpu.handle
             s = wire.GpuSample(nvml_index=gpu.index, uuid=gpu.uuid)
             reasons: list[str] = []
             if gpu.mig:
                 reasons.append("utilisation: MIG mode, NVML reports none")
             else:
-                _put(s, "util_percent", reasons, lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                _put(
+                    s, "util_percent", reasons, lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).gpu
+                )
             _put_memory(nv, s, h, reasons)
-            _put(s, "temperature_c", reasons,
-                 lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
-            _put(s, "power_w", reasons, lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)  # mW
+            _put(
+                s,
+                "temperature_c",
+                reasons,
+                lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+            )
+            _put(s, "power_w", reasons, lambda h=h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)  # mW
             s.unavailable_reason = "; ".join(reasons)
             samples.append(s)
             for mig, uuid in gpu.slices:
@@ -111,20 +128,36 @@ class Nvml:
         _shutdown(self._nv)
 
 
+def describe_all(nv) -> list[_Gpu]:
+    """Every GPU NVML counts (``nv`` is the ``pynvml`` module), each described on its own: a
+    GPU NVML cannot describe is kept with its ``error``.
+
+    Raises:
+        Exception: whatever ``nvmlDeviceGetCount`` raises (NVML cannot list GPUs at all).
+    """
+    gpus = []
+    for index in range(nv.nvmlDeviceGetCount()):
+        try:
+            gpus.append(_describe(nv, index))
+        except Exception as exc:  # NoPermission, GpuIsLost, ...
+            gpus.append(_Gpu(index, None, "", error=f"NVML cannot read GPU {index}: {exc}"))
+    return gpus
+
+
 def _describe(nv, index: int) -> _Gpu:
     handle = nv.nvmlDeviceGetHandleByIndex(index)
     gpu = _Gpu(index, handle, _text(nv.nvmlDeviceGetUUID(handle)))
     try:
         gpu.mig = nv.nvmlDeviceGetMigMode(handle)[0] == nv.NVML_DEVICE_MIG_ENABLE
+        slots = nv.nvmlDeviceGetMaxMigDeviceCount(handle) if gpu.mig else 0
     except Exception:  # NotSupported: a GPU without MIG
         return gpu
-    if gpu.mig:
-        for slot in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-            except Exception:  # NotFound: an empty slot
-                continue
+    for slot in range(slots):
+        try:
+            mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             gpu.slices.append((mig, _text(nv.nvmlDeviceGetUUID(mig))))
+        except Exception:  # NotFound: an empty slot; a slice NVML refuses is left out
+            continue
     return gpu
 
 

@@ -31,13 +31,14 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from traceml import settings
 from traceml.core.threads import name_os_thread
 from traceml.sdk import client as client_mod
-from traceml.sdk.nvml import Nvml, NvmlUnavailable
 from traceml.sdk.failopen import warn
+from traceml.sdk.nvml import Nvml, NvmlUnavailable
 
 # psutil and traceml.wire (which loads grpc) are imported where they are used, on the sampler
 # thread or in the launcher: a rank's init() must not pay for them (~0.2 s measured here).
@@ -116,8 +117,10 @@ class Workers:
         return found
 
     def sample(self, unix_us: int) -> list:
-        """One :class:`~traceml.wire.ProcessSample` per live worker. CPU % (of one core, over
-        the time since the previous sample) is absent from a worker's first sample."""
+        """One :class:`~traceml.wire.ProcessSample` per live worker (one that exited and is not
+        reaped yet has none: its RSS and CPU % read 0, which were never measured). CPU % (of one
+        core, over the time since the previous sample) is absent from a worker's first
+        sample."""
         import psutil
 
         from traceml import wire
@@ -126,6 +129,8 @@ class Workers:
         for pid, (proc, rank, restart) in self.find().items():
             try:
                 with proc.oneshot():
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        continue  # exited, not reaped yet: psutil reads 0 B and 0 %, unmeasured
                     cpu = proc.cpu_percent(None)
                     rss = proc.memory_info().rss
             except psutil.Error:
@@ -217,7 +222,7 @@ class NodeSampler:
         finally:
             if self._nvml is not None:
                 self._nvml.close()
-            self.client.close(timeout_s=settings.env_float(settings.FINISH_TIMEOUT_SEC))
+            self.client.close(timeout_s=settings.read(settings.FINISH_TIMEOUT_SEC))
 
 
 class RankMemorySampler:
@@ -253,7 +258,7 @@ class RankMemorySampler:
         )
 
     def close(self) -> None:
-        """Nothing to release: the session closes the rank's client."""
+        """Nothing to release: the rank state closes the rank's client."""
 
 
 class SamplerThread:
@@ -297,7 +302,7 @@ class SamplerThread:
 
 
 def _interval_s() -> float:
-    return settings.env_float(settings.SAMPLE_INTERVAL_SEC)
+    return settings.read(settings.SAMPLE_INTERVAL_SEC)
 
 
 def start_node_sampler(config, torchrun_pid: int) -> SamplerThread:
@@ -313,22 +318,22 @@ def start_node_sampler(config, torchrun_pid: int) -> SamplerThread:
     return SamplerThread([NodeSampler(client, config.node_rank, workers)], _interval_s())
 
 
-def start_rank_samplers(session) -> SamplerThread | None:
+def start_rank_samplers(state) -> SamplerThread | None:
     """The samplers a rank's SDK runs (None when there is nothing to sample):
 
     * with CUDA, its allocator figures (:class:`RankMemorySampler`);
     * without the launcher (``TRACEML_LAUNCHED`` unset), on local rank 0, the node sampler: its
       workers are its parent's (torchrun's) worker children, and itself.
     """
-    info = session.info
+    info = state.info
     samplers: list = []
-    if session.device is not None:
-        samplers.append(RankMemorySampler(session.client, session.device))
-    if not settings.env_bool(settings.LAUNCHED) and info.local_rank == 0:
+    if state.device is not None:
+        samplers.append(RankMemorySampler(state.client, state.device))
+    if not settings.read(settings.LAUNCHED) and info.local_rank == 0:
         # Its own stream per attempt: a restarted rank 0 starts its sequence numbers again.
         client = client_mod.TelemetryClient(
-            session.target,
-            session.run_name,
+            state.target,
+            state.run_name,
             rank=None,
             node_rank=info.node_rank,
             restart_count=info.restart_count,

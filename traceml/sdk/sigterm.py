@@ -34,7 +34,7 @@ thread acts when the main thread has not within :data:`STEP_GRACE_S`. The altern
 (torch's, gRPC's) exist before ``init()``: a thread that does not block SIGTERM gets its default
 action, and the process dies without a flush.
 
-A forked child (a DataLoader worker) inherits the handler but no session: there it restores
+A forked child (a DataLoader worker) inherits the handler but no rank state: there it restores
 the default action at once, and it stops writing to the parent's pipe.
 """
 
@@ -52,11 +52,11 @@ from traceml.sdk import client as client_mod
 #: Longest wait for the step in progress to end before the flush starts anyway, s.
 STEP_GRACE_S = 0.5
 
-_terminator: "_Terminator | None" = None
+_terminator: _Terminator | None = None
 
 
-def install(session) -> bool:
-    """Take SIGTERM for ``session`` if its disposition is ``SIG_DFL``; True when taken.
+def install(state) -> bool:
+    """Take SIGTERM for ``state`` if its disposition is ``SIG_DFL``; True when taken.
 
     Call on the main thread (``traceml.init()``); elsewhere, or with another disposition,
     nothing changes and False is returned.
@@ -66,19 +66,19 @@ def install(session) -> bool:
         return False
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL or _terminator is not None:
         return False
-    _terminator = _Terminator(session, settings.env_float(settings.SIGTERM_FLUSH_SEC))
+    _terminator = _Terminator(state, settings.read(settings.SIGTERM_FLUSH_SEC))
     signal.signal(signal.SIGTERM, _terminator.on_signal)
     _terminator.watch()
     return True
 
 
 class _Terminator:
-    """The flush-then-die sequence of one session, started by whichever of the main thread
+    """The flush-then-die sequence of one rank state, started by whichever of the main thread
     (the signal handler, or the end of the step in progress) and the watcher thread comes
     first."""
 
-    def __init__(self, session, budget_s: float) -> None:
-        self.session = session
+    def __init__(self, state, budget_s: float) -> None:
+        self.state = state
         self.budget_s = budget_s
         self.arrived: float | None = None  # monotonic s of the first SIGTERM
         self._lock = threading.Lock()
@@ -91,7 +91,7 @@ class _Terminator:
         if client_mod.in_forked_child():
             _die()
         self._note_arrival()
-        tracer = self.session.tracer
+        tracer = self.state.tracer
         if tracer.in_step:
             tracer.on_step_end = self.terminate  # the step is counted, then the flush
             threading.Thread(target=self._after_grace, name="traceml-sigterm", daemon=True).start()
@@ -149,15 +149,15 @@ class _Terminator:
             threading.Event().wait()  # the first caller ends the process
         try:
             remaining = max(self.arrived + self.budget_s - time.monotonic(), 0.1)
-            if self.session.closed:  # the exit's own flush (atexit) is under way: let it go on
-                self.session.client.wait_closed(remaining)
+            if self.state.closed:  # the exit's own flush (atexit) is under way: let it go on
+                self.state.client.wait_closed(remaining)
             else:
-                self.session.close(timeout_s=remaining, signal_name="SIGTERM")
+                self.state.close(timeout_s=remaining, signal_name="SIGTERM")
         finally:
             _die()
 
     def after_fork_in_child(self) -> None:
-        """In a forked child: no session here, and the pipe is the parent's."""
+        """In a forked child: no rank state here, and the pipe is the parent's."""
         if self._pipe is not None:
             try:
                 signal.set_wakeup_fd(-1)

@@ -32,7 +32,7 @@ Definitions (all durations per step, in ns here and µs on the wire):
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 _now_ns = time.perf_counter_ns
 
@@ -195,9 +195,12 @@ class StepTracer:
 
     # -- phases: called by the instrumentation hooks --------------------------------------------
     def add_dataloader(
-        self, elapsed_ns: int, iterator: int = 0, samples: int | None = None,
+        self,
+        elapsed_ns: int,
+        iterator: int = 0,
+        samples: int | None = None,
         tokens: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Account one DataLoader ``__next__`` call (inside or between steps).
 
         Args:
@@ -323,4 +326,4 @@ class StepTracer:
 
 def _work_sum(a: list, b: list) -> tuple[int | None, int | None]:
     """``(samples, tokens)`` of two ``[samples, tokens]`` counts (None + None is None)."""
-    return tuple(x if y is None else y if x is None else x + y for x, y in zip(a, b))
+    return tuple(x if y is None else y if x is None else x + y for x, y in zip(a, b, strict=True))

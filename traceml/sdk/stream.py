@@ -21,7 +21,8 @@ open, so :meth:`quiesce_for_fork` (from the ``os.register_at_fork`` hook) ends t
 before fork(): it half-closes it, waits at most :data:`FORK_CLOSE_WAIT_S` for the aggregator
 to end it (it acknowledges what it holds first), cancels it if that did not happen (an
 unreachable aggregator: the fork waits for no network deadline), waits for the reader thread,
-and holds the stream's lock through fork() so that no stream opens meanwhile;
+every wait within the hook's bound (``FORK_WAIT_MAX_S`` of :mod:`traceml.sdk.client`), and
+holds the stream's lock through fork() so that no stream opens (nor is cancelled) meanwhile;
 :meth:`resume_after_fork` releases it in the parent, where the next push reopens the stream.
 A push whose stream was ended by a fork raises :class:`ForkInterrupted`: the batch is sent
 again, nothing is reported.
@@ -104,16 +105,18 @@ class _Open:
             else:
                 for ack in self.call:
                     self.acks.put(ack)
-            self.acks.put(StreamError(grpc.StatusCode.UNAVAILABLE, "the aggregator ended the stream"))
+            self.acks.put(
+                StreamError(grpc.StatusCode.UNAVAILABLE, "the aggregator ended the stream")
+            )
         except grpc.RpcError as exc:  # the call object itself: code(), details(), trailers
             self.acks.put(exc)
         except Exception as exc:  # fail-open: never kill the thread with a traceback
             self.acks.put(StreamError(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"))
 
-    def end(self, wait_s: float) -> None:
+    def end(self, wait_s: float, cancel_by: float | None = None) -> None:
         """Say ``closing`` (a clean end) and half-close, wait up to ``wait_s`` for the
         aggregator to end the call, else cancel; returns once the reader thread is gone (or
-        after :data:`_CANCEL_WAIT_S` more)."""
+        after :data:`_CANCEL_WAIT_S` more, or at ``cancel_by``: a monotonic time, s)."""
         if wait_s > 0:
             self.requests.put(_CLOSING)
         self.requests.put(_END)
@@ -121,7 +124,8 @@ class _Open:
         self.reader.join(wait_s)
         if self.reader.is_alive():
             self.call.cancel()
-            self.reader.join(_CANCEL_WAIT_S)
+            cancel_wait_s = _CANCEL_WAIT_S if cancel_by is None else cancel_by - time.monotonic()
+            self.reader.join(max(0.0, cancel_wait_s))
 
 
 class BatchStream:
@@ -161,8 +165,9 @@ class BatchStream:
             item = StreamError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no acknowledgement within {timeout_s:g} s"
             )
+            with self._lock:  # never during a fork (quiesce_for_fork holds the lock through it)
+                current.call.cancel()
             self._drop(current)
-            current.call.cancel()
         if isinstance(item, wire.Ack):
             return item
         self._drop(current)
@@ -182,21 +187,24 @@ class BatchStream:
         """End the stream at once (the channel is about to close)."""
         self.close(0.0)
 
-    def quiesce_for_fork(self) -> None:
+    def quiesce_for_fork(self, deadline: float) -> bool:
         """Before fork(): end the stream (at most :data:`FORK_CLOSE_WAIT_S` waiting for the
-        aggregator), wait (within the same bound) until the channel has no call left, and hold
-        the lock until :meth:`resume_after_fork`."""
-        self._lock.acquire()
-        current, self._open = self._open, None
-        if current is not None:
-            deadline = time.monotonic() + FORK_CLOSE_WAIT_S
-            current.for_fork = True
-            current.end(FORK_CLOSE_WAIT_S)
-            # The call's last operations complete on gRPC's channel thread a moment after the
-            # status arrived; a fork() meanwhile finds that thread inside gRPC ("Other threads
-            # are currently calling into gRPC, skipping fork() handlers" on stderr).
-            while _managed_calls(self._channel) and time.monotonic() < deadline:
-                time.sleep(0.001)
+        aggregator, then cancelled), wait until the channel has no call left, and hold the
+        lock until :meth:`resume_after_fork`; every wait ends at ``deadline`` (monotonic, s).
+        False, holding nothing, when the lock was not free by then; an exception raised here
+        leaves the lock free too."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            current, self._open = self._open, None
+            if current is not None:
+                current.for_fork = True
+                current.end(min(FORK_CLOSE_WAIT_S, max(0.0, deadline - time.monotonic())), deadline)
+                wait_calls_done(self._channel, deadline)
+        except BaseException:
+            self._lock.release()  # never left held: the sender's next push would wait forever
+            raise
+        return True
 
     def resume_after_fork(self) -> None:
         """After fork(), in the parent: the next push opens a stream again."""
@@ -210,6 +218,16 @@ class BatchStream:
         with self._lock:
             if self._open is current:
                 self._open = None
+
+
+def wait_calls_done(channel, deadline: float) -> None:
+    """Wait, until ``deadline`` (monotonic, s) at the latest, until gRPC's channel thread has
+    finished the calls of ``channel`` (a synchronous grpcio channel). A call's last operations
+    complete on that thread a moment after its status arrived; a fork() meanwhile finds it
+    inside gRPC ("Other threads are currently calling into gRPC, skipping fork() handlers" on
+    stderr)."""
+    while _managed_calls(channel) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _managed_calls(channel) -> int:

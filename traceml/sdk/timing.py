@@ -15,25 +15,39 @@ average, and the medians over the timed steps describe the run.
 
 How it is resolved. Nothing here ever synchronizes the device or the stream: the telemetry
 client, on its own thread, calls :meth:`GpuStep.ready` (``Event.query()``, ~0.3 µs each) before
-converting a step, keeping steps in order, and :meth:`GpuStep.fill` then reads
-``elapsed_time`` and returns the events to the :class:`EventPool`. At the end of the run,
-:meth:`GpuTimer.close` polls the last timed step's events for at most
+converting a step, keeping steps in order; once every event of the step has completed, it reads
+their ``elapsed_time`` and returns them to the :class:`EventPool`, and :meth:`GpuStep.fill`
+adds the fields. At the end of the run,
+:meth:`GpuTimer.close` polls the events of every timed step still pending for at most
 ``TRACEML_GPU_FINISH_WAIT_SEC`` (default 2 s; on the exit path, after training, never inside a
 step); steps still pending after that are sent without GPU fields and counted in
 ``RankFinish.steps_gpu_unresolved``.
 
-Safety. Every CUDA call takes the device index that the training thread found
-(:class:`~traceml.sdk.device.RankDevice`), so no context is created on another GPU. While the
-current stream is capturing a CUDA graph no event is recorded (timing events are not allowed in
-a capture). A CUDA error while recording drops the GPU timing of that phase, never raises into
-training.
+Safety. Every CUDA call takes the device index found by
+:class:`~traceml.sdk.device.RankDevice`, so no context is created on another GPU. CUDA graph
+captures: in the default ``global`` capture mode, an ``Event.query()`` or ``elapsed_time`` from
+*any* thread while *any* capture is under way invalidates the user's capture (CUDAGraph.cpp;
+the same fault crashed NCCL's watchdog, pytorch #104487). The stream check on the capturing
+thread cannot see a capture begun on another thread, nor a capture that begins while the
+sender thread is half-way through its queries. So :func:`install_capture_guard` wraps
+``torch.cuda.CUDAGraph.capture_begin``/``capture_end`` (which ``torch.cuda.graph``,
+``make_graphed_callables`` and ``torch.compile``'s CUDA graphs all go through) to keep a
+process-wide count of captures in progress, :data:`CAPTURES`, behind one lock: the sender
+thread holds the lock across its queries and makes none while a capture is counted, and a
+capture begins only after the lock is free (a wait of a few µs, never across I/O). The training
+thread records no event while a capture is counted or its current stream captures. A capture
+begun outside ``CUDAGraph`` (a C++ extension calling ``cudaStreamBeginCapture``) is not seen
+by the count. A CUDA error while recording drops the GPU timing of that phase, never raises
+into training.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -55,6 +69,68 @@ POOL_MAX_EVENTS = 256
 # the Stream object is built only when the stream changes, not once per event (the per-event
 # cost of both paths is measured by benchmarks/gpu_check.py).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class CaptureGuard:
+    """CUDA graph captures in progress in the process (see "Safety" in the module docstring).
+
+    Attributes:
+        lock: held by a thread querying events, and taken by a capture as it begins.
+        active: captures begun and not yet ended (any thread).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+
+    def wrap_begin(self, original):
+        """``capture_begin`` counting the capture first (after any query in flight ended)."""
+
+        @functools.wraps(original)
+        def capture_begin(graph, *args, **kwargs):
+            with self.lock:
+                self.active += 1
+            try:
+                return original(graph, *args, **kwargs)
+            except BaseException:
+                self.end()
+                raise
+
+        capture_begin.__traceml_original__ = original
+        return capture_begin
+
+    def wrap_end(self, original):
+        """``capture_end`` uncounting the capture once it ended (also when it raised)."""
+
+        @functools.wraps(original)
+        def capture_end(graph, *args, **kwargs):
+            try:
+                return original(graph, *args, **kwargs)
+            finally:
+                self.end()
+
+        capture_end.__traceml_original__ = original
+        return capture_end
+
+    def end(self) -> None:
+        """One capture ended."""
+        with self.lock:
+            self.active = max(0, self.active - 1)
+
+
+#: The process's captures in progress.
+CAPTURES = CaptureGuard()
+
+
+def install_capture_guard(graph_class=None) -> None:
+    """Count CUDA graph captures in :data:`CAPTURES`: wrap ``capture_begin`` and
+    ``capture_end`` of ``graph_class`` (default ``torch.cuda.CUDAGraph``, whose Python methods
+    ``torch.cuda.graph`` calls). Idempotent; call before training captures anything."""
+    if graph_class is None:
+        graph_class = torch.cuda.CUDAGraph
+    if getattr(graph_class.capture_begin, "__traceml_original__", None) is None:
+        graph_class.capture_begin = CAPTURES.wrap_begin(graph_class.capture_begin)
+        graph_class.capture_end = CAPTURES.wrap_end(graph_class.capture_end)
 
 
 class TorchCuda:
@@ -84,10 +160,14 @@ class TorchCuda:
             self._raw = raw
         return self._stream
 
-    @staticmethod
-    def capturing() -> bool:
-        """True while the current stream captures a CUDA graph (events must not be recorded)."""
-        return torch.cuda.is_current_stream_capturing()
+    def capturing(self) -> bool:
+        """True while the rank's current stream captures a CUDA graph (no event may be
+        recorded). Asked of the rank's device: a rank that never called ``set_device`` has
+        current device 0, and a stream call there would create a context on GPU 0."""
+        if torch.cuda.current_device() == self.index:
+            return torch.cuda.is_current_stream_capturing()
+        with self.device_guard():
+            return torch.cuda.is_current_stream_capturing()
 
     def device_guard(self):
         """Context manager making the rank's device current on the calling thread (the sender
@@ -128,18 +208,19 @@ class GpuStep:
     """The events of one GPU-timed step (the tracer's ``gpu_step``).
 
     Training thread: :meth:`begin`/:meth:`end`/:meth:`cancel` around phases, :meth:`close` at the
-    step's end. Sender thread: :meth:`ready`, then :meth:`fill`.
+    step's end. Sender thread (and :meth:`GpuTimer.close` on the exit path): :meth:`ready`,
+    which reads the elapsed times once every event completed, then :meth:`fill`.
     """
 
-    __slots__ = ("_timer", "_start", "_stop", "_open", "_intervals", "_resolved")
+    __slots__ = ("_timer", "_start", "_stop", "_open", "_intervals", "_fields")
 
-    def __init__(self, timer: "GpuTimer", start) -> None:
+    def __init__(self, timer: GpuTimer, start) -> None:
         self._timer = timer
         self._start = start
         self._stop = None
         self._open = [None] * len(PHASE_FIELDS)  # start event of the phase in progress
         self._intervals: list = []  # (phase, start event, end event)
-        self._resolved = False
+        self._fields: dict | None = None  # the GPU fields (µs), once read
 
     # --- training thread ------------------------------------------------------------------
     def begin(self, phase: int) -> None:
@@ -154,62 +235,79 @@ class GpuStep:
             stop = self._timer.record()
             if stop is not None:
                 self._intervals.append((phase, start, stop))
+            else:
+                self._timer.pool.give((start,))
 
     def cancel(self, phase: int) -> None:
-        """Forget a phase started by :meth:`begin` (the call turned out not to be one)."""
-        self._open[phase] = None
+        """Forget a phase started by :meth:`begin` (the call turned out not to be one); its
+        start event goes back to the pool."""
+        start = self._open[phase]
+        if start is not None:
+            self._open[phase] = None
+            self._timer.pool.give((start,))
 
     def close(self) -> None:
-        """The step ends: record its end event."""
+        """The step ends: record its end event (phases still open are forgotten)."""
         self._stop = self._timer.record()
+        self._timer.pool.give([event for event in self._open if event is not None])
         self._open = [None] * len(PHASE_FIELDS)
 
     # --- sender thread --------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """True when nothing is left to wait for: the fields were read, or cannot be (the end
+        event was never recorded, or a CUDA error)."""
+        return self._fields is not None or self._stop is None
+
     def ready(self) -> bool:
-        """True once every event has completed (``Event.query()``; never waits).
+        """True once every event has completed (``Event.query()``; never waits); the elapsed
+        times are then read at once and the events go back to the pool.
 
-        A step whose events cannot be queried (a CUDA error) counts as ready and is sent
-        without GPU fields, so it never holds the telemetry stream back.
+        False, without a CUDA call, while a CUDA graph capture is under way anywhere in the
+        process (:data:`CAPTURES`). A step whose events cannot be queried (a CUDA error)
+        counts as ready and is sent without GPU fields, so it never holds the telemetry
+        stream back.
         """
-        if self._resolved or self._stop is None:  # None: the end event could not be recorded
+        if self.done:
             return True
-        try:
-            with self._timer.cuda.device_guard():
-                done = (
-                    self._stop.query()
-                    and self._start.query()
-                    and all(start.query() and stop.query() for _, start, stop in self._intervals)
-                )
-        except Exception:
-            self._stop = None
-            return True
-        self._resolved = done
-        return done
-
-    def fill(self, fields: dict[str, int]) -> None:
-        """Add the GPU fields (µs) from the events to ``fields`` (a step's wire fields).
-
-        Only when :meth:`ready` said so: a step converted before its events completed (the run
-        ended first) keeps its GPU fields absent. The events then go back to the pool.
-        """
-        if not self._resolved:
-            return
-        totals = [None] * len(PHASE_FIELDS)
-        try:
-            with self._timer.cuda.device_guard():
-                gpu_step_us = _us(self._start.elapsed_time(self._stop))
-                for phase, start, stop in self._intervals:
-                    totals[phase] = (totals[phase] or 0.0) + start.elapsed_time(stop)
-        except Exception:
-            return
-        fields["gpu_step_us"] = gpu_step_us
-        for phase, total in enumerate(totals):
-            if total is not None:
-                fields[PHASE_FIELDS[phase]] = _us(total)
+        with CAPTURES.lock:
+            if CAPTURES.active:
+                return False
+            if self.done:  # another thread (the exit path) read it meanwhile
+                return True
+            try:
+                with self._timer.cuda.device_guard():
+                    if not (
+                        self._stop.query()
+                        and self._start.query()
+                        and all(a.query() and b.query() for _, a, b in self._intervals)
+                    ):
+                        return False
+                    fields = {"gpu_step_us": _us(self._start.elapsed_time(self._stop))}
+                    totals = [None] * len(PHASE_FIELDS)
+                    for phase, start, stop in self._intervals:
+                        totals[phase] = (totals[phase] or 0.0) + start.elapsed_time(stop)
+            except Exception:
+                self._stop = None
+                return True
+            for phase, total in enumerate(totals):
+                if total is not None:
+                    fields[PHASE_FIELDS[phase]] = _us(total)
+            self._fields = fields
         events = [self._start, self._stop]
         for _, start, stop in self._intervals:
             events += (start, stop)
         self._timer.pool.give(events)
+        return True
+
+    def fill(self, fields: dict[str, int]) -> None:
+        """Add the GPU fields (µs) read by :meth:`ready` to ``fields`` (a step's wire fields).
+
+        A step converted before its events completed (the run ended first) keeps its GPU
+        fields absent.
+        """
+        if self._fields:
+            fields.update(self._fields)
 
 
 def _us(ms: float) -> int:
@@ -245,8 +343,9 @@ class GpuTimer:
         #: The device's CUDA operations, once the device is found.
         self.cuda: TorchCuda | None = None
         self.pool: EventPool | None = None
-        #: The most recent GPU-timed step (what :meth:`close` waits for).
-        self.last: GpuStep | None = None
+        #: GPU-timed steps not yet known done, oldest first (what :meth:`close` waits for);
+        #: bounded, as a step the client dropped is never resolved.
+        self.pending: collections.deque = collections.deque(maxlen=POOL_MAX_EVENTS)
 
     def __call__(self, step: int) -> GpuStep | None:
         """Called by the tracer as step ``step`` opens, on the training thread (the device is
@@ -263,14 +362,19 @@ class GpuTimer:
         start = self.record()
         if start is None:
             return None
-        self.last = GpuStep(self, start)
-        return self.last
+        pending = self.pending
+        while pending and pending[0].done:
+            pending.popleft()
+        step = GpuStep(self, start)
+        pending.append(step)
+        return step
 
     def record(self):
-        """An event recorded on the current stream, or None (capturing a graph, CUDA error)."""
+        """An event recorded on the current stream, or None (a CUDA graph capture under way
+        in the process or on this stream, a CUDA error)."""
         cuda = self.cuda
         try:
-            if cuda.capturing():
+            if CAPTURES.active or cuda.capturing():
                 return None
             event = self.pool.take()
             event.record(cuda.current_stream())
@@ -279,14 +383,14 @@ class GpuTimer:
             return None
 
     def close(self) -> None:
-        """Wait, bounded by ``finish_wait_s``, for the last GPU-timed step's events.
+        """Wait, bounded by ``finish_wait_s`` in all, for the events of every GPU-timed step
+        still pending (their phases may be on different streams, so the last step completing
+        says nothing of the earlier ones).
 
         Runs on the exit path (``Session.close``), after the last step: it polls
         ``Event.query()`` every millisecond and never calls a synchronize.
         """
-        last = self.last
-        if last is None:
-            return
         deadline = time.monotonic() + self.finish_wait_s
-        while not last.ready() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        for step in list(self.pending):
+            while not step.ready() and time.monotonic() < deadline:
+                time.sleep(0.001)

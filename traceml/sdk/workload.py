@@ -42,15 +42,13 @@ time is sent (``count_us``) and shown in the summary (``count_ms``).
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from traceml import settings
-from traceml.core.peaks import peak_tflops_error
-from traceml.sdk.failopen import fail_open, warn
+from traceml.sdk.failopen import fail_open
 
 _now_ns = time.perf_counter_ns
 
@@ -77,8 +75,11 @@ def batch_counts(batch) -> tuple[int | None, int | None]:
     if lead is None or lead.dim() == 0:
         return None, None
     samples = lead.shape[0]
-    if lead.dim() >= 2 and not lead.is_floating_point() and not lead.is_complex() and (
-        lead.dtype is not torch.bool
+    if (
+        lead.dim() >= 2
+        and not lead.is_floating_point()
+        and not lead.is_complex()
+        and (lead.dtype is not torch.bool)
     ):
         return samples, lead.numel()
     return samples, None
@@ -106,27 +107,36 @@ def _lead_tensor(batch, depth: int):
     return None
 
 
-def peak_tflops_setting() -> float | None:
-    """``TRACEML_PEAK_TFLOPS`` (set by ``traceml run --peak-tflops``): the peak the rank's MFU
-    is computed against, TFLOPS; None when unset. A bad value is one warning and no peak
-    (training never fails on a knob; ``traceml run`` refuses it before anything starts).
-    """
-    raw = settings.env_str(settings.PEAK_TFLOPS).strip()
-    if not raw:
+def fsdp_param_dtype(model):
+    """The dtype FSDP computes ``model``'s forward in, where FSDP states one: the
+    ``param_dtype`` of FSDP1's ``MixedPrecision`` or FSDP2's ``MixedPrecisionPolicy``, of
+    ``model`` or its first FSDP submodule; None without FSDP mixed precision. Under it the
+    parameters read fp32 between forwards and no autocast is active, so neither tells the
+    compute dtype. Walks the modules once (the count runs once per rank); a script that never
+    imported FSDP has none, and FSDP is not imported for it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
         return None
-    error = peak_tflops_error(settings.PEAK_TFLOPS.name, raw)
-    if error:
-        warn(f"ignoring {error}")
-        return None
-    return float(raw)
+    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
+    fsdp2 = getattr(fsdp, "FSDPModule", None)
+    for module in model.modules():
+        if fsdp1 is not None and isinstance(module, fsdp1):
+            policy = getattr(module, "mixed_precision", None)
+        elif fsdp2 is not None and isinstance(module, fsdp2):
+            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+        else:
+            continue
+        return getattr(policy, "param_dtype", None)
+    return None
 
 
 def compute_dtype(model) -> tuple[str, str]:
     """``(dtype, device name)`` of a forward of ``model`` starting now: the autocast dtype
-    when autocast is on for the model's device, else its first floating-point parameter's
-    (fp32 reads ``tf32`` on CUDA when float32 matmul precision allows TensorFloat-32); the
-    device name is ``torch.cuda.get_device_name()`` for a CUDA model, else its device type
-    (``cpu``). ``("", "")`` for a model without parameters."""
+    when autocast is on for the model's device, else FSDP's mixed-precision ``param_dtype``
+    (:func:`fsdp_param_dtype`), else its first floating-point parameter's (fp32 reads ``tf32``
+    on CUDA when float32 matmul precision allows TensorFloat-32); the device name is
+    ``torch.cuda.get_device_name()`` for a CUDA model, else its device type (``cpu``).
+    ``("", "")`` for a model without parameters."""
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is None:
         return "", ""
@@ -134,7 +144,7 @@ def compute_dtype(model) -> tuple[str, str]:
     if torch.is_autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
     else:
-        dtype = param.dtype
+        dtype = fsdp_param_dtype(model) or param.dtype
     name = _DTYPES.get(dtype, str(dtype).removeprefix("torch."))
     if device.type == "cuda":
         if name == "fp32" and torch.get_float32_matmul_precision() != "highest":
@@ -186,13 +196,15 @@ class FlopsCounter:
             try:
                 mode.__exit__(None, None, None)
                 if done:
-                    self._counted(tracer, int(mode.get_total_flops()), step, elapsed_ns,
-                                  dtype, device_name)  # fmt: skip
+                    self._counted(
+                        tracer, int(mode.get_total_flops()), step, elapsed_ns, dtype, device_name
+                    )
             except Exception as exc:
                 fail_open("FLOPs count", exc)
 
-    def _counted(self, tracer, flops: int, step: int, elapsed_ns: int, dtype: str,
-                 device_name: str) -> None:  # fmt: skip
+    def _counted(
+        self, tracer, flops: int, step: int, elapsed_ns: int, dtype: str, device_name: str
+    ) -> None:
         from traceml import wire
 
         if flops <= 0:  # no matmul or convolution FlopCounterMode knows: nothing to report

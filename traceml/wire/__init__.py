@@ -1,4 +1,5 @@
-"""The typed wire between ranks, launchers and the aggregator (protobuf package ``traceml.wire.v1``).
+"""The typed wire between ranks, launchers and the aggregator (protobuf package
+``traceml.wire.v1``).
 
 The ``.proto`` files under ``proto/traceml/wire/v1/`` are the single source of truth; the
 modules in ``traceml/wire/v1/`` are generated from them by ``tools/gen_proto.sh`` and committed
@@ -21,6 +22,7 @@ from traceml.wire.v1.service_pb2 import (
     NodeGoodbye,
     NodeHeartbeat,
     NodeUp,
+    StallNotice,
     SummarizeReply,
     SummarizeRequest,
 )
@@ -62,6 +64,7 @@ __all__ = [
     "RankFinish",
     "RankIdentity",
     "SenderCounts",
+    "StallNotice",
     "StepColumns",
     "SummarizeReply",
     "SummarizeRequest",

@@ -4,22 +4,20 @@ A rank's steps travel in ``Batch.step_groups``: one :class:`~traceml.wire.StepCo
 of fields measured, each field a packed column with one entry per step of the group (see
 ``proto/traceml/wire/v1/step.proto``). Both ends go through this module: the SDK's sender
 thread builds the groups with :func:`add_steps`, the aggregator reads them back with
-:func:`step_group_columns`. Neither touches a step as a message: a column is filled from a
-Python list in one ``extend`` and read back as one sequence, which is what keeps the sender's
-CPU per step and the aggregator's CPU per stored step low.
+:func:`~traceml.core.records.step_group_columns` (the record model's, re-exported here).
+Neither touches a step as a message: a column is filled from a Python list in one ``extend``
+and read back as one sequence, which is what keeps the sender's CPU per step and the
+aggregator's CPU per stored step low.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 from traceml.core import phases
+from traceml.core.records import step_group_columns
 
-#: Fields every step has (a full column in every group), in column order.
-STEP_REQUIRED_FIELDS = phases.STEP_REQUIRED_FIELDS
-
-#: Fields a step may lack (not measured), in column order: µs, or bytes for the peaks.
-STEP_OPTIONAL_FIELDS = phases.STEP_OPTIONAL_FIELDS
+__all__ = ["add_steps", "record_count", "step_group_columns"]
 
 #: Position of each step field in the canonical order (:data:`traceml.core.phases.STEP_FIELDS`).
 _FIELD_RANK = {name: i for i, name in enumerate(phases.STEP_FIELDS)}
@@ -39,7 +37,8 @@ def add_steps(batch, steps: Iterable[Mapping[str, int]]) -> None:
     Args:
         batch: a :class:`~traceml.wire.Batch`.
         steps: one mapping per step, field name -> value (µs or bytes), holding the
-            :data:`STEP_REQUIRED_FIELDS` and the optional fields that were measured.
+            :data:`traceml.core.phases.STEP_REQUIRED_FIELDS` and the optional fields that were
+            measured.
 
     Raises:
         ValueError: a field is not a step field, or a value is negative or does not fit 64
@@ -55,7 +54,7 @@ def add_steps(batch, steps: Iterable[Mapping[str, int]]) -> None:
         rows.append(tuple(step.values()))
     for names, rows in groups.items():
         group = batch.step_groups.add()
-        for name, column in zip(names, zip(*rows)):
+        for name, column in zip(names, zip(*rows, strict=True), strict=True):
             getattr(group, name).extend(column)
 
 
@@ -89,39 +88,8 @@ def _appender(names: tuple[str, ...], groups: dict) -> list | _Reordered:
     return rows if canonical == names else _Reordered(rows, tuple(map(names.index, canonical)))
 
 
-def step_group_columns(group) -> tuple[tuple[str, ...], list[Sequence[int]]]:
-    """The names and columns of the fields measured in ``group`` (a StepColumns).
-
-    Returns:
-        ``(names, columns)``: the non-empty columns in field order, each with one entry per
-        step of the group (µs or bytes); ``((), [])`` for an empty group.
-
-    Raises:
-        ValueError: the group is malformed: a required column is missing, or the columns
-            differ in length (the sender's bug; nothing of its batch may be stored).
-    """
-    fields = group.ListFields()  # the non-empty columns, in field number order
-    if not fields:
-        return (), []
-    names = tuple(fd.name for fd, _ in fields)
-    columns = [column for _, column in fields]
-    steps = len(group.step)
-    lacking = [name for name in STEP_REQUIRED_FIELDS if name not in names]
-    uneven = [name for name, column in zip(names, columns) if len(column) != steps]
-    if lacking or uneven:
-        raise ValueError(
-            f"malformed step group: {steps} steps, "
-            + (f"no {', '.join(lacking)} column" if lacking else "")
-            + ("; " if lacking and uneven else "")
-            + (f"columns of another length: {', '.join(uneven)}" if uneven else "")
-        )
-    return names, columns
-
-
 def record_count(batch) -> int:
     """Records in ``batch`` (a Batch): steps (the entries of its groups' ``step`` columns),
     process samples, system samples and FLOPs counts."""
     steps = sum(len(group.step) for group in batch.step_groups)
-    return (
-        steps + len(batch.process_samples) + len(batch.system_samples) + len(batch.flops_counts)
-    )
+    return steps + len(batch.process_samples) + len(batch.system_samples) + len(batch.flops_counts)

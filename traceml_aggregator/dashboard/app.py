@@ -4,16 +4,22 @@ Routes (``TOKEN`` is the run token; see :func:`check_token`):
 
 * ``GET /?token=TOKEN``: the page (``static/index.html``);
 * ``GET /api/frame?token=TOKEN``: the whole run now, one JSON frame
-  (:mod:`traceml_aggregator.dashboard.frames`);
+  (:mod:`traceml_aggregator.dashboard.frames`); ``&metric=NAME`` picks the figure of its scale
+  views (``step`` or a phase; ``step`` by default), as on the next route;
 * ``GET /api/events?token=TOKEN``: server-sent events, one ``data:`` line of JSON per frame:
   everything at first, then every :data:`REFRESH_S` what changed since (new points, the
-  tables whole), and a comment line every :data:`KEEPALIVE_S` when nothing did;
+  tables whole), and a comment line every :data:`KEEPALIVE_S` when nothing did; above
+  :data:`~traceml.report.grid.SCALE_RANKS` ranks each frame holds the scale views of the
+  figure ``&metric=NAME`` names (the page opens a new stream to change it);
 * ``GET /static/...``: the page's script and style and the vendored uPlot, without a token
   (they hold no run data; see ``static/uplot/VERSION``).
 
 Every route but ``/static/`` answers 401 with a one-line body when the token is missing or
 wrong (compared in constant time, :func:`hmac.compare_digest`); a header
-``Authorization: Bearer TOKEN`` is accepted too.
+``Authorization: Bearer TOKEN`` is accepted too. The link with the token is never printed: it
+is written, mode 0600, to the run directory's ``dashboard_link`` (:func:`write_link`), and the
+console shows the URL without it and that file's path. With a TLS context (the aggregator's
+``--tls-cert``/``--tls-key``, as its gRPC port's) the page is served over HTTPS.
 
 Cost: one :class:`~traceml_aggregator.dashboard.frames.Snapshot` at most every
 :data:`REFRESH_S`, and only while someone watches and the data changed, shared by every viewer;
@@ -26,13 +32,15 @@ time (figures: ``benchmarks/dashboard.py``).
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
+import ssl
 import time
 from pathlib import Path
 
 from aiohttp import web
 
+from traceml.core import endpoint, transport
+from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME
+from traceml_aggregator.auth import bearer, same_token
 from traceml_aggregator.dashboard.frames import Cursor, Snapshot
 
 STATIC_DIR = Path(__file__).with_name("static")
@@ -47,8 +55,8 @@ BUILD_DUTY = 0.1
 IDLE_AFTER_S = 10.0
 #: The body of every 401 answer.
 UNAUTHORIZED = (
-    "401 Unauthorized: missing or wrong run token; open the URL traceml printed "
-    "(it ends in ?token=...)\n"
+    "401 Unauthorized: missing or wrong run token; open the link in the run directory's "
+    f"{DASHBOARD_LINK_FILE_NAME} file (it ends in ?token=...)\n"
 )
 _TOKEN_KEY = web.AppKey("token", str)
 _HUB_KEY = web.AppKey("hub", object)
@@ -60,9 +68,8 @@ def check_token(request: web.Request, token: str) -> bool:
     compared in constant time."""
     given = request.query.get("token")
     if given is None:
-        header = request.headers.get("Authorization", "")
-        given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
-    return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
+        given = bearer(request.headers.get("Authorization"))
+    return same_token(given, token)
 
 
 @web.middleware
@@ -138,8 +145,9 @@ class Hub:
             self._verdicts.cancel()
 
 
-def _json(frame: dict) -> bytes:
-    return json.dumps(frame, separators=(",", ":"), allow_nan=False).encode()
+def _cursor(request: web.Request) -> Cursor:
+    """A new viewer's cursor, its scale views' figure from ``?metric=`` (``step`` else)."""
+    return Cursor(metric=request.query.get("metric", "step"))
 
 
 async def _page(request: web.Request) -> web.FileResponse:
@@ -149,7 +157,7 @@ async def _page(request: web.Request) -> web.FileResponse:
 async def _frame(request: web.Request) -> web.Response:
     snapshot = await request.app[_HUB_KEY].snapshot()
     return web.Response(
-        body=_json(snapshot.frame(Cursor())),
+        body=snapshot.encode(_cursor(request)),
         content_type="application/json",
         headers={"Cache-Control": "no-store"},
     )
@@ -165,15 +173,15 @@ async def _events(request: web.Request) -> web.StreamResponse:
         }
     )
     await response.prepare(request)
-    cursor, sent_for, quiet_since = Cursor(), None, time.monotonic()
+    cursor, sent_for, quiet_since = _cursor(request), None, time.monotonic()
     try:
         while not hub.closing.is_set():
             snapshot = await hub.snapshot()
             if snapshot is not sent_for:
                 # "full": the first frame of a stream holds everything (the page starts over:
                 # after a reconnection it would otherwise hold every point twice).
-                frame = {**snapshot.frame(cursor), "full": sent_for is None}
-                await response.write(b"data: " + _json(frame) + b"\n\n")
+                frame = snapshot.encode(cursor, full=sent_for is None)
+                await response.write(b"data: " + frame + b"\n\n")
                 sent_for, quiet_since = snapshot, time.monotonic()
             elif time.monotonic() - quiet_since >= KEEPALIVE_S:
                 await response.write(b": keep-alive\n\n")
@@ -211,9 +219,22 @@ def make_app(source, token: str) -> web.Application:
     return app
 
 
-async def start(source, host: str, port: int, token: str) -> web.AppRunner:
+def write_link(path: Path, url: str, token: str) -> None:
+    """Write the page's link (``url`` of :func:`traceml.core.endpoint.dashboard_url` with
+    ``token``) to ``path``, mode 0600: what the user opens, since no console line holds it.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    transport.write_token_file(path, endpoint.dashboard_link(url, token) + "\n")
+
+
+async def start(
+    source, host: str, port: int, token: str, ssl_context: ssl.SSLContext | None = None
+) -> web.AppRunner:
     """Serve the dashboard of ``source`` on ``host:port`` (call on the event loop that is to
-    run it); ``await runner.cleanup()`` stops it (event streams end within a second).
+    run it), over HTTPS with ``ssl_context``; ``await runner.cleanup()`` stops it (event
+    streams end within a second).
 
     Raises:
         OSError: the port cannot be bound.
@@ -221,7 +242,7 @@ async def start(source, host: str, port: int, token: str) -> web.AppRunner:
     runner = web.AppRunner(make_app(source, token), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         raise

@@ -12,7 +12,7 @@ ms, memory in bytes, utilisation in %; None where not measured)::
      "verdict": {"kind", "severity", "summary", "action", "ranks"} | None,
      "findings": [{"section", "kind", "severity", "summary", "action", "ranks", "nodes"}],
      "ranks": [{"rank", "node_rank", "hostname", "state", "steps", "last_step_age_s",
-                "step_ms_median", "step_ms_p95", "input_pct", "cpu_percent", "rss_bytes",
+                "step_ms_median", "step_ms_p95", "input_pct", "h2d_pct", "cpu_percent", "rss_bytes",
                 "gpu_allocated_bytes"}],
      "nodes": [{"node_rank", "hostname", "ranks", "state", "last_seen_age_s", "cpu_percent",
                 "gpu_util_percent", "gpu_note"}],
@@ -21,15 +21,33 @@ ms, memory in bytes, utilisation in %; None where not measured)::
      "phases": {"step": [...], "input_wait" | "h2d" | "forward" | "backward" | "optimizer"
                 | "residual": [...]},
      "memory": {rank: {"reset", "t": [...], "rss_bytes": [...], "gpu_allocated_bytes": [...]}},
-     "system": {node: {"t": [...], "cpu_percent": [...], "gpu_util_percent": [...]}}}
+     "system": {node: {"t": [...], "cpu_percent": [...], "gpu_util_percent": [...]}},
+     "metrics": ["step", <phase>...],
+     "scale": {"metric", "ranks", "nodes", "first_step", "bin_steps", "columns", "lo_ms",
+               "hi_ms", "levels", "colors", "no_data_color", "cells",
+               "band": {"step", "min", "median", "max"}, "slowest", "lines": {rank: [...]}}
+              | None}
 
 (the event stream adds ``"full": true`` to its first frame: that one holds everything).
 
+Above :data:`~traceml.report.grid.SCALE_RANKS` ranks the frame's ``scale`` holds the rank x
+step grid (:mod:`traceml.report.grid`) of the viewer's metric (``Cursor.metric``: ``step`` or
+a phase of ``metrics``, those measured): the heatmap's cells as base64 of one colour level a
+byte (0: no step; row by row, rows in rank order, ``nodes`` giving each row's node), on the
+scale ``lo_ms`` .. ``hi_ms`` of ``colors``; the band (min, median, max over ranks per column of
+steps, ``step`` being each column's first step); the slowest ranks and their lines. It is sent
+whole in every frame (O(ranks x columns) bytes: at most 175 KiB at 1,024 ranks); below the
+threshold it is None. The charted ranks are then the verdict's, then the slowest by step time.
+The tables and the scale views, alike for every viewer, are encoded once, when the snapshot is
+built (:meth:`Snapshot.encode`).
+
 Per-rank series (``steps``, ``memory``) are sent for the :data:`MAX_CHART_RANKS` charted
 ranks only (:func:`charted_ranks`), so a frame's size does not grow with the world size
-beyond its tables. ``phases`` are each part's share of the step by step, summed over all ranks
+beyond its tables and its heatmap. ``phases`` are each part's share of the step by step, summed
+over all ranks
 (:func:`_phase_shares`), on the CPU clock (``<phase>_us`` of the steps; the ``/metrics``
-figures use the same), since every step has it. A rank's ``steps`` is its latest step index + 1 (steps count
+figures use the same), since every step has it. A rank's ``steps`` is its latest step index + 1
+(steps count
 from 0 in an attempt); ``reset`` is true when the rank's attempt changed since the viewer's
 last frame (the page then drops what it had of that rank). A node's GPU utilisation at a
 sample time is the mean over its GPUs.
@@ -37,14 +55,20 @@ sample time is the mean over its GPUs.
 
 from __future__ import annotations
 
+import array
+import base64
 import bisect
+import json
 import math
 import operator
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from traceml.analysis.rundata import RunData
 from traceml.core.phases import PHASES
+from traceml.report import grid
 
 #: Most points of one series in one frame (a stored run of 1M steps is sent as every k-th).
 MAX_POINTS = 2000
@@ -67,6 +91,8 @@ class Cursor:
     system: dict[int, int] = field(default_factory=dict)
     #: The last step of the phase shares sent.
     phases: int = -1
+    #: The figure of the scale views' grid: ``step`` or a phase name.
+    metric: str = "step"
 
 
 _unix_us = operator.itemgetter("unix_us")
@@ -121,7 +147,10 @@ class Snapshot:
         self.live = live
         self.generated_unix_s = time.time()
         self.tables = _tables(run, summary, live=live, now_s=self.generated_unix_s)
-        self.charted = charted_ranks(run, summary)
+        stack = _Stack(run)
+        self._scale = _scale_views(run, stack, self.tables["ranks"])
+        slowest = self._scale["step"]["slowest"] if self._scale else []
+        self.charted = charted_ranks(run, summary, slowest)
         self._ranks: dict[int, _RankSeries] = {}
         for r in self.charted:
             rd = run.ranks[r]
@@ -136,7 +165,7 @@ class Snapshot:
                     for name in ("rss_bytes", "gpu_allocated_bytes")
                 },
             )
-        self._phase_steps, self._phase_pct = _phase_shares(run, live=live)
+        self._phase_steps, self._phase_pct = _phase_shares(stack, live=live)
         self._nodes: dict[int, _NodeSeries] = {}
         for n in sorted(set(run.system_samples) | set(run.gpu_samples)):
             system = run.system_samples.get(n, [])
@@ -154,18 +183,38 @@ class Snapshot:
                     for t in times
                 ],
             )
+        # What every viewer gets alike, encoded once here (off the event loop).
+        self._tables_json = _dumps(self.tables)[1:-1]
+        self._scale_json = {m: _dumps(v) for m, v in (self._scale or {}).items()}
 
     def frame(self, cursor: Cursor) -> dict:
         """What the viewer at ``cursor`` has not had yet (see the module docstring); advances
         ``cursor``. Costs O(new points + ranks + nodes)."""
+        scale = self._scale.get(cursor.metric, self._scale["step"]) if self._scale else None
+        return {**self.tables, **self._news(cursor), "scale": scale}
+
+    def encode(self, cursor: Cursor, **extra) -> bytes:
+        """:meth:`frame` with the keys ``extra``, as compact JSON (UTF-8): the tables and the
+        scale views, alike for every viewer, were encoded when the snapshot was built, so this
+        costs O(new points) (no NaN: ValueError)."""
+        scale = self._scale_json.get(cursor.metric, self._scale_json.get("step", "null"))
+        news = _dumps({**self._news(cursor), **extra})
+        return f'{{{self._tables_json},"scale":{scale},{news[1:]}'.encode()
+
+    def _news(self, cursor: Cursor) -> dict:
+        """The frame's parts that depend on the viewer (``cursor``, advanced): new points."""
         steps, memory, system = {}, {}, {}
         for r, s in self._ranks.items():
             restart, last = cursor.steps.get(r, (s.restart, -1))
             reset = restart != s.restart
             start = 0 if reset else bisect.bisect_right(s.step, last)
             if start < len(s.step) or reset:
-                steps[str(r)] = {"restart": s.restart, "reset": reset,
-                                 "step": _thin(s.step, start), "step_ms": _thin(s.step_ms, start)}
+                steps[str(r)] = {
+                    "restart": s.restart,
+                    "reset": reset,
+                    "step": _thin(s.step, start),
+                    "step_ms": _thin(s.step_ms, start),
+                }
                 if s.step:
                     cursor.steps[r] = (s.restart, s.step[-1])
             m_restart, m_last = cursor.memory.get(r, (s.restart, -1))
@@ -190,58 +239,137 @@ class Snapshot:
                     "gpu_util_percent": _thin(s.gpu_util_percent, start),
                 }
                 cursor.system[n] = s.t_us[-1]
-        return {**self.tables, "charted_ranks": self.charted, "steps": steps,
-                "phases": phases, "memory": memory, "system": system}  # fmt: skip
+        return {
+            "charted_ranks": self.charted,
+            "steps": steps,
+            "phases": phases,
+            "memory": memory,
+            "system": system,
+            "metrics": list(self._scale or ()),
+        }
 
 
-def charted_ranks(run: RunData, summary: dict | None) -> list[int]:
+def _dumps(value) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def charted_ranks(run: RunData, summary: dict | None, slowest: list[int] = ()) -> list[int]:
     """The ranks drawn as lines (at most :data:`MAX_CHART_RANKS`): those the verdict names
-    first, then the others by rank, among the ranks with steps."""
+    first, then those of ``slowest``, then the others by rank, among the ranks with steps."""
     named = ((summary or {}).get("primary_diagnosis") or {}).get("ranks") or []
     with_steps = [r for r, rd in run.ranks.items() if len(rd.steps)]
-    first = [r for r in named if r in run.ranks and len(run.ranks[r].steps)]
-    rest = [r for r in sorted(with_steps) if r not in first]
-    return (first + rest)[:MAX_CHART_RANKS]
+    chosen: dict[int, None] = {}
+    for r in [*named, *slowest, *sorted(with_steps)]:
+        if r in run.ranks and len(run.ranks[r].steps):
+            chosen.setdefault(r)
+    return list(chosen)[:MAX_CHART_RANKS]
 
 
-def _phase_shares(run: RunData, *, live: bool) -> tuple[list[int], dict[str, list]]:
+class _Stack:
+    """Every rank's steps as flat arrays, point by point (numpy, built once a snapshot):
+    ``row`` (the rank's index in ``ranks``, every rank of the run in rank order), ``step``,
+    ``step_us`` and each charted phase's CPU-clock field (µs, NaN where not measured); and
+    ``lasts``, each rank with steps' latest step."""
+
+    def __init__(self, run: RunData) -> None:
+        self.ranks = list(run.ranks)
+        fields = ("step", "step_us", *(f for _, f in CHART_PHASES))
+        columns: dict[str, list[np.ndarray]] = {f: [] for f in fields}
+        rows: list[np.ndarray] = []
+        self.lasts = []
+        for i, rd in enumerate(run.ranks.values()):
+            cols = rd.steps
+            if not len(cols):
+                continue
+            self.lasts.append(cols["step"][-1])
+            rows.append(np.full(len(cols), i, dtype=np.int64))
+            for f in fields:
+                columns[f].append(_floats(cols[f]))
+        self.row = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        self.values = {f: np.concatenate(cs) if cs else np.zeros(0) for f, cs in columns.items()}
+        self.step = self.values["step"].astype(np.int64)
+
+
+def _floats(column) -> np.ndarray:
+    """A step column as floats, NaN for None (a column without None converted in C: the
+    snapshot's main cost at 1,024 ranks)."""
+    if isinstance(column, np.ndarray):
+        return column.astype(float)
+    try:
+        return np.frombuffer(array.array("d", column), dtype=float)
+    except TypeError:  # a None among the values: a step that did not measure it
+        return np.array(column, dtype=float)
+
+
+def _phase_shares(stack: _Stack, *, live: bool) -> tuple[list[int], dict[str, list]]:
     """Each part's share of the step (%, one decimal) by step: the part's time summed over the
     ranks over their step times summed, the residual being each step's time outside every
     measured phase. Live, only the steps that every rank with steps has completed (a later
-    frame never changes a point already sent). Costs O(ranks x steps)."""
-    sums: dict[int, list] = {}  # step -> [step time, each phase or None, residual] (µs)
-    width = len(CHART_PHASES) + 2
-    lasts = []
-    for rd in run.ranks.values():
-        cols = rd.steps
-        if not len(cols):
-            continue
-        lasts.append(cols["step"][-1])
-        phase_columns = [cols[f] for _, f in CHART_PHASES]
-        for i, (step, step_us) in enumerate(zip(cols["step"], cols["step_us"])):
-            row = sums.get(step)
-            if row is None:
-                row = sums[step] = [0, *([None] * (width - 2)), 0]
-            row[0] += step_us
-            parts = 0
-            for p, column in enumerate(phase_columns, 1):
-                value = column[i]
-                if value is not None:  # a phase no rank measured at a step stays None
-                    row[p] = (row[p] or 0) + value
-                    parts += value
-            row[-1] += max(0, step_us - parts)
-    through = min(lasts) if live and lasts else None
-    steps = sorted(s for s in sums if through is None or s <= through)
+    frame never changes a point already sent). Costs O(ranks x steps), vectorised."""
     names = [name for name, _ in CHART_PHASES] + ["residual"]
+    steps, index = np.unique(stack.step, return_inverse=True)
+    step_us = stack.values["step_us"]
+    total = np.bincount(index, weights=step_us, minlength=len(steps))
+    parts = np.zeros(len(step_us))
+    sums = {}
+    for name, f in CHART_PHASES:
+        value = stack.values[f]
+        measured = ~np.isnan(value)
+        value = np.where(measured, value, 0.0)
+        parts += value
+        # a phase no rank measured at a step stays None
+        seen = np.bincount(index, weights=measured, minlength=len(steps)) > 0
+        sums[name] = np.where(seen, np.bincount(index, weights=value, minlength=len(steps)), np.nan)
+    sums["residual"] = np.bincount(
+        index, weights=np.maximum(0.0, step_us - parts), minlength=len(steps)
+    )
+    keep = (
+        len(steps)
+        if not (live and stack.lasts)
+        else int(np.searchsorted(steps, min(stack.lasts), side="right"))
+    )
     pct = {
         name: [
-            round(100.0 * sums[s][p] / sums[s][0], 1) if sums[s][0] and sums[s][p] is not None
-            else None
-            for s in steps
+            round(100.0 * float(s) / float(t), 1) if t and not math.isnan(s) else None
+            for s, t in zip(sums[name][:keep], total[:keep], strict=True)
         ]
-        for p, name in enumerate(names, 1)
+        for name in names
     }
-    return steps, pct
+    return [int(s) for s in steps[:keep]], pct
+
+
+def _scale_views(run: RunData, stack: _Stack, rank_rows: list[dict]) -> dict[str, dict] | None:
+    """Above :data:`~traceml.report.grid.SCALE_RANKS` ranks, per figure (``step``, then each
+    measured phase) the frame's ``scale`` (see the module docstring); None below."""
+    if max(run.world_size or 0, len(run.ranks)) <= grid.SCALE_RANKS:
+        return None
+    node_of = {r["rank"]: r["node_rank"] for r in rank_rows}
+    views = {}
+    for name, f in (("step", "step_us"), *CHART_PHASES):
+        ms = stack.values[f] / 1000.0
+        if name != "step" and np.isnan(ms).all():
+            continue
+        g = grid.from_arrays(stack.ranks, stack.row, stack.step, ms)
+        lo, hi = g.scale()
+        slowest = g.slowest()
+        views[name] = {
+            "metric": name,
+            "ranks": g.ranks,
+            "nodes": [node_of.get(r) for r in g.ranks],
+            "first_step": g.first_step,
+            "bin_steps": g.bin_steps,
+            "columns": g.columns,
+            "lo_ms": round(lo, 3),
+            "hi_ms": round(hi, 3),
+            "levels": grid.LEVELS,
+            "colors": list(grid.COLORS),
+            "no_data_color": grid.NO_DATA_COLOR,
+            "cells": base64.b64encode(g.levels()).decode("ascii"),
+            "band": {"step": g.column_steps(), **g.band()},
+            "slowest": slowest,
+            "lines": {str(r): g.row(r) for r in slowest},
+        }
+    return views
 
 
 def _tables(run: RunData, summary: dict | None, *, live: bool, now_s: float) -> dict:
@@ -260,33 +388,42 @@ def _tables(run: RunData, summary: dict | None, *, live: bool, now_s: float) -> 
             last_seen[node] = max(last_seen.get(node, 0.0), last_unix_s)
         process = rd.process_samples[-1] if rd.process_samples else {}
         step_ms = s.get("step_time_ms") or {}
-        ranks.append({
-            "rank": r,
-            "node_rank": node,
-            "hostname": ident.get("hostname", s.get("hostname")),
-            "state": _rank_state(rd),
-            "steps": rd.steps["step"][-1] + 1 if len(rd.steps) else 0,
-            "last_step_age_s": (
-                round(max(0.0, now_s - last_unix_s), 1) if live and last_unix_s else None
-            ),
-            "step_ms_median": step_ms.get("median"),
-            "step_ms_p95": step_ms.get("p95"),
-            "input_pct": (s.get("phase_share_pct") or {}).get("input_wait"),
-            "cpu_percent": process.get("cpu_percent"),
-            "rss_bytes": process.get("rss_bytes"),
-            "gpu_allocated_bytes": process.get("gpu_allocated_bytes"),
-        })  # fmt: skip
+        ranks.append(
+            {
+                "rank": r,
+                "node_rank": node,
+                "hostname": ident.get("hostname", s.get("hostname")),
+                "state": _rank_state(rd),
+                "steps": rd.steps["step"][-1] + 1 if len(rd.steps) else 0,
+                "last_step_age_s": (
+                    round(max(0.0, now_s - last_unix_s), 1) if live and last_unix_s else None
+                ),
+                "step_ms_median": step_ms.get("median"),
+                "step_ms_p95": step_ms.get("p95"),
+                "input_pct": (s.get("phase_share_pct") or {}).get("input_wait"),
+                "h2d_pct": (s.get("phase_share_pct") or {}).get("h2d"),
+                "cpu_percent": process.get("cpu_percent"),
+                "rss_bytes": process.get("rss_bytes"),
+                "gpu_allocated_bytes": process.get("gpu_allocated_bytes"),
+            }
+        )
     for n, samples in run.system_samples.items():
         if samples:
             last_seen[n] = max(last_seen.get(n, 0.0), samples[-1]["unix_us"] / 1e6)
     findings = []
     for section, items in (summary.get("findings") or {}).items():
         for f in items:
-            findings.append({
-                "section": section, "kind": f["kind"], "severity": f["severity"],
-                "summary": f["summary"], "action": f["action"], "ranks": f.get("ranks", []),
-                "nodes": f.get("nodes", []),
-            })  # fmt: skip
+            findings.append(
+                {
+                    "section": section,
+                    "kind": f["kind"],
+                    "severity": f["severity"],
+                    "summary": f["summary"],
+                    "action": f["action"],
+                    "ranks": f.get("ranks", []),
+                    "nodes": f.get("nodes", []),
+                }
+            )
     primary = summary.get("primary_diagnosis")
     verdict = None
     if primary:
@@ -327,8 +464,7 @@ def _nodes(
             node_ranks.setdefault(r["node_rank"], []).append(r["rank"])
             hosts.setdefault(r["node_rank"], r["hostname"])
     rows = []
-    for n in sorted(set(node_ranks) | set(run.node_exits) | set(run.system_samples)
-                    | set(by_node)):  # fmt: skip
+    for n in sorted(set(node_ranks) | set(run.node_exits) | set(run.system_samples) | set(by_node)):
         system = run.system_samples.get(n) or []
         latest = system[-1] if system else {}
         gpus: dict[int, dict] = {}
@@ -350,15 +486,18 @@ def _nodes(
             gpu_note = f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
         else:
             gpu_note = latest.get("gpu_unavailable_reason") or "no GPU readings"
-        rows.append({
-            "node_rank": n,
-            "hostname": hosts.get(n) or latest.get("hostname") or (by_node.get(n) or {}).get(
-                "hostname"),
-            "ranks": sorted(node_ranks.get(n, (by_node.get(n) or {}).get("ranks", []))),
-            "state": state,
-            "last_seen_age_s": age,
-            "cpu_percent": latest.get("cpu_percent"),
-            "gpu_util_percent": round(sum(utils) / len(utils), 1) if utils else None,
-            "gpu_note": gpu_note,
-        })  # fmt: skip
+        rows.append(
+            {
+                "node_rank": n,
+                "hostname": hosts.get(n)
+                or latest.get("hostname")
+                or (by_node.get(n) or {}).get("hostname"),
+                "ranks": sorted(node_ranks.get(n, (by_node.get(n) or {}).get("ranks", []))),
+                "state": state,
+                "last_seen_age_s": age,
+                "cpu_percent": latest.get("cpu_percent"),
+                "gpu_util_percent": round(sum(utils) / len(utils), 1) if utils else None,
+                "gpu_note": gpu_note,
+            }
+        )
     return rows

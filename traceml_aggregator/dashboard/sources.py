@@ -16,8 +16,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from traceml.core.rundir import DATABASE_NAME, SUMMARY_JSON_NAME
 from traceml.core import log
+from traceml.core.rundir import DATABASE_NAME, SUMMARY_JSON_NAME
 from traceml_aggregator.dashboard.frames import Snapshot
 
 _log = log.get("aggregator")

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atraceml/wire/v1/rank.proto\x12\x0ftraceml.wire.v1\"\xc5\x02\n\x0cRankIdentity\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x11\n\tnode_rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x18\n\x10local_world_size\x18\x06 \x01(\r\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\x15\n\rrestart_count\x18\t \x01(\r\x12\x15\n\rstart_unix_us\x18\n \x01(\x04\x12\x15\n\rtorch_version\x18\x0b \x01(\t\x12\x14\n\x0c\x63uda_version\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x13\n\x0bparallelism\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x10\n\x08gpu_uuid\x18\x10 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atraceml/wire/v1/rank.proto\x12\x0ftraceml.wire.v1\"\xe0\x02\n\x0cRankIdentity\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x11\n\tnode_rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x18\n\x10local_world_size\x18\x06 \x01(\r\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\x15\n\rrestart_count\x18\t \x01(\r\x12\x15\n\rstart_unix_us\x18\n \x01(\x04\x12\x15\n\rtorch_version\x18\x0b \x01(\t\x12\x14\n\x0c\x63uda_version\x18\x0c \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\r \x01(\t\x12\x13\n\x0bparallelism\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x10\n\x08gpu_uuid\x18\x10 \x01(\t\x12\x19\n\x11own_process_group\x18\x11 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -22,5 +22,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'traceml.wire.v1.rank_pb2', 
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
   _globals['_RANKIDENTITY']._serialized_start=48
-  _globals['_RANKIDENTITY']._serialized_end=373
+  _globals['_RANKIDENTITY']._serialized_end=400
 # @@protoc_insertion_point(module_scope)

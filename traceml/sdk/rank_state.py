@@ -1,29 +1,29 @@
 """The SDK's per-process state: identity, telemetry client, step tracer, exit handling.
 
-``traceml.init()`` builds one :class:`Session`; everything else in the public API goes through
+``traceml.init()`` builds one :class:`RankState`; everything else in the public API goes through
 :func:`current`. Every entry point is fail-open: an SDK error becomes one warning line and a
-no-op session, unless ``TRACEML_STRICT=1`` asks for it to raise.
+no-op, unless ``TRACEML_STRICT=1`` asks for it to raise.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import re
 import sys
 import threading
 import time
 
 from traceml import settings
 from traceml.sdk import client as client_mod
-from traceml.sdk import workload
+from traceml.sdk import sigterm, workload
 from traceml.sdk.failopen import fail_open, warn
 from traceml.sdk.identity import RankInfo
-from traceml.sdk import sigterm
 from traceml.sdk.step import StepTracer
 
 
-class Session:
-    """A rank's live telemetry session (created by :func:`start`).
+class RankState:
+    """A rank's live telemetry state (created by :func:`start`).
 
     Attributes:
         info: the rank's identity.
@@ -56,7 +56,7 @@ class Session:
         )
         self.tracer.flops_counter = workload.FlopsCounter(
             functools.partial(self.client.submit, workload.FLOPS_COUNTS),
-            workload.peak_tflops_setting(),
+            settings.read(settings.PEAK_TFLOPS),
         )
         self.extensions: list = []  # objects with close(): samplers, GPU timing
         #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.
@@ -96,6 +96,7 @@ class Session:
             parallelism=self.parallelism,
             device=device,
             gpu_uuid=uuid,
+            own_process_group=info.own_process_group,
         )
 
     def _device(self) -> tuple[str, str]:
@@ -132,12 +133,19 @@ class Session:
             fail_open("sampler setup", exc)
 
     def _attach_cuda(self) -> None:
+        """The GPU clock, step memory and H2D timing, when torch is built with CUDA.
+
+        No CUDA call is made here: ``torch.cuda.is_available()`` would initialise the driver
+        in the parent (``cudaGetDeviceCount``), which breaks a CUDA user in a process the
+        script forks later. The device is found once the rank's own work has used it
+        (:class:`~traceml.sdk.device.RankDevice`); until then the hooks cost one check.
+        """
         import torch
 
         from traceml.sdk import instrumentation, memory, timing
         from traceml.sdk.device import RankDevice
 
-        if not torch.cuda.is_available():
+        if not torch.backends.cuda.is_built():
             return
         device = RankDevice()
         tracer = self.tracer
@@ -147,23 +155,27 @@ class Session:
 
         timer = timing.GpuTimer(
             device,
-            settings.env_int(settings.GPU_TIMING_EVERY_N_STEPS),
+            settings.read(settings.GPU_TIMING_EVERY_N_STEPS),
             on_device=on_device,
-            finish_wait_s=settings.env_float(settings.GPU_FINISH_WAIT_SEC),
+            finish_wait_s=settings.read(settings.GPU_FINISH_WAIT_SEC),
         )
         tracer.gpu_step_factory = timer
         tracer.memory_reader = memory.StepMemory(
-            device, settings.env_int(settings.MEMORY_EVERY_N_STEPS)
+            device, settings.read(settings.MEMORY_EVERY_N_STEPS)
         )
-        instrumentation.install_h2d()
+        instrumentation.install_h2d(device)
+        timing.install_capture_guard()
         self.extensions.append(timer)
         self.device = device
 
     def note_model(self, model) -> None:
         """Remember the process group's backend and the parallelism wrapper of the first
-        traced model (training thread, as a step opens with a model other than the last's)."""
+        traced model, and tell the rank's device about the model (training thread, as a step
+        opens with a model other than the last's)."""
         if not self.backend:
             self.backend = _process_group_backend()
+        if self.device is not None and model is not None:
+            self.device.note_model(model)
         if self.parallelism != "single" or model is None:
             return
         name = type(model).__name__
@@ -214,7 +226,7 @@ class Session:
             finish.end_state = wire.EndState.END_STATE_FAILED
             finish.reason = f"{type(self._exception).__name__}: {self._exception}"[:500]
         if timeout_s is None:
-            timeout_s = settings.env_float(settings.FINISH_TIMEOUT_SEC)
+            timeout_s = settings.read(settings.FINISH_TIMEOUT_SEC)
         self.client.close(finish, timeout_s=timeout_s)
 
 
@@ -230,24 +242,46 @@ def _process_group_backend() -> str:
     return ""
 
 
-_session: Session | None = None
+#: The oldest torch the SDK runs on (major, minor): ``torch.get_autocast_dtype`` and
+#: ``torch.is_autocast_enabled(device_type)`` are 2.4's (the FLOPs dtype); before 2.3 there is
+#: no ``torch.compiler.is_compiling`` (every hook). Keep ``pyproject.toml`` in step.
+MIN_TORCH = (2, 4)
+
+
+def torch_version_error(version: str) -> str | None:
+    """The one-line reason telemetry cannot run on torch ``version`` (``torch.__version__``),
+    or None when it is :data:`MIN_TORCH` or newer (an unparsable version is let through)."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if match is None or (int(match[1]), int(match[2])) >= MIN_TORCH:
+        return None
+    floor = ".".join(map(str, MIN_TORCH))
+    return f"TraceML needs torch >= {floor}, this process has torch {version}; telemetry is off"
+
+
+_state: RankState | None = None
 _lock = threading.Lock()
 
 
-def current() -> Session | None:
-    """The process's session, or None (not initialised, disabled, or a forked child)."""
-    if _session is None or client_mod.in_forked_child():
+def current() -> RankState | None:
+    """The process's rank state, or None (not initialised, disabled, or a forked child)."""
+    if _state is None or client_mod.in_forked_child():
         return None
-    return _session
+    return _state
 
 
-def start(aggregator: str | None = None, run_name: str | None = None) -> Session | None:
-    """Create the process's session; see ``traceml.init`` for the contract."""
-    global _session
+def start(aggregator: str | None = None, run_name: str | None = None) -> RankState | None:
+    """Create the process's rank state; see ``traceml.init`` for the contract."""
+    global _state
     with _lock:
-        if _session is not None:
-            return _session
-        if settings.env_bool(settings.DISABLE):
+        if _state is not None:
+            return _state
+        if settings.read(settings.DISABLE):
+            return None
+        import torch
+
+        error = torch_version_error(torch.__version__)
+        if error:
+            warn(error)
             return None
         target = aggregator or settings.env_str(settings.AGGREGATOR)
         name = run_name or settings.env_str(settings.RUN_NAME)
@@ -265,23 +299,23 @@ def start(aggregator: str | None = None, run_name: str | None = None) -> Session
                 f"that the script built itself (torchrun started it as rank {env_info.rank} of "
                 f"{env_info.world_size}); its telemetry is reported as rank {info.rank}"
             )
-        session = Session(info, name, target)
+        state = RankState(info, name, target)
         from traceml.sdk import instrumentation
 
-        instrumentation.install(session.tracer)
-        session.attach_telemetry()
-        _install_exit_hooks(session)
-        _session = session
-        return session
+        instrumentation.install(state.tracer)
+        state.attach_telemetry()
+        _install_exit_hooks(state)
+        _state = state
+        return state
 
 
-def _install_exit_hooks(session: Session) -> None:
+def _install_exit_hooks(state: RankState) -> None:
     previous = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
-        session.record_exception(exc)
+        state.record_exception(exc)
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
-    atexit.register(session.close)
-    sigterm.install(session)
+    atexit.register(state.close)
+    sigterm.install(state)

@@ -1,7 +1,8 @@
 """The ``Summarize`` reply: the flat verdict plus one row per rank for the live views.
 
-``traceml run --mode cli`` (:mod:`traceml.launcher.live`) draws a table of every rank of every
-node from this reply. The figures come from two places, both on the aggregator's event loop:
+``traceml run --mode cli`` (:mod:`traceml.launcher.terminal_view`) draws a table of every rank
+of every node from this reply. The figures come from two places, both on the aggregator's event
+loop:
 
 - the live summary document (:meth:`~traceml_aggregator.live.LiveAggregates.summary`, the same
   analysis as the final summary, over each rank's window): step time and phase medians, input
@@ -17,7 +18,7 @@ import time
 
 from traceml import wire
 from traceml.report.flat import flatten
-from traceml_aggregator.live import LiveAggregates
+from traceml_aggregator.live.windows import LiveAggregates
 
 #: Latest step times sent per rank for the sparkline (the window's last ones). With them a
 #: row is about 350 bytes: 2.7 MiB for 8,000 ranks, inside gRPC's 4 MiB default message size.
@@ -86,9 +87,7 @@ class LiveRows:
 
 def _summary_rows(summary: dict, live: LiveAggregates) -> list[wire.LiveRank]:
     """The rows' figures that come from ``summary`` (see :class:`LiveRows`)."""
-    gpus = {
-        g["uuid"]: g for n in summary["nodes"] for g in n["system"]["gpus"] if g.get("uuid")
-    }
+    gpus = {g["uuid"]: g for n in summary["nodes"] for g in n["system"]["gpus"] if g.get("uuid")}
     rows = []
     for r in summary["ranks"]:
         rl = live.ranks.get(r["rank"])
@@ -103,12 +102,14 @@ def _summary_rows(summary: dict, live: LiveAggregates) -> list[wire.LiveRank]:
             "gpu_util_pct": gpu.get("util_percent_median"),
             "gpu_memory_bytes": peak if peak is not None else gpu.get("memory_used_bytes_max"),
         }
-        rows.append(wire.LiveRank(
-            rank=r["rank"],
-            hostname=r["hostname"] or "",
-            phase_median_ms={k: v for k, v in r["phase_median_ms"].items() if v is not None},
-            recent_step_ms=r["series"]["step_ms"][-SPARK_STEPS:],
-            end_state=r["end"]["state"],
-            **{name: value for name, value in optional.items() if value is not None},
-        ))  # fmt: skip
+        rows.append(
+            wire.LiveRank(
+                rank=r["rank"],
+                hostname=r["hostname"] or "",
+                phase_median_ms={k: v for k, v in r["phase_median_ms"].items() if v is not None},
+                recent_step_ms=r["series"]["step_ms"][-SPARK_STEPS:],
+                end_state=r["end"]["state"],
+                **{name: value for name, value in optional.items() if value is not None},
+            )
+        )
     return rows

@@ -1,8 +1,9 @@
-"""The live view of ``--mode cli`` on node 0, and a pointer to node 0's view elsewhere.
+"""The terminal view of ``--mode cli`` on node 0 (the live table), and a pointer to node 0's view
+elsewhere.
 
 While training runs, node 0's launcher asks its aggregator for the verdict so far and one row
 per rank (the ``Summarize`` RPC with ``with_ranks``: the same analysis as the final summary over
-each rank's live window, see ``traceml_aggregator/live_rows.py``) every
+each rank's live window, see ``traceml_aggregator/live/rows.py``) every
 ``TRACEML_LIVE_REFRESH_SEC`` seconds (default 5) and shows it for every node of the run:
 
 - on a terminal, a table redrawn in place (:func:`table`, drawn by ``rich.live.Live``): one row
@@ -70,9 +71,7 @@ def sparkline(values, low: float, high: float) -> str:
     (the job's range, so a slow rank's bars stand taller than its peers')."""
     span = high - low
     top = len(_SPARK_BARS) - 1
-    return "".join(
-        _SPARK_BARS[round((v - low) / span * top) if span > 0 else 0] for v in values
-    )
+    return "".join(_SPARK_BARS[round((v - low) / span * top) if span > 0 else 0] for v in values)
 
 
 def _opt(rank, name: str):
@@ -112,7 +111,8 @@ def _typical(metrics) -> str:
     """``step 8.2 ms over 40 steps | input 6% fwd 9% ...``: the typical rank's step and its
     parts' shares (what ``traceml.summary()`` returns)."""
     shares = " ".join(
-        f"{label} {metrics[f'{part}_pct']:.0f}%" for part, label in _PARTS
+        f"{label} {metrics[f'{part}_pct']:.0f}%"
+        for part, label in _PARTS
         if f"{part}_pct" in metrics
     )
     step = f"step {metrics['step_time_ms']:.1f} ms over {metrics.get('window_steps', 0):.0f} steps"
@@ -138,14 +138,16 @@ def compact_line(reply, elapsed_s: float) -> str:
         idles = [i for i in (idle_s(r, reply.now_unix_s) for r in ranks) if i is not None]
         parts.append(
             f"node {NA if node is None else node}: ranks {_ranges([r.rank for r in ranks])} "
-            f"steps {steps[0]}" + (f"-{steps[-1]}" if steps[-1] != steps[0] else "")
+            f"steps {steps[0]}"
+            + (f"-{steps[-1]}" if steps[-1] != steps[0] else "")
             + f" idle {num(max(idles)) + 's' if idles else NA}"
         )
     stuck = [r for r in reply.ranks if stalled(r, reply.now_unix_s)]
     if stuck:
-        parts.append("STALLED " + ", ".join(
-            f"rank {r.rank} {idle_s(r, reply.now_unix_s):.0f}s" for r in stuck
-        ))
+        parts.append(
+            "STALLED "
+            + ", ".join(f"rank {r.rank} {idle_s(r, reply.now_unix_s):.0f}s" for r in stuck)
+        )
     return " | ".join(parts)
 
 
@@ -183,11 +185,25 @@ def table(reply, elapsed_s: float, run_name: str):
     low, high = (min(recent), max(recent)) if recent else (0.0, 0.0)
 
     n_nodes = len(_by_node(reply.ranks))
-    grid = Table(title=f"traceml {run_name}: {len(reply.ranks)} ranks, "
-                       f"{n_nodes} node{'' if n_nodes == 1 else 's'}, {elapsed_s:.0f} s",
-                 title_justify="left", header_style="bold")  # fmt: skip
-    for name in ("node", "rank", "steps", "step ms", *(label for _, label in _PARTS),
-                 "input %", "GPU %", "GPU MiB", "CPU %", "idle s", "recent"):  # fmt: skip
+    grid = Table(
+        title=f"traceml {run_name}: {len(reply.ranks)} ranks, "
+        f"{n_nodes} node{'' if n_nodes == 1 else 's'}, {elapsed_s:.0f} s",
+        title_justify="left",
+        header_style="bold",
+    )
+    for name in (
+        "node",
+        "rank",
+        "steps",
+        "step ms",
+        *(label for _, label in _PARTS),
+        "input %",
+        "GPU %",
+        "GPU MiB",
+        "CPU %",
+        "idle s",
+        "recent",
+    ):
         grid.add_column(name, justify="left" if name in ("node", "recent") else "right")
     for node, ranks in nodes.items():
         for i, r in enumerate(ranks):
@@ -203,7 +219,10 @@ def table(reply, elapsed_s: float, run_name: str):
                 mib(_opt(r, "gpu_memory_bytes")),
                 num(_opt(r, "cpu_pct"), 0),
                 Text(num(idle), style="bold red" if stalled(r, now) else "")
-                if idle is not None else NA if r.end_state == "running" else r.end_state,
+                if idle is not None
+                else NA
+                if r.end_state == "running"
+                else r.end_state,
                 sparkline(r.recent_step_ms[-SPARK_WIDTH:], low, high),
                 end_section=i == len(ranks) - 1,
             )
@@ -219,8 +238,13 @@ def table(reply, elapsed_s: float, run_name: str):
     return Group(*lines)
 
 
-def node0_view_line(mode: str, node0_host: str, aggregator_target: str, run_name: str,
-                    dashboard_url: str | None = None) -> str:  # fmt: skip
+def node0_view_line(
+    mode: str,
+    node0_host: str,
+    aggregator_target: str,
+    run_name: str,
+    dashboard_url: str | None = None,
+) -> str:
     """The one line a node other than 0 prints about the live view: where node 0's view is.
 
     Args:
@@ -229,8 +253,9 @@ def node0_view_line(mode: str, node0_host: str, aggregator_target: str, run_name
             ``--master-addr``).
         aggregator_target: ``host:port`` of node 0's aggregator.
         run_name: the run.
-        dashboard_url: ``--mode dashboard``: the page's URL on node 0, None when this node
-            cannot know it (then node 0's output has it).
+        dashboard_url: ``--mode dashboard``: the page's URL on node 0 and where its link is
+            (never the token itself), None when this node cannot know it (then node 0's
+            output has it).
     """
     if mode == "dashboard":
         where = dashboard_url or "its URL is in node 0's launcher output"
@@ -259,7 +284,7 @@ class AboveTable:
         view: the live view whose table it prints above.
     """
 
-    def __init__(self, target, view: "LiveView") -> None:
+    def __init__(self, target, view: TerminalView) -> None:
         self.target = target
         self.view = view
         self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
@@ -292,7 +317,7 @@ class AboveTable:
             self.target.flush()
 
 
-class LiveView:
+class TerminalView:
     """Refreshes node 0's live view from ``target`` (see the module docstring).
 
     Args:
@@ -305,7 +330,7 @@ class LiveView:
         self.out = out or sys.stdout
         self.target = target
         self.run_name = run_name
-        self.refresh_s = settings.env_float(settings.LIVE_REFRESH_SEC)
+        self.refresh_s = settings.read(settings.LIVE_REFRESH_SEC)
         self._started = time.monotonic()
         self._next = self._started + self.refresh_s
         self._live = None  # rich.live.Live on a terminal, once drawn
@@ -380,9 +405,12 @@ class LiveView:
             # The launcher's own lines (stderr, looked up per line) print above the table
             # when they share its terminal.
             self._live = Live(
-                view, console=Console(file=self.out), auto_refresh=False,
-                redirect_stdout=False, redirect_stderr=sys.stderr.isatty(),
-            )  # fmt: skip
+                view,
+                console=Console(file=self.out),
+                auto_refresh=False,
+                redirect_stdout=False,
+                redirect_stderr=sys.stderr.isatty(),
+            )
             self._live.start(refresh=True)
         else:
             self._live.update(view, refresh=True)

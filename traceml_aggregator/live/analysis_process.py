@@ -34,13 +34,15 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import repeat
 from typing import Any
 
-from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
+from traceml.analysis.rundata import RankData, RunData, run_data
 from traceml.analysis.summary import build_summary
-from traceml_aggregator.aggregates import in_step_order
+from traceml.core.phases import STEP_FIELDS
+from traceml_aggregator.aggregates import in_step_order, last
 from traceml_aggregator.dashboard.frames import Snapshot
+from traceml_aggregator.metrics import exposition
 
 #: Most recent steps kept per rank (the live views' window before alignment and warm-up).
 WINDOW_STEPS = 512
@@ -85,13 +87,6 @@ class Tail(deque):
         return last(self, self.appended - mark)
 
 
-def last(items: deque, count: int) -> list:
-    """The last ``count`` of ``items`` (all of them when fewer), oldest first; O(count)."""
-    if count >= len(items):
-        return list(items)
-    return list(islice(reversed(items), count))[::-1]
-
-
 @dataclass
 class RankDelta:
     """What changed of one rank since the analysis process last heard of it.
@@ -101,9 +96,14 @@ class RankDelta:
         reset: the mirror drops the rank's window first (a new attempt, a whole delta, or at
             least as many new steps as the analysis covers).
         steps: the new steps, oldest first (the window's last ones, at most as many as the
-            analysis covers): step field -> tuple.
+            analysis covers): step field -> tuple, the fields the attempt measured only
+            (:attr:`~traceml_aggregator.aggregates.StepState.measured`; the mirror fills the
+            others with None).
         process_samples: the new process samples, oldest first.
         identity, finish, flops, earlier_attempts: the rank's current records (small).
+        steps_stored: steps of the attempt stored so far (all of them, not only the window).
+        last_step_unix_s: wall clock at the end of the attempt's latest step, s (None before).
+        counts: the attempt's latest running totals (the wire's SenderCounts), None before.
     """
 
     restart: int
@@ -114,6 +114,9 @@ class RankDelta:
     finish: dict | None
     flops: dict | None
     earlier_attempts: dict[int, int]
+    steps_stored: int = 0
+    last_step_unix_s: float | None = None
+    counts: dict | None = None
 
 
 @dataclass
@@ -132,15 +135,9 @@ class LiveDelta:
     gpu_samples: dict[int, list[dict]] = field(default_factory=dict)
     node_exits: dict[int, dict] = field(default_factory=dict)
     rank_ends: dict[int, dict] = field(default_factory=dict)
-    #: The run's own records, whole (each is O(events), not O(ranks x steps)): see
-    #: :data:`RUN_RECORDS`.
+    #: The run's own records, whole (each is O(events), not O(ranks x steps)): RunData field
+    #: (those of :data:`traceml_aggregator.load.META_RECORDS`) -> value.
     run_records: dict = field(default_factory=dict)
-
-
-#: The RunData fields a live summary takes from the aggregator's own state (the final summary
-#: reads them from the store's meta entries): the stall record of a hang, the nodes lost, the
-#: calls refused, the aggregator's restarts.
-RUN_RECORDS = ("stall", "node_losses", "rejected", "aggregator_restarts")
 
 
 @dataclass
@@ -152,6 +149,9 @@ class _MirrorRank:
     finish: dict | None = None
     flops: dict | None = None
     earlier_attempts: dict[int, int] = field(default_factory=dict)
+    steps_stored: int = 0
+    last_step_unix_s: float | None = None
+    counts: dict | None = None
 
 
 def analysis_steps(world_size: int) -> int:
@@ -193,11 +193,17 @@ class Mirror:
             mr = self.ranks.setdefault(r, _MirrorRank())
             if d.reset:
                 mr.window = _window()
-            for name, values in d.steps.items():
-                mr.window[name].extend(values)
+            count = len(d.steps.get("step", ()))
+            for name, window in mr.window.items():  # a field the rank never measured: None
+                window.extend(d.steps.get(name) or repeat(None, count))
             mr.process_samples.extend(d.process_samples)
             mr.restart, mr.identity, mr.finish = d.restart, d.identity, d.finish
             mr.flops, mr.earlier_attempts = d.flops, d.earlier_attempts
+            mr.steps_stored, mr.last_step_unix_s, mr.counts = (
+                d.steps_stored,
+                d.last_step_unix_s,
+                d.counts,
+            )
         for n, rows in delta.system_samples.items():
             self.system_samples.setdefault(n, deque(maxlen=WINDOW_SAMPLES)).extend(rows)
         for n, rows in delta.gpu_samples.items():
@@ -212,10 +218,16 @@ class Mirror:
         steps, by default those the live analysis covers (the last delta's
         ``analysis_steps``)."""
         return windows_run_data(
-            self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
-            self.system_samples, self.gpu_samples, self.run_records,
+            self.run_name,
+            self.world_size,
+            self.ranks,
+            self.rank_ends,
+            self.node_exits,
+            self.system_samples,
+            self.gpu_samples,
+            self.run_records,
             steps=steps or self.analysis_steps,
-        )  # fmt: skip
+        )
 
 
 def windows_run_data(
@@ -233,10 +245,10 @@ def windows_run_data(
 
     ``ranks`` maps a rank to its window: anything with ``restart``, ``identity``, ``window``
     (step field -> deque), ``finish``, ``process_samples``, ``earlier_attempts`` and ``flops``.
-    Ranks ``0 .. world_size - 1`` all appear (empty when nothing of them arrived), the world
-    size being ``world_size``, else the largest an identity names, else the ranks seen; a
-    rank's process samples are those of its latest attempt; ``run_records`` gives the fields
-    of :data:`RUN_RECORDS` it holds; each rank's latest ``steps`` steps. O(ranks x steps).
+    The ranks and the world size are :func:`~traceml.analysis.rundata.run_data`'s; a rank's
+    process samples are those of its latest attempt; ``run_records`` gives RunData's fields
+    of the run's own records it holds (those of :data:`traceml_aggregator.load.META_RECORDS`,
+    by field name); each rank's latest ``steps`` steps. O(ranks x steps).
     """
     out: dict[int, RankData] = {}
     for r, w in ranks.items():
@@ -253,20 +265,15 @@ def windows_run_data(
         )
     for r, end in rank_ends.items():
         out.setdefault(r, RankData(r, end=end))
-    world_size = world_size or max(
-        [(rd.identity or {}).get("world_size") or 0 for rd in out.values()] + [len(out)]
-    )
-    for r in range(world_size):
-        out.setdefault(r, RankData(r))
-    return RunData(
-        run_name=run_name,
-        world_size=world_size,
-        ranks=dict(sorted(out.items())),
+    return run_data(
+        run_name,
+        world_size,
+        out,
         node_exits=dict(node_exits),
         system_samples={n: sorted(s, key=_unix_us) for n, s in system_samples.items()},
         gpu_samples={n: sorted(s, key=_unix_index) for n, s in gpu_samples.items()},
         missing=[],
-        **{name: run_records[name] for name in RUN_RECORDS if name in run_records},
+        **run_records,
     )
 
 
@@ -328,6 +335,19 @@ def snapshot(delta: LiveDelta, summary: dict | None, version: int) -> Snapshot:
     covers, up to :data:`WINDOW_STEPS`) with ``summary``, covering ``version``."""
     run = _mirror.apply(delta).run_data(steps=WINDOW_STEPS)
     return Snapshot(run, summary, live=True, version=version)
+
+
+def metrics(delta: LiveDelta) -> bytes:
+    """Fold ``delta`` into this process's mirror; the Prometheus exposition of the windows
+    (:func:`traceml_aggregator.metrics.exposition`, each rank's latest steps the analysis
+    covers), UTF-8 text."""
+    return exposition(_mirror.apply(delta))
+
+
+def fold(delta: LiveDelta) -> Mirror:
+    """Fold ``delta`` into this process's mirror; the mirror, for what exports it from here
+    (:func:`traceml_aggregator.otlp.push`)."""
+    return _mirror.apply(delta)
 
 
 _unix_us = operator.itemgetter("unix_us")

@@ -11,16 +11,18 @@ summary), its step count, its latest step and the wall clock of its end (``last_
 its identity and finish marker, its latest :data:`WINDOW_SAMPLES` process samples; per node its
 latest :data:`WINDOW_SAMPLES` system samples and GPU samples; the nodes' torchrun exits. After an
 aggregator restart (or for ``--finalize-only``), :meth:`LiveAggregates.seed` folds in what the
-store already holds, so the aggregates are those of an aggregator that saw every batch.
+store already holds, so the aggregates are those of an aggregator that saw every batch: from the
+latest checkpoint of the aggregates on (:mod:`traceml_aggregator.checkpoint`), not from the
+run's first step.
 
 :meth:`LiveAggregates.summary` answers ``Summarize``: it runs the same
 :func:`~traceml.analysis.summary.build_summary` as the final summary over the windows, in a
 process of its own (spawned on the first query, at a low CPU priority: see
-:mod:`traceml_aggregator.live_analysis`), so the analysis never takes the GIL from the thread
-that stores batches and the loop that sends acknowledgements. The process keeps a mirror of the
-windows; each computation ships it only what changed since the previous one, so a query costs
+:mod:`traceml_aggregator.live.analysis_process`), so the analysis never takes the GIL from the
+thread that stores batches and the loop that sends acknowledgements. The process keeps a mirror
+of the windows; each computation ships it only what changed since the previous one, so a query costs
 the loop O(the data that arrived since the last query). The analysis covers each rank's latest
-:func:`~traceml_aggregator.live_analysis.analysis_steps` steps (512 up to 32 ranks, fewer
+:func:`~traceml_aggregator.live.analysis_process.analysis_steps` steps (512 up to 32 ranks, fewer
 beyond); while every rank has stored at most that many, the live verdict and the final summary
 are computed from the same steps and agree. :meth:`LiveAggregates.snapshot` builds the
 dashboard's snapshot in the same process, from the same mirror.
@@ -41,15 +43,18 @@ import itertools
 import operator
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from traceml import wire
-from traceml.analysis.rundata import STEP_FIELDS, RankData, RunData
-from traceml.wire.records import step_group_columns
-from traceml_aggregator import live_analysis
+from traceml.analysis.rundata import RankData, RunData
+from traceml.core import log, records
+from traceml.core.phases import STEP_FIELDS
+from traceml.core.records import step_group_columns
 from traceml_aggregator.aggregates import SERIES_STEPS, StepState, series_steps
-from traceml_aggregator.live_analysis import (
+from traceml_aggregator.checkpoint import SAMPLE_WINDOWS, Checkpoint
+from traceml_aggregator.checkpoint import loads as checkpoint_loads
+from traceml_aggregator.live import analysis_process
+from traceml_aggregator.live.analysis_process import (
     WINDOW_GPU_SAMPLES,
     WINDOW_SAMPLES,
     WINDOW_STEPS,
@@ -57,17 +62,11 @@ from traceml_aggregator.live_analysis import (
     RankDelta,
     Tail,
     analysis_steps,
-    last,
     windows_run_data,
 )
 from traceml_aggregator.load import load
-from traceml_aggregator.store import (
-    _GPU_FIELDS,
-    _PROCESS_FIELDS,
-    _SYSTEM_FIELDS,
-    _optional,
-    flops_row,
-)
+
+_log = log.get("aggregator")
 
 #: Largest fraction of wall time the live analysis may run (see the module docstring).
 ANALYSIS_DUTY = 0.1
@@ -76,15 +75,10 @@ ANALYSIS_DUTY = 0.1
 ANALYSIS_MAX_GAP_S = 5.0
 #: Ranks copied into a delta between two returns to the event loop (see ``_delta``).
 DELTA_SLICE_RANKS = 32
-
-_IDENTITY_COLUMNS = (
-    "node_rank", "local_rank", "world_size", "local_world_size", "hostname", "pid",
-    "start_unix_us", "torch_version", "cuda_version", "backend", "parallelism", "device",
-    "gpu_uuid",
-)  # fmt: skip
-_FLOPS_COLUMNS = (
-    "rank", "restart", "step", "forward_flops", "count_us", "dtype", "device_name", "peak_tflops",
-)  # fmt: skip
+#: Oldest a ``/metrics`` text may be when it answers a scrape, s: scrapes closer together than
+#: this share one computation (Prometheus's usual scrape interval is 15 s), so any number of
+#: scrapers cost the event loop one delta every this many seconds at most.
+METRICS_MAX_AGE_S = 5.0
 
 
 @dataclass
@@ -102,8 +96,8 @@ class RankLive:
 
     rank: int
     restart: int = 0
-    identity: dict | None = None
-    finish: dict | None = None
+    identity: dict | None = None  # as the store's ranks row (records.Identity)
+    finish: dict | None = None  # as the store's rank_finish row (records.Finish)
     series_steps: int = SERIES_STEPS
     steps: StepState | None = None
     steps_stored: int = 0
@@ -111,9 +105,9 @@ class RankLive:
     last_step_unix_s: float | None = None
     process_samples: Tail = field(default_factory=Tail)
     earlier_attempts: dict[int, int] = field(default_factory=dict)
-    flops: dict | None = None  # as the store's rank_flops row
-    #: The attempt's latest running totals (the wire's SenderCounts: ``records_produced``,
-    #: ``records_dropped``, ``steps_produced``, ``steps_dropped``), None before a batch with them.
+    flops: dict | None = None  # as the store's rank_flops row (records.Flops)
+    #: The attempt's latest running totals, as the store's sender_counts row
+    #: (records.SenderCounts), None before a batch with them.
     counts: dict | None = None
 
     def __post_init__(self) -> None:
@@ -132,11 +126,39 @@ class RankLive:
         if restart > self.restart:
             if self.steps_stored:
                 self.earlier_attempts[self.restart] = self.steps_stored
-            fresh = RankLive(self.rank, restart, earlier_attempts=self.earlier_attempts,
-                             process_samples=self.process_samples,
-                             series_steps=self.series_steps)  # fmt: skip
+            fresh = RankLive(
+                self.rank,
+                restart,
+                earlier_attempts=self.earlier_attempts,
+                process_samples=self.process_samples,
+                series_steps=self.series_steps,
+            )
             self.__dict__.update(fresh.__dict__)
         return restart == self.restart
+
+    def steps_part(self) -> tuple:
+        """What of this rank a checkpoint keeps (:mod:`traceml_aggregator.checkpoint`): its
+        attempt and everything its steps made, ``(restart, steps, steps_stored, last_step,
+        last_step_unix_s, earlier_attempts)``; :meth:`restore_steps` takes it back."""
+        return (
+            self.restart,
+            self.steps,
+            self.steps_stored,
+            self.last_step,
+            self.last_step_unix_s,
+            self.earlier_attempts,
+        )
+
+    def restore_steps(self, part: tuple) -> None:
+        """Take a :meth:`steps_part` back (the rest of the rank stays as it is)."""
+        (
+            self.restart,
+            self.steps,
+            self.steps_stored,
+            self.last_step,
+            self.last_step_unix_s,
+            self.earlier_attempts,
+        ) = part
 
     def fold_steps(self, names, columns) -> None:
         """Fold one group of this attempt's steps in (``names``, one column per name; steps
@@ -181,6 +203,9 @@ class LiveAggregates:
         self._lock: asyncio.Lock | None = None  # the live summary's: one computation at a time
         self._ship_lock: asyncio.Lock | None = None  # see _in_analysis_process
         self._result: tuple[int, dict, dict] | None = None  # (version, run records, summary)
+        self._metrics_lock: asyncio.Lock | None = None  # one /metrics text at a time
+        #: (version covered, loop.time() when computed, the last /metrics text)
+        self._metrics: tuple[int, float, bytes] | None = None
         self._next_start = 0.0  # loop.time() before which no computation starts
         # What the analysis process was last sent: per rank (restart, steps stored, process
         # samples appended), per node (system, GPU samples appended); what changed since.
@@ -191,8 +216,8 @@ class LiveAggregates:
         self._changed_exits: set[int] = set()
         self._ship_whole = True  # the next delta is a whole one (a new analysis process)
         #: Gives the run's own records a live summary shows (the aggregator's stall record,
-        #: node losses, refused calls, restarts: ``live_analysis.RUN_RECORDS`` -> value);
-        #: called on the loop at each query. None: no such records (set by the server).
+        #: node losses, refused calls, restarts: RunData field of ``load.META_RECORDS`` ->
+        #: value); called on the loop at each query. None: no such records (set by the server).
         self.run_records: Callable[[], dict] | None = None
         #: The world size the first identity named (sizes the ranks' series without the flag).
         self._identity_world_size = 0
@@ -217,72 +242,58 @@ class LiveAggregates:
             self._changed_ranks.add(batch.rank)
         for s in batch.process_samples:
             # A node sampler reports for its local workers; a rank for itself.
-            rank, attempt = (s.rank, s.restart_count) if sender == "node_rank" else (
-                batch.rank, restart)  # fmt: skip
-            row = {"rank": rank, "restart": attempt, "unix_us": s.unix_us}
-            row.update(zip(_PROCESS_FIELDS, _optional(s, _PROCESS_FIELDS)))
+            rank, attempt = (
+                (s.rank, s.restart_count) if sender == "node_rank" else (batch.rank, restart)
+            )
             # Kept whatever the attempt: a sampler's rows of a new attempt may come before the
             # rank's own first batch; run_data() keeps those of the rank's latest attempt.
-            self._rank(rank).process_samples.append(row)
+            self._rank(rank).process_samples.append(
+                records.ProcessSample.wire_dict(s, rank=rank, restart=attempt)
+            )
             self._changed_ranks.add(rank)
         for s in batch.system_samples:
-            row = {"node_rank": s.node_rank, "unix_us": s.unix_us, "hostname": s.hostname}
-            row.update(zip(_SYSTEM_FIELDS, _optional(s, _SYSTEM_FIELDS)))
-            row["gpu_unavailable_reason"] = s.gpu_unavailable_reason or None
-            self.system_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_SAMPLES)).append(row)
+            self.system_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_SAMPLES)).append(
+                records.SystemSample.wire_dict(s)
+            )
             gpus = self.gpu_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_GPU_SAMPLES))
-            for g in s.gpus:
-                row = {"node_rank": s.node_rank, "unix_us": s.unix_us,
-                       "nvml_index": g.nvml_index, "uuid": g.uuid}  # fmt: skip
-                row.update(zip(_GPU_FIELDS, _optional(g, _GPU_FIELDS)))
-                row["unavailable_reason"] = g.unavailable_reason or None
-                gpus.append(row)
+            gpus.extend(
+                records.GpuSample.wire_dict(g, node_rank=s.node_rank, unix_us=s.unix_us)
+                for g in s.gpus
+            )
 
     def _rank_data(self, batch, rl: RankLive, restart: int) -> None:
         if not rl.attempt(restart):
             return
         if batch.HasField("identity"):
-            ident = batch.identity
-            rl.identity = {"rank": ident.rank, "restart": ident.restart_count}
-            rl.identity.update((name, getattr(ident, name)) for name in _IDENTITY_COLUMNS)
+            rl.identity = records.Identity.wire_dict(batch.identity)
         for group in batch.step_groups:
             names, columns = step_group_columns(group)
             if names:
                 rl.fold_steps(names, columns)
         if batch.HasField("counts"):
-            c = batch.counts
-            rl.counts = {"records_produced": c.records_produced,
-                         "records_dropped": c.records_dropped,
-                         "steps_produced": c.steps_produced, "steps_dropped": c.steps_dropped}  # fmt: skip
+            rl.counts = records.SenderCounts.wire_dict(
+                batch.counts, rank=rl.rank, restart=restart, seq=batch.seq
+            )
         for count in batch.flops_counts:
-            rl.flops = dict(zip(_FLOPS_COLUMNS, (rl.rank, restart) + flops_row(count)))
+            rl.flops = records.Flops.wire_dict(count, rank=rl.rank, restart=restart)
         if batch.HasField("finish"):
-            f = batch.finish
-            rl.finish = {
-                "rank": rl.rank, "restart": restart, "steps_completed": f.steps_completed,
-                "records_dropped": f.records_dropped,
-                "steps_gpu_unresolved": f.steps_gpu_unresolved,
-                "end_state": wire.end_state_name(f.end_state), "reason": f.reason or None,
-                "last_seq": f.last_seq, "received_unix_us": time.time_ns() // 1000,
-            }  # fmt: skip
+            rl.finish = records.Finish.wire_dict(
+                batch.finish,
+                rank=rl.rank,
+                restart=restart,
+                received_unix_us=time.time_ns() // 1000,
+            )
 
     def on_node_exit(self, report) -> None:
         """Fold a node's torchrun exit (a wire NodeExit) in, as the store keeps it."""
         self.version += 1
         self._changed_exits.add(report.node_rank)
-        self.node_exits[report.node_rank] = {
-            "node_rank": report.node_rank, "hostname": report.hostname,
-            "exit_code": report.exit_code, "restart_count": report.restart_count,
-            "received_unix_us": time.time_ns() // 1000,
-        }  # fmt: skip
+        self.node_exits[report.node_rank] = records.NodeExit.wire_dict(
+            report, received_unix_us=time.time_ns() // 1000
+        )
         for r in report.ranks:
             self._changed_ends.add(r.rank)
-            self.rank_ends[r.rank] = {
-                "rank": r.rank, "local_rank": r.local_rank, "node_rank": report.node_rank,
-                "end_state": wire.end_state_name(r.end_state),
-                "exit_code": r.exit_code if r.HasField("exit_code") else None,
-                "signal": r.signal if r.HasField("signal") else None, "reason": r.reason or None,
-            }  # fmt: skip
+            self.rank_ends[r.rank] = records.RankEnd.wire_dict(r, node_rank=report.node_rank)
 
     # --- reads -----------------------------------------------------------------------------------
     def run_data(self) -> RunData:
@@ -291,9 +302,15 @@ class LiveAggregates:
         them arrived), the world size being the flag's, else the largest an identity names,
         else the ranks seen."""
         return windows_run_data(
-            self.run_name, self.world_size, self.ranks, self.rank_ends, self.node_exits,
-            self.system_samples, self.gpu_samples, self._run_records(),
-        )  # fmt: skip
+            self.run_name,
+            self.world_size,
+            self.ranks,
+            self.rank_ends,
+            self.node_exits,
+            self.system_samples,
+            self.gpu_samples,
+            self._run_records(),
+        )
 
     def _run_records(self) -> dict:
         return self.run_records() if self.run_records is not None else {}
@@ -327,13 +344,15 @@ class LiveAggregates:
             delta.ranks[r] = RankDelta(
                 restart=rl.restart,
                 reset=reset,
-                steps={name: tuple(last(w, keep if reset else new))
-                       for name, w in window.items()},  # fmt: skip
+                steps=rl.steps.tail(keep if reset else new),
                 process_samples=rl.process_samples.since(appended),
                 identity=rl.identity,
                 finish=rl.finish,
                 flops=rl.flops,
                 earlier_attempts=dict(rl.earlier_attempts),
+                steps_stored=rl.steps_stored,
+                last_step_unix_s=rl.last_step_unix_s,
+                counts=rl.counts,
             )
             self._shipped[r] = (rl.restart, rl.steps_stored, rl.process_samples.appended)
         for n in self.system_samples.keys() | self.gpu_samples.keys():
@@ -348,41 +367,93 @@ class LiveAggregates:
         delta.rank_ends = {r: self.rank_ends[r] for r in ends}
         return delta
 
-    def seed(self, store) -> None:
+    def seed(self, store, checkpoint: Checkpoint | None = None) -> Checkpoint:
         """Fold in what is already stored for the run: an earlier aggregator of this run (a
         restart on the same store), or the whole run for ``--finalize-only``. Afterwards the
         aggregates are what they would be had this aggregator received every stored batch: the
         identities, finish markers, node exits and latest samples, and every stored step folded
-        in arrival order (one scan of the steps table, O(stored steps), before serving).
+        in arrival order.
+
+        From ``checkpoint`` (:func:`traceml_aggregator.checkpoint.read`), only what was stored
+        after it is read: the ranks' and nodes' small tables, then the steps and samples above
+        its marks (O(ranks + nodes + what was stored since the checkpoint)). Without one, or
+        with an empty one, every stored step and sample is (O(stored steps)); both give the
+        same aggregates. Returns the checkpoint, its sample windows advanced to the store as it
+        is now (what the next one starts from: :class:`~traceml_aggregator.checkpoint.
+        Checkpointer`).
         """
         self.version += 1
         self._ship_whole = True
-        run = load(store, [], steps=False)
+        checkpoint = checkpoint or Checkpoint()
+        process = records.ProcessSample.TABLE
+        try:
+            parts = {
+                r: (mark, checkpoint_loads(data)) for r, (mark, data) in checkpoint.ranks.items()
+            }
+            run = _small_tables(store, checkpoint)
+            if any(
+                part[0] > run.ranks[r].restart and not part[2]
+                for r, (_, part) in parts.items()
+                if r in run.ranks
+            ):
+                # A later attempt known from a batch with neither identity nor steps, of which
+                # the store keeps no trace: a full replay gives what the store says.
+                raise ValueError("a rank's attempt is ahead of the store")
+        except Exception as exc:
+            _log.warning(
+                f"cannot seed from the live aggregates' checkpoint ({exc}): "
+                "replaying every stored step"
+            )
+            checkpoint, parts = Checkpoint(), {}
+            run = _small_tables(store, checkpoint)
         self._identity_world_size = self._identity_world_size or run.world_size
+        for r, (_, part) in parts.items():
+            self._rank(r).restore_steps(part)
         for r, rd in run.ranks.items():
             rl = self._rank(r)
-            rl.restart, rl.identity, rl.finish = rd.restart, rd.identity, rd.finish
-            rl.process_samples.extend(rd.process_samples)
+            if r not in parts:
+                rl.restart = rd.restart
+            elif rl.restart > rd.restart:  # steps of an attempt that sent no identity yet
+                rd.identity = rd.finish = None
+            else:
+                rl.attempt(rd.restart)
+            rl.identity, rl.finish = rd.identity, rd.finish
+            rl.process_samples.extend(checkpoint.window(process, (r, rd.restart)))
             if rd.end is not None:
                 self.rank_ends[r] = rd.end
-        for node, samples in run.system_samples.items():
-            self.system_samples[node] = Tail(samples, maxlen=WINDOW_SAMPLES)
-        for node, samples in run.gpu_samples.items():
-            self.gpu_samples[node] = Tail(samples, maxlen=WINDOW_GPU_SAMPLES)
+        for record, keep in SAMPLE_WINDOWS[1:]:
+            tails = self.system_samples if record is records.SystemSample else self.gpu_samples
+            for key in checkpoint.keys(record.TABLE):
+                tails[key[0]] = Tail(checkpoint.window(record.TABLE, key), maxlen=keep)
         self.node_exits.update(run.node_exits)
         fields = len(STEP_FIELDS)
         # In the order they were stored (the table's own, rowid, order: no sort of millions of
         # rows, which took most of 320 s at 10M steps), so every rank's steps are folded in
-        # their arrival order, as the aggregator that received them folded them.
-        sql = f"SELECT {', '.join(STEP_FIELDS)}, rank, restart FROM steps ORDER BY rowid"
+        # their arrival order, as the aggregator that received them folded them; a rank's rows
+        # at or below its checkpoint's mark are in its checkpointed state already.
+        sql = (
+            f"SELECT rowid, {', '.join(STEP_FIELDS)}, rank, restart FROM steps"
+            f" WHERE rowid > {int(checkpoint.steps_from)} ORDER BY rowid"
+        )
         for rows in store.stream(sql):
             for (rank, restart), group in itertools.groupby(rows, _attempt):
-                group = list(group)
+                mark = parts.get(rank, (0,))[0]
+                group = [row for row in group if row[0] > mark]
+                if not group:
+                    continue
                 rl = self._rank(rank)
                 if rl.attempt(restart):
-                    rl.fold_steps(STEP_FIELDS, list(zip(*group))[:fields])
+                    # the fields the rank measured, as its batches carried them (not NULL)
+                    columns = list(zip(*group, strict=True))[1 : fields + 1]
+                    carried = [
+                        (name, column)
+                        for name, column in zip(STEP_FIELDS, columns, strict=True)
+                        if any(v is not None for v in column)
+                    ]
+                    rl.fold_steps(*zip(*carried, strict=True))
                 else:
                     rl.earlier_attempts[restart] = rl.earlier_attempts.get(restart, 0) + len(group)
+        return checkpoint
 
     def final_steps(self) -> dict[int, tuple]:
         """Each rank's steps for the final summary (on the event loop, then read anywhere):
@@ -414,7 +485,7 @@ class LiveAggregates:
             await asyncio.sleep(max(0.0, self._next_start - loop.time()))
             version, records = self.version, self._run_records()
             started = loop.time()
-            summary = await self._in_analysis_process(records, live_analysis.analyse)
+            summary = await self._in_analysis_process(records, analysis_process.analyse)
             took = loop.time() - started
             gap = min(took * (1.0 / ANALYSIS_DUTY - 1.0), ANALYSIS_MAX_GAP_S)
             self._next_start = loop.time() + gap
@@ -433,7 +504,7 @@ class LiveAggregates:
     async def snapshot(self, summary: dict | None, version: int):
         """The dashboard's :class:`~traceml_aggregator.dashboard.frames.Snapshot` of the
         windows with ``summary`` (the live verdict), built in the analysis process from its
-        mirror (:func:`traceml_aggregator.live_analysis.snapshot`): the event loop pays the
+        mirror (:func:`traceml_aggregator.live.analysis_process.snapshot`): the event loop pays the
         delta only, not a copy of every window, and the building (~0.3 s at 256 ranks) holds
         no GIL of the aggregator. It never waits for the live summary's pause between two
         computations (the dashboard bounds its own share of the time).
@@ -442,13 +513,48 @@ class LiveAggregates:
             Exception: whatever building it raised (the process's death included).
         """
         return await self._in_analysis_process(
-            self._run_records(), live_analysis.snapshot, summary, version
+            self._run_records(), analysis_process.snapshot, summary, version
         )
+
+    async def metrics(self) -> bytes:
+        """The Prometheus ``/metrics`` text of the windows
+        (:func:`traceml_aggregator.metrics.exposition`), covering every batch folded in before
+        the call or computed at most :data:`METRICS_MAX_AGE_S` ago, written in the analysis
+        process from its mirror: the event loop pays the delta only. Concurrent callers share
+        one computation; while nothing new arrived, or the last text is younger than
+        :data:`METRICS_MAX_AGE_S`, the last text is the answer.
+
+        Raises:
+            Exception: whatever building it raised (the process's death included).
+        """
+        wanted = self.version
+        if self._metrics_lock is None:
+            self._metrics_lock = asyncio.Lock()
+        loop = asyncio.get_running_loop()
+        async with self._metrics_lock:
+            last = self._metrics
+            if last is None or (last[0] < wanted and loop.time() - last[1] >= METRICS_MAX_AGE_S):
+                version = self.version
+                text = await self._in_analysis_process(
+                    self._run_records(), analysis_process.metrics
+                )
+                self._metrics = (version, loop.time(), text)
+            return self._metrics[2]
+
+    async def in_analysis_process(self, fn, *args):
+        """``fn(delta, *args)`` in the analysis process, with the run's records as they are
+        now (see :meth:`_in_analysis_process`): for what exports the mirror from there (the
+        OTLP push, :mod:`traceml_aggregator.otlp`). The event loop pays the delta only.
+
+        Raises:
+            Exception: whatever ``fn`` raised (the process's death included).
+        """
+        return await self._in_analysis_process(self._run_records(), fn, *args)
 
     async def _in_analysis_process(self, records: dict, fn, *args):
         """``fn(delta, *args)`` in the analysis process (a function of
-        :mod:`traceml_aggregator.live_analysis`), ``delta`` being what changed since the last
-        call, with the run's ``records``. Deltas reach the process in the order they were made
+        :mod:`traceml_aggregator.live.analysis_process`), ``delta`` being what changed since the
+        last call, with the run's ``records``. Deltas reach the process in the order they were made
         (one process, calls queued in order). The process is started on first use, and again
         when it died (e.g. killed: that call fails, the next one works, sent the whole run)."""
         if self._ship_lock is None:
@@ -457,7 +563,7 @@ class LiveAggregates:
         try:
             async with self._ship_lock:  # a delta made and queued at one go
                 if self._pool is None:
-                    self._pool = live_analysis.spawn(os.getpid())
+                    self._pool = analysis_process.spawn(os.getpid())
                     self._ship_whole = True
                 pool = self._pool
                 delta = await self._delta(whole=self._ship_whole, records=records)
@@ -477,6 +583,15 @@ class LiveAggregates:
         """Stop the analysis process (after the running computation, if any)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _small_tables(store, checkpoint: Checkpoint) -> RunData:
+    """The run without steps or samples (:func:`~traceml_aggregator.load.load`: O(ranks +
+    nodes)), after ``checkpoint``'s sample windows were advanced to the store: its ranks those
+    of a full load (the ranks known from process samples alone included)."""
+    checkpoint.advance_windows(store)
+    sampled = {r for r, _ in checkpoint.keys(records.ProcessSample.TABLE)}
+    return load(store, [], steps=False, samples=False, sampled_ranks=sampled)
 
 
 def with_steps(run: RunData, steps: dict[int, tuple]) -> RunData:

@@ -1,9 +1,10 @@
 """Two "hosts" on one machine: network namespaces joined by two veth pairs.
 
 One pair carries training (torch's rendezvous and gloo), the other the telemetry, so a test
-can cut the telemetry link alone (``ip link set ... down``) while training goes on. Used by the
-tests that partition node 1 from node 0's aggregator (tests/test_telemetry_loss.py,
-tests/test_node_session.py). Needs root and ``ip`` (iproute2): skipped otherwise.
+can cut the telemetry link alone (``ip link set ... down``) while training goes on
+(tests/test_telemetry_loss.py, tests/test_node_session.py), or serve telemetry on another
+address of host 0 than the rendezvous (tests/test_netns.py). Needs root and ``ip`` (iproute2):
+skipped otherwise. Names carry the test process's pid, so parallel workers never collide.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class TwoHosts:
 
     netns: tuple[str, str]
     links: dict[str, tuple[str, str]]
+
+    def prefix(self, node: int) -> list[str]:
+        """The command words that run a command on host ``node`` (``ip netns exec NS``)."""
+        return ["ip", "netns", "exec", self.netns[node]]
 
     def set_link(self, link: str, node: int, state: str) -> None:
         """``ip link set`` one end of ``link`` (``train``/``tel``) ``up`` or ``down``."""
@@ -63,7 +68,7 @@ def two_hosts(
         for link, addrs in (("train", train), ("tel", telemetry)):
             ends = hosts.links[link]
             ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
-            for ns, ifname, addr in zip(hosts.netns, ends, addrs):
+            for ns, ifname, addr in zip(hosts.netns, ends, addrs, strict=True):
                 ip("link", "set", ifname, "netns", ns)
                 ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
                 ip("-n", ns, "link", "set", ifname, "up")

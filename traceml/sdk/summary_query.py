@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from traceml import settings
-from traceml.sdk import session as session_mod
+from traceml.sdk import rank_state
 from traceml.sdk.failopen import warn
 
 _warned = False
@@ -34,7 +34,7 @@ def _number(name: str, value: float) -> float | int:
 
 def fetch(prefix: str, timeout_s: float | None) -> dict:
     """The flat verdict for rank 0 (``{}`` on other ranks); see ``traceml.summary``."""
-    s = session_mod.current()
+    s = rank_state.current()
     if s is None:
         _warn_once("no TraceML session (traceml.init() not called, disabled, or failed)")
         return {}
@@ -43,9 +43,7 @@ def fetch(prefix: str, timeout_s: float | None) -> dict:
     from traceml import wire
 
     budget = (
-        timeout_s
-        if timeout_s and timeout_s > 0
-        else settings.env_float(settings.SUMMARY_TIMEOUT_SEC)
+        timeout_s if timeout_s and timeout_s > 0 else settings.read(settings.SUMMARY_TIMEOUT_SEC)
     )
     deadline = time.monotonic() + budget
     import grpc

@@ -1,0 +1,384 @@
+"""Time to serving of a replacement aggregator on a long run's store, with and without the
+live aggregates' checkpoint (traceml_aggregator/checkpoint.py).
+
+The store is built straight into SQLite (:func:`build_store`: the steps of ``--ranks`` ranks
+as a run stores them, interleaved in batches, with their identities, streams and samples), then
+a real ``traceml-aggregator`` process is started on it, as the launcher restarts one, and timed
+from its start to its health service saying SERVING:
+
+* ``replay``: the store without a checkpoint (an older store, or a first start): every stored
+  step is folded in before serving;
+* ``checkpoint``: the store with the checkpoint a real aggregator wrote at its clean stop,
+  plus ``--after`` steps stored after it (those a replacement folds in).
+
+Medians of ``--repeat`` starts each. Usage::
+
+    PYTHONPATH=. python benchmarks/restart.py --steps 10000000 --repeat 3
+    PYTHONPATH=. python benchmarks/restart.py --steps 100000000 --repeat 3 --replay-repeat 0
+
+``--replay-repeat 0`` skips the replay timings (at 100 M steps one takes ~15 min here).
+The first start on a store without a checkpoint writes one when it stops; at 100 M steps that
+start is the replay itself, so a store is built once per size and kept in ``--dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pickle
+import re
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import LiveAggregator, median  # noqa: E402
+from sample_load import START_US, gpu_row, process_row, rows_of, system_row  # noqa: E402
+
+from traceml.core import records  # noqa: E402
+from traceml.core.phases import STEP_FIELDS  # noqa: E402
+from traceml_aggregator.store import Store  # noqa: E402
+
+#: Steps of one rank per stored batch (a sender's batch of ~1 s at ~50 steps/s).
+STEPS_PER_BATCH = 50
+#: One process sample per rank, and one system sample (8 GPU samples) per node, every this
+#: many steps.
+SAMPLE_EVERY_STEPS = 100
+#: Ranks per node (GPUs per node).
+RANKS_PER_NODE = 8
+#: Steps per rank of the short run whose checkpoint ``--simulate`` puts on a long run's store.
+SIMULATED_STEPS = 4_000
+#: Rows per transaction while building.
+BUILD_ROWS_PER_COMMIT = 1_000_000
+
+
+def _step_rows(first: int, count: int, ranks: int, seed: int) -> tuple[list[list], list[str]]:
+    """Steps ``first .. first + count - 1`` of ranks ``0 .. ranks - 1`` as the store's rows
+    ``(rank, restart 0, *fields)``, in the order a run stores them: batches of
+    :data:`STEPS_PER_BATCH` steps, the ranks' batches interleaved; µs values drawn from
+    ``seed``. Returns the rows and the step fields they hold, in order."""
+    rng = np.random.default_rng(seed)
+    step = np.arange(first, first + count, dtype=np.int64)
+    shape = (ranks, count)
+    rank = np.repeat(np.arange(ranks, dtype=np.int64)[:, None], count, axis=1)
+    steps = np.broadcast_to(step, shape)
+    cols = {
+        "step": steps,
+        "end_us": (steps + 1) * 100_000 + rank,
+        "step_us": rng.integers(90_000, 110_000, shape),
+        "input_wait_us": rng.integers(1_000, 5_000, shape),
+        "dataloader_next_us": rng.integers(500, 2_000, shape),
+        "h2d_us": rng.integers(100, 900, shape),
+        "forward_us": rng.integers(20_000, 30_000, shape),
+        "backward_us": rng.integers(40_000, 60_000, shape),
+        "optimizer_us": rng.integers(5_000, 9_000, shape),
+        "gpu_step_us": rng.integers(80_000, 100_000, shape),
+        "peak_allocated_bytes": (rank + 1) * 1_000_000_000 + steps,
+    }
+    names = [n for n in STEP_FIELDS if n in cols]
+    table = np.stack([rank, np.zeros(shape, np.int64)] + [cols[n] for n in names], axis=-1)
+    # (ranks, count, width) -> batches of STEPS_PER_BATCH steps, each batch's ranks in turn
+    batches = -(-count // STEPS_PER_BATCH)
+    padded = np.full((ranks, batches * STEPS_PER_BATCH, table.shape[-1]), -1, np.int64)
+    padded[:, :count] = table
+    ordered = padded.reshape(ranks, batches, STEPS_PER_BATCH, -1).transpose(1, 0, 2, 3)
+    rows = ordered.reshape(-1, table.shape[-1])
+    return rows[rows[:, 2] >= 0].tolist(), names
+
+
+def build_store(
+    run_dir: Path,
+    run_name: str,
+    ranks: int,
+    steps_per_rank: int,
+    *,
+    first_step: int = 0,
+    seed: int = 0,
+) -> int:
+    """Store ``steps_per_rank`` steps (indices ``first_step`` on) of each of ``ranks`` ranks
+    in ``run_dir``'s store, straight into SQLite, as an aggregator would have stored them:
+    batches of :data:`STEPS_PER_BATCH` steps, ranks interleaved; with each rank's identity,
+    stream (``stored_seq``) and process samples, each node's system and GPU samples
+    (``benchmarks/sample_load.py``'s rows), every :data:`SAMPLE_EVERY_STEPS` steps. Called
+    again with a later ``first_step``, it appends (the run went on). ~10 µs a step on the
+    loaded 2-core machine (97 s for 10 M); returns the rows of ``steps`` stored in all.
+
+    Raises:
+        sqlite3.Error: the disk (full, ...).
+    """
+    Store(run_dir / "telemetry.sqlite").close()  # the schema, as the aggregator makes it
+    db = sqlite3.connect(run_dir / "telemetry.sqlite", isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=OFF")
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('run_name', ?)", (run_name,))
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('world_size', ?)", (str(ranks),))
+        nodes = max(1, -(-ranks // RANKS_PER_NODE))
+        db.executemany(
+            records.insert(records.Identity),
+            rows_of(
+                records.Identity,
+                (
+                    {
+                        "rank": r,
+                        "restart": 0,
+                        "node_rank": r // RANKS_PER_NODE,
+                        "local_rank": r % RANKS_PER_NODE,
+                        "world_size": ranks,
+                        "local_world_size": RANKS_PER_NODE,
+                        "hostname": f"node{r // RANKS_PER_NODE}",
+                        "pid": 1000 + r,
+                        "start_unix_us": START_US,
+                        "torch_version": "2.4",
+                        "cuda_version": "12.4",
+                        "backend": "nccl",
+                        "parallelism": "ddp",
+                        "device": f"cuda:{r % RANKS_PER_NODE}",
+                        "gpu_uuid": f"GPU-{r}",
+                    }
+                    for r in range(ranks)
+                ),
+            ),
+        )
+        db.execute("BEGIN")
+        chunk = max(
+            STEPS_PER_BATCH, BUILD_ROWS_PER_COMMIT // ranks // STEPS_PER_BATCH * STEPS_PER_BATCH
+        )
+        for start in range(first_step, first_step + steps_per_rank, chunk):
+            count = min(chunk, first_step + steps_per_rank - start)
+            rows, names = _step_rows(start, count, ranks, seed * 1_000_003 + start)
+            marks = ", ".join("?" * (2 + len(names)))
+            db.executemany(
+                f"INSERT INTO steps (rank, restart, {', '.join(names)}) VALUES ({marks})", rows
+            )
+            del rows
+            sampled = range(start - start % -SAMPLE_EVERY_STEPS, start + count, SAMPLE_EVERY_STEPS)
+            interval_us = SAMPLE_EVERY_STEPS * 100_000  # a step is ~100 ms
+            for i in (s // SAMPLE_EVERY_STEPS for s in sampled):
+                for record, rows in (
+                    (records.ProcessSample, (process_row(r, i, interval_us) for r in range(ranks))),
+                    (records.SystemSample, (system_row(n, i, interval_us) for n in range(nodes))),
+                    (
+                        records.GpuSample,
+                        (
+                            gpu_row(n, g, i, interval_us)
+                            for n in range(nodes)
+                            for g in range(RANKS_PER_NODE)
+                        ),
+                    ),
+                ):
+                    db.executemany(records.insert(record), rows_of(record, rows))
+            db.execute("COMMIT")
+            db.execute("BEGIN")
+        batches = -(-(first_step + steps_per_rank) // STEPS_PER_BATCH)
+        db.executemany(
+            "INSERT OR REPLACE INTO streams VALUES ('rank', ?, 0, ?)",
+            [(r, batches) for r in range(ranks)],
+        )
+        db.execute("COMMIT")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return db.execute("SELECT max(rowid) FROM steps").fetchone()[0] or 0
+    finally:
+        db.close()
+
+
+def drop_checkpoint(run_dir: Path) -> None:
+    """Remove the store's checkpoint (the store as an older TraceML left it)."""
+    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+        db.execute("DELETE FROM live_checkpoint")
+        db.commit()
+
+
+def time_to_serving(run_dir: Path, run_name: str, world: int, timeout_s: float) -> float:
+    """Seconds from starting a ``traceml-aggregator`` process on ``run_dir`` to SERVING; it
+    is stopped cleanly after (SIGTERM: it writes its checkpoint)."""
+    agg = LiveAggregator(
+        run_dir, run_name, world_size=world, extra_args=("--finalize-timeout-sec", "5")
+    )
+    started = time.monotonic()
+    try:
+        agg.start(timeout_s)
+        took = time.monotonic() - started
+        agg.stop(timeout_s)
+    finally:
+        agg.__exit__(None, None, None)  # killed if it still runs (a failure)
+    return took
+
+
+def finalize_only(run_dir: Path, run_name: str, world: int) -> tuple[float, float]:
+    """Run ``traceml-aggregator --finalize-only`` on ``run_dir`` (it writes
+    ``final_summary.*`` there); returns the seconds it took in all and those its seeding took
+    (its own log line).
+
+    Raises:
+        RuntimeError: it exited non-zero (its stderr in the message).
+    """
+    started = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "traceml_aggregator",
+            "--run-dir",
+            str(run_dir),
+            "--run-name",
+            run_name,
+            "--world-size",
+            str(world),
+            "--finalize-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    took = time.monotonic() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"--finalize-only exited {result.returncode}: {result.stderr}")
+    seeded = re.search(r"live aggregates seeded in ([\d.]+) s", result.stderr)
+    return took, float(seeded.group(1)) if seeded else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10_000_000, help="stored steps in all")
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument(
+        "--after", type=int, default=50, help="steps per rank stored after the checkpoint"
+    )
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--replay-repeat", type=int, default=None, help="replay starts [default: --repeat]"
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="keep the stores here")
+    parser.add_argument("--timeout-s", type=float, default=3600.0)
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="make the checkpoint from a short run of the same ranks instead "
+        "of a replay of the whole store (see simulate_checkpoint)",
+    )
+    args = parser.parse_args(argv)
+    replays = args.repeat if args.replay_repeat is None else args.replay_repeat
+    per_rank = args.steps // args.ranks
+    run_name = "restart-bench"
+    with contextlib.ExitStack() as stack:
+        base = args.dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        run_dir = base / f"run-{args.ranks}x{per_rank}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "built").exists():
+            t = time.monotonic()
+            rows = build_store(run_dir, run_name, args.ranks, per_rank - args.after)
+            (run_dir / "built").write_text(str(rows))
+            print(f"built {rows:,} steps in {time.monotonic() - t:.0f} s", flush=True)
+        with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+            ckpt_rows = db.execute("SELECT count(*) FROM live_checkpoint").fetchone()[0]
+        if not ckpt_rows and args.simulate:
+            simulate_checkpoint(run_dir, run_name, args.ranks, base / "simulated")
+            print("checkpoint simulated (see --simulate)", flush=True)
+        elif not ckpt_rows:  # one start replays the store and writes the checkpoint at its stop
+            took = time_to_serving(run_dir, run_name, args.ranks, args.timeout_s)
+            print(f"first start (replay, then checkpoint at stop): {took:.1f} s", flush=True)
+        if not (run_dir / "appended").exists():
+            build_store(
+                run_dir, run_name, args.ranks, args.after, first_step=per_rank - args.after, seed=1
+            )
+            (run_dir / "appended").write_text("1")
+        stored = (
+            sqlite3.connect(run_dir / "telemetry.sqlite")
+            .execute("SELECT max(rowid) FROM steps")
+            .fetchone()[0]
+        )
+        backup = run_dir / "checkpoint.blob"  # each start's stop writes a newer one
+        with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+            row = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
+        if backup.exists():  # a second run of the benchmark on a kept store
+            row = (row[0], backup.read_bytes())
+        backup.write_bytes(row[1])
+        with_ckpt = []
+        for _ in range(args.repeat):
+            _restore_checkpoint(run_dir, row[0], backup)  # each start from the same one
+            with_ckpt.append(time_to_serving(run_dir, run_name, args.ranks, args.timeout_s))
+            print(f"  checkpoint: {with_ckpt[-1]:.2f} s", flush=True)
+        finalize = []
+        for _ in range(args.repeat):
+            _restore_checkpoint(run_dir, row[0], backup)
+            finalize.append(finalize_only(run_dir, run_name, args.ranks))
+            print(
+                f"  --finalize-only: {finalize[-1][0]:.2f} s (seeding {finalize[-1][1]:.2f} s)",
+                flush=True,
+            )
+        replay = []
+        for _ in range(replays):
+            drop_checkpoint(run_dir)
+            replay.append(time_to_serving(run_dir, run_name, args.ranks, args.timeout_s))
+            print(f"  replay: {replay[-1]:.2f} s", flush=True)
+        _restore_checkpoint(run_dir, row[0], backup)
+        print(
+            f"{stored:,} stored steps, {args.ranks} ranks, {args.ranks * args.after:,} after "
+            f"the checkpoint ({len(row[1]) / 2**20:.1f} MiB):"
+        )
+        print(
+            f"  time to serving, checkpoint: median {median(with_ckpt):.2f} s of "
+            f"{len(with_ckpt)} ({', '.join(f'{t:.2f}' for t in with_ckpt)})"
+        )
+        print(
+            f"  --finalize-only, checkpoint: median {median(t for t, _ in finalize):.2f} s, "
+            f"of which seeding {median(s for _, s in finalize):.2f} s (the rest: the "
+            "samples loaded whole and the reports)"
+        )
+        if replay:
+            print(
+                f"  time to serving, replay:     median {median(replay):.2f} s of "
+                f"{len(replay)} ({', '.join(f'{t:.2f}' for t in replay)})"
+            )
+    return 0
+
+
+def simulate_checkpoint(run_dir: Path, run_name: str, ranks: int, scratch: Path) -> None:
+    """Give ``run_dir``'s store a checkpoint without replaying it (a replay of 100 M steps
+    takes ~15 min here): a real aggregator checkpoints a short run of the same ranks
+    (:data:`SIMULATED_STEPS` each: windows, series and digests full, so the checkpoint has
+    the size and shape of a long run's), whose marks are then set to the store's last rows.
+    Only the time to serving means anything on such a store (the figures the checkpoint holds
+    are the short run's); that a checkpoint's aggregates equal a replay's is tested apart
+    (tests/test_checkpoint.py)."""
+    from traceml_aggregator import checkpoint
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    build_store(scratch, run_name, ranks, SIMULATED_STEPS)
+    time_to_serving(scratch, run_name, ranks, 600.0)  # writes its checkpoint at the stop
+    with contextlib.closing(sqlite3.connect(scratch / "telemetry.sqlite")) as db:
+        written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
+    state = checkpoint.loads(data)
+    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+        top = {
+            t: db.execute(f"SELECT max(rowid) FROM {t}").fetchone()[0] or 0
+            for t in ("steps", "process_samples", "system_samples", "gpu_samples")
+        }
+        state.steps_from = top["steps"]
+        state.ranks = {r: (top["steps"], part) for r, (_, part) in state.ranks.items()}
+        state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
+        db.execute(
+            "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)",
+            (written, pickle.dumps(state, 5)),
+        )
+        db.commit()
+
+
+def _restore_checkpoint(run_dir: Path, written_unix_us: int, blob: Path) -> None:
+    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+        db.execute(
+            "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)",
+            (written_unix_us, blob.read_bytes()),
+        )
+        db.commit()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

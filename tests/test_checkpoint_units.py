@@ -1,0 +1,258 @@
+"""The live aggregates' checkpoint (traceml_aggregator/checkpoint.py), in process on a real
+store: seeding from a checkpoint plus the rows stored after it gives exactly the aggregates of
+a full replay, whatever was stored after it (more steps, a new attempt, new ranks, samples).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import pickle
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.batches import node_batch, rank_batch
+
+from traceml import wire
+from traceml_aggregator import checkpoint as ckpt
+from traceml_aggregator.live import LiveAggregates
+from traceml_aggregator.load import load
+from traceml_aggregator.store import Store
+from traceml_aggregator.writer import Writer
+
+RANKS = 4
+RUN = "r"
+
+
+def state_of(live: LiveAggregates) -> dict:
+    """Everything of ``live`` a restart rebuilds, as plain values (NaN as a string), so two
+    aggregates compare with ``==``."""
+    return {
+        "ranks": {r: _plain(rl.__dict__) for r, rl in live.ranks.items()},
+        "system": {n: list(t) for n, t in live.system_samples.items()},
+        "gpu": {n: list(t) for n, t in live.gpu_samples.items()},
+        "node_exits": live.node_exits,
+        "rank_ends": live.rank_ends,
+        "world": live._identity_world_size,
+    }
+
+
+def _plain(x):
+    if isinstance(x, np.ndarray):
+        return (str(x.dtype), x.shape, _plain(x.tolist()))
+    if isinstance(x, float) and x != x:
+        return "nan"
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) or type(x).__name__ in ("deque", "Tail"):
+        return [_plain(v) for v in x]
+    if hasattr(x, "__slots__"):
+        return {k: _plain(getattr(x, k)) for k in x.__slots__}
+    if hasattr(x, "__dict__"):
+        return _plain(x.__dict__)
+    return x
+
+
+def _row(i: int) -> dict:
+    return {
+        "step": i,
+        "end_us": 1000 * (i + 1) + i % 7,
+        "step_us": 900 + i % 13,
+        "forward_us": 300 + i % 5,
+        "input_wait_us": 10 + i % 3,
+    }
+
+
+def _identity(rank: int, restart: int) -> wire.RankIdentity:
+    return wire.RankIdentity(
+        rank=rank,
+        restart_count=restart,
+        world_size=RANKS,
+        hostname="h0",
+        pid=100 + 10 * restart + rank,
+        start_unix_us=1_700_000_000_000_000,
+    )
+
+
+class _Run:
+    """A run fed to a real Writer over a real store, its live aggregates kept as the
+    aggregator keeps them."""
+
+    def __init__(self, path) -> None:
+        self.store = Store(path)
+        self.live = LiveAggregates(RUN, RANKS)
+        self.seeded = self.live.seed(self.store)
+        self.writer = Writer(self.store, self.live.on_batch)
+        self.seq: dict[tuple, int] = {}
+
+    async def steps(self, rank: int, steps: range, restart: int = 0, per_batch: int = 37):
+        for first in range(steps.start, steps.stop, per_batch):
+            key = (rank, restart)
+            seq = self.seq[key] = self.seq.get(key, 0) + 1
+            extra = {"identity": _identity(rank, restart)} if seq == 1 else {}
+            batch = rank_batch(
+                seq,
+                range(first, min(first + per_batch, steps.stop)),
+                rank=rank,
+                restart=restart,
+                row=_row,
+                run_name=RUN,
+                **extra,
+            )
+            batch.process_samples.add(unix_us=10_000 * first + rank, cpu_percent=float(first))
+            await self.writer.store_batch(batch)
+
+    async def node_samples(self, seq: int, t: int) -> None:
+        batch = node_batch(seq, run_name=RUN)
+        s = batch.system_samples.add(node_rank=0, unix_us=t, hostname="h0", cpu_percent=1.0)
+        for g in range(2):
+            s.gpus.add(nvml_index=g, uuid=f"GPU-{g}", util_percent=float(t % 100))
+        # a sampler's process sample of a rank that never sent a batch of its own
+        batch.process_samples.add(rank=RANKS + 1, restart_count=0, unix_us=t, cpu_percent=2.0)
+        await self.writer.store_batch(batch)
+
+
+def _seeded(store, checkpoint=None) -> LiveAggregates:
+    live = LiveAggregates(RUN, RANKS)
+    live.seed(store, checkpoint)
+    return live
+
+
+@pytest.mark.parametrize("after", ["more_steps", "new_attempt", "nothing"])
+def test_seed_from_checkpoint_equals_full_replay(tmp_path, after):
+    path = tmp_path / "telemetry.sqlite"
+
+    async def feed() -> int:
+        run = _Run(path)
+        run.writer.start()
+        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
+        for i in range(3):
+            await run.node_samples(i + 1, 5_000 * i)
+        for r in range(RANKS - 1):  # more than FOLD_STEPS: the series and digest are folded
+            await run.steps(r, range(0, 1300 + 100 * r))
+        await checkpointer.write()
+        covered = run.writer.steps_rowid_seen
+        if after == "more_steps":
+            for r in range(RANKS):  # rank 3 is new since the checkpoint
+                await run.steps(r, range(1300 + 100 * r, 1900 + 100 * r))
+            await run.node_samples(4, 999)  # earlier than samples already kept: sorted in
+        elif after == "new_attempt":
+            await run.steps(1, range(0, 700), restart=1)
+            await run.steps(0, range(1300, 1320))
+        await run.writer.close()
+        return covered
+
+    covered = asyncio.run(feed())
+    store = Store(path)
+    checkpoint = ckpt.read(store)
+    assert checkpoint.steps_from == covered == sum(1300 + 100 * r for r in range(RANKS - 1))
+    assert sorted(checkpoint.ranks) == [0, 1, 2, RANKS + 1]
+    restarted, replayed = _seeded(store, checkpoint), _seeded(store)
+    assert state_of(restarted) == state_of(replayed)
+    # and the full replay is what the store holds: steps and the windows load() reads
+    run = load(store, [])
+    for r, rd in run.ranks.items():
+        rl = replayed.ranks[r]
+        assert rl.steps_stored == len(rd.steps or ()), r
+        assert list(rl.process_samples) == list(rd.process_samples[-256:]), r
+    assert list(replayed.gpu_samples[0]) == list(run.gpu_samples[0])
+    assert [s["unix_us"] for s in replayed.system_samples[0]] == (
+        [0, 999, 5000, 10000] if after == "more_steps" else [0, 5000, 10000]
+    )
+    assert replayed.ranks[1].restart == (1 if after == "new_attempt" else 0)
+    assert replayed.ranks[1].earlier_attempts == ({0: 1400} if after == "new_attempt" else {})
+    store.close()
+
+
+def test_unreadable_or_foreign_checkpoint_falls_back_to_a_full_replay(tmp_path):
+    path = tmp_path / "telemetry.sqlite"
+
+    async def feed() -> None:
+        run = _Run(path)
+        run.writer.start()
+        await run.steps(0, range(0, 600))
+        await ckpt.Checkpointer(run.seeded, run.live, run.writer).write()
+        await run.writer.close()
+
+    asyncio.run(feed())
+    store = Store(path)
+    good = ckpt.read(store)
+    assert good.steps_from == 600
+    full = state_of(_seeded(store))
+    # a pickle that names a class no checkpoint holds is refused, never run
+    evil = pickle.dumps(ckpt.Checkpoint(ranks={0: (600, pickle.dumps(print))}))
+    for data in (b"not a pickle", pickle.dumps(print), pickle.dumps({"version": 1}), evil):
+        store.write_live_checkpoint(data, 0)
+        checkpoint = ckpt.read(store)
+        assert state_of(_seeded(store, checkpoint)) == full
+    store.close()
+
+
+def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
+    """A store an older TraceML wrote has no ``live_checkpoint`` table: it is added on open,
+    the checkpoint is empty, and seeding replays every step."""
+    path = tmp_path / "telemetry.sqlite"
+
+    async def feed() -> None:
+        run = _Run(path)
+        run.writer.start()
+        await run.steps(0, range(0, 100))
+        await run.writer.close()
+
+    asyncio.run(feed())
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE live_checkpoint")
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert ckpt.read(store) == ckpt.Checkpoint()
+    assert _seeded(store, ckpt.read(store)).ranks[0].steps_stored == 100
+    store.close()
+
+
+#: A checkpoint written by ee76ee0's code, before issue 22.4's renames (the pickle names
+#: ``traceml_aggregator.aggregates``, ``traceml_aggregator.checkpoint`` and
+#: ``traceml.analysis.digest``): run "r", rank 0's 1,100 steps and rank 1's 60 (0, 1, ...),
+#: 50 a batch, written by :class:`~traceml_aggregator.checkpoint.Checkpointer` after them.
+OLD_CHECKPOINT = Path(__file__).parent / "data" / "checkpoint_ee76ee0.pickle"
+
+
+def test_a_checkpoint_written_before_the_renames_seeds_as_a_full_replay(tmp_path):
+    """Existing stores hold checkpoints naming the modules of their day: one written by
+    ee76ee0's code still loads, and seeding from it over the same steps gives the aggregates
+    of a full replay."""
+    path = tmp_path / "telemetry.sqlite"
+
+    async def feed() -> None:  # the steps the old checkpoint was written after
+        store = Store(path)
+        writer = Writer(store, LiveAggregates("r", 2).on_batch)
+        writer.start()
+        for rank, steps in ((0, 1100), (1, 60)):
+            for seq, first in enumerate(range(0, steps, 50), 1):
+                last = min(first + 50, steps)
+                await writer.store_batch(rank_batch(seq, range(first, last), rank=rank))
+        await writer.close()
+
+    asyncio.run(feed())
+    old = ckpt.loads(OLD_CHECKPOINT.read_bytes())
+    assert (old.steps_from, sorted(old.ranks)) == (1160, [0, 1])
+    # each rank's state: (restart, StepState, steps_stored, ...); seeding would replay the
+    # store, not fail, if it could not be read, so it is read here
+    parts = [ckpt.loads(old.ranks[r][1]) for r in (0, 1)]
+    assert [(type(p[1]).__name__, p[2]) for p in parts] == [("StepState", 1100), ("StepState", 60)]
+    store = Store(path)
+    restarted, replayed = _seeded(store, old), _seeded(store)
+    assert state_of(restarted) == state_of(replayed)
+    assert [restarted.ranks[r].steps_stored for r in (0, 1)] == [1100, 60]
+    store.close()
+
+
+def test_every_class_a_checkpoint_may_name_is_where_it_names_it():
+    """The unpickler's allow-list names classes by module: moving one of them (a rename)
+    would make every stored checkpoint unreadable, so each must still be found there."""
+    for module, name in sorted(ckpt._ALLOWED):
+        if module.startswith("numpy"):
+            continue  # numpy's own spelling, one of the two per version
+        assert isinstance(getattr(importlib.import_module(module), name), type), (module, name)

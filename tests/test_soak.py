@@ -1,0 +1,71 @@
+"""The soak benchmark's CI run (``benchmarks/soak.py --short``, issue 25): 64 simulated ranks
+for 2 simulated hours of 20 s against a real aggregator that is SIGKILLed and restarted twice,
+stalled in its commits for 5 s and SIGSTOPped for 5 s. Every acknowledged step is in the store
+once, the writer queue stayed within its bound (every aggregator process, the killed ones too,
+logged its peak), and the run had the faults it claims. Its times (restarts, finalization) and
+memory are for the full run to judge (benchmarks/README.md), not this one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from traceml import settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.aggregator]
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+#: A user's environment: the benchmark sets its own run token (see test_ingest_benchmark.py).
+USER_ENV = {k: v for k, v in os.environ.items() if k != "TRACEML_RUN_TOKEN"}
+#: --short: 64 ranks x 10 batches an hour x 20 steps.
+STEPS_AN_HOUR = 64 * 10 * 20
+
+
+def test_the_short_soak_loses_nothing_and_has_the_faults_it_claims(tmp_path):
+    out = tmp_path / "soak.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "soak.py"),
+            "--short",
+            "--json",
+            str(out),
+            "--tmp-dir",
+            str(tmp_path),
+        ],
+        cwd=BENCHMARKS,
+        env=USER_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    f = json.loads(out.read_text())
+    assert f["records"] == [{"acked": STEPS_AN_HOUR, "lost": 0}] * 2
+    assert (f["stored_twice"], f["stored_unacked"]) == (0, 0)
+    assert f["queue_bound"] == settings.MAX_QUEUED_BYTES.value
+    assert 0 < f["queue_peak"] <= settings.MAX_QUEUED_BYTES.value
+    # The first aggregator and its 2 replacements, each of which logged its queue's peak
+    # (the killed ones never reached a clean stop).
+    assert (f["processes"], f["processes_with_a_peak"]) == (3, 3)
+    assert [(x["kind"], x["planned_s"]) for x in f["faults"]] == [
+        ("kill", 10.0),
+        ("stall", 22.0),
+        ("kill", 30.0),
+        ("stop", 34.0),
+    ]
+    assert len(f["restarts_in_store"]) == 2
+    assert all(x["restart_s"] > 0 for x in f["faults"] if x["kind"] == "kill")
+    assert f["errors"].get("PUSHED_BACK", 0) > 0  # the stall reached the senders
+    assert (f["finalize_complete"], f["finalize_error"]) == (True, "")
+    verdict = [
+        line[len("  PASS ") :] for line in result.stdout.splitlines() if line.startswith("  PASS ")
+    ]
+    assert any(v.startswith("0 records lost") for v in verdict), result.stdout
+    assert any(v.startswith("the planned faults happened") for v in verdict), result.stdout

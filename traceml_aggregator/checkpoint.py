@@ -1,0 +1,253 @@
+"""Checkpoints of the live aggregates, so that a replacement aggregator starts from the latest
+one instead of replaying every stored step.
+
+What a restart needs of the live aggregates (:class:`~traceml_aggregator.live.LiveAggregates`)
+is of two kinds:
+
+* O(ranks + nodes), read whole from the store's small tables at every start: identities,
+  finish markers, the nodes' and ranks' ends;
+* O(the run's length) to rebuild, so checkpointed: each rank's steps (its
+  :class:`~traceml_aggregator.aggregates.StepState`: window, series, digest; its step count,
+  latest step, earlier attempts) and the sample windows (each rank attempt's latest
+  :data:`~traceml_aggregator.live.analysis_process.WINDOW_SAMPLES` process samples, each node's
+  latest system and GPU samples, in time order).
+
+A :class:`Checkpoint` holds the second kind with, for each part, the store's rowid up to which
+it covers its table. The rows of an SQLite table without an ``INTEGER PRIMARY KEY`` get
+increasing rowids as they are inserted (the store never deletes a row, and nothing vacuums it
+during a run), so "the rows stored after the checkpoint" is the rowid range above its mark: a
+range scan of the table's b-tree, O(those rows). :meth:`LiveAggregates.seed` loads the
+checkpoint and folds in only those rows; with no checkpoint (a new store, one an older TraceML
+wrote, or one this version cannot read) it folds in every row, which is the full replay, and
+the two give the same aggregates (tests/test_checkpoint.py).
+
+Where it is kept: one row of the store's ``live_checkpoint`` table, replaced in a transaction
+of its own (:meth:`~traceml_aggregator.store.Store.write_live_checkpoint`), so a SIGKILL at any
+moment leaves the previous checkpoint or the new one, whole, in the same file as the rows it
+covers; a checkpoint names rowids of rows that were committed before it, so it is never ahead
+of the store. An atomic file beside the store would need its own fsync ordering against the
+WAL and could outlive a store that was replaced; a row cannot.
+
+How it is taken (:meth:`Checkpointer.write`), every ``TRACEML_AGGREGATOR_CHECKPOINT_SEC`` and
+at a clean stop:
+
+* the ranks' steps come from the live aggregates, on the event loop,
+  :data:`SNAPSHOT_SLICE_RANKS` ranks between two returns to the loop. The writer folds each
+  transaction's batches into the live aggregates at one go after its commit and notes the
+  transaction's highest ``steps`` rowid (:attr:`Writer.steps_rowid_seen`), so a rank's copy
+  covers exactly the step rows at or below the mark noted when it was copied. A rank whose
+  step count and attempt did not move since the previous checkpoint keeps its copy (a
+  finished rank costs nothing);
+* the sample windows are kept here, from the store: each checkpoint reads the sample rows
+  stored since the previous one (on the writer thread, O(those rows)) into them, the same way a
+  restart does.
+
+Cost (``benchmarks/restart.py``, the 2-core machine): the copy is ~0.6 ms of the event loop
+per rank that moved when the machine is quiet (4-20 ms under a load average of 7-11) and
+~120 KB of the store per rank; a restart unpickles it at about the same cost per rank and folds
+the steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
+a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
+(against 273-381 s of replay); at 1,024 ranks 2.9-17 s under load, most of it unpickling the
+ranks' windows and digests.
+
+The state is pickled; :func:`loads` unpickles only the classes a checkpoint holds (the
+aggregates' own, NumPy arrays, deques), so a crafted store cannot make the aggregator run code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import operator
+import pickle
+import time
+from dataclasses import dataclass, field
+
+from traceml.core import log
+from traceml.core.records import GpuSample, ProcessSample, SystemSample
+from traceml_aggregator.live.analysis_process import WINDOW_GPU_SAMPLES, WINDOW_SAMPLES
+from traceml_aggregator.load import sample_groups
+
+_log = log.get("aggregator")
+
+#: Layout of :class:`Checkpoint`; a checkpoint of another version is not read (full replay).
+CHECKPOINT_VERSION = 1
+#: Ranks copied between two returns to the event loop while a checkpoint is taken (at ~0.5 ms
+#: a rank, ~16 ms of the loop at a time).
+SNAPSHOT_SLICE_RANKS = 32
+#: The sample windows: the sample record (:mod:`traceml.core.records`: its table, grouped and
+#: ordered as :func:`~traceml_aggregator.load.sample_groups` reads it), and the latest samples
+#: kept per group (what :meth:`LiveAggregates.seed` seeds the windows with).
+SAMPLE_WINDOWS = (
+    (ProcessSample, WINDOW_SAMPLES),
+    (SystemSample, WINDOW_SAMPLES),
+    (GpuSample, WINDOW_GPU_SAMPLES),
+)
+
+#: The globals a checkpoint may name (module, name): see :func:`loads`.
+_ALLOWED = frozenset(
+    {
+        ("collections", "deque"),
+        ("numpy", "dtype"),
+        ("numpy", "ndarray"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("traceml_aggregator.aggregates", "StepState"),
+        ("traceml_aggregator.aggregates", "_Series"),
+        ("traceml.analysis.digest", "RankDigest"),
+        ("traceml.analysis.digest", "LogHistogram"),
+        ("traceml.analysis.digest", "_Clock"),
+        ("traceml_aggregator.checkpoint", "Checkpoint"),
+    }
+)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"a checkpoint does not hold {module}.{name}")
+        return super().find_class(module, name)
+
+
+def loads(data: bytes):
+    """Unpickle ``data`` written by this module, allowing no class but those a checkpoint
+    holds.
+
+    Raises:
+        pickle.UnpicklingError: ``data`` names another class, or is not a pickle.
+        Exception: whatever unpickling corrupt data raises (EOFError, ValueError, ...).
+    """
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+@dataclass
+class Checkpoint:
+    """The live aggregates' part that grows with the run, and the rowids it covers (see the
+    module docstring). An empty one (the default) covers nothing: seeding from it replays the
+    whole store.
+
+    Attributes:
+        steps_from: every rank with a ``steps`` row at or below this rowid has an entry in
+            ``ranks``; rows above it are folded at a restart, each rank's from its own mark.
+        ranks: rank -> (the ``steps`` rowid its state covers, the state pickled: see
+            :meth:`~traceml_aggregator.live.windows.RankLive.steps_part`).
+        windows: sample table -> (the rowid its windows cover, key -> the latest samples as
+            row dicts, in time order); keys are the values of the record's ``GROUP`` columns
+            (``(rank, restart)`` or ``(node_rank,)``).
+    """
+
+    steps_from: int = 0
+    ranks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    windows: dict[str, tuple[int, dict[tuple, list[dict]]]] = field(default_factory=dict)
+    version: int = CHECKPOINT_VERSION
+
+    def advance_windows(self, store) -> None:
+        """Fold the sample rows stored since :attr:`windows` covered their tables in (on the
+        thread that owns ``store``); O(those rows)."""
+        for record, keep in SAMPLE_WINDOWS:
+            table = record.TABLE
+            mark, windows = self.windows.get(table, (0, {}))
+            top = store.max_rowid(table)
+            if top > mark:
+                by_time = operator.itemgetter(*record.ORDER)
+                for key, columns in sample_groups(store, record, after_rowid=mark):
+                    new = list(columns[-keep:])
+                    old = windows.get(key)
+                    # Stored earlier, so first among equal times, as in a full read.
+                    windows[key] = sorted(old + new, key=by_time)[-keep:] if old else new
+            self.windows[table] = (top, windows)
+
+    def window(self, table: str, key: tuple) -> list[dict]:
+        """The latest samples of ``key`` in ``table`` (row dicts in time order; [] if none)."""
+        return self.windows.get(table, (0, {}))[1].get(key, [])
+
+    def keys(self, table: str) -> list[tuple]:
+        """The keys ``table``'s windows hold."""
+        return list(self.windows.get(table, (0, {}))[1])
+
+
+def read(store) -> Checkpoint:
+    """The store's latest checkpoint; an empty one (a full replay) when there is none, or
+    when it cannot be read (another version of TraceML wrote it, it is corrupt: said)."""
+    data = store.live_checkpoint()
+    if data is None:
+        return Checkpoint()
+    try:
+        checkpoint = loads(data)
+        if not isinstance(checkpoint, Checkpoint) or checkpoint.version != CHECKPOINT_VERSION:
+            raise ValueError(f"layout {getattr(checkpoint, 'version', '?')}")
+    except Exception as exc:
+        _log.warning(
+            f"cannot read the live aggregates' checkpoint ({type(exc).__name__}: {exc}): "
+            "replaying every stored step"
+        )
+        return Checkpoint()
+    return checkpoint
+
+
+class Checkpointer:
+    """Takes the checkpoints of one aggregator (see the module docstring).
+
+    Args:
+        checkpoint: the one the aggregates were seeded from, its windows advanced to the
+            store as it was then (:meth:`LiveAggregates.seed` does it).
+        live: the live aggregates (their ``ranks``: rank -> RankLive).
+        writer: the store's writer (its thread writes; its ``steps_rowid_seen`` marks).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, live, writer) -> None:
+        self.checkpoint = checkpoint
+        self.live = live
+        self.writer = writer
+        #: rank -> (attempt, steps stored) when its entry of ``checkpoint.ranks`` was copied.
+        self._copied: dict[int, tuple[int, int]] = {}
+        #: Checkpoints written, and the size of the last one (bytes).
+        self.written = 0
+        self.last_bytes = 0
+
+    async def _copy_ranks(self) -> tuple[int, dict[int, tuple[int, bytes]]]:
+        """``(steps_from, ranks)`` of a new checkpoint from the live aggregates, on the loop."""
+        steps_from = self.writer.steps_rowid_seen
+        ranks = dict(self.checkpoint.ranks)
+        for i, (r, rl) in enumerate(list(self.live.ranks.items())):
+            if i and not i % SNAPSHOT_SLICE_RANKS:
+                await asyncio.sleep(0)
+            moved = (rl.restart, rl.steps_stored)
+            if r in ranks and self._copied.get(r) == moved:
+                continue  # no step of it stored since: its copy and its mark still hold
+            ranks[r] = (self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5))
+            self._copied[r] = moved
+        return steps_from, ranks
+
+    async def write(self) -> None:
+        """Take a checkpoint and store it (the sample windows advanced and the row replaced on
+        the writer thread, in one call: no transaction of batches in between).
+
+        Raises:
+            sqlite3.Error: the store could not take it (the previous checkpoint stays).
+        """
+        steps_from, ranks = await self._copy_ranks()
+        self.last_bytes = await self.writer.call(self._store, steps_from, ranks)
+        self.written += 1
+        if self.written == 1:
+            _log.info(f"live aggregates checkpointed ({self.last_bytes} bytes, {len(ranks)} ranks)")
+
+    def _store(self, steps_from: int, ranks: dict) -> int:
+        checkpoint = self.checkpoint
+        checkpoint.advance_windows(self.writer.store)
+        checkpoint.steps_from, checkpoint.ranks = steps_from, ranks
+        data = pickle.dumps(checkpoint, 5)
+        self.writer.store.write_live_checkpoint(data, time.time_ns() // 1000)
+        return len(data)
+
+    async def run(self, interval_s: float) -> None:
+        """Write a checkpoint every ``interval_s`` s; a failed one is said and tried again at
+        the next interval (a restart then folds in more steps, nothing is lost)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.write()
+            except Exception as exc:
+                _log.warning(f"cannot store the live aggregates' checkpoint: {exc}")
