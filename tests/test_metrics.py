@@ -123,11 +123,14 @@ def test_metrics_parse_and_their_step_counts_match_the_store(tmp_path):
         s.gpus.add(nvml_index=3, uuid="GPU-x", util_percent=88.0, memory_used_bytes=1 << 20)
         push(agg.target, node)
         families = scrape(port)
+        text = get(f"http://127.0.0.1:{port}/metrics")
+        types = {f.name: f.type for f in text_string_to_metric_families(text)}
         assert agg.stop() == 0
         stored = dict(agg.query("SELECT rank, COUNT(*) FROM steps GROUP BY rank"))
 
-    steps = by_rank(families["traceml_steps_total"], "traceml_steps_total")
+    steps = by_rank(families["traceml_steps"], "traceml_steps_total")
     assert steps == {"0": 300.0, "1": 1234.0}
+    assert (types["traceml_steps"], types["traceml_records_dropped"]) == ("counter", "counter")
     assert {int(r): int(v) for r, v in steps.items()} == stored
     step_time = families["traceml_step_time_seconds"]
     quantiles = {
@@ -152,7 +155,7 @@ def test_metrics_parse_and_their_step_counts_match_the_store(tmp_path):
         families["traceml_last_step_timestamp_seconds"], "traceml_last_step_timestamp_seconds"
     )
     assert last == {"0": (START_US + 20_000 * 300) / 1e6, "1": (START_US + 20_000 * 1234) / 1e6}
-    assert {s.labels["node"] for s in families["traceml_steps_total"]} == {"0", "1"}
+    assert {s.labels["node"] for s in families["traceml_steps"]} == {"0", "1"}
     assert by_rank(families["traceml_process_cpu_percent"], "traceml_process_cpu_percent") == {
         "0": 97.5,
         "1": 97.5,
@@ -161,7 +164,7 @@ def test_metrics_parse_and_their_step_counts_match_the_store(tmp_path):
         ({"node": "1", "gpu": "3"}, 88.0)
     ]
     assert [s.value for s in families["traceml_node_cpu_percent"]] == [42.0]
-    dropped = by_rank(families["traceml_records_dropped_total"], "traceml_records_dropped_total")
+    dropped = by_rank(families["traceml_records_dropped"], "traceml_records_dropped_total")
     assert dropped == {"1": 7.0}  # rank 0's batches carried no counts, and no finish marker
 
 
@@ -213,7 +216,7 @@ def test_metrics_need_the_run_token_and_listen_on_127_0_0_1(tmp_path):
         assert status_of(url, "not-the-run-token") == 401
         assert status_of(f"http://127.0.0.1:{port}/", os.environ["TRACEML_RUN_TOKEN"]) == 404
         families = scrape(port)
-        steps = by_rank(families["traceml_steps_total"], "traceml_steps_total")
+        steps = by_rank(families["traceml_steps"], "traceml_steps_total")
         assert steps == {"0": 10.0, "1": 0.0}  # rank 1 expected (world size 2), none yet
         # gRPC listens on every interface (--bind-host 0.0.0.0); /metrics on 127.0.0.1 only.
         listening = {
@@ -240,7 +243,7 @@ def test_metrics_over_the_aggregators_tls(tmp_path, monkeypatch):
         context = ssl.create_default_context(cafile=str(cert))
         text = get(f"https://127.0.0.1:{port}/metrics", context=context)
         families = {f.name: f.samples for f in text_string_to_metric_families(text)}
-        steps = by_rank(families["traceml_steps_total"], "traceml_steps_total")
+        steps = by_rank(families["traceml_steps"], "traceml_steps_total")
         assert steps == {"0": 0.0, "1": 30.0}
         assert status_of(f"https://127.0.0.1:{port}/metrics", None, context) == 401
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP: no answer
@@ -322,7 +325,7 @@ def test_a_scrape_at_1024_ranks_never_holds_the_event_loop_past_its_bound():
         live.close()
         gc.unfreeze()
     families = {f.name: f.samples for f in text_string_to_metric_families(texts[0].decode())}
-    steps = by_rank(families["traceml_steps_total"], "traceml_steps_total")
+    steps = by_rank(families["traceml_steps"], "traceml_steps_total")
     assert steps == {str(r): 512.0 for r in range(RANKS_AT_SCALE)}
     counts = by_rank(families["traceml_step_time_seconds"], "traceml_step_time_seconds_count")
     assert set(counts.values()) == {32.0}  # the analysis covers 32 steps a rank at 1,024 ranks

@@ -27,7 +27,8 @@ Series (label ``rank`` is the global rank, ``node`` the node rank, "" when unkno
 * ``traceml_phase_median_seconds{rank,node,phase}``: each phase's median over the window, for
   the phases measured (``input_wait``, ``dataloader_next``, ``h2d``, ``forward``, ``backward``,
   ``optimizer``);
-* ``traceml_steps_total{rank,node}``: steps stored (this attempt);
+* ``traceml_steps_total{rank,node}``: steps stored (this attempt; a counter, as is the next
+  but one: it restarts from 0 with the rank's attempt);
 * ``traceml_last_step_timestamp_seconds{rank,node}``: wall clock at the end of the latest
   step (alert on ``time() - traceml_last_step_timestamp_seconds > 300``);
 * ``traceml_records_dropped_total{rank,node}``: records the rank dropped so far (the running
@@ -57,7 +58,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from traceml.analysis.phases import PHASES
 from traceml_aggregator.aggregates import last
@@ -140,16 +141,16 @@ def families(mirror: WindowsMirror) -> list:
         "phase median over the rank's window",
         labels=rl_labels + ["phase"],
     )
-    steps = GaugeMetricFamily(
-        "traceml_steps_total", "steps stored (this attempt)", labels=rl_labels
-    )
+    # Counters (their one sample is NAME_total): running totals that reset when a rank's
+    # attempt restarts, which Prometheus's rate() and increase() read as a counter reset.
+    steps = CounterMetricFamily("traceml_steps", "steps stored (this attempt)", labels=rl_labels)
     last_step = GaugeMetricFamily(
         "traceml_last_step_timestamp_seconds",
         "wall clock at the end of the latest step",
         labels=rl_labels,
     )
-    dropped = GaugeMetricFamily(
-        "traceml_records_dropped_total",
+    dropped = CounterMetricFamily(
+        "traceml_records_dropped",
         "records the rank dropped so far",
         labels=rl_labels,
     )
