@@ -17,6 +17,7 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 from helpers import batches
 from helpers.aggregator import LiveAggregator, finish, make_client
+from helpers.waiting import LOADED_CALL_S
 from test_live_aggregates import feed, node_batch, rank_batch
 
 from traceml import wire
@@ -283,7 +284,7 @@ def test_offline_finalization_writes_the_live_summary_and_a_restart_keeps_the_st
         assert client.close(finish(n))
         agg.kill()
         agg.start()  # a new aggregator on the same store
-        reply = launcher_agg.summarize(agg.target, "restarted", 60.0)
+        reply = launcher_agg.summarize(agg.target, "restarted", LOADED_CALL_S)
         assert not reply.error, reply.error
         assert reply.metrics["window_steps"] == WINDOW_STEPS - 5  # seeded: the stored window
         done = rpc(

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import psutil
 import pytest
 from conftest import SCRIPTS, assert_rejected, free_port, query
@@ -178,6 +179,46 @@ def test_restarted_aggregator_knows_what_the_dead_one_stored(tmp_path):
         assert outage["reason"] == "killed by the test" and 1.5 <= outage["gap_s"] < 30
         assert summary["run"]["telemetry_health"]["aggregator_restarts"] == 1
         agg.stop()
+
+
+@pytest.mark.aggregator
+def test_a_sigterm_does_not_wait_for_a_starved_live_analysis(tmp_path):
+    """The live analysis process stopped (SIGSTOP: what nice 19 on a saturated node looks
+    like) in the middle of a Summarize: a SIGTERMed aggregator still writes its summary and
+    exits 0 at once, the analysis process gone with it; it waited for the computation before."""
+    import threading
+
+    with LiveAggregator(tmp_path / "run", "starved", world_size=1) as agg:
+        client = make_client(agg.target, "starved", [])
+        for i in range(3):
+            client.submit(STEPS, step(i))
+        assert client.close(finish(3))
+        aggregator.summarize(agg.target, "starved", LOADED_CALL_S)  # starts the process
+        (analysis,) = [
+            child
+            for child in psutil.Process(agg.process.pid).children()
+            if "spawn_main" in " ".join(child.cmdline())  # not the resource tracker
+        ]
+        analysis.suspend()
+        try:
+            stuck = threading.Thread(
+                target=lambda: pytest.raises(
+                    grpc.RpcError, aggregator.summarize, agg.target, "starved", 60
+                ),
+                daemon=True,
+            )
+            stuck.start()
+            started = time.monotonic()
+            assert agg.stop(timeout_s=60) == 0
+            stopped_s = time.monotonic() - started
+            assert not analysis.is_running()
+        finally:
+            if analysis.is_running():
+                analysis.kill()
+        stuck.join(60)
+    assert stopped_s < 10, f"SIGTERM to exit took {stopped_s:.1f} s"
+    summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
+    assert {r["rank"]: r["steps_completed"] for r in summary["ranks"]} == {0: 3}
 
 
 @pytest.mark.serial

@@ -580,9 +580,23 @@ class LiveAggregates:
             raise
 
     def close(self) -> None:
-        """Stop the analysis process (after the running computation, if any)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        """Stop the analysis process now, its running computation (if any) with it: at shutdown
+        nobody waits for a live view any more, and a computation at the process's low priority
+        on a saturated node can take minutes (CI saw a SIGTERMed aggregator still waiting for
+        one after 30 s). What the run's end needs (the final summary, the OTLP push's last
+        figures) was computed before this is called. SIGKILL, which also ends a stopped
+        process; the process holds nothing of the run's."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        # The pool's one worker (none in a thread pool, as some tests use); ProcessPoolExecutor
+        # has no public way to stop it before Python 3.14.
+        workers = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.join()
 
 
 def _small_tables(store, checkpoint: Checkpoint) -> RunData:
