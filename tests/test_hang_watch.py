@@ -13,6 +13,7 @@ from traceml.analysis import step_time
 from traceml.analysis.document import PARTS
 from traceml.analysis.hang import describe, silent_s
 from traceml.analysis.phases import Profile
+from traceml.core.records import HungRank
 from traceml_aggregator.finalize import RunState
 from traceml_aggregator.hang import ALIVE_WINDOW_S, HangWatch
 
@@ -113,8 +114,8 @@ def test_a_stall_is_rewritten_only_on_change_and_frozen_once_its_ranks_ended():
         "ranks": [{**first["ranks"][0], "silent_s": 40.0}],
     }
     assert w.check(now=500.0) is frozen
-    assert silent_s(frozen, frozen["ranks"][0], 900.0) == 40.0
-    assert silent_s(first, first["ranks"][0], 70.0) == 70.0
+    assert silent_s(40.0, HungRank.from_json(frozen["ranks"][0]), 900.0) == 40.0
+    assert silent_s(None, HungRank.from_json(first["ranks"][0]), 70.0) == 70.0
 
 
 def test_the_suspect_is_chosen_when_the_stall_is_detected_not_on_who_dies_after():

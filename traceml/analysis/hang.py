@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from traceml.core.records import HungRank
+
 #: Key of the record in the store's ``meta`` table (JSON).
 STALL_META_KEY = "stall"
 
@@ -59,12 +61,11 @@ def suspects(entries: list[dict[str, Any]], *, others_move: bool) -> list[int]:
     return []
 
 
-def silent_s(record: dict[str, Any], entry: dict[str, Any], now_unix_s: float) -> float:
-    """Seconds ``entry``'s rank went without a step: up to the record's end when every stalled
-    rank ended, else up to ``now_unix_s`` (Unix s)."""
-    until: float = record.get("ended_unix_s") or now_unix_s
-    silent: float = max(entry["silent_s"], until - entry["last_progress_unix_s"])
-    return round(silent, 1)
+def silent_s(ended_unix_s: float | None, entry: HungRank, now_unix_s: float) -> float:
+    """Seconds ``entry``'s rank went without a step: up to ``ended_unix_s``, the record's end
+    when every stalled rank ended, else (None) up to ``now_unix_s`` (Unix s)."""
+    until = ended_unix_s or now_unix_s
+    return round(max(entry.silent_s, until - entry.last_progress_unix_s), 1)
 
 
 def describe(record: dict[str, Any]) -> str:
