@@ -214,12 +214,13 @@ class HangWatch:
         )
         members = {e["rank"] for e in entries}
         others_move = any(p.steps_completed for r, p in self.ranks.items() if r not in members)
+        hung = tuple(HungRank.from_json(e) for e in entries)
         self.record = HangRecord(
             detected_unix_s=record["detected_unix_s"] if record else round(now, 3),
             hang_timeout_s=self.timeout_s,
             ended_unix_s=None,
-            ranks=tuple(HungRank.from_json(e) for e in entries),
-            suspects=tuple(suspects(entries, others_move=others_move)),
+            ranks=hung,
+            suspects=tuple(suspects(hung, others_move=others_move)),
         ).to_json()
         return self.record
 
@@ -239,7 +240,7 @@ class HangWatch:
             if record is None:
                 say("the stalled ranks make progress again")
             elif record["detected_unix_s"] != detected:
-                say(describe(record))
+                say(describe(HangRecord.from_json(record)))
             last = record
             try:
                 await persist(record)
