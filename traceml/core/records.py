@@ -9,8 +9,10 @@ else derives from these classes:
   :mod:`traceml_aggregator.store`);
 * reading a wire message (:meth:`Record.from_wire` for a record object, :meth:`Record.wire_row`
   for the store's row tuple, without a Python object per field: the ingest path);
-* the live aggregates' rows (:mod:`traceml_aggregator.live`: :meth:`Record.wire_dict`, the
-  store's row as ``{column: value}``, which is what the loader reads back);
+* what :class:`~traceml.analysis.rundata.RunData` holds: the record objects themselves, read
+  from the store's rows by the loader (:meth:`Record.from_row`) and from the wire by the live
+  aggregates (:meth:`Record.from_wire`); their sample rows are :meth:`Record.wire_dict`, the
+  store's row as ``{column: value}``, which is what the loader reads back;
 * the loader's and the checkpoint's sample tables (:attr:`Record.TABLE`, :attr:`Record.GROUP`,
   :attr:`Record.ORDER`, the column types).
 
