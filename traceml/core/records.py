@@ -604,6 +604,7 @@ class MetaRecord:
 
     def to_json(self) -> dict[str, Any]:
         """This record as its JSON entry (``dataclasses.asdict``)."""
+        # each subclass is a dataclass; mypy cannot know it of the base
         entry: dict[str, Any] = dataclasses.asdict(self)  # type: ignore[call-overload]
         return entry
 
@@ -668,7 +669,8 @@ class HangRecord(MetaRecord):
         """The record of the decoded JSON ``entry``, its ranks as :class:`HungRank`.
 
         Raises:
-            TypeError: a field is missing or unknown.
+            KeyError: ``ranks`` or ``suspects`` is missing.
+            TypeError: another field is missing, or one is unknown.
         """
         ranks = tuple(HungRank.from_json(e) for e in entry["ranks"])
         return cls(**{**entry, "ranks": ranks, "suspects": tuple(entry["suspects"])})
