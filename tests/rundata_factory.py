@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from traceml.analysis.rundata import RankData, RunData, StepTable
+from traceml.core import records
 from traceml.core.phases import STEP_OPTIONAL_FIELDS
 
 MIB = 1024 * 1024
@@ -52,6 +53,72 @@ def step(
     return s
 
 
+def identity(r: int, *, node=0, uuid="", **kw) -> records.Identity:
+    """Rank ``r``'s identity as the store would load it (``kw`` replaces any column)."""
+    columns = {
+        "rank": r,
+        "restart": 0,
+        "node_rank": node,
+        "local_rank": r % 4,
+        "world_size": 0,
+        "local_world_size": 4,
+        "hostname": f"host{node}",
+        "pid": 1000 + r,
+        "start_unix_us": 1_000_000,
+        "torch_version": "",
+        "cuda_version": "",
+        "backend": "",
+        "parallelism": "",
+        "device": "cpu",
+        "gpu_uuid": uuid,
+    }
+    return records.Identity.from_row({**columns, **kw})
+
+
+def finish_marker(r: int, steps_completed: int, **kw) -> records.Finish:
+    """Rank ``r``'s finish marker: completed, nothing dropped (``kw`` replaces any column;
+    ``last_seq`` -1 and ``received_unix_us`` 0: no batch and no clock of its own)."""
+    columns = {
+        "rank": r,
+        "restart": 0,
+        "steps_completed": steps_completed,
+        "records_dropped": 0,
+        "steps_gpu_unresolved": 0,
+        "end_state": "completed",
+        "reason": None,
+        "last_seq": -1,
+        "received_unix_us": 0,
+    }
+    return records.Finish.from_row({**columns, **kw})
+
+
+def counts(r: int, *, seq: int, **kw) -> records.SenderCounts:
+    """Rank ``r``'s client's running totals as of batch ``seq`` (``kw``: the counts)."""
+    return records.SenderCounts(rank=r, restart=0, seq=seq, **kw)
+
+
+def node_exit(
+    n: int, *, exit_code=0, hostname=None, restart_count=0, received_unix_us=0
+) -> records.NodeExit:
+    """Node ``n``'s torchrun exit (``received_unix_us`` 0: no clock of its own)."""
+    return records.NodeExit(n, hostname or f"host{n}", exit_code, restart_count, received_unix_us)
+
+
+def rank_end(
+    r: int,
+    end_state: str,
+    *,
+    node_rank=0,
+    local_rank=None,
+    exit_code=None,
+    signal=None,
+    reason=None,
+) -> records.RankEnd:
+    """Rank ``r``'s end as its node's launcher reported it."""
+    local = r % 4 if local_rank is None else local_rank
+    return records.RankEnd(r, local, node_rank, end_state, exit_code, signal, reason)
+
+
 def rank(
     r: int,
     steps: list[dict],
@@ -66,46 +133,24 @@ def rank(
 ) -> RankData:
     return RankData(
         rank=r,
-        identity={
-            "rank": r,
-            "node_rank": node,
-            "local_rank": r % 4,
-            "world_size": 0,
-            "hostname": f"host{node}",
-            "start_unix_us": 1_000_000,
-            "device": "cpu",
-            "gpu_uuid": uuid,
-        },
+        identity=identity(r, node=node, uuid=uuid),
         steps=StepTable.from_dicts(steps),
-        finish={
-            "steps_completed": len(steps),
-            "records_dropped": 0,
-            "steps_gpu_unresolved": 0,
-            "end_state": "completed",
-            "reason": None,
-        }
-        if finish
-        else None,
-        end={
-            "node_rank": node,
-            "local_rank": r % 4,
-            "end_state": end,
-            "exit_code": exit_code,
-            "signal": signal,
-            "reason": None,
-        },
+        finish=finish_marker(r, len(steps)) if finish else None,
+        end=rank_end(r, end, node_rank=node, exit_code=exit_code, signal=signal),
         **kw,
     )
 
 
 def run_of(ranks: list[RankData], *, missing=(), system=None, gpus=None, exits=None) -> RunData:
+    """The run of ``ranks``; ``exits``: node -> its exit's fields (:func:`node_exit`'s), node 0
+    exiting with 0 when not given."""
     return RunData(
         run_name="unit",
         world_size=len(ranks),
         ranks={rd.rank: rd for rd in ranks},
-        node_exits=exits
-        if exits is not None
-        else {0: {"exit_code": 0, "hostname": "host0", "restart_count": 0}},
+        node_exits={
+            n: node_exit(n, **e) for n, e in (exits if exits is not None else {0: {}}).items()
+        },
         system_samples=system or {},
         gpu_samples=gpus or {},
         missing=list(missing),

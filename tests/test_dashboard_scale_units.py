@@ -12,6 +12,7 @@ import json
 import aiohttp
 import numpy as np
 from conftest import free_port
+from rundata_factory import identity
 
 from traceml.analysis.rundata import RankData, RunData, StepTable
 from traceml.report import grid
@@ -31,7 +32,7 @@ def _run(world: int, slow: int | None = SLOW, steps: int = 20) -> RunData:
         last = 9 if r == 3 else steps - 1
         ranks[r] = RankData(
             r,
-            identity={"rank": r, "node_rank": r // 4, "hostname": f"h{r // 4}"},
+            identity=identity(r, node=r // 4, hostname=f"h{r // 4}", start_unix_us=None),
             steps=StepTable.from_dicts(
                 {
                     "step": s,

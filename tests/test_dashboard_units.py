@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from conftest import SCRIPTS, assert_rejected, free_port, traceml_env
 from helpers.waiting import LOADED_CALL_S
+from rundata_factory import identity, node_exit
 
 from traceml.analysis.rundata import RankData, RunData, StepTable
 from traceml_aggregator.dashboard import app as dashboard_app
@@ -48,7 +49,7 @@ def _run(last_step: int, restart: int = 0, with_exit: bool = False) -> RunData:
         ranks[r] = RankData(
             r,
             restart=restart,
-            identity={"rank": r, "node_rank": 0, "hostname": "h0", "start_unix_us": START_US},
+            identity=identity(r, hostname="h0", start_unix_us=START_US),
             steps=_steps(0, last_step, 1000 + 4000 * r),
             process_samples=[
                 {
@@ -74,7 +75,7 @@ def _run(last_step: int, restart: int = 0, with_exit: bool = False) -> RunData:
             for i in range(2)
         ]
     }
-    exits = {0: {"node_rank": 0, "exit_code": 0}} if with_exit else {}
+    exits = {0: node_exit(0)} if with_exit else {}
     return RunData("r", 2, ranks, exits, system, {}, [])
 
 

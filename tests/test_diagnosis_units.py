@@ -7,6 +7,7 @@ nodes) is built directly; test_diagnosis_planted.py covers the real runs.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from traceml.analysis.findings import KINDS
 from traceml.analysis.rundata import RankData
 from traceml.analysis.stats import bucket_medians, lower_median
 from traceml.analysis.summary import build_summary
+from traceml.core.records import LostNode
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reading-output.md"
 
@@ -317,15 +319,15 @@ def test_crash_terminated_missing_and_node_failure_are_named():
     assert [r["end"]["state"] for r in s["ranks"]] == ["terminated", "signaled", "running"]
 
 
-def _loss(node, lost_s, resumed_s=None) -> dict:
-    return {
-        "node_rank": node,
-        "hostname": f"host{node}",
-        "last_heard_unix_s": lost_s - 25.5,
-        "lost_unix_s": lost_s,
-        "resumed_unix_s": resumed_s,
-        "lost_after_s": 25.0,
-    }
+def _loss(node, lost_s, resumed_s=None) -> LostNode:
+    return LostNode(
+        node_rank=node,
+        hostname=f"host{node}",
+        last_heard_unix_s=lost_s - 25.5,
+        lost_unix_s=lost_s,
+        resumed_unix_s=resumed_s,
+        lost_after_s=25.0,
+    )
 
 
 def test_a_node_lost_for_good_is_critical_and_its_missing_ranks_say_so():
@@ -349,7 +351,7 @@ def test_a_node_lost_for_good_is_critical_and_its_missing_ranks_say_so():
         " Node 1 was lost at 10:00:00 UTC: its launcher's session stream broke and did not "
         "come back within 25 s."
     )
-    assert s["run"]["telemetry_health"]["node_losses"] == run.node_losses
+    assert s["run"]["telemetry_health"]["node_losses"] == [n.to_json() for n in run.node_losses]
 
 
 def test_a_node_that_came_back_is_a_warning_and_names_no_rank():
@@ -364,7 +366,7 @@ def test_a_node_that_came_back_is_a_warning_and_names_no_rank():
 
 def test_never_reported_and_dropped_telemetry():
     r0 = rank(0, steps())
-    r0.finish.update(steps_completed=45, records_dropped=3)
+    r0.finish = replace(r0.finish, steps_completed=45, records_dropped=3)
     r1 = RankData(rank=1)
     s = build_summary(run_of([r0, r1]))
     assert kinds(s, "health") == ["RANK_NEVER_REPORTED", "RANK_WITHOUT_STEPS", "TELEMETRY_DROPPED"]

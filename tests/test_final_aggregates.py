@@ -188,12 +188,12 @@ def test_the_aggregates_seeded_from_the_store_equal_those_of_the_aggregator_that
             a.last_step,
             a.last_step_unix_s,
         )
-        assert b.identity["start_unix_us"] == a.identity["start_unix_us"]
+        assert b.identity.start_unix_us == a.identity.start_unix_us
         # The window of the latest arrivals, as the live one (a batch's groups of other fields
         # arrive apart, so it is not the latest steps by index): folded in the stored order.
         assert list(b.steps.window["step"]) == list(a.steps.window["step"])
         assert sorted(b.steps.window["step"]) != list(range(n - WINDOW_STEPS, n))
-    assert seeded.ranks[0].finish["steps_completed"] == 3 * SERIES_STEPS + 17
+    assert seeded.ranks[0].finish.steps_completed == 3 * SERIES_STEPS + 17
     assert _comparable(_final(store, seeded)) == _comparable(_final(store, agg))
     live_a = build_summary(agg.run_data(), live=True)
     live_b = build_summary(seeded.run_data(), live=True)

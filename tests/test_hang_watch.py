@@ -13,6 +13,7 @@ from traceml.analysis import step_time
 from traceml.analysis.document import PARTS
 from traceml.analysis.hang import describe, silent_s
 from traceml.analysis.phases import Profile
+from traceml.core.records import HangRecord, HungRank
 from traceml_aggregator.finalize import RunState
 from traceml_aggregator.hang import ALIVE_WINDOW_S, HangWatch
 
@@ -52,7 +53,7 @@ def test_the_rank_still_in_forward_is_the_suspect_of_ranks_waiting_in_backward()
         r: (7, "forward" if r == 2 else "backward", 12.0, True) for r in range(4)
     }
     assert record["suspects"] == [2] and record["detected_unix_s"] == 112.0
-    assert describe(record) == (
+    assert describe(HangRecord.from_json(record)) == (
         "hang: ranks 0, 1, 2, 3 made no progress for 12 s (rank 0: 7 steps done, in backward; "
         "rank 1: 7 steps done, in backward; rank 2: 7 steps done, in forward; rank 3: 7 steps "
         "done, in backward); suspect: rank 2"
@@ -113,8 +114,8 @@ def test_a_stall_is_rewritten_only_on_change_and_frozen_once_its_ranks_ended():
         "ranks": [{**first["ranks"][0], "silent_s": 40.0}],
     }
     assert w.check(now=500.0) is frozen
-    assert silent_s(frozen, frozen["ranks"][0], 900.0) == 40.0
-    assert silent_s(first, first["ranks"][0], 70.0) == 70.0
+    assert silent_s(40.0, HungRank.from_json(frozen["ranks"][0]), 900.0) == 40.0
+    assert silent_s(None, HungRank.from_json(first["ranks"][0]), 70.0) == 70.0
 
 
 def test_the_suspect_is_chosen_when_the_stall_is_detected_not_on_who_dies_after():
@@ -143,7 +144,7 @@ def test_the_suspect_is_chosen_when_the_stall_is_detected_not_on_who_dies_after(
         2: ("forward", True),
         3: ("backward", True),
     }
-    assert describe(record).endswith("suspect: rank 2")
+    assert describe(HangRecord.from_json(record)).endswith("suspect: rank 2")
 
 
 def test_a_new_stall_waits_for_ranks_about_to_stall_before_naming_a_suspect():
@@ -166,7 +167,7 @@ def test_every_rank_at_one_place_names_no_suspect_and_says_so():
         w.on_batch(progress(r, 4, "step"), now=0.0)
     record = w.check(now=12.0)
     assert record["suspects"] == []
-    assert describe(record).endswith(
+    assert describe(HangRecord.from_json(record)).endswith(
         "every stalled rank is at the same place, none differs: no suspect (a collective "
         "that cannot complete?)"
     )
@@ -212,7 +213,8 @@ def test_a_rank_of_a_later_attempt_is_watched_after_the_earlier_attempt_ended():
     record = w.check(now=16.0)
     assert [(e["rank"], e["attempt"], e["steps_completed"]) for e in record["ranks"]] == [(1, 1, 2)]
     assert record["suspects"] == [1]
-    assert " in attempt 1 (rank 1: 2 steps done, in idle); suspect: rank 1" in describe(record)
+    line = describe(HangRecord.from_json(record))
+    assert " in attempt 1 (rank 1: 2 steps done, in idle); suspect: rank 1" in line
     stored(finished(0, 1), now=17.0)
     assert state.missing() == [1] and state.first_end.is_set()
 

@@ -1,11 +1,20 @@
 """How a rank's end state is decided from its two witnesses (launcher and finish marker)."""
 
+from dataclasses import replace
+
+from rundata_factory import finish_marker, identity, rank_end
+
 from traceml.analysis.health import end_state
 from traceml.analysis.rundata import RankData
 
 
 def _rank(end=None, finish=None) -> RankData:
-    return RankData(rank=1, end=end, finish=finish)
+    """Rank 1 with its launcher's ``end`` and its own ``finish`` (their fields, None: none)."""
+    return RankData(
+        rank=1,
+        end=rank_end(1, **end) if end else None,
+        finish=finish_marker(1, 0, **finish) if finish else None,
+    )
 
 
 def test_launcher_failure_beats_the_ranks_own_completed_marker():
@@ -54,20 +63,21 @@ def test_the_crash_headline_names_the_first_failure_in_time():
     def failed(r: int, finish_us: int) -> RankData:
         return RankData(
             rank=r,
-            end={"end_state": "failed", "exit_code": 1, "signal": None, "reason": "gloo: peer"},
-            finish={
-                "end_state": "failed",
-                "reason": "RuntimeError: peer closed",
-                "received_unix_us": finish_us,
-                "steps_completed": 5,
-            },
+            end=rank_end(r, "failed", exit_code=1, reason="gloo: peer"),
+            finish=finish_marker(
+                r,
+                5,
+                end_state="failed",
+                reason="RuntimeError: peer closed",
+                received_unix_us=finish_us,
+            ),
         )
 
     segv = RankData(
         rank=2,
-        identity={"start_unix_us": 1_000_000_000},
+        identity=identity(2, start_unix_us=1_000_000_000),
         steps=StepTable.from_dicts([{"step": 4, "end_us": 5_000_000, "step_us": 900_000}]),
-        end={"end_state": "signaled", "exit_code": None, "signal": 11, "reason": None},
+        end=rank_end(2, "signaled", signal=11),
         process_samples=[
             {
                 "unix_us": t,
@@ -106,7 +116,7 @@ def test_last_seen_falls_back_to_the_end_of_the_last_stored_step():
     steps = StepTable.from_dicts(
         [{"step": i, "end_us": 1_000_000 * (i + 1), "step_us": 1_000_000} for i in range(3)]
     )
-    rd = RankData(rank=0, identity={"start_unix_us": 5_000_000}, steps=steps)
+    rd = RankData(rank=0, identity=identity(0, start_unix_us=5_000_000), steps=steps)
     assert last_seen_us(rd) == 8_000_000
     assert last_seen_us(RankData(rank=1, steps=steps)) == float("inf")
 
@@ -118,9 +128,9 @@ def _lingering_run(end: dict | None, node_exit_unix_s: float | None, missing=(1,
     from rundata_factory import rank, run_of, steps
 
     r0 = rank(0, steps(20))
-    r0.finish["received_unix_us"] = 2_000_000
+    r0.finish = replace(r0.finish, received_unix_us=2_000_000)
     r1 = rank(1, steps(20), finish=False)
-    r1.end = end
+    r1.end = rank_end(1, **end) if end else None
     exits = (
         {
             0: {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from chromium import BROWSER_MARKS, DevTools
+from rundata_factory import identity
 
 from traceml.analysis.rundata import RankData, RunData, StepTable
 from traceml.analysis.summary import build_summary
@@ -42,12 +43,15 @@ def _run() -> RunData:
         extra = 12_000 if r == SLOW else 0
         ranks[r] = RankData(
             r,
-            identity={
-                "rank": r,
-                "node_rank": r // 8,
-                "hostname": f"node{r // 8}",
-                "world_size": WORLD,
-            },
+            identity=identity(
+                r,
+                node=r // 8,
+                hostname=f"node{r // 8}",
+                world_size=WORLD,
+                local_rank=None,
+                start_unix_us=None,
+                device=None,
+            ),
             steps=StepTable.from_dicts(
                 {
                     "step": s,

@@ -157,7 +157,7 @@ def test_a_new_attempt_starts_afresh_and_counts_the_earlier_one():
     agg.on_batch(rank_batch(0, 2, range(50, 60)))  # a late batch of attempt 0: ignored
     rd = agg.run_data().ranks[0]
     assert (rd.restart, rd.earlier_attempts, len(rd.steps)) == (1, {0: 30}, 10)
-    assert rd.identity["restart"] == 1
+    assert rd.identity.restart == 1
     assert [p["restart"] for p in rd.process_samples] == [1]
 
 

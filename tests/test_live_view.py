@@ -10,6 +10,7 @@ import io
 import re
 
 from rich.console import Console
+from rundata_factory import identity
 
 from traceml import wire
 from traceml.launcher.terminal_view import (
@@ -267,7 +268,7 @@ def test_live_ranks_take_counts_and_clock_from_the_aggregates():
         ],
     }
     rl = live._rank(0)
-    rl.identity, rl.steps_stored, rl.last_step_unix_s = {"gpu_uuid": "GPU-a"}, 1234, NOW
+    rl.identity, rl.steps_stored, rl.last_step_unix_s = identity(0, uuid="GPU-a"), 1234, NOW
     rows = LiveRows()
 
     def reply() -> wire.SummarizeReply:

@@ -187,8 +187,8 @@ def test_the_store_the_loader_and_the_live_aggregates_hold_the_same_rows(tmp_pat
     stored, rl = run.ranks[1], live.ranks[1]
     clock = {"received_unix_us": None}  # the live aggregates stamp their own clock
     assert (
-        stored.identity
-        == rl.identity
+        stored.identity.as_dict()
+        == rl.identity.as_dict()
         == {
             "rank": 1,
             "restart": 2,
@@ -208,8 +208,8 @@ def test_the_store_the_loader_and_the_live_aggregates_hold_the_same_rows(tmp_pat
         }
     )
     assert (
-        {**stored.finish, **clock}
-        == {**rl.finish, **clock}
+        {**stored.finish.as_dict(), **clock}
+        == {**rl.finish.as_dict(), **clock}
         == {
             "rank": 1,
             "restart": 2,
@@ -222,10 +222,10 @@ def test_the_store_the_loader_and_the_live_aggregates_hold_the_same_rows(tmp_pat
             "received_unix_us": None,
         }
     )
-    assert stored.finish["received_unix_us"] == 7
+    assert stored.finish.received_unix_us == 7
     assert (
-        stored.flops
-        == rl.flops
+        stored.flops.as_dict()
+        == rl.flops.as_dict()
         == {
             "rank": 1,
             "restart": 2,
@@ -238,8 +238,8 @@ def test_the_store_the_loader_and_the_live_aggregates_hold_the_same_rows(tmp_pat
         }
     )
     assert (
-        stored.counts
-        == rl.counts
+        stored.counts.as_dict()
+        == rl.counts.as_dict()
         == {
             "rank": 1,
             "restart": 2,
@@ -320,8 +320,8 @@ def test_the_store_the_loader_and_the_live_aggregates_hold_the_same_rows(tmp_pat
         ]
     )
     assert (
-        {**run.node_exits[0], **clock}
-        == {**live.node_exits[0], **clock}
+        {**run.node_exits[0].as_dict(), **clock}
+        == {**live.node_exits[0].as_dict(), **clock}
         == {
             "node_rank": 0,
             "hostname": "h0",
@@ -331,8 +331,8 @@ def test_the_store_the_loader_and_the_live_aggregates_hold_the_same_rows(tmp_pat
         }
     )
     assert (
-        {r: run.ranks[r].end for r in (0, 1)}
-        == live.rank_ends
+        {r: run.ranks[r].end.as_dict() for r in (0, 1)}
+        == {r: e.as_dict() for r, e in live.rank_ends.items()}
         == {
             0: {
                 "rank": 0,
@@ -390,7 +390,7 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
     """Each JSON entry the aggregator keeps in meta is written by its producer as its
     META_RECORDS schema, field for field (what the analysis then reads back)."""
     from traceml_aggregator.hang import HangWatch
-    from traceml_aggregator.load import META_RECORDS
+    from traceml_aggregator.load import META_RECORDS, run_records
     from traceml_aggregator.script_world import ScriptWorld
     from traceml_aggregator.server import record_restart
     from traceml_aggregator.streams import StreamLedger
@@ -418,13 +418,29 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
     ]
     assert list(stall["ranks"][0]) == [f.name for f in dataclasses.fields(records.HungRank)]
     identity = wire.RankIdentity(rank=0, world_size=4, node_rank=0, own_process_group=True)
-    assert list(ScriptWorld().adopt(identity, 1)) == fields("script_world")
+    world = ScriptWorld().adopt(identity, 1)
+    assert list(world) == fields("script_world")
     store = Store(tmp_path / "t.sqlite")
-    assert list(record_restart(store, "killed", 0.0)) == fields("aggregator_restarts")
+    restart = record_restart(store, "killed", 0.0)
+    assert list(restart) == fields("aggregator_restarts")
     store.close()
     ledger = StreamLedger()
     ledger.opened(("rank", 0, 0))
     assert sorted(ledger.entries()[0]) == sorted(fields("sender_streams"))
+    # the loader reads each entry as its record, and the record writes the entry back as it was
+    typed = run_records(
+        {
+            "stall": stall,
+            "script_world": world,
+            "aggregator_restarts": [restart],
+            "sender_streams": ledger.entries(),
+        }
+    )
+    assert typed["stall"].ranks[0].phase == "backward" and typed["stall"].suspects == ()
+    assert typed["stall"].to_json() == stall
+    assert typed["script_world"].to_json() == world
+    assert [r.to_json() for r in typed["aggregator_restarts"]] == [restart]
+    assert [s.to_json() for s in typed["sender_streams"]] == ledger.entries()
     assert [name for name, (_, _, schema) in META_RECORDS.items() if schema is None] == [
         "rejected",
         "rejected_reasons",  # plain mappings: kind -> count, kind -> reason

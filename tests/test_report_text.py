@@ -3,6 +3,7 @@ tables, never wider than 80 columns."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,9 @@ def test_view_html_to_a_directory_is_one_line(tmp_path, where):
 def test_large_run_stays_compact_and_narrow():
     ranks = [rank(r, steps(input_wait=31_000 if r == 37 else 1000), node=r // 8) for r in range(64)]
     for rd in ranks:
-        rd.identity["hostname"] = "a-very-long-hostname-of-a-cluster-node.example.org"
+        rd.identity = replace(
+            rd.identity, hostname="a-very-long-hostname-of-a-cluster-node.example.org"
+        )
     run = run_of(ranks)
     run.run_name = "a-run-name-that-is-much-too-long-for-one-line-of-an-eighty-column-terminal"
     text = render_text(build_summary(run))

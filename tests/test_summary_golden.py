@@ -25,10 +25,21 @@ import gzip
 import json
 import sqlite3
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from rundata_factory import MIB, gpu_sample, rank, rich_run, run_of, step, steps, system_sample
+from rundata_factory import (
+    MIB,
+    counts,
+    gpu_sample,
+    rank,
+    rich_run,
+    run_of,
+    step,
+    steps,
+    system_sample,
+)
 
 from traceml.analysis.summary import build_summary
 from traceml.report import to_json
@@ -62,27 +73,24 @@ def _health():
 def _dropped_restarted():
     r0 = rank(0, steps(), restart=1, earlier_attempts={0: 12})
     dropped = 45 - len(r0.steps)
-    r0.finish.update(
-        steps_completed=45, records_dropped=dropped, steps_gpu_unresolved=2, last_seq=12
+    r0.finish = replace(
+        r0.finish, steps_completed=45, records_dropped=dropped, steps_gpu_unresolved=2, last_seq=12
     )
     # the counts of r0's last batch, the one with its finish marker
-    r0.counts = {
-        "seq": 12,
-        "records_produced": 45,
-        "records_dropped": dropped,
-        "steps_produced": 45,
-        "steps_dropped": dropped,
-    }
+    r0.counts = counts(
+        0,
+        seq=12,
+        records_produced=45,
+        records_dropped=dropped,
+        steps_produced=45,
+        steps_dropped=dropped,
+    )
     r1 = rank(1, [], finish=False)
     r1.end = None
     # r1 was killed without a finish marker: 4 steps dropped, 3 still buffered when last heard
-    r1.counts = {
-        "seq": 9,
-        "records_produced": 7,
-        "records_dropped": 4,
-        "steps_produced": 7,
-        "steps_dropped": 4,
-    }
+    r1.counts = counts(
+        1, seq=9, records_produced=7, records_dropped=4, steps_produced=7, steps_dropped=4
+    )
     return run_of([r0, r1]), False
 
 

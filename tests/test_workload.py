@@ -17,6 +17,7 @@ from traceml import settings
 from traceml.analysis import throughput
 from traceml.analysis.summary import build_summary
 from traceml.core import peaks
+from traceml.core.records import Flops
 from traceml.sdk import instrumentation, workload
 from traceml.sdk.instrumentation import ForwardTimer
 from traceml.sdk.step import StepTracer
@@ -218,14 +219,16 @@ def _work_run(peak_tflops=None, device="cpu", dtype="fp32"):
                 for i in range(20)
             ],
         )
-        rd.flops = {
-            "step": 1,
-            "forward_flops": 10**9,
-            "count_us": 2500,
-            "dtype": dtype,
-            "device_name": device,
-            "peak_tflops": peak_tflops,
-        }
+        rd.flops = Flops(
+            rank=r,
+            restart=0,
+            step=1,
+            forward_flops=10**9,
+            count_us=2500,
+            dtype=dtype,
+            device_name=device,
+            peak_tflops=peak_tflops,
+        )
         ranks.append(rd)
     return run_of(ranks)
 

@@ -178,10 +178,14 @@ class HangWatch:
             elif record.get("ended_unix_s") is not None:
                 return record  # frozen: the stalled ranks ended without moving
             elif all(self._is_done(e["rank"], e.get("attempt", 0)) for e in record["ranks"]):
+                ended = record.get("ended_unix_s")
                 self.record = {
                     **record,
                     "ended_unix_s": round(now, 3),
-                    "ranks": [{**e, "silent_s": silent_s(record, e, now)} for e in record["ranks"]],
+                    "ranks": [
+                        {**e, "silent_s": silent_s(ended, HungRank.from_json(e), now)}
+                        for e in record["ranks"]
+                    ],
                 }
                 return self.record
         watched = {
@@ -210,15 +214,14 @@ class HangWatch:
         )
         members = {e["rank"] for e in entries}
         others_move = any(p.steps_completed for r, p in self.ranks.items() if r not in members)
-        self.record = asdict(
-            HangRecord(
-                detected_unix_s=record["detected_unix_s"] if record else round(now, 3),
-                hang_timeout_s=self.timeout_s,
-                ended_unix_s=None,
-                ranks=entries,
-                suspects=suspects(entries, others_move=others_move),
-            )
-        )
+        hung = tuple(HungRank.from_json(e) for e in entries)
+        self.record = HangRecord(
+            detected_unix_s=record["detected_unix_s"] if record else round(now, 3),
+            hang_timeout_s=self.timeout_s,
+            ended_unix_s=None,
+            ranks=hung,
+            suspects=tuple(suspects(hung, others_move=others_move)),
+        ).to_json()
         return self.record
 
     async def run(self, persist, say) -> None:
@@ -237,7 +240,7 @@ class HangWatch:
             if record is None:
                 say("the stalled ranks make progress again")
             elif record["detected_unix_s"] != detected:
-                say(describe(record))
+                say(describe(HangRecord.from_json(record)))
             last = record
             try:
                 await persist(record)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import json
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from traceml.analysis.document import AggregatorOutage, NodeLoss, SenderStream
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.analysis.rundata import (
     RankData,
@@ -41,16 +41,17 @@ _attempt = operator.itemgetter(-2, -1)  # (rank, restart) of a steps row
 #: Sample rows read from SQLite at a time (then turned into arrays).
 SAMPLE_CHUNK_ROWS = 65536
 #: The run's own records, kept as JSON entries of the store's meta table: RunData field ->
-#: (meta key, its JSON when the entry is absent, the dataclass whose ``asdict`` is the entry,
-#: or each item of a list entry; None for a plain mapping of counts or reasons by kind).
-META_RECORDS = {
+#: (meta key, its JSON when the entry is absent, the record (:mod:`traceml.core.records`) the
+#: entry is, or each item of a list entry; None for a plain mapping of counts or reasons by
+#: kind).
+META_RECORDS: dict[str, tuple[str, str, type[records.MetaRecord] | None]] = {
     "stall": (STALL_META_KEY, "null", records.HangRecord),
-    "aggregator_restarts": (RESTARTS_META_KEY, "[]", AggregatorOutage),
-    "node_losses": (NODE_LOSSES_META_KEY, "[]", NodeLoss),
+    "aggregator_restarts": (RESTARTS_META_KEY, "[]", records.AggregatorRestart),
+    "node_losses": (NODE_LOSSES_META_KEY, "[]", records.LostNode),
     "rejected": (REJECTED_META_KEY, "{}", None),
     "rejected_reasons": (REJECTED_REASONS_META_KEY, "{}", None),
     "script_world": (SCRIPT_WORLD_META_KEY, "null", records.ScriptWorld),
-    "sender_streams": (STREAMS_META_KEY, "[]", SenderStream),
+    "sender_streams": (STREAMS_META_KEY, "[]", records.StreamEnd),
 }
 #: The small per-rank records RankData holds (its attribute -> record): each rank's latest
 #: attempt's row.
@@ -60,6 +61,27 @@ _RANK_RECORDS = {
     "flops": records.Flops,
     "counts": records.SenderCounts,
 }
+
+
+def run_records(entries: Mapping[str, Any]) -> dict[str, Any]:
+    """RunData's fields of the run's own records (:data:`META_RECORDS`) from their decoded
+    JSON ``entries`` (RunData field -> the entry: a dict, a list of dicts, or None), each as
+    its record (a list of records for a list entry; a plain mapping stays as it is): what the
+    loader reads from the store, and the live summary from the aggregator's own state.
+
+    Raises:
+        TypeError: an entry lacks a field of its record, or has one it does not know.
+    """
+    out: dict[str, Any] = {}
+    for name, entry in entries.items():
+        record = META_RECORDS[name][2]
+        if record is None or entry is None:
+            out[name] = entry
+        elif isinstance(entry, list):
+            out[name] = [record.from_json(item) for item in entry]
+        else:
+            out[name] = record.from_json(entry)
+    return out
 
 
 def sample_groups(store: Store, record: type[records.Record], after_rowid: int = 0):
@@ -162,9 +184,9 @@ def load(
         for row in store.query(f"SELECT * FROM {record.TABLE}"):
             rd = rank_data(row["rank"])
             if row["restart"] == rd.restart:
-                setattr(rd, attr, dict(row))
+                setattr(rd, attr, record.from_row(row))
     for row in store.query(f"SELECT * FROM {records.RankEnd.TABLE}"):
-        rank_data(row["rank"]).end = dict(row)
+        rank_data(row["rank"]).end = records.RankEnd.from_row(row)
     for rank in sampled_ranks:
         rank_data(rank)
     system, gpus = {}, {}
@@ -180,12 +202,14 @@ def load(
         meta.get("run_name", ""),
         int(meta.get("world_size") or 0),
         ranks,
-        node_exits={row["node_rank"]: dict(row) for row in exits},
+        node_exits={row["node_rank"]: records.NodeExit.from_row(row) for row in exits},
         system_samples=system,
         gpu_samples=gpus,
         missing=list(missing),
-        **{
-            name: json.loads(meta.get(key) or empty)
-            for name, (key, empty, _) in META_RECORDS.items()
-        },
+        **run_records(
+            {
+                name: json.loads(meta.get(key) or empty)
+                for name, (key, empty, _) in META_RECORDS.items()
+            }
+        ),
     )

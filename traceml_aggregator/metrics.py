@@ -163,7 +163,7 @@ def families(mirror: WindowsMirror) -> list:
         )
     }
     for r, mr in sorted(mirror.ranks.items()):
-        node = (mr.identity or {}).get("node_rank")
+        node = mr.identity.node_rank if mr.identity else None
         labels = [str(r), "" if node is None else str(node)]
         steps.add_metric(labels, mr.steps_stored)
         ordered = sorted(last(mr.window["step_us"], keep))
@@ -181,7 +181,8 @@ def families(mirror: WindowsMirror) -> list:
                 phase.add_metric(labels + [name], _quantile(values, 0.5) / 1e6)
         if mr.last_step_unix_s is not None:
             last_step.add_metric(labels, mr.last_step_unix_s)
-        records_dropped = (mr.counts or mr.finish or {}).get("records_dropped")
+        source = mr.counts or mr.finish
+        records_dropped = source.records_dropped if source else None
         if records_dropped is not None:
             dropped.add_metric(labels, records_dropped)
         latest = mr.process_samples[-1] if mr.process_samples else None

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 
 from traceml.core import log, records
 
@@ -107,14 +106,12 @@ class ScriptWorld:
         """Make ``identity``'s group (a wire RankIdentity with ``own_process_group``) the
         run's world, torchrun's having had ``launched_world_size`` ranks; returns the record
         to store (:data:`SCRIPT_WORLD_META_KEY`)."""
-        self.record = asdict(
-            records.ScriptWorld(
-                world_size=identity.world_size,
-                node_rank=identity.node_rank,
-                launched_world_size=launched_world_size,
-                adopted_unix_s=round(time.time(), 3),
-            )
-        )
+        self.record = records.ScriptWorld(
+            world_size=identity.world_size,
+            node_rank=identity.node_rank,
+            launched_world_size=launched_world_size,
+            adopted_unix_s=round(time.time(), 3),
+        ).to_json()
         _log.info(
             f"the run's world is the script's own process group: {identity.world_size} ranks "
             f"on node {identity.node_rank} (torchrun started {launched_world_size}; rank "

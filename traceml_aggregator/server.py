@@ -26,17 +26,17 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from traceml import settings, wire
-from traceml.analysis.document import AggregatorOutage
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log, otlp
 from traceml.core.heap import freeze_startup_objects
+from traceml.core.records import AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
 from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
@@ -143,13 +143,11 @@ def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
     entry, a JSON list of ``{"reason": str, "gap_s": float, "restarted_unix_s": float}`` (gap:
     s from the death the launcher saw to this replacement serving); returns the entry."""
     now = time.time()
-    entry = asdict(
-        AggregatorOutage(
-            reason=reason,
-            gap_s=round(max(0.0, now - down_since_unix_s), 3),
-            restarted_unix_s=round(now, 3),
-        )
-    )
+    entry = AggregatorRestart(
+        reason=reason,
+        gap_s=round(max(0.0, now - down_since_unix_s), 3),
+        restarted_unix_s=round(now, 3),
+    ).to_json()
     restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
     store.set_meta(RESTARTS_META_KEY, json.dumps(restarts + [entry]))
     return entry

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import grpc
 
 from traceml import wire
-from traceml.analysis.document import NodeLoss
 from traceml.core import log
+from traceml.core.records import LostNode
 from traceml.core.transport import NODE_LOST_AFTER_S
 from traceml_aggregator.nodes import NodeRegistry
 
@@ -290,16 +290,14 @@ class NodeSessions:
             silent_s = now_m - node.last_heard_monotonic
             if silent_s <= self.lost_after_s:
                 continue
-            node.lost = asdict(
-                NodeLoss(
-                    node_rank=rank,
-                    hostname=node.hostname or None,
-                    last_heard_unix_s=round(node.last_heard_unix_s, 3),
-                    lost_unix_s=round(now, 3),
-                    resumed_unix_s=None,
-                    lost_after_s=self.lost_after_s,
-                )
-            )
+            node.lost = LostNode(
+                node_rank=rank,
+                hostname=node.hostname or None,
+                last_heard_unix_s=round(node.last_heard_unix_s, 3),
+                lost_unix_s=round(now, 3),
+                resumed_unix_s=None,
+                lost_after_s=self.lost_after_s,
+            ).to_json()
             self.losses.append(node.lost)
             found.append(rank)
             _log.warning(

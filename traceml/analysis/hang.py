@@ -2,12 +2,9 @@
 
 The aggregator's hang watch (``traceml_aggregator/hang.py``) writes the record; this module is
 shared by it (the suspects), by the health findings (``RANK_HUNG``) and by node 0's launcher
-(the console line). A record is a dict::
-
-    {"detected_unix_s": float, "hang_timeout_s": float, "suspects": [rank, ...],
-     "ended_unix_s": float | None,
-     "ranks": [{"rank", "attempt", "steps_completed", "last_step", "phase", "silent_s",
-                "alive", "last_progress_unix_s"}, ...]}
+(the console line). A record is a :class:`~traceml.core.records.HangRecord` (its JSON entry,
+``to_json()``, is what the aggregator stores and pushes), its ranks
+:class:`~traceml.core.records.HungRank`.
 
 ``phase`` is one of :data:`PHASE_ORDER`'s keys (the SDK's ``Progress.phase``); ``attempt`` is
 the rank's torchrun attempt (``restart_count``). Each rank's entry is its state when it was
@@ -20,7 +17,9 @@ lasts (see :func:`silent_s`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+
+from traceml.core.records import HangRecord, HungRank
 
 #: Key of the record in the store's ``meta`` table (JSON).
 STALL_META_KEY = "stall"
@@ -38,7 +37,7 @@ PHASE_ORDER = {
 }
 
 
-def suspects(entries: list[dict[str, Any]], *, others_move: bool) -> list[int]:
+def suspects(entries: Sequence[HungRank], *, others_move: bool) -> list[int]:
     """The ranks to look at first among the stalled ``entries``: the dead ones while others
     live; else the ranks furthest behind (fewest steps, then the earliest phase); else, when
     all stand at one place while other ranks finished or move on, all of them; else none (all
@@ -48,10 +47,10 @@ def suspects(entries: list[dict[str, Any]], *, others_move: bool) -> list[int]:
         entries: the stalled ranks (``rank``, ``steps_completed``, ``phase``, ``alive``).
         others_move: some rank with progress is not stalled (finished, or moving on).
     """
-    dead = [e["rank"] for e in entries if not e["alive"]]
+    dead = [e.rank for e in entries if not e.alive]
     if dead and len(dead) < len(entries):
         return dead
-    place = {e["rank"]: (e["steps_completed"], PHASE_ORDER.get(e["phase"], 2)) for e in entries}
+    place = {e.rank: (e.steps_completed, PHASE_ORDER.get(e.phase, 2)) for e in entries}
     behind = min(place.values())
     furthest = [r for r, p in place.items() if p == behind]
     if len(furthest) < len(entries) or others_move:
@@ -59,26 +58,25 @@ def suspects(entries: list[dict[str, Any]], *, others_move: bool) -> list[int]:
     return []
 
 
-def silent_s(record: dict[str, Any], entry: dict[str, Any], now_unix_s: float) -> float:
-    """Seconds ``entry``'s rank went without a step: up to the record's end when every stalled
-    rank ended, else up to ``now_unix_s`` (Unix s)."""
-    until: float = record.get("ended_unix_s") or now_unix_s
-    silent: float = max(entry["silent_s"], until - entry["last_progress_unix_s"])
-    return round(silent, 1)
+def silent_s(ended_unix_s: float | None, entry: HungRank, now_unix_s: float) -> float:
+    """Seconds ``entry``'s rank went without a step: up to ``ended_unix_s``, the record's end
+    when every stalled rank ended, else (None) up to ``now_unix_s`` (Unix s)."""
+    until = ended_unix_s or now_unix_s
+    return round(max(entry.silent_s, until - entry.last_progress_unix_s), 1)
 
 
-def describe(record: dict[str, Any]) -> str:
+def describe(record: HangRecord) -> str:
     """One line for the console: who stopped, where, for how long, and the suspect."""
-    ranks = record["ranks"]
+    ranks = record.ranks
     where = "; ".join(
-        f"rank {e['rank']}: {e['steps_completed']} steps done, in {e['phase']}"
-        + ("" if e["alive"] else ", no sign of life")
+        f"rank {e.rank}: {e.steps_completed} steps done, in {e.phase}"
+        + ("" if e.alive else ", no sign of life")
         for e in ranks
     )
-    silent = max(e["silent_s"] for e in ranks)
-    names = ", ".join(str(e["rank"]) for e in ranks)
-    attempt = max(e.get("attempt", 0) for e in ranks)
-    suspect = record["suspects"]
+    silent = max(e.silent_s for e in ranks)
+    names = ", ".join(str(e.rank) for e in ranks)
+    attempt = max(e.attempt for e in ranks)
+    suspect = record.suspects
     tail = (
         f"suspect: rank {', '.join(map(str, suspect))}"
         if suspect

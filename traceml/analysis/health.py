@@ -60,36 +60,37 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> EndStat
         missing: ranks finalization gave up waiting for.
         live: the run is still going (a rank without an end is running, not silent).
     """
-    end = rd.end or {}
-    finish = rd.finish or {}
+    end, finish = rd.end, rd.finish
     # torchrun stopped as a whole (SIGTERM to the launcher) leaves no record of its ranks: the
     # launcher can only say "terminated" (interrupted, when it got the signal), which must not
     # hide a rank's own completed finish: that rank had ended before the stop.
     if (
-        end.get("end_state") == TERMINATED
-        and end.get("exit_code") is None
-        and (end.get("signal") is None or is_interrupted(end.get("reason")))
-        and finish.get("end_state") == COMPLETED
+        end
+        and end.end_state == TERMINATED
+        and end.exit_code is None
+        and (end.signal is None or is_interrupted(end.reason))
+        and finish
+        and finish.end_state == COMPLETED
     ):
         return {
             "state": COMPLETED,
             "exit_code": None,
             "signal": None,
-            "reason": finish.get("reason"),
+            "reason": finish.reason,
         }
-    if end.get("end_state") not in (None, COMPLETED):
-        state = end["end_state"]  # the launcher saw a failure
+    if end and end.end_state != COMPLETED:
+        state = end.end_state  # the launcher saw a failure
     elif finish:
-        state = finish["end_state"]  # the rank's own view (an exception it raised)
+        state = finish.end_state  # the rank's own view (an exception it raised)
     elif end:
-        state = end["end_state"]
+        state = end.end_state
     else:
         state = RUNNING if live or rd.rank in missing else NEVER_REPORTED
     return {
         "state": state,
-        "exit_code": end.get("exit_code"),
-        "signal": end.get("signal"),
-        "reason": end.get("reason") or finish.get("reason"),
+        "exit_code": end.exit_code if end else None,
+        "signal": end.signal if end else None,
+        "reason": (end.reason if end else None) or (finish.reason if finish else None),
     }
 
 
@@ -100,11 +101,11 @@ def last_seen_us(rd: RankData) -> float:
     one had (a collective's peer vanished) was seen alive after that one, so the crashed ranks
     sorted by it name the first failure first."""
     seen: float
-    if rd.finish and rd.finish.get("received_unix_us"):
-        seen = rd.finish["received_unix_us"]
+    if rd.finish and rd.finish.received_unix_us:
+        seen = rd.finish.received_unix_us
     elif rd.process_samples:
         seen = rd.process_samples[-1]["unix_us"]
-    elif rd.steps and (start := (rd.identity or {}).get("start_unix_us")) is not None:
+    elif rd.steps and rd.identity and (start := rd.identity.start_unix_us) is not None:
         seen = start + rd.steps["end_us"][-1]
     else:
         seen = float("inf")
@@ -146,7 +147,7 @@ class Facts:
     def hung(self) -> set[int]:
         """The ranks of the aggregator's stall record (:mod:`traceml.analysis.hang`), and the
         ranks that completed their steps but did not exit (:func:`not_exited`)."""
-        stalled = {e["rank"] for e in self.run.stall["ranks"]} if self.run.stall else set()
+        stalled = {e.rank for e in self.run.stall.ranks} if self.run.stall else set()
         return stalled | {e["rank"] for e in not_exited(self)}
 
     def interrupted(self) -> list[RankSummary]:
@@ -189,11 +190,11 @@ def lost_note(facts: Facts, ranks: Iterable[int]) -> str:
     lost = [
         loss
         for loss in facts.run.node_losses
-        if loss["resumed_unix_s"] is None and loss["node_rank"] in nodes
+        if loss.resumed_unix_s is None and loss.node_rank in nodes
     ]
     return "".join(
-        f" Node {loss['node_rank']} was lost at {_utc(loss['lost_unix_s'])}: its launcher's "
-        f"session stream broke and did not come back within {loss['lost_after_s']:g} s."
+        f" Node {loss.node_rank} was lost at {_utc(loss.lost_unix_s)}: its launcher's "
+        f"session stream broke and did not come back within {loss.lost_after_s:g} s."
         for loss in lost
     )
 
@@ -249,17 +250,17 @@ def not_exited(facts: Facts) -> list[NotExited]:
     completed = [
         (rd.rank, rd.restart, rd.finish)
         for rd in facts.run.ranks.values()
-        if rd.finish and rd.finish.get("end_state") == COMPLETED
+        if rd.finish and rd.finish.end_state == COMPLETED
     ]
     if not completed or facts.in_state(FAILED, SIGNALED):
         return []
     attempt = max(a for _, a, _ in completed)
     ended = [(r, f) for r, a, f in completed if a == attempt]
-    steps = max(f["steps_completed"] for _, f in ended)
-    arrived = [f["received_unix_us"] for _, f in ended if f.get("received_unix_us")]
+    steps = max(f.steps_completed for _, f in ended)
+    arrived = [f.received_unix_us for _, f in ended if f.received_unix_us]
     exited_unix_s = _unix_s(max(arrived)) if arrived else None
-    stall = facts.run.stall or {}
-    stalled = {e["rank"]: e for e in stall.get("ranks", ())}
+    stall = facts.run.stall
+    stalled = {e.rank: e for e in stall.ranks} if stall else {}
     now = facts.now_unix_s
     found: list[NotExited] = []
     for r in facts.ranks:
@@ -272,25 +273,27 @@ def not_exited(facts: Facts) -> list[NotExited]:
             and r.rank not in facts.run.missing
             or r.end.state == TERMINATED
             and not is_interrupted(r.end.reason)
-            or (rd.finish or {}).get("end_state") == COMPLETED
+            or (rd.finish is not None and rd.finish.end_state == COMPLETED)
             or rd.restart != attempt
             or r.steps_completed != steps
         ):
             continue
-        start_us = (rd.identity or {}).get("start_unix_us")
+        start_us = rd.identity.start_unix_us if rd.identity else None
         since = (
-            entry["last_progress_unix_s"]
+            entry.last_progress_unix_s
             if entry
             else (start_us + rd.steps["end_us"][-1]) / 1e6
             if start_us is not None and len(rd.steps) and rd.steps["end_us"][-1] is not None
             else exited_unix_s or now
         )
-        node_exit = (
-            facts.run.node_exits.get(r.node_rank) if r.node_rank is not None else None
-        ) or {}
+        node_exit = facts.run.node_exits.get(r.node_rank) if r.node_rank is not None else None
         until = (
-            (stall.get("ended_unix_s") if entry else None)
-            or (_unix_s(node_exit.get("received_unix_us")) if r.end.state == TERMINATED else None)
+            (stall.ended_unix_s if stall and entry else None)
+            or (
+                _unix_s(node_exit.received_unix_us if node_exit else None)
+                if r.end.state == TERMINATED
+                else None
+            )
             or now
         )
         found.append(
@@ -331,9 +334,11 @@ def rank_hung(facts: Facts) -> Finding | None:
     (:mod:`traceml.analysis.hang`), naming the suspects the others wait for (each stalled
     rank's state is the one it was found stalled in), and ranks that completed their steps
     but did not exit (:func:`not_exited`; named even before a stall record has them)."""
-    stall = facts.run.stall or {}
+    stall = facts.run.stall
+    ended = stall.ended_unix_s if stall else None
     entries = [
-        {**e, "silent_s": silent_s(stall, e, facts.now_unix_s)} for e in stall.get("ranks", ())
+        {**e.to_json(), "silent_s": silent_s(ended, e, facts.now_unix_s)}
+        for e in (stall.ranks if stall else ())
     ]
     lingering = not_exited(facts)
     if not entries and not lingering:
@@ -350,7 +355,7 @@ def rank_hung(facts: Facts) -> Finding | None:
     else:
         stalled = sorted(lingered)
         text = text[0].upper() + text[1:] + "."
-    suspect = sorted(set(stall.get("suspects", ())) | lingered)
+    suspect = sorted(set(stall.suspects if stall else ()) | lingered)
     if suspect:
         look = (
             f"Look at {ranks_text(suspect)} first: the others wait for it, or it does not "
@@ -371,8 +376,8 @@ def rank_hung(facts: Facts) -> Finding | None:
             "ranks": entries,
             "suspects": suspect,
             "not_exited": lingering,
-            "hang_timeout_s": stall.get("hang_timeout_s"),
-            "detected_unix_s": stall.get("detected_unix_s"),
+            "hang_timeout_s": stall.hang_timeout_s if stall else None,
+            "detected_unix_s": stall.detected_unix_s if stall else None,
         },
         ranks=suspect,
     )
@@ -490,7 +495,7 @@ def rank_never_reported(facts: Facts) -> Finding | None:
 
 def node_failed(facts: Facts) -> Finding | None:
     """NODE_FAILED: nodes whose torchrun exited with a non-zero code."""
-    failed = {n: e for n, e in facts.run.node_exits.items() if e["exit_code"] != 0}
+    failed = {n: e for n, e in facts.run.node_exits.items() if e.exit_code != 0}
     if not failed:
         return None
     return Finding(
@@ -498,12 +503,12 @@ def node_failed(facts: Facts) -> Finding | None:
         "critical",
         "torchrun on node "
         + ", ".join(
-            f"{n} ({e.get('hostname') or '?'}) exited with {e['exit_code']}"
+            f"{n} ({e.hostname or '?'}) exited with {e.exit_code}"
             for n, e in sorted(failed.items())
         )
         + ".",
         "See the rank findings above and the node's training.stderr.log.",
-        evidence={"exit_codes": {str(n): e["exit_code"] for n, e in failed.items()}},
+        evidence={"exit_codes": {str(n): e.exit_code for n, e in failed.items()}},
         nodes=sorted(failed),
     )
 
@@ -517,13 +522,13 @@ def node_lost(facts: Facts) -> Finding | None:
         return None
     told = []
     for loss in losses:
-        host = f" ({loss['hostname']})" if loss["hostname"] else ""
-        text = f"node {loss['node_rank']}{host} at {_utc(loss['lost_unix_s'])}"
-        resumed = loss["resumed_unix_s"]
+        host = f" ({loss.hostname})" if loss.hostname else ""
+        text = f"node {loss.node_rank}{host} at {_utc(loss.lost_unix_s)}"
+        resumed = loss.resumed_unix_s
         if resumed is not None:
-            text += f", back {resumed - loss['lost_unix_s']:.0f} s later"
+            text += f", back {resumed - loss.lost_unix_s:.0f} s later"
         told.append(text)
-    gone = sorted({loss["node_rank"] for loss in losses if loss["resumed_unix_s"] is None})
+    gone = sorted({loss.node_rank for loss in losses if loss.resumed_unix_s is None})
     if gone:
         advice = (
             f"Node {', '.join(map(str, gone))} never came back: its host died or was cut off "
@@ -539,10 +544,10 @@ def node_lost(facts: Facts) -> Finding | None:
         "NODE_LOST",
         "critical" if gone else "warning",
         f"The aggregator lost {'; '.join(told)}: nothing came from the node's launcher for "
-        f"{losses[0]['lost_after_s']:g} s (its session stream broke).",
+        f"{losses[0].lost_after_s:g} s (its session stream broke).",
         advice,
-        evidence={"node_losses": losses},
-        nodes=sorted({loss["node_rank"] for loss in losses}),
+        evidence={"node_losses": [loss.to_json() for loss in losses]},
+        nodes=sorted({loss.node_rank for loss in losses}),
     )
 
 
@@ -552,15 +557,15 @@ def aggregator_restarted(facts: Facts) -> Finding | None:
     restarts = facts.run.aggregator_restarts
     if not restarts:
         return None
-    gaps = [r["gap_s"] for r in restarts]
+    gaps = [r.gap_s for r in restarts]
     return Finding(
         "AGGREGATOR_RESTARTED",
         "info",
         f"The aggregator died and was restarted {len(gaps)} time(s) on the run's store "
-        f"({restarts[-1]['reason']}; {sum(gaps):.1f} s without one); "
+        f"({restarts[-1].reason}; {sum(gaps):.1f} s without one); "
         "the ranks resent what it had not stored.",
         "Nothing to do if no telemetry was lost; see aggregator/process.stderr.log.",
-        evidence={"restarts": restarts},
+        evidence={"restarts": [r.to_json() for r in restarts]},
     )
 
 
@@ -689,7 +694,7 @@ def script_process_group(facts: Facts) -> Finding | None:
     world = facts.run.script_world
     if not world:
         return None
-    size, node, launched = world["world_size"], world["node_rank"], world["launched_world_size"]
+    size, node, launched = world.world_size, world.node_rank, world.launched_world_size
     return Finding(
         "SCRIPT_PROCESS_GROUP",
         "info",

@@ -182,7 +182,7 @@ def growth(points: Sequence[Reading]) -> Growth | None:
 def rss_points(rd: RankData) -> list[tuple[float, float, int]]:
     """``(step, unix_s, rss_bytes)`` of the rank's process samples taken while it ran its
     stored steps (the step in progress interpolated between step ends), in time order."""
-    origin = (rd.identity or {}).get("start_unix_us")
+    origin = rd.identity.start_unix_us if rd.identity else None
     steps = rd.steps
     if origin is None or len(steps) < 2:
         return []
@@ -239,7 +239,7 @@ def trend(points: list[tuple[int, int]]) -> Trend | None:
 def allocator_points(rd: RankData) -> list[tuple[float, float, int]]:
     """``(step, unix_s, peak_allocated_bytes)`` of the steps with a CUDA memory reading (the
     step's end as its time), for :func:`growth`; [] without the rank's start time."""
-    origin = (rd.identity or {}).get("start_unix_us")
+    origin = rd.identity.start_unix_us if rd.identity else None
     if origin is None:
         return []
     steps = rd.steps
@@ -271,7 +271,7 @@ def rank_memory(rd: RankData, totals: dict[str, int]) -> RankMemory:
     """``ranks[].memory`` of the summary: peaks (bytes), the GPU's total, pressure, trend."""
     alloc = [b for b in rd.steps["peak_allocated_bytes"] if b is not None]
     reserved = [b for b in rd.steps["peak_reserved_bytes"] if b is not None]
-    uuid = (rd.identity or {}).get("gpu_uuid") or None
+    uuid = (rd.identity.gpu_uuid if rd.identity else None) or None
     total = totals.get(uuid) if uuid else None
     peak_reserved = max(reserved) if reserved else None
     peak_allocated = max(alloc) if alloc else None

@@ -19,6 +19,19 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 
 from traceml.core.phases import STEP_FIELDS
+from traceml.core.records import (
+    AggregatorRestart,
+    Finish,
+    Flops,
+    HangRecord,
+    Identity,
+    LostNode,
+    NodeExit,
+    RankEnd,
+    ScriptWorld,
+    SenderCounts,
+    StreamEnd,
+)
 
 if TYPE_CHECKING:
     from traceml.analysis.digest import RankDigest
@@ -232,13 +245,9 @@ NO_SAMPLES = SampleColumns({})
 class RankData:
     """One rank (its latest attempt) as stored.
 
-    Its records are rows of the store as dicts, ``{column: value}``, the columns of their
-    record in :mod:`traceml.core.records` (units in its docstring): ``identity``
-    (:class:`~traceml.core.records.Identity`), ``finish`` (:class:`~traceml.core.records.
-    Finish`), ``counts`` (:class:`~traceml.core.records.SenderCounts`), ``end``
-    (:class:`~traceml.core.records.RankEnd`), ``flops`` (:class:`~traceml.core.records.Flops`),
-    each None when none arrived; its process samples have the columns of
-    :class:`~traceml.core.records.ProcessSample`.
+    Its records are those of :mod:`traceml.core.records` (units in their docstrings):
+    ``identity``, ``finish``, ``counts``, ``end``, ``flops``, each None when none arrived; its
+    process samples have the columns of :class:`~traceml.core.records.ProcessSample`.
 
     ``steps`` holds the steps of that attempt as :class:`StepTable`, in step order, with the
     step fields of :data:`traceml.core.phases.STEP_FIELDS` (µs, bytes; None when not
@@ -249,20 +258,20 @@ class RankData:
 
     rank: int
     restart: int = 0
-    identity: dict[str, Any] | None = None
+    identity: Identity | None = None
     steps: StepTable = NO_STEPS
-    finish: dict[str, Any] | None = None
+    finish: Finish | None = None
     #: The latest running totals the rank's client sent, with the ``seq`` of the batch that
     #: carried them; None when no batch carried them.
-    counts: dict[str, Any] | None = None
-    end: dict[str, Any] | None = None  # from the node launcher's report, when any
+    counts: SenderCounts | None = None
+    end: RankEnd | None = None  # from the node launcher's report, when any
     #: The attempt's process samples (the store's ``process_samples`` columns), oldest first:
     #: :class:`SampleColumns` as loaded from the store, or a list of row dicts (hand-built
     #: runs, the live windows); :meth:`SampleColumns.of` reads either as columns.
     process_samples: SampleColumns | list[dict[str, Any]] = field(default_factory=list)
     earlier_attempts: dict[int, int] = field(default_factory=dict)  # restart -> steps stored
     #: How the rank counted its model FLOPs, None when it did not.
-    flops: dict[str, Any] | None = None
+    flops: Flops | None = None
 
     #: The attempt's step statistics (:class:`traceml.analysis.digest.RankDigest`) when
     #: ``steps`` is a sample of its steps; None when ``steps`` holds them all.
@@ -279,11 +288,11 @@ class RunData:
     """The whole run: ranks by global rank, node exits and system samples by node rank
     (assembled by :func:`run_data`).
 
-    ``node_exits`` are rows of :class:`~traceml.core.records.NodeExit` as dicts; system and GPU
-    samples have the columns of :class:`~traceml.core.records.SystemSample` and
+    ``node_exits`` are :class:`~traceml.core.records.NodeExit` records; system and GPU samples
+    have the columns of :class:`~traceml.core.records.SystemSample` and
     :class:`~traceml.core.records.GpuSample`. The run's own records (``stall``,
-    ``script_world``, ...) are the JSON entries the aggregator keeps, as dicts: their schemas
-    are ``META_RECORDS`` in ``traceml_aggregator/load.py``.
+    ``script_world``, ...) are the aggregator's JSON entries read as their records of
+    :mod:`traceml.core.records` (``META_RECORDS`` in ``traceml_aggregator/load.py`` lists them).
 
     ``system_samples`` and ``gpu_samples`` hold each node's samples (oldest first; GPUs by NVML
     index within a time) as :class:`SampleColumns` when loaded from the store, or lists of
@@ -293,33 +302,28 @@ class RunData:
     run_name: str
     world_size: int
     ranks: dict[int, RankData]
-    node_exits: dict[int, dict[str, Any]]
+    node_exits: dict[int, NodeExit]
     system_samples: dict[int, SampleColumns | list[dict[str, Any]]]
     gpu_samples: dict[int, SampleColumns | list[dict[str, Any]]]
     missing: list[int]
-    #: The aggregator's stall record when ranks stopped making progress (a hang:
-    #: :class:`~traceml.core.records.HangRecord` as a dict), else None.
-    stall: dict[str, Any] | None = None
-    #: Node 0's aggregator restarts on this run's store, in order: ``{"reason": str,
-    #: "gap_s": float (s without an aggregator), "restarted_unix_s": float}``.
-    aggregator_restarts: list[dict[str, Any]] = field(default_factory=list)
+    #: The aggregator's stall record when ranks stopped making progress (a hang), else None.
+    stall: HangRecord | None = None
+    #: Node 0's aggregator restarts on this run's store, in order.
+    aggregator_restarts: list[AggregatorRestart] = field(default_factory=list)
     #: Nodes the aggregator lost (a launcher's session stream broke and did not come back in
-    #: time; see traceml_aggregator/sessions.py), in order: ``{"node_rank": int, "hostname":
-    #: str | None, "last_heard_unix_s", "lost_unix_s", "resumed_unix_s" (None: never came
-    #: back), "lost_after_s"}`` (times: Unix s; ``lost_after_s``: the bound, s).
-    node_losses: list[dict[str, Any]] = field(default_factory=list)
+    #: time; see traceml_aggregator/sessions.py), in order.
+    node_losses: list[LostNode] = field(default_factory=list)
     #: Calls the aggregator refused, by kind (``unauthenticated``, ``rank_out_of_range``, ...:
     #: see traceml_aggregator/senders.py); empty when none was.
     rejected: dict[str, int] = field(default_factory=dict)
     #: The first refusal's reason of each kind in ``rejected`` (one line each).
     rejected_reasons: dict[str, str] = field(default_factory=dict)
-    #: The world the script built itself, when the aggregator took it as the run's
-    #: (:class:`~traceml.core.records.ScriptWorld` as a dict); None when the world is
-    #: torchrun's.
-    script_world: dict[str, Any] | None = None
-    #: How each sender's latest stream ended (see traceml_aggregator/streams.py for the
-    #: fields), ranks first; empty when the aggregator recorded none.
-    sender_streams: list[dict[str, Any]] = field(default_factory=list)
+    #: The world the script built itself, when the aggregator took it as the run's; None when
+    #: the world is torchrun's.
+    script_world: ScriptWorld | None = None
+    #: How each sender's latest stream ended (see traceml_aggregator/streams.py), ranks first;
+    #: empty when the aggregator recorded none.
+    sender_streams: list[StreamEnd] = field(default_factory=list)
 
 
 def run_data(
@@ -337,7 +341,7 @@ def run_data(
     (``node_exits``, ``system_samples``, ``gpu_samples``, ``missing``, the run's records).
     """
     world_size = world_size or max(
-        [(rd.identity or {}).get("world_size") or 0 for rd in ranks.values()] + [len(ranks)]
+        [rd.identity.world_size or 0 for rd in ranks.values() if rd.identity] + [len(ranks)]
     )
     for rank in range(world_size):
         ranks.setdefault(rank, RankData(rank))

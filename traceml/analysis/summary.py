@@ -82,7 +82,7 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 def node_rank(rd: RankData) -> int | None:
     """The rank's node: from its identity, else from its launcher's end report."""
     for source in (rd.identity, rd.end):
-        node: int | None = source.get("node_rank") if source else None
+        node: int | None = source.node_rank if source else None
         if node is not None:
             return node
     return None
@@ -115,12 +115,12 @@ def _delivery(rd: RankData) -> RankDelivery:
     received = rd.steps_stored
     return RankDelivery(
         rank=rd.rank,
-        steps_produced=c["steps_produced"],
+        steps_produced=c.steps_produced,
         steps_received=received,
-        steps_dropped=c["steps_dropped"],
-        steps_unaccounted=max(0, c["steps_produced"] - received - c["steps_dropped"]),
-        records_dropped=c["records_dropped"],
-        final=bool(rd.finish and rd.finish.get("last_seq") == c["seq"]),
+        steps_dropped=c.steps_dropped,
+        steps_unaccounted=max(0, c.steps_produced - received - c.steps_dropped),
+        records_dropped=c.records_dropped,
+        final=bool(rd.finish and rd.finish.last_seq == c.seq),
     )
 
 
@@ -143,23 +143,25 @@ def rank_summary(
     (:func:`traceml.analysis.cost.relative_scores`) and the window's in-step times (µs, for
     ``step_time_sample_ms``) and ``work`` (:func:`traceml.analysis.throughput.rank_throughput`)
     come from the whole-window analyses."""
-    ident = rd.identity or {}
-    finish = rd.finish or {}
-    counts = rd.counts or {}
+    ident, finish, counts = rd.identity, rd.finish, rd.counts
     return RankSummary(
         rank=rd.rank,
         restart=rd.restart,
         node_rank=node_rank(rd),
-        local_rank=ident.get("local_rank", (rd.end or {}).get("local_rank")),
-        hostname=ident.get("hostname"),
-        device=ident.get("device"),
+        local_rank=ident.local_rank if ident else (rd.end.local_rank if rd.end else None),
+        hostname=ident.hostname if ident else None,
+        device=ident.device if ident else None,
         end=RankEnd(**health.end_state(rd, missing, live=live)),
         steps_completed=(
-            finish["steps_completed"] if finish else counts.get("steps_produced", rd.steps_stored)
+            finish.steps_completed
+            if finish
+            else (counts.steps_produced if counts else rd.steps_stored)
         ),
         records_received=rd.steps_stored,
-        records_dropped=counts["records_dropped"] if counts else finish.get("records_dropped"),
-        steps_gpu_unresolved=finish.get("steps_gpu_unresolved"),
+        records_dropped=(
+            counts.records_dropped if counts else (finish.records_dropped if finish else None)
+        ),
+        steps_gpu_unresolved=finish.steps_gpu_unresolved if finish else None,
         step_time_ms=(
             StepTime(*(_round(prof.step_ms[k]) for k in ("median", "mean", "p95", "max")))
             if prof and prof.step_ms
@@ -194,10 +196,10 @@ def node_summaries(
     out = []
     for n in sorted(node_ids):
         members = [r for r in ranks if r.node_rank == n]
-        exit_ = run.node_exits.get(n) or {}
+        exit_ = run.node_exits.get(n)
         samples = run.system_samples.get(n, [])
         hostname = (
-            exit_.get("hostname")
+            (exit_.hostname if exit_ else None)
             or next((r.hostname for r in members if r.hostname), None)
             or (samples[-1].get("hostname") if samples else None)
         )
@@ -208,8 +210,8 @@ def node_summaries(
                 node_rank=n,
                 hostname=hostname,
                 ranks=[r.rank for r in members],
-                exit_code=exit_.get("exit_code"),
-                restart_count=exit_.get("restart_count"),
+                exit_code=exit_.exit_code if exit_ else None,
+                restart_count=exit_.restart_count if exit_ else None,
                 step_time_ms_median=_round(median(step_medians)),
                 phase_median_ms={
                     k: _round(median(r.phase_median_ms[k] for r in stepped)) for k in PARTS
@@ -370,7 +372,7 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
     profs = profiles(window, clock)
     node_of = {r: node_rank(rd) for r, rd in run.ranks.items()}
     synchronized = any(
-        (rd.identity or {}).get("parallelism") in ("ddp", "fsdp") for rd in run.ranks.values()
+        rd.identity.parallelism in ("ddp", "fsdp") for rd in run.ranks.values() if rd.identity
     )
     in_step = {  # rank -> (window steps, their time without time outside the steps, µs)
         r: (list(steps["step"]), in_step_us(steps)) for r, steps in window.steps.items()
@@ -413,7 +415,7 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
     )
     gpu_ranks: dict[str, list[int]] = {}
     for r, rd in run.ranks.items():
-        uuid = (rd.identity or {}).get("gpu_uuid")
+        uuid = rd.identity.gpu_uuid if rd.identity else None
         if uuid:
             gpu_ranks.setdefault(uuid, []).append(r)
     return Summary(
@@ -430,10 +432,12 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
             status=health.run_status(ranks, sorted(missing), live=live),
             telemetry_health=TelemetryHealth(
                 aggregator_restarts=len(run.aggregator_restarts),
-                aggregator_outages=[AggregatorOutage(**o) for o in run.aggregator_restarts],
+                aggregator_outages=[
+                    AggregatorOutage(**o.to_json()) for o in run.aggregator_restarts
+                ],
                 ranks=[_delivery(rd) for rd in run.ranks.values() if rd.counts],
-                sender_streams=[SenderStream(**s) for s in run.sender_streams],
-                node_losses=[NodeLoss(**n) for n in run.node_losses],
+                sender_streams=[SenderStream(**s.to_json()) for s in run.sender_streams],
+                node_losses=[NodeLoss(**n.to_json()) for n in run.node_losses],
             ),
             rejected=dict(sorted(run.rejected.items())),
         ),

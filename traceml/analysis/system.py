@@ -37,7 +37,8 @@ def window_span_us(run: RunData, window: Window) -> tuple[int, int] | None:
     window step's end, over every window rank; None without rank identities."""
     starts, ends = [], []
     for rank, steps in window.steps.items():
-        origin = (run.ranks[rank].identity or {}).get("start_unix_us")
+        identity = run.ranks[rank].identity
+        origin = identity.start_unix_us if identity else None
         if origin is None or not steps:
             continue
         starts.append(origin + steps["end_us"][0] - steps["step_us"][0])

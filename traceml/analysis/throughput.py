@@ -82,12 +82,13 @@ def rank_mfu(rd: RankData, steps: StepTable) -> Mfu:
                 "FlopCounterMode knows none of its ops"
             ),
         )
-    counted = steps.take([i for i, n in enumerate(steps["step"]) if n >= count["step"]])
+    counted = steps.take([i for i, n in enumerate(steps["step"]) if n >= count.step])
     achieved, per_step, _ = _rate(counted["flops"], counted["step_us"])
-    if count.get("peak_tflops"):
-        peak, source = count["peak_tflops"], FLAG_SOURCE
+    peak: float | None
+    if count.peak_tflops:
+        peak, source = count.peak_tflops, FLAG_SOURCE
     else:
-        peak, source = peaks.lookup(count.get("device_name"), count.get("dtype"))
+        peak, source = peaks.lookup(count.device_name, count.dtype)
     tflops = None if achieved is None else achieved / 1e12
     reason: str | None = None
     mfu_pct = None
@@ -98,19 +99,19 @@ def rank_mfu(rd: RankData, steps: StepTable) -> Mfu:
     elif tflops > peak:
         reason = (
             f"achieved {_significant(tflops, 4)} TFLOP/s exceeds the peak {peak} TFLOP/s "
-            f"({source}, dtype {count.get('dtype')}): the FLOPs count or the peak is "
+            f"({source}, dtype {count.dtype}): the FLOPs count or the peak is "
             "wrong, so no MFU"
         )
     else:
         mfu_pct = _significant(100.0 * tflops / peak)
     return Mfu(
         statistic=SUMMED,
-        counted_step=count["step"],
-        forward_flops=count["forward_flops"],
+        counted_step=count.step,
+        forward_flops=count.forward_flops,
         flops_per_step=None if per_step is None else int(per_step),
-        count_ms=round(count["count_us"] / 1000.0, 3),
-        dtype=count.get("dtype"),
-        device_name=count.get("device_name"),
+        count_ms=round(count.count_us / 1000.0, 3),
+        dtype=count.dtype,
+        device_name=count.device_name,
         achieved_tflops=_significant(tflops),
         peak_tflops=peak,
         peak_source=source if peak is not None else None,

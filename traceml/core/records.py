@@ -9,8 +9,10 @@ else derives from these classes:
   :mod:`traceml_aggregator.store`);
 * reading a wire message (:meth:`Record.from_wire` for a record object, :meth:`Record.wire_row`
   for the store's row tuple, without a Python object per field: the ingest path);
-* the live aggregates' rows (:mod:`traceml_aggregator.live`: :meth:`Record.wire_dict`, the
-  store's row as ``{column: value}``, which is what the loader reads back);
+* what :class:`~traceml.analysis.rundata.RunData` holds: the record objects themselves, read
+  from the store's rows by the loader (:meth:`Record.from_row`) and from the wire by the live
+  aggregates (:meth:`Record.from_wire`); their sample rows are :meth:`Record.wire_dict`, the
+  store's row as ``{column: value}``, which is what the loader reads back;
 * the loader's and the checkpoint's sample tables (:attr:`Record.TABLE`, :attr:`Record.GROUP`,
   :attr:`Record.ORDER`, the column types).
 
@@ -28,16 +30,17 @@ see ``docs/architecture.md``. A step field is a row of the phase table instead
 (:mod:`traceml.core.phases`): steps travel and are stored as columns (:class:`StepGroup`).
 
 The run's own records that the aggregator keeps as JSON entries of the store's ``meta`` table
-(not rows) and that have no schema elsewhere are declared here too (:class:`HangRecord`,
-:class:`HungRank`, :class:`ScriptWorld`); ``META_RECORDS`` in
-:mod:`traceml_aggregator.load` lists every such entry with its key and schema.
+(not rows) are declared here too (:class:`MetaRecord`: :class:`HangRecord` and its
+:class:`HungRank`, :class:`ScriptWorld`, :class:`AggregatorRestart`, :class:`LostNode`,
+:class:`StreamEnd`); ``META_RECORDS`` in :mod:`traceml_aggregator.load` lists every such entry
+with its key and record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -157,6 +160,16 @@ class Record:
     def from_wire(cls: type[_R], message: Any, **given: Any) -> _R:
         """The record of wire ``message`` (see :meth:`wire_row`)."""
         return cls(*_reader(cls, False)(message, **given))
+
+    @classmethod
+    def from_row(cls: type[_R], row: Mapping[str, Any]) -> _R:
+        """The record of the store's ``row`` (``{column: value}``, e.g. a ``sqlite3.Row`` of
+        ``SELECT *``).
+
+        Raises:
+            KeyError: a column is missing.
+        """
+        return cls(*(row[name] for name in _names(cls)))
 
     def row(self) -> tuple[Any, ...]:
         """This record as the store's row (a tuple in column order)."""
@@ -569,9 +582,35 @@ SAMPLES: tuple[type[Record], ...] = (ProcessSample, SystemSample, GpuSample)
 
 # --- the run's own records, kept as JSON entries of the store's meta table -------------------
 
+#: A meta record class's own type (what its ``from_json`` returns).
+_M = TypeVar("_M", bound="MetaRecord")
+
+
+class MetaRecord:
+    """Base of the run's own records (a frozen dataclass each), kept by the aggregator as JSON
+    entries of the store's ``meta`` table: the entry is ``dataclasses.asdict`` of the record
+    (:meth:`to_json`), or a list of them."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_json(cls: type[_M], entry: Mapping[str, Any]) -> _M:
+        """The record of the decoded JSON ``entry`` (``{field: value}``).
+
+        Raises:
+            TypeError: a field is missing or unknown.
+        """
+        return cls(**entry)
+
+    def to_json(self) -> dict[str, Any]:
+        """This record as its JSON entry (``dataclasses.asdict``)."""
+        # each subclass is a dataclass; mypy cannot know it of the base
+        entry: dict[str, Any] = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return entry
+
 
 @dataclass(frozen=True, slots=True)
-class HungRank:
+class HungRank(MetaRecord):
     """One rank of a :class:`HangRecord`: its state when it was found stalled.
 
     Attributes:
@@ -594,9 +633,19 @@ class HungRank:
     alive: bool
     last_progress_unix_s: float
 
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> HungRank:
+        """The rank of the decoded JSON ``entry`` (an entry stored before ranks had an
+        ``attempt`` reads as attempt 0).
+
+        Raises:
+            TypeError: a field is missing or unknown.
+        """
+        return cls(**{"attempt": 0, **entry})
+
 
 @dataclass(frozen=True, slots=True)
-class HangRecord:
+class HangRecord(MetaRecord):
     """The aggregator's record of a hang (stored under the meta key ``stall``, its on-disk
     name; read by :mod:`traceml.analysis.hang`), as JSON: ``dataclasses.asdict`` of this.
 
@@ -605,19 +654,39 @@ class HangRecord:
         hang_timeout_s: the hang timeout then (s).
         ended_unix_s: when every stalled rank ended (the record is frozen from then on; Unix
             s), None while the stall lasts.
-        ranks: the stalled ranks (:class:`HungRank` as dicts), by rank.
+        ranks: the stalled ranks, by rank.
         suspects: the ranks to look at first (see :func:`traceml.analysis.hang.suspects`).
     """
 
     detected_unix_s: float
     hang_timeout_s: float
     ended_unix_s: float | None
-    ranks: list[dict[str, Any]]
-    suspects: list[int]
+    ranks: tuple[HungRank, ...]
+    suspects: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> HangRecord:
+        """The record of the decoded JSON ``entry``, its ranks as :class:`HungRank`.
+
+        Raises:
+            KeyError: ``ranks`` or ``suspects`` is missing.
+            TypeError: another field is missing, or one is unknown.
+        """
+        ranks = tuple(HungRank.from_json(e) for e in entry["ranks"])
+        return cls(**{**entry, "ranks": ranks, "suspects": tuple(entry["suspects"])})
+
+    def to_json(self) -> dict[str, Any]:
+        """This record as its JSON entry (lists where the record holds tuples)."""
+        entry = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            **entry,
+            "ranks": [e.to_json() for e in self.ranks],
+            "suspects": list(self.suspects),
+        }
 
 
 @dataclass(frozen=True, slots=True)
-class ScriptWorld:
+class ScriptWorld(MetaRecord):
     """The world the script built itself, when the aggregator took it as the run's (meta key
     ``script_world``; see ``traceml_aggregator/script_world.py``), as JSON:
     ``dataclasses.asdict`` of this.
@@ -633,3 +702,68 @@ class ScriptWorld:
     node_rank: int
     launched_world_size: int | None
     adopted_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatorRestart(MetaRecord):
+    """One replacement of node 0's aggregator on the run's store (meta key
+    ``aggregator_restarts``: a JSON list of these, in order; written by
+    ``traceml_aggregator/server.py``).
+
+    Attributes:
+        reason: why the previous aggregator ended (one line).
+        gap_s: seconds from the death the launcher saw to the replacement serving (s).
+        restarted_unix_s: when the replacement served (Unix s).
+    """
+
+    reason: str
+    gap_s: float
+    restarted_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LostNode(MetaRecord):
+    """A node the aggregator lost: its launcher's session stream broke and no new one came in
+    time (meta key ``node_losses``: a JSON list of these, in order; written by
+    ``traceml_aggregator/sessions.py``).
+
+    Attributes:
+        node_rank: the node.
+        hostname: its host, as its claim named it (None when unknown).
+        last_heard_unix_s: the last message of its launcher (Unix s).
+        lost_unix_s: when the aggregator marked it lost (Unix s).
+        resumed_unix_s: when its session came back (Unix s), None: never.
+        lost_after_s: the bound: seconds of silence after which a node is lost (s).
+    """
+
+    node_rank: int
+    hostname: str | None
+    last_heard_unix_s: float
+    lost_unix_s: float
+    resumed_unix_s: float | None
+    lost_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd(MetaRecord):
+    """How one sender's latest stream to the aggregator ended (meta key ``sender_streams``: a
+    JSON list of these, ranks first; written by ``traceml_aggregator/streams.py``).
+
+    Attributes:
+        sender: "rank" (a rank's SDK) or "node" (a node's sampler).
+        id: the rank, or the node rank.
+        restart: the sender's torchrun attempt.
+        state: "open" (still open), "closed" (the sender closed it), "lost" (cancelled, reset,
+            or no keepalive answer).
+        finished: the sender's finish marker was stored.
+        streams: streams the sender opened (one more after each fork, outage or restart).
+        since_unix_s: when the state was reached (Unix s).
+    """
+
+    sender: str
+    id: int
+    restart: int
+    state: str
+    finished: bool
+    streams: int
+    since_unix_s: float

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 
 from traceml.analysis.hang import describe
+from traceml.core.records import HangRecord
 
 
 class HangNotice:
@@ -29,10 +30,9 @@ class HangNotice:
                 say("the stalled ranks make progress again")
             return
         try:
-            record = json.loads(record_json)
-            detected = record["detected_unix_s"]
+            record = HangRecord.from_json(json.loads(record_json))
         except (ValueError, KeyError, TypeError):
             return  # not a record
-        if detected != self._said:
-            self._said = detected
+        if record.detected_unix_s != self._said:
+            self._said = record.detected_unix_s
             say(describe(record))

@@ -379,12 +379,12 @@ def _tables(run: RunData, summary: dict | None, *, live: bool, now_s: float) -> 
     by_rank = {r["rank"]: r for r in summary.get("ranks") or ()}
     ranks, last_seen = [], {}
     for r, rd in run.ranks.items():
-        ident = rd.identity or {}
+        ident = rd.identity
         s = by_rank.get(r) or {}
-        node = ident.get("node_rank", s.get("node_rank"))
+        node = ident.node_rank if ident else s.get("node_rank")
         last_unix_s = None
-        if len(rd.steps) and ident.get("start_unix_us") is not None:
-            last_unix_s = (ident["start_unix_us"] + rd.steps["end_us"][-1]) / 1e6
+        if len(rd.steps) and ident and ident.start_unix_us is not None:
+            last_unix_s = (ident.start_unix_us + rd.steps["end_us"][-1]) / 1e6
             last_seen[node] = max(last_seen.get(node, 0.0), last_unix_s)
         process = rd.process_samples[-1] if rd.process_samples else {}
         step_ms = s.get("step_time_ms") or {}
@@ -392,7 +392,7 @@ def _tables(run: RunData, summary: dict | None, *, live: bool, now_s: float) -> 
             {
                 "rank": r,
                 "node_rank": node,
-                "hostname": ident.get("hostname", s.get("hostname")),
+                "hostname": ident.hostname if ident else s.get("hostname"),
                 "state": _rank_state(rd),
                 "steps": rd.steps["step"][-1] + 1 if len(rd.steps) else 0,
                 "last_step_age_s": (
@@ -446,7 +446,7 @@ def _tables(run: RunData, summary: dict | None, *, live: bool, now_s: float) -> 
 def _rank_state(rd) -> str:
     """``running`` until the rank's end is known: its launcher's end state, else its finish
     marker's."""
-    end = (rd.end or {}).get("end_state") or (rd.finish or {}).get("end_state")
+    end = (rd.end.end_state if rd.end else None) or (rd.finish.end_state if rd.finish else None)
     return end or ("running" if len(rd.steps) else "waiting")
 
 
@@ -475,7 +475,7 @@ def _nodes(
         age = round(max(0.0, now_s - seen), 1) if live and seen else None
         exit_ = run.node_exits.get(n)
         if exit_ is not None:
-            state = f"exited {exit_['exit_code']}"
+            state = f"exited {exit_.exit_code}"
         elif seen is None:
             state = "waiting"
         elif not live:

@@ -39,7 +39,9 @@ from typing import Any
 
 from traceml.analysis.rundata import RankData, RunData, run_data
 from traceml.analysis.summary import build_summary
+from traceml.core import records
 from traceml.core.phases import STEP_FIELDS
+from traceml_aggregator import load
 from traceml_aggregator.aggregates import in_step_order, last
 from traceml_aggregator.dashboard.frames import Snapshot
 from traceml_aggregator.metrics import exposition
@@ -110,13 +112,13 @@ class RankDelta:
     reset: bool
     steps: dict[str, tuple]
     process_samples: list[dict]
-    identity: dict | None
-    finish: dict | None
-    flops: dict | None
+    identity: records.Identity | None
+    finish: records.Finish | None
+    flops: records.Flops | None
     earlier_attempts: dict[int, int]
     steps_stored: int = 0
     last_step_unix_s: float | None = None
-    counts: dict | None = None
+    counts: records.SenderCounts | None = None
 
 
 @dataclass
@@ -133,10 +135,10 @@ class LiveDelta:
     ranks: dict[int, RankDelta] = field(default_factory=dict)
     system_samples: dict[int, list[dict]] = field(default_factory=dict)
     gpu_samples: dict[int, list[dict]] = field(default_factory=dict)
-    node_exits: dict[int, dict] = field(default_factory=dict)
-    rank_ends: dict[int, dict] = field(default_factory=dict)
+    node_exits: dict[int, records.NodeExit] = field(default_factory=dict)
+    rank_ends: dict[int, records.RankEnd] = field(default_factory=dict)
     #: The run's own records, whole (each is O(events), not O(ranks x steps)): RunData field
-    #: (those of :data:`traceml_aggregator.load.META_RECORDS`) -> value.
+    #: (those of :data:`traceml_aggregator.load.META_RECORDS`) -> its decoded JSON entry.
     run_records: dict = field(default_factory=dict)
 
 
@@ -145,13 +147,13 @@ class _MirrorRank:
     restart: int = 0
     window: dict[str, deque] = field(default_factory=lambda: _window())
     process_samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_SAMPLES))
-    identity: dict | None = None
-    finish: dict | None = None
-    flops: dict | None = None
+    identity: records.Identity | None = None
+    finish: records.Finish | None = None
+    flops: records.Flops | None = None
     earlier_attempts: dict[int, int] = field(default_factory=dict)
     steps_stored: int = 0
     last_step_unix_s: float | None = None
-    counts: dict | None = None
+    counts: records.SenderCounts | None = None
 
 
 def analysis_steps(world_size: int) -> int:
@@ -179,8 +181,8 @@ class Mirror:
         self.ranks: dict[int, _MirrorRank] = {}
         self.system_samples: dict[int, deque] = {}
         self.gpu_samples: dict[int, deque] = {}
-        self.node_exits: dict[int, dict] = {}
-        self.rank_ends: dict[int, dict] = {}
+        self.node_exits: dict[int, records.NodeExit] = {}
+        self.rank_ends: dict[int, records.RankEnd] = {}
         self.run_records: dict = {}
 
     def apply(self, delta: LiveDelta) -> Mirror:
@@ -234,8 +236,8 @@ def windows_run_data(
     run_name: str,
     world_size: int | None,
     ranks: Mapping[int, Any],
-    rank_ends: Mapping[int, dict],
-    node_exits: Mapping[int, dict],
+    rank_ends: Mapping[int, records.RankEnd],
+    node_exits: Mapping[int, records.NodeExit],
     system_samples: Mapping[int, deque],
     gpu_samples: Mapping[int, deque],
     run_records: Mapping[str, Any],
@@ -248,14 +250,16 @@ def windows_run_data(
     The ranks and the world size are :func:`~traceml.analysis.rundata.run_data`'s; a rank's
     process samples are those of its latest attempt; ``run_records`` gives RunData's fields
     of the run's own records it holds (those of :data:`traceml_aggregator.load.META_RECORDS`,
-    by field name); each rank's latest ``steps`` steps. O(ranks x steps).
+    by field name, as decoded JSON: read into their records by
+    :func:`traceml_aggregator.load.run_records`); each rank's latest ``steps`` steps.
+    O(ranks x steps).
     """
     out: dict[int, RankData] = {}
     for r, w in ranks.items():
         out[r] = RankData(
             r,
             restart=w.restart,
-            identity=dict(w.identity) if w.identity else None,
+            identity=w.identity,
             steps=in_step_order({name: tuple(last(c, steps)) for name, c in w.window.items()}),
             finish=w.finish,
             end=rank_ends.get(r),
@@ -273,7 +277,7 @@ def windows_run_data(
         system_samples={n: sorted(s, key=_unix_us) for n, s in system_samples.items()},
         gpu_samples={n: sorted(s, key=_unix_index) for n, s in gpu_samples.items()},
         missing=[],
-        **run_records,
+        **load.run_records(run_records),
     )
 
 

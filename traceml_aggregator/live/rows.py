@@ -91,8 +91,8 @@ def _summary_rows(summary: dict, live: LiveAggregates) -> list[wire.LiveRank]:
     rows = []
     for r in summary["ranks"]:
         rl = live.ranks.get(r["rank"])
-        identity = (rl.identity if rl else None) or {}
-        gpu = gpus.get(identity.get("gpu_uuid") or "", {})
+        identity = rl.identity if rl else None
+        gpu = gpus.get((identity.gpu_uuid if identity else "") or "", {})
         peak = r["memory"]["peak_allocated_bytes"]
         optional = {
             "node_rank": r["node_rank"],

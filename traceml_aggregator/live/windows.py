@@ -96,8 +96,8 @@ class RankLive:
 
     rank: int
     restart: int = 0
-    identity: dict | None = None  # as the store's ranks row (records.Identity)
-    finish: dict | None = None  # as the store's rank_finish row (records.Finish)
+    identity: records.Identity | None = None
+    finish: records.Finish | None = None
     series_steps: int = SERIES_STEPS
     steps: StepState | None = None
     steps_stored: int = 0
@@ -105,10 +105,10 @@ class RankLive:
     last_step_unix_s: float | None = None
     process_samples: Tail = field(default_factory=Tail)
     earlier_attempts: dict[int, int] = field(default_factory=dict)
-    flops: dict | None = None  # as the store's rank_flops row (records.Flops)
+    flops: records.Flops | None = None
     #: The attempt's latest running totals, as the store's sender_counts row
     #: (records.SenderCounts), None before a batch with them.
-    counts: dict | None = None
+    counts: records.SenderCounts | None = None
 
     def __post_init__(self) -> None:
         if self.steps is None:
@@ -168,7 +168,7 @@ class RankLive:
         last = self.steps.last
         if last is not None and last["step"] != self.last_step:
             self.last_step = last["step"]
-            start_us = (self.identity or {}).get("start_unix_us") or 0
+            start_us = (self.identity.start_unix_us if self.identity else 0) or 0
             self.last_step_unix_s = (start_us + last["end_us"]) / 1e6
 
 
@@ -195,8 +195,8 @@ class LiveAggregates:
         self.ranks: dict[int, RankLive] = {}
         self.system_samples: dict[int, Tail] = {}
         self.gpu_samples: dict[int, Tail] = {}
-        self.node_exits: dict[int, dict] = {}
-        self.rank_ends: dict[int, dict] = {}
+        self.node_exits: dict[int, records.NodeExit] = {}
+        self.rank_ends: dict[int, records.RankEnd] = {}
         #: Changes applied so far (a summary computed at version v covers everything before).
         self.version = 0
         self._pool = executor
@@ -265,19 +265,19 @@ class LiveAggregates:
         if not rl.attempt(restart):
             return
         if batch.HasField("identity"):
-            rl.identity = records.Identity.wire_dict(batch.identity)
+            rl.identity = records.Identity.from_wire(batch.identity)
         for group in batch.step_groups:
             names, columns = step_group_columns(group)
             if names:
                 rl.fold_steps(names, columns)
         if batch.HasField("counts"):
-            rl.counts = records.SenderCounts.wire_dict(
+            rl.counts = records.SenderCounts.from_wire(
                 batch.counts, rank=rl.rank, restart=restart, seq=batch.seq
             )
         for count in batch.flops_counts:
-            rl.flops = records.Flops.wire_dict(count, rank=rl.rank, restart=restart)
+            rl.flops = records.Flops.from_wire(count, rank=rl.rank, restart=restart)
         if batch.HasField("finish"):
-            rl.finish = records.Finish.wire_dict(
+            rl.finish = records.Finish.from_wire(
                 batch.finish,
                 rank=rl.rank,
                 restart=restart,
@@ -288,12 +288,12 @@ class LiveAggregates:
         """Fold a node's torchrun exit (a wire NodeExit) in, as the store keeps it."""
         self.version += 1
         self._changed_exits.add(report.node_rank)
-        self.node_exits[report.node_rank] = records.NodeExit.wire_dict(
+        self.node_exits[report.node_rank] = records.NodeExit.from_wire(
             report, received_unix_us=time.time_ns() // 1000
         )
         for r in report.ranks:
             self._changed_ends.add(r.rank)
-            self.rank_ends[r.rank] = records.RankEnd.wire_dict(r, node_rank=report.node_rank)
+            self.rank_ends[r.rank] = records.RankEnd.from_wire(r, node_rank=report.node_rank)
 
     # --- reads -----------------------------------------------------------------------------------
     def run_data(self) -> RunData:
