@@ -70,7 +70,7 @@ from traceml.core import log
 from traceml.core.records import GpuSample, ProcessSample, Record, SystemSample
 from traceml_aggregator.live.analysis_process import WINDOW_GPU_SAMPLES, WINDOW_SAMPLES
 from traceml_aggregator.load import sample_groups
-from traceml_aggregator.sample_series import SampleSeries
+from traceml_aggregator.sample_series import SampleSeries, pack, unpack
 
 _log = log.get("aggregator")
 
@@ -104,7 +104,6 @@ _ALLOWED = frozenset(
         ("traceml.analysis.digest", "LogHistogram"),
         ("traceml.analysis.digest", "_Clock"),
         ("traceml_aggregator.checkpoint", "Checkpoint"),
-        ("traceml_aggregator.sample_series", "SampleSeries"),
     }
 )
 
@@ -150,6 +149,18 @@ class Checkpoint:
     windows: dict[str, tuple[int, dict[tuple, list[dict]]]] = field(default_factory=dict)
     series: dict[str, dict[tuple, SampleSeries]] = field(default_factory=dict)
     version: int = CHECKPOINT_VERSION
+
+    def __getstate__(self) -> dict:
+        """Pickled with each table's series packed (:func:`~traceml_aggregator.
+        sample_series.pack`)."""
+        state = dict(self.__dict__)
+        state["series"] = {table: pack(groups) for table, groups in self.series.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        series = state.get("series", {})
+        self.__dict__.update(state)
+        self.series = {table: unpack(packed) for table, packed in series.items()}
 
     def advance_windows(self, store) -> None:
         """Fold the sample rows stored since :attr:`windows` covered their tables into the

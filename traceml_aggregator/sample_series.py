@@ -77,3 +77,37 @@ class SampleSeries:
             return SampleColumns({})
         by = np.lexsort([self.columns[name] for name in reversed(order)])
         return SampleColumns({k: c[by] for k, c in self.columns.items()}, self.ints)
+
+
+def pack(groups: dict[tuple, SampleSeries]) -> tuple:
+    """One sample table's series as a few arrays (what a checkpoint pickles: a handful of
+    NumPy arrays per table, not per group, so unpickling it costs O(tables) arrays plus a
+    small object per group): ``(keys, levels, ticks, ints, bounds, tick, columns)``, the
+    groups' rows concatenated in key order, group ``i``'s at ``bounds[i]:bounds[i + 1]``.
+    :func:`unpack` gives the series back."""
+    keys = list(groups)
+    kept = [groups[k] for k in keys]
+    sizes = [len(s.tick) for s in kept]
+    names = list(kept[0].columns) if kept else []
+    return (
+        keys,
+        [s.level for s in kept],
+        [s.ticks for s in kept],
+        kept[0].ints if kept else frozenset(),
+        np.cumsum([0, *sizes], dtype=np.int64),
+        np.concatenate([s.tick for s in kept]) if kept else np.empty(0, np.int64),
+        {name: np.concatenate([s.columns[name] for s in kept]) for name in names},
+    )
+
+
+def unpack(packed: tuple) -> dict[tuple, SampleSeries]:
+    """The series :func:`pack` packed (each group's arrays are views of the packed ones)."""
+    keys, levels, ticks, ints, bounds, tick, columns = packed
+    groups: dict[tuple, SampleSeries] = {}
+    for i, key in enumerate(keys):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        series = groups[key] = SampleSeries()
+        series.level, series.ticks, series.ints = levels[i], ticks[i], ints
+        series.tick = tick[lo:hi]
+        series.columns = {name: column[lo:hi] for name, column in columns.items()}
+    return groups
