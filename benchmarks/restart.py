@@ -11,10 +11,16 @@ from its start to its health service saying SERVING:
 * ``checkpoint``: the store with the checkpoint a real aggregator wrote at its clean stop,
   plus ``--after`` steps stored after it (those a replacement folds in).
 
-Medians of ``--repeat`` starts each. Usage::
+and ``--finalize-only`` on the same store from the same checkpoint, timed with its peak RSS
+(and its RSS after its imports: the difference is what finalizing added).
+
+Medians of ``--repeat`` starts each. With ``--baseline DIR`` (another TraceML source tree, e.g.
+``git archive 225540e | tar -x -C /tmp/base``) every timing is also taken with that tree, on
+the same store with a checkpoint of its own, the two alternating. Usage::
 
     PYTHONPATH=. python benchmarks/restart.py --steps 10000000 --repeat 3
     PYTHONPATH=. python benchmarks/restart.py --steps 100000000 --repeat 3 --replay-repeat 0
+    PYTHONPATH=. python benchmarks/restart.py --ranks 1024 --simulate --baseline /tmp/base
 
 ``--replay-repeat 0`` skips the replay timings (at 100 M steps one takes ~15 min here).
 The first start on a store without a checkpoint writes one when it stops; at 100 M steps that
@@ -406,10 +412,12 @@ def simulate_checkpoint(
     takes ~15 min here): a real aggregator (of the source tree ``tree``, None: this one)
     checkpoints a short run of the same ranks (:data:`SIMULATED_STEPS` each, built once in
     ``scratch``: windows, series and digests full, so the checkpoint has the size and shape of
-    a long run's), whose marks are then set to the store's last rows. Only the time to serving
-    and the finalization's cost mean anything on such a store (the figures the checkpoint
-    holds are the short run's); that a checkpoint's aggregates equal a replay's is tested
-    apart (tests/test_checkpoint.py)."""
+    a long run's), whose marks are then set to the store's last rows; a checkpoint of this
+    tree's layout gets the sample windows and series of the long run's own samples (read
+    whole here, as the aggregator would have folded them in checkpoint by checkpoint). Only
+    the time to serving and the finalization's cost mean anything on such a store (the step
+    figures the checkpoint holds are the short run's); that a checkpoint's aggregates equal a
+    replay's is tested apart (tests/test_checkpoint.py)."""
     from traceml_aggregator import checkpoint
 
     scratch.mkdir(parents=True, exist_ok=True)
@@ -421,6 +429,12 @@ def simulate_checkpoint(
     with contextlib.closing(sqlite3.connect(scratch / "telemetry.sqlite")) as db:
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
     state = checkpoint.loads(data)
+    current = state.version == checkpoint.CHECKPOINT_VERSION
+    if current:  # the long run's own sample windows and series, marks at its last rows
+        state.windows, state.series = {}, {}
+        store = Store(run_dir / "telemetry.sqlite")
+        state.advance_windows(store)
+        store.close()
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
         top = {
             t: db.execute(f"SELECT max(rowid) FROM {t}").fetchone()[0] or 0
@@ -428,7 +442,8 @@ def simulate_checkpoint(
         }
         state.steps_from = top["steps"]
         state.ranks = {r: (top["steps"], part) for r, (_, part) in state.ranks.items()}
-        state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
+        if not current:
+            state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
         db.execute(
             "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)",
             (written, pickle.dumps(state, 5)),
