@@ -205,8 +205,9 @@ def drop_checkpoint(run_dir: Path) -> None:
 
 def _env(tree: Path | None) -> dict[str, str]:
     """The environment of a process run from the TraceML source tree ``tree`` (None: this
-    one, as the benchmark itself runs)."""
-    return {} if tree is None else {"PYTHONPATH": str(tree)}
+    one, as the benchmark itself runs): ``tree`` first on its path, and not the working
+    directory (``PYTHONSAFEPATH``: ``-m`` and ``-c`` would put it first)."""
+    return {} if tree is None else {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
 
 
 def time_to_serving(
