@@ -49,8 +49,9 @@ per rank that moved when the machine is quiet (4-20 ms under a load average of 7
 ~120 KB of the store per rank; a restart unpickles it at about the same cost per rank and folds
 the steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
 a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
-(against 273-381 s of replay); at 1,024 ranks 2.9-17 s under load, most of it unpickling the
-ranks' windows and digests.
+(against 273-381 s of replay); at 1,024 ranks 2.39 s at 10 M and 3.06 s at 100 M stored steps
+(medians, load average 1.4-3, ``--simulate``), most of it unpickling the ranks' windows and
+digests. The sample series are pickled as a few arrays per table, not per group.
 
 The state is pickled; :func:`loads` unpickles only the classes a checkpoint holds (the
 aggregates' own, NumPy arrays, deques), so a crafted store cannot make the aggregator run code.
