@@ -11,10 +11,16 @@ from its start to its health service saying SERVING:
 * ``checkpoint``: the store with the checkpoint a real aggregator wrote at its clean stop,
   plus ``--after`` steps stored after it (those a replacement folds in).
 
-Medians of ``--repeat`` starts each. Usage::
+and ``--finalize-only`` on the same store from the same checkpoint, timed with its peak RSS
+(and its RSS after its imports: the difference is what finalizing added).
+
+Medians of ``--repeat`` starts each. With ``--baseline DIR`` (another TraceML source tree, e.g.
+``git archive 225540e | tar -x -C /tmp/base``) every timing is also taken with that tree, on
+the same store with a checkpoint of its own, the two alternating. Usage::
 
     PYTHONPATH=. python benchmarks/restart.py --steps 10000000 --repeat 3
     PYTHONPATH=. python benchmarks/restart.py --steps 100000000 --repeat 3 --replay-repeat 0
+    PYTHONPATH=. python benchmarks/restart.py --ranks 1024 --simulate --baseline /tmp/base
 
 ``--replay-repeat 0`` skips the replay timings (at 100 M steps one takes ~15 min here).
 The first start on a store without a checkpoint writes one when it stops; at 100 M steps that
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import os
 import pickle
 import re
 import sqlite3
@@ -195,11 +203,25 @@ def drop_checkpoint(run_dir: Path) -> None:
         db.commit()
 
 
-def time_to_serving(run_dir: Path, run_name: str, world: int, timeout_s: float) -> float:
-    """Seconds from starting a ``traceml-aggregator`` process on ``run_dir`` to SERVING; it
-    is stopped cleanly after (SIGTERM: it writes its checkpoint)."""
+def _env(tree: Path | None) -> dict[str, str]:
+    """The environment of a process run from the TraceML source tree ``tree`` (None: this
+    one, as the benchmark itself runs): ``tree`` first on its path, and not the working
+    directory (``PYTHONSAFEPATH``: ``-m`` and ``-c`` would put it first)."""
+    return {} if tree is None else {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+
+
+def time_to_serving(
+    run_dir: Path, run_name: str, world: int, timeout_s: float, tree: Path | None = None
+) -> float:
+    """Seconds from starting a ``traceml-aggregator`` process (of the source tree ``tree``,
+    None: this one) on ``run_dir`` to SERVING; it is stopped cleanly after (SIGTERM: it writes
+    its checkpoint)."""
     agg = LiveAggregator(
-        run_dir, run_name, world_size=world, extra_args=("--finalize-timeout-sec", "5")
+        run_dir,
+        run_name,
+        world_size=world,
+        extra_args=("--finalize-timeout-sec", "5"),
+        env=_env(tree),
     )
     started = time.monotonic()
     try:
@@ -211,10 +233,30 @@ def time_to_serving(run_dir: Path, run_name: str, world: int, timeout_s: float) 
     return took
 
 
-def finalize_only(run_dir: Path, run_name: str, world: int) -> tuple[float, float]:
-    """Run ``traceml-aggregator --finalize-only`` on ``run_dir`` (it writes
-    ``final_summary.*`` there); returns the seconds it took in all and those its seeding took
-    (its own log line).
+#: Runs ``traceml-aggregator`` with argv[1:], then prints its peak RSS (MiB) and that after
+#: its imports, on stderr (``finalize_only`` reads them). The peak is the kernel's high-water
+#: mark of this process image (``VmHWM``; ``ru_maxrss`` would carry the parent's over exec).
+_MEASURED = """
+import re, sys
+import traceml_aggregator.server, traceml_aggregator.reports  # what every run imports
+from traceml_aggregator.cli import main
+def hwm():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) / 1024
+imported = hwm()
+code = main(sys.argv[1:])  # what python -m traceml_aggregator runs
+print(f"rss after imports {imported:.0f} MiB, peak {hwm():.0f} MiB", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def finalize_only(
+    run_dir: Path, run_name: str, world: int, tree: Path | None = None
+) -> tuple[float, float, float, float]:
+    """Run ``traceml-aggregator --finalize-only`` (of the source tree ``tree``, None: this
+    one) on ``run_dir`` (it writes ``final_summary.*`` there); returns the seconds it took in
+    all, those its seeding took (its own log line), its peak RSS and its RSS after its imports
+    (MiB: the difference is what finalizing the run added).
 
     Raises:
         RuntimeError: it exited non-zero (its stderr in the message).
@@ -223,8 +265,8 @@ def finalize_only(run_dir: Path, run_name: str, world: int) -> tuple[float, floa
     result = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "traceml_aggregator",
+            "-c",
+            _MEASURED,
             "--run-dir",
             str(run_dir),
             "--run-name",
@@ -236,12 +278,15 @@ def finalize_only(run_dir: Path, run_name: str, world: int) -> tuple[float, floa
         capture_output=True,
         text=True,
         timeout=3600,
+        env={**os.environ, **_env(tree)},
     )
     took = time.monotonic() - started
     if result.returncode != 0:
         raise RuntimeError(f"--finalize-only exited {result.returncode}: {result.stderr}")
     seeded = re.search(r"live aggregates seeded in ([\d.]+) s", result.stderr)
-    return took, float(seeded.group(1)) if seeded else float("nan")
+    rss = re.search(r"rss after imports (\d+) MiB, peak (\d+) MiB", result.stderr)
+    peak, imported = (float(rss.group(2)), float(rss.group(1))) if rss else (math.nan, math.nan)
+    return took, float(seeded.group(1)) if seeded else math.nan, peak, imported
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,10 +308,20 @@ def main(argv: list[str] | None = None) -> int:
         help="make the checkpoint from a short run of the same ranks instead "
         "of a replay of the whole store (see simulate_checkpoint)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another TraceML source tree (e.g. git archive main | tar -x -C /tmp/base), "
+        "timed the same way with its own checkpoint, the trials alternating",
+    )
     args = parser.parse_args(argv)
     replays = args.repeat if args.replay_repeat is None else args.replay_repeat
     per_rank = args.steps // args.ranks
     run_name = "restart-bench"
+    trees: dict[str, Path | None] = {"this tree": None}
+    if args.baseline:
+        trees["baseline"] = args.baseline.resolve()
     with contextlib.ExitStack() as stack:
         base = args.dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         run_dir = base / f"run-{args.ranks}x{per_rank}"
@@ -276,14 +331,22 @@ def main(argv: list[str] | None = None) -> int:
             rows = build_store(run_dir, run_name, args.ranks, per_rank - args.after)
             (run_dir / "built").write_text(str(rows))
             print(f"built {rows:,} steps in {time.monotonic() - t:.0f} s", flush=True)
-        with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-            ckpt_rows = db.execute("SELECT count(*) FROM live_checkpoint").fetchone()[0]
-        if not ckpt_rows and args.simulate:
-            simulate_checkpoint(run_dir, run_name, args.ranks, base / "simulated")
-            print("checkpoint simulated (see --simulate)", flush=True)
-        elif not ckpt_rows:  # one start replays the store and writes the checkpoint at its stop
-            took = time_to_serving(run_dir, run_name, args.ranks, args.timeout_s)
-            print(f"first start (replay, then checkpoint at stop): {took:.1f} s", flush=True)
+        blobs = {name: run_dir / f"checkpoint-{name.replace(' ', '-')}.blob" for name in trees}
+        for name, tree in trees.items():  # each tree's checkpoint (layouts differ)
+            if blobs[name].exists():
+                continue
+            if (run_dir / "appended").exists():
+                raise SystemExit(f"{run_dir} has no checkpoint of {name}: use a new --dir")
+            drop_checkpoint(run_dir)
+            if args.simulate:
+                simulate_checkpoint(run_dir, run_name, args.ranks, base / "simulated", tree)
+                print(f"{name}: checkpoint simulated (see --simulate)", flush=True)
+            else:  # one start replays the store and writes the checkpoint at its stop
+                took = time_to_serving(run_dir, run_name, args.ranks, args.timeout_s, tree)
+                print(f"{name}: first start (replay, checkpoint at stop): {took:.1f} s", flush=True)
+            with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+                (data,) = db.execute("SELECT state FROM live_checkpoint").fetchone()
+            blobs[name].write_bytes(data)
         if not (run_dir / "appended").exists():
             build_store(
                 run_dir, run_name, args.ranks, args.after, first_step=per_rank - args.after, seed=1
@@ -294,68 +357,85 @@ def main(argv: list[str] | None = None) -> int:
             .execute("SELECT max(rowid) FROM steps")
             .fetchone()[0]
         )
-        backup = run_dir / "checkpoint.blob"  # each start's stop writes a newer one
-        with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-            row = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
-        if backup.exists():  # a second run of the benchmark on a kept store
-            row = (row[0], backup.read_bytes())
-        backup.write_bytes(row[1])
-        with_ckpt = []
+        serving: dict[str, list[float]] = {name: [] for name in trees}
+        finalize: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in trees}
+        for _ in range(args.repeat):  # each start from the same checkpoint
+            for name, tree in trees.items():
+                _restore_checkpoint(run_dir, blobs[name])
+                serving[name].append(
+                    time_to_serving(run_dir, run_name, args.ranks, args.timeout_s, tree)
+                )
+                print(f"  {name}: checkpoint: {serving[name][-1]:.2f} s", flush=True)
         for _ in range(args.repeat):
-            _restore_checkpoint(run_dir, row[0], backup)  # each start from the same one
-            with_ckpt.append(time_to_serving(run_dir, run_name, args.ranks, args.timeout_s))
-            print(f"  checkpoint: {with_ckpt[-1]:.2f} s", flush=True)
-        finalize = []
-        for _ in range(args.repeat):
-            _restore_checkpoint(run_dir, row[0], backup)
-            finalize.append(finalize_only(run_dir, run_name, args.ranks))
-            print(
-                f"  --finalize-only: {finalize[-1][0]:.2f} s (seeding {finalize[-1][1]:.2f} s)",
-                flush=True,
-            )
+            for name, tree in trees.items():
+                _restore_checkpoint(run_dir, blobs[name])
+                finalize[name].append(finalize_only(run_dir, run_name, args.ranks, tree))
+                took, seeding, peak, imported = finalize[name][-1]
+                print(
+                    f"  {name}: --finalize-only: {took:.2f} s (seeding {seeding:.2f} s), "
+                    f"peak RSS {peak:.0f} MiB ({imported:.0f} after its imports)",
+                    flush=True,
+                )
         replay = []
         for _ in range(replays):
             drop_checkpoint(run_dir)
             replay.append(time_to_serving(run_dir, run_name, args.ranks, args.timeout_s))
             print(f"  replay: {replay[-1]:.2f} s", flush=True)
-        _restore_checkpoint(run_dir, row[0], backup)
+        _restore_checkpoint(run_dir, blobs["this tree"])
         print(
             f"{stored:,} stored steps, {args.ranks} ranks, {args.ranks * args.after:,} after "
-            f"the checkpoint ({len(row[1]) / 2**20:.1f} MiB):"
+            "the checkpoint:"
         )
-        print(
-            f"  time to serving, checkpoint: median {median(with_ckpt):.2f} s of "
-            f"{len(with_ckpt)} ({', '.join(f'{t:.2f}' for t in with_ckpt)})"
-        )
-        print(
-            f"  --finalize-only, checkpoint: median {median(t for t, _ in finalize):.2f} s, "
-            f"of which seeding {median(s for _, s in finalize):.2f} s (the rest: the "
-            "samples loaded whole and the reports)"
-        )
+        for name in trees:
+            times, runs = serving[name], finalize[name]
+            print(
+                f"  {name} (checkpoint {blobs[name].stat().st_size / 2**20:.1f} MiB): time to "
+                f"serving median {median(times):.2f} s of {len(times)} "
+                f"({', '.join(f'{t:.2f}' for t in times)}); --finalize-only median "
+                f"{median(r[0] for r in runs):.2f} s "
+                f"({', '.join(f'{r[0]:.2f}' for r in runs)}), of which seeding "
+                f"{median(r[1] for r in runs):.2f} s, peak RSS "
+                f"{median(r[2] for r in runs):.0f} MiB, "
+                f"+{median(r[2] - r[3] for r in runs):.0f} MiB over its imports"
+            )
         if replay:
             print(
-                f"  time to serving, replay:     median {median(replay):.2f} s of "
+                f"  time to serving, replay: median {median(replay):.2f} s of "
                 f"{len(replay)} ({', '.join(f'{t:.2f}' for t in replay)})"
             )
     return 0
 
 
-def simulate_checkpoint(run_dir: Path, run_name: str, ranks: int, scratch: Path) -> None:
+def simulate_checkpoint(
+    run_dir: Path, run_name: str, ranks: int, scratch: Path, tree: Path | None = None
+) -> None:
     """Give ``run_dir``'s store a checkpoint without replaying it (a replay of 100 M steps
-    takes ~15 min here): a real aggregator checkpoints a short run of the same ranks
-    (:data:`SIMULATED_STEPS` each: windows, series and digests full, so the checkpoint has
-    the size and shape of a long run's), whose marks are then set to the store's last rows.
-    Only the time to serving means anything on such a store (the figures the checkpoint holds
-    are the short run's); that a checkpoint's aggregates equal a replay's is tested apart
-    (tests/test_checkpoint.py)."""
+    takes ~15 min here): a real aggregator (of the source tree ``tree``, None: this one)
+    checkpoints a short run of the same ranks (:data:`SIMULATED_STEPS` each, built once in
+    ``scratch``: windows, series and digests full, so the checkpoint has the size and shape of
+    a long run's), whose marks are then set to the store's last rows; a checkpoint of this
+    tree's layout gets the sample windows and series of the long run's own samples (read
+    whole here, as the aggregator would have folded them in checkpoint by checkpoint). Only
+    the time to serving and the finalization's cost mean anything on such a store (the step
+    figures the checkpoint holds are the short run's); that a checkpoint's aggregates equal a
+    replay's is tested apart (tests/test_checkpoint.py)."""
     from traceml_aggregator import checkpoint
 
     scratch.mkdir(parents=True, exist_ok=True)
-    build_store(scratch, run_name, ranks, SIMULATED_STEPS)
-    time_to_serving(scratch, run_name, ranks, 600.0)  # writes its checkpoint at the stop
+    if not (scratch / "built").exists():
+        build_store(scratch, run_name, ranks, SIMULATED_STEPS)
+        (scratch / "built").write_text("1")
+    drop_checkpoint(scratch)
+    time_to_serving(scratch, run_name, ranks, 600.0, tree)  # writes its checkpoint at the stop
     with contextlib.closing(sqlite3.connect(scratch / "telemetry.sqlite")) as db:
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
     state = checkpoint.loads(data)
+    current = state.version == checkpoint.CHECKPOINT_VERSION
+    if current:  # the long run's own sample windows and series, marks at its last rows
+        state.windows, state.series = {}, {}
+        store = Store(run_dir / "telemetry.sqlite")
+        state.advance_windows(store)
+        store.close()
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
         top = {
             t: db.execute(f"SELECT max(rowid) FROM {t}").fetchone()[0] or 0
@@ -363,7 +443,8 @@ def simulate_checkpoint(run_dir: Path, run_name: str, ranks: int, scratch: Path)
         }
         state.steps_from = top["steps"]
         state.ranks = {r: (top["steps"], part) for r, (_, part) in state.ranks.items()}
-        state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
+        if not current:
+            state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
         db.execute(
             "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)",
             (written, pickle.dumps(state, 5)),
@@ -371,12 +452,9 @@ def simulate_checkpoint(run_dir: Path, run_name: str, ranks: int, scratch: Path)
         db.commit()
 
 
-def _restore_checkpoint(run_dir: Path, written_unix_us: int, blob: Path) -> None:
+def _restore_checkpoint(run_dir: Path, blob: Path) -> None:
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        db.execute(
-            "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)",
-            (written_unix_us, blob.read_bytes()),
-        )
+        db.execute("INSERT OR REPLACE INTO live_checkpoint VALUES (0, 0, ?)", (blob.read_bytes(),))
         db.commit()
 
 

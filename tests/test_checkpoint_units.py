@@ -6,7 +6,9 @@ a full replay, whatever was stored after it (more steps, a new attempt, new rank
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import json
 import pickle
 import sqlite3
 from pathlib import Path
@@ -16,9 +18,13 @@ import pytest
 from helpers.batches import node_batch, rank_batch
 
 from traceml import wire
+from traceml.analysis.rundata import SampleColumns
+from traceml.core.records import GpuSample
 from traceml_aggregator import checkpoint as ckpt
 from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.load import load
+from traceml_aggregator.reports import write_reports
+from traceml_aggregator.sample_series import SERIES_TICKS, SampleSeries
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import Writer
 
@@ -256,3 +262,92 @@ def test_every_class_a_checkpoint_may_name_is_where_it_names_it():
         if module.startswith("numpy"):
             continue  # numpy's own spelling, one of the two per version
         assert isinstance(getattr(importlib.import_module(module), name), type), (module, name)
+
+
+def _gpu_columns(ticks: range) -> SampleColumns:
+    """A node's GPU samples at ``ticks`` (unix_us = 1,000 x tick), two GPUs a tick, in the
+    order :func:`~traceml_aggregator.load.sample_groups` yields them."""
+    t = np.repeat(np.array(ticks, dtype=np.float64) * 1000, 2)
+    return SampleColumns(
+        {
+            "unix_us": t,
+            "nvml_index": np.tile([0.0, 1.0], len(ticks)),
+            "util_percent": t % 97,
+            "uuid": np.array(["GPU-0", "GPU-1"] * len(ticks), dtype=object),
+        },
+        frozenset({"unix_us", "nvml_index"}),
+    )
+
+
+@pytest.mark.parametrize("ticks", [SERIES_TICKS, 5_000])
+def test_sample_series_keeps_every_sample_up_to_its_bound_then_a_uniform_sample(ticks):
+    whole, chunked = SampleSeries(), SampleSeries()
+    whole.fold(_gpu_columns(range(ticks)))
+    for first in range(0, ticks, 37):  # as checkpoints fold what was stored since the last
+        chunked.fold(_gpu_columns(range(first, min(first + 37, ticks))))
+    order = GpuSample.ORDER
+    kept = whole.samples(order)
+    assert _plain(dict(chunked.samples(order).columns)) == _plain(dict(kept.columns))
+    if ticks <= SERIES_TICKS:  # every sample: what a full read gives
+        assert _plain(dict(kept.columns)) == _plain(dict(_gpu_columns(range(ticks)).columns))
+        assert kept.ints == frozenset({"unix_us", "nvml_index"})
+    else:  # every 16th tick (5,000 / 8 > 512 >= 5,000 / 16), both GPUs of each
+        assert whole.level == 4 and whole.ticks == 5_000
+        assert kept.column("unix_us").tolist() == [
+            1000.0 * t for t in range(0, 5_000, 16) for _ in range(2)
+        ]
+        assert kept.column("nvml_index").tolist() == [0.0, 1.0] * 313
+
+
+def test_finalization_reads_no_sample_row_its_checkpoint_covers(tmp_path):
+    """The final summary's samples come from the checkpoint's series plus the rows stored
+    after it: the same summary as a full read of every sample row, and the same again once
+    the rows the checkpoint covers are gone from the store."""
+    path = tmp_path / "telemetry.sqlite"
+
+    async def feed() -> None:
+        run = _Run(path)
+        run.writer.start()
+        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
+        for i in range(3):
+            await run.node_samples(i + 1, 5_000 * i)
+        for r in range(RANKS):
+            await run.steps(r, range(0, 400))
+        await checkpointer.write()
+        for r in range(RANKS):  # after the checkpoint: read from the store
+            await run.steps(r, range(400, 500))
+        await run.node_samples(4, 20_000)
+        await run.writer.close()
+
+    asyncio.run(feed())
+
+    def summary(samples: bool) -> dict:
+        store = Store(path)
+        live = LiveAggregates(RUN, RANKS)
+        checkpoint = live.seed(store, ckpt.read(store))
+        steps = live.final_steps()
+        out = tmp_path / f"out{samples}"
+        out.mkdir(exist_ok=True)
+        write_reports(
+            store, out, [], html=False, steps=steps, samples=checkpoint if samples else None
+        )
+        store.close()
+        doc = json.loads((out / "final_summary.json").read_text())
+        doc.pop("generated_unix_s")
+        return doc
+
+    full = summary(samples=False)
+    assert full["nodes"][0]["system"]["samples"] == 4
+    assert summary(samples=True) == full
+    store = Store(path)
+    read = ckpt.read(store)  # the checkpoint with its series (not an empty one: a replay)
+    assert sorted(read.series["process_samples"]) == [(r, 0) for r in range(RANKS)] + [
+        (RANKS + 1, 0)
+    ]
+    marks = {t: mark for t, (mark, _) in read.windows.items()}
+    store.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        for table, mark in marks.items():
+            assert db.execute(f"DELETE FROM {table} WHERE rowid <= ?", (mark,)).rowcount > 0
+        db.commit()
+    assert summary(samples=True) == full

@@ -10,7 +10,9 @@ is of two kinds:
   :class:`~traceml_aggregator.aggregates.StepState`: window, series, digest; its step count,
   latest step, earlier attempts) and the sample windows (each rank attempt's latest
   :data:`~traceml_aggregator.live.analysis_process.WINDOW_SAMPLES` process samples, each node's
-  latest system and GPU samples, in time order).
+  latest system and GPU samples, in time order), and each group's bounded series of its
+  samples (:class:`~traceml_aggregator.sample_series.SampleSeries`: what the final summary's
+  sample figures are taken from, so a finalization reads no sample row the checkpoint covers).
 
 A :class:`Checkpoint` holds the second kind with, for each part, the store's rowid up to which
 it covers its table. The rows of an SQLite table without an ``INTEGER PRIMARY KEY`` get
@@ -38,17 +40,18 @@ at a clean stop:
   covers exactly the step rows at or below the mark noted when it was copied. A rank whose
   step count and attempt did not move since the previous checkpoint keeps its copy (a
   finished rank costs nothing);
-* the sample windows are kept here, from the store: each checkpoint reads the sample rows
-  stored since the previous one (on the writer thread, O(those rows)) into them, the same way a
-  restart does.
+* the sample windows and series are kept here, from the store: each checkpoint reads the
+  sample rows stored since the previous one (on the writer thread, O(those rows)) into them,
+  the same way a restart and a finalization do.
 
 Cost (``benchmarks/restart.py``, the 2-core machine): the copy is ~0.6 ms of the event loop
 per rank that moved when the machine is quiet (4-20 ms under a load average of 7-11) and
 ~120 KB of the store per rank; a restart unpickles it at about the same cost per rank and folds
 the steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
 a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
-(against 273-381 s of replay); at 1,024 ranks 2.9-17 s under load, most of it unpickling the
-ranks' windows and digests.
+(against 273-381 s of replay); at 1,024 ranks 2.39 s at 10 M and 3.06 s at 100 M stored steps
+(medians, load average 1.4-3, ``--simulate``), most of it unpickling the ranks' windows and
+digests. The sample series are pickled as a few arrays per table, not per group.
 
 The state is pickled; :func:`loads` unpickles only the classes a checkpoint holds (the
 aggregates' own, NumPy arrays, deques), so a crafted store cannot make the aggregator run code.
@@ -63,15 +66,17 @@ import pickle
 import time
 from dataclasses import dataclass, field
 
+from traceml.analysis.rundata import RunData, SampleColumns
 from traceml.core import log
-from traceml.core.records import GpuSample, ProcessSample, SystemSample
+from traceml.core.records import GpuSample, ProcessSample, Record, SystemSample
 from traceml_aggregator.live.analysis_process import WINDOW_GPU_SAMPLES, WINDOW_SAMPLES
 from traceml_aggregator.load import sample_groups
+from traceml_aggregator.sample_series import SampleSeries, pack, unpack
 
 _log = log.get("aggregator")
 
 #: Layout of :class:`Checkpoint`; a checkpoint of another version is not read (full replay).
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 #: Ranks copied between two returns to the event loop while a checkpoint is taken (at ~0.5 ms
 #: a rank, ~16 ms of the loop at a time).
 SNAPSHOT_SLICE_RANKS = 32
@@ -136,23 +141,40 @@ class Checkpoint:
         windows: sample table -> (the rowid its windows cover, key -> the latest samples as
             row dicts, in time order); keys are the values of the record's ``GROUP`` columns
             (``(rank, restart)`` or ``(node_rank,)``).
+        series: sample table -> key -> the group's :class:`SampleSeries`, covering the table
+            up to the same rowid as ``windows``.
     """
 
     steps_from: int = 0
     ranks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     windows: dict[str, tuple[int, dict[tuple, list[dict]]]] = field(default_factory=dict)
+    series: dict[str, dict[tuple, SampleSeries]] = field(default_factory=dict)
     version: int = CHECKPOINT_VERSION
 
+    def __getstate__(self) -> dict:
+        """Pickled with each table's series packed (:func:`~traceml_aggregator.
+        sample_series.pack`)."""
+        state = dict(self.__dict__)
+        state["series"] = {table: pack(groups) for table, groups in self.series.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        series = state.get("series", {})
+        self.__dict__.update(state)
+        self.series = {table: unpack(packed) for table, packed in series.items()}
+
     def advance_windows(self, store) -> None:
-        """Fold the sample rows stored since :attr:`windows` covered their tables in (on the
-        thread that owns ``store``); O(those rows)."""
+        """Fold the sample rows stored since :attr:`windows` covered their tables into the
+        windows and the series (on the thread that owns ``store``); O(those rows)."""
         for record, keep in SAMPLE_WINDOWS:
             table = record.TABLE
             mark, windows = self.windows.get(table, (0, {}))
+            series = self.series.setdefault(table, {})
             top = store.max_rowid(table)
             if top > mark:
                 by_time = operator.itemgetter(*record.ORDER)
                 for key, columns in sample_groups(store, record, after_rowid=mark):
+                    series.setdefault(key, SampleSeries()).fold(columns)
                     new = list(columns[-keep:])
                     old = windows.get(key)
                     # Stored earlier, so first among equal times, as in a full read.
@@ -163,9 +185,37 @@ class Checkpoint:
         """The latest samples of ``key`` in ``table`` (row dicts in time order; [] if none)."""
         return self.windows.get(table, (0, {}))[1].get(key, [])
 
+    def samples(self, record: type[Record], key: tuple) -> SampleColumns:
+        """The series of ``key`` among ``record``'s samples as :class:`SampleColumns` in time
+        order (empty if none): what the final summary reads of that group."""
+        series = self.series.get(record.TABLE, {}).get(key) or SampleSeries()
+        return series.samples(record.ORDER)
+
     def keys(self, table: str) -> list[tuple]:
         """The keys ``table``'s windows hold."""
         return list(self.windows.get(table, (0, {}))[1])
+
+    def sampled_ranks(self) -> set[int]:
+        """The ranks with process samples (of any attempt)."""
+        return {r for r, _ in self.keys(ProcessSample.TABLE)}
+
+    def with_samples(self, run: RunData) -> RunData:
+        """``run``, loaded without samples (:func:`~traceml_aggregator.load.load` with
+        ``samples=False, sampled_ranks=self.sampled_ranks()``), with the series as its samples:
+        each rank's latest attempt's process samples, each node's system and GPU samples (see
+        :mod:`~traceml_aggregator.sample_series`); O(ranks + nodes), whatever the run's
+        length. Returns ``run``."""
+        for rank, restart in self.keys(ProcessSample.TABLE):
+            rd = run.ranks.get(rank)
+            if rd is not None and restart == rd.restart:
+                rd.process_samples = self.samples(ProcessSample, (rank, restart))
+        run.system_samples = {
+            n: self.samples(SystemSample, (n,)) for (n,) in sorted(self.keys(SystemSample.TABLE))
+        }
+        run.gpu_samples = {
+            n: self.samples(GpuSample, (n,)) for (n,) in sorted(self.keys(GpuSample.TABLE))
+        }
+        return run
 
 
 def read(store) -> Checkpoint:

@@ -2,8 +2,9 @@
 
 :func:`write_reports` runs at finalization, on the aggregator's writer thread (the live views
 and ``traceml.summary()`` are answered from :mod:`traceml_aggregator.live` instead). The steps
-come from the live aggregates (bounded per rank, so finalization costs O(ranks), not O(stored
-steps)); everything else (identities, ends, samples) from the store.
+come from the live aggregates and the samples from the checkpoint's bounded series (both
+bounded per rank, so finalization costs O(ranks), not O(stored steps or samples)); everything
+else (identities, ends) from the store's small tables.
 """
 
 from __future__ import annotations
@@ -20,12 +21,19 @@ from traceml.core.rundir import (
 from traceml.report import to_json
 from traceml.report.text import render_text
 from traceml_aggregator import load
+from traceml_aggregator.checkpoint import Checkpoint
 from traceml_aggregator.finalize import Outcome
 from traceml_aggregator.live import with_steps
 
 
 def write_reports(
-    store, run_dir: Path, missing: list[int], *, html: bool, steps: dict | None = None
+    store,
+    run_dir: Path,
+    missing: list[int],
+    *,
+    html: bool,
+    steps: dict | None = None,
+    samples: Checkpoint | None = None,
 ) -> Outcome:
     """Build the summary and write the report files into ``run_dir``.
 
@@ -37,11 +45,25 @@ def write_reports(
         steps: the ranks' steps from the live aggregates
             (:meth:`traceml_aggregator.live.LiveAggregates.final_steps`); None reads every
             stored step from ``store`` instead (O(stored steps)).
+        samples: the live aggregates' checkpoint (on ``store``'s thread): the samples are
+            its bounded series (:meth:`~traceml_aggregator.checkpoint.Checkpoint.with_samples`),
+            advanced first over the sample rows stored since it (O(those rows)); None reads
+            every stored sample instead (O(stored samples)).
     """
-    if steps is None:
-        run = load.load(store, missing)
+    if samples is not None:
+        samples.advance_windows(store)
+        run = load.load(
+            store,
+            missing,
+            steps=steps is None,
+            samples=False,
+            sampled_ranks=samples.sampled_ranks(),
+        )
+        run = samples.with_samples(run)
     else:
-        run = with_steps(load.load(store, missing, steps=False), steps)
+        run = load.load(store, missing, steps=steps is None)
+    if steps is not None:
+        run = with_steps(run, steps)
     summary = build_summary(run)
     text = render_text(summary)
     outcome = Outcome(missing, text=text)

@@ -492,7 +492,14 @@ async def serve(config: ServerConfig, ready=None) -> int:
         from traceml_aggregator.reports import write_reports
 
         write_run_records(store_)
-        return write_reports(store_, config.run_dir, missing, html=config.html_report, steps=steps)
+        return write_reports(
+            store_,
+            config.run_dir,
+            missing,
+            html=config.html_report,
+            steps=steps,
+            samples=checkpointer.checkpoint,
+        )
 
     finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, live.final_steps)
     server = grpc_server(config.run_token, rejections, config.max_concurrent_rpcs)
@@ -720,13 +727,15 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
         state.restore(store)
         store.checkpoint()
         live = LiveAggregates(config.run_name, world_size)
-        seed(live, store)  # the same aggregates, so the same summary, as the live aggregator's
+        # the same aggregates and sample series, so the same summary, as the live aggregator's
+        checkpoint = seed(live, store)
         outcome = write_reports(
             store,
             config.run_dir,
             state.missing(),
             html=config.html_report,
             steps=live.final_steps(),
+            samples=checkpoint,
         )
     except Exception as exc:
         _log.error(f"error: no summary: {type(exc).__name__}: {exc}")

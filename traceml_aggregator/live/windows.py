@@ -604,8 +604,7 @@ def _small_tables(store, checkpoint: Checkpoint) -> RunData:
     nodes)), after ``checkpoint``'s sample windows were advanced to the store: its ranks those
     of a full load (the ranks known from process samples alone included)."""
     checkpoint.advance_windows(store)
-    sampled = {r for r, _ in checkpoint.keys(records.ProcessSample.TABLE)}
-    return load(store, [], steps=False, samples=False, sampled_ranks=sampled)
+    return load(store, [], steps=False, samples=False, sampled_ranks=checkpoint.sampled_ranks())
 
 
 def with_steps(run: RunData, steps: dict[int, tuple]) -> RunData:
