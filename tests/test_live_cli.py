@@ -41,7 +41,7 @@ ENV = {"TRACEML_LIVE_REFRESH_SEC": "0.5", "TRACEML_FLUSH_INTERVAL_SEC": "0.2"}
 LINE = re.compile(
     r"\[traceml +\d+s\] [A-Z_]+ \((?:info|warning|critical)\)(?: ranks [\d,]+)?"
     r" \| step (?P<step>\d+\.\d) ms over \d+ steps"
-    r" \| (?:(?:input|h2d|fwd|bwd|opt|other) \d+%(?: |(?= \|)))+"
+    r" \| (?:(?:input|h2d|fwd|bwd|opt|comm|other) \d+%(?: |(?= \|)))+"
     r"(?P<nodes>(?: \| node \d: ranks [\d,-]+ steps \d+(?:-\d+)? idle (?:\d+\.\ds|-))+)"
 )
 NODE = re.compile(r"node (\d): ranks ([\d,-]+) steps (\d+)(?:-(\d+))? idle")
@@ -146,6 +146,7 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         "fwd",
         "bwd",
         "opt",
+        "comm",
         "other",
         "input %",
         "CPU %",
