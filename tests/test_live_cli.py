@@ -162,7 +162,7 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         assert 1 <= int(first[rank][2]) <= steps <= STEPS
         # The planted sleep, plus the tiny model's CPU time (a busy shared machine: < 3x).
         assert SLEEP_S * 1000 <= float(last[rank][3]) < SLEEP_S * 3000, last[rank]
-        assert float(last[rank][14]) < 10.0  # idle s: it is training
+        assert float(last[rank][15]) < 10.0  # idle s: it is training
         assert last[rank][15], "no sparkline"
     assert last[0][0].startswith("0 ")  # node 0 and its host, on its first rank's row
     assert max(int(last[r][2]) for r in (0, 1)) > max(int(first[r][2]) for r in (0, 1))
