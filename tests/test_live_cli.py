@@ -41,7 +41,7 @@ ENV = {"TRACEML_LIVE_REFRESH_SEC": "0.5", "TRACEML_FLUSH_INTERVAL_SEC": "0.2"}
 LINE = re.compile(
     r"\[traceml +\d+s\] [A-Z_]+ \((?:info|warning|critical)\)(?: ranks [\d,]+)?"
     r" \| step (?P<step>\d+\.\d) ms over \d+ steps"
-    r" \| (?:(?:input|h2d|fwd|bwd|opt|other) \d+%(?: |(?= \|)))+"
+    r" \| (?:(?:input|h2d|fwd|bwd|opt|comm|other) \d+%(?: |(?= \|)))+"
     r"(?P<nodes>(?: \| node \d: ranks [\d,-]+ steps \d+(?:-\d+)? idle (?:\d+\.\ds|-))+)"
 )
 NODE = re.compile(r"node (\d): ranks ([\d,-]+) steps (\d+)(?:-(\d+))? idle")
@@ -146,6 +146,7 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         "fwd",
         "bwd",
         "opt",
+        "comm",
         "other",
         "input %",
         "CPU %",
@@ -161,7 +162,7 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         assert 1 <= int(first[rank][2]) <= steps <= STEPS
         # The planted sleep, plus the tiny model's CPU time (a busy shared machine: < 3x).
         assert SLEEP_S * 1000 <= float(last[rank][3]) < SLEEP_S * 3000, last[rank]
-        assert float(last[rank][14]) < 10.0  # idle s: it is training
+        assert float(last[rank][15]) < 10.0  # idle s: it is training
         assert last[rank][15], "no sparkline"
     assert last[0][0].startswith("0 ")  # node 0 and its host, on its first rank's row
     assert max(int(last[r][2]) for r in (0, 1)) > max(int(first[r][2]) for r in (0, 1))

@@ -159,6 +159,7 @@ def test_table_groups_ranks_by_node_and_marks_the_stall():
         "fwd",
         "bwd",
         "opt",
+        "comm",
         "other",
         "input",
         "%",
@@ -179,7 +180,7 @@ def test_table_groups_ranks_by_node_and_marks_the_stall():
         ("", "1", "118", "8.0", "0.5", "3.0"),
         ("1 host1", "2", "40", "8.0", "0.5", "3.0"),
     ]
-    assert [tuple(c[11:16]) for c in body] == [
+    assert [tuple(c[12:17]) for c in body] == [
         ("-", "-", "-", "0.4", "▁▁█"),
         ("-", "-", "-", "0.2", ""),
         ("55", "3", "97", "30.0", ""),

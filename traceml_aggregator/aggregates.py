@@ -145,6 +145,19 @@ class StepState:
         self.last: dict[str, int | None] | None = None  # the highest step stored
         self._series = _Series(series_steps)
 
+    def __setstate__(self, state: dict) -> None:
+        """Restore a checkpointed state; a step field added since it was written (a new phase)
+        reads as not measured at every step it holds, as a replay of those steps would."""
+        self.__dict__.update(state)
+        steps = self.window["step"]
+        for name in STEP_FIELDS:
+            if name not in self.window:
+                self.window[name] = deque((None,) * len(steps), maxlen=steps.maxlen)
+                if self.last is not None:
+                    self.last[name] = None
+                sample = self._series.sample
+                sample[name] = [None] * len(sample["step"])
+
     def fold(self, names, columns) -> None:
         """Fold one step group in: ``names`` its measured fields, ``columns`` one sequence of
         ints per name (None allowed where not measured), steps in arrival order. Costs

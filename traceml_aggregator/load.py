@@ -167,9 +167,10 @@ def load(
     # One sorted scan of the steps (the table has no index), one group per attempt, each
     # transposed into columns in C: no Python object per step. rank and restart come last, so
     # each row's first len(STEP_FIELDS) values are the step fields in column order.
-    steps_sql = (
-        f"SELECT {', '.join(STEP_FIELDS)}, rank, restart FROM steps ORDER BY rank, restart, step"
-    )
+    # A store written before a phase was added lacks its column: read it as never measured.
+    stored = {row[1] for row in store.query("PRAGMA table_info(steps)", by_name=False)}
+    selected = ", ".join(f if f in stored else f"NULL AS {f}" for f in STEP_FIELDS)
+    steps_sql = f"SELECT {selected}, rank, restart FROM steps ORDER BY rank, restart, step"
     fields = slice(0, len(STEP_FIELDS))
     for (rank, restart), rows in itertools.groupby(
         store.query(steps_sql, by_name=False) if steps else (), _attempt

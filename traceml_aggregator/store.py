@@ -53,7 +53,7 @@ from traceml.core.records import (
 from traceml.wire.records import add_steps
 
 #: Version of the table layout below; stored in ``meta``.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: ``meta`` key of the aggregator's refused calls by kind (a JSON object), written before the
 #: reports (see traceml_aggregator/senders.py).
 REJECTED_META_KEY = "rejected"

@@ -135,6 +135,17 @@ class _Clock:
         self.sums = dict.fromkeys(names, 0.0)
         self.measured = dict.fromkeys(names, 0)
 
+    def __setstate__(self, state: tuple[object, dict[str, object]]) -> None:
+        """Restore a pickled clock (a checkpoint); a part added since it was written starts
+        empty, as it would in a replay of steps that never measured it."""
+        for name, value in state[1].items():
+            setattr(self, name, value)
+        for name in PARTS + ("dataloader_next", "own_compute"):
+            if name not in self.hist:
+                self.hist[name] = LogHistogram()
+                self.sums[name] = 0.0
+                self.measured[name] = 0
+
     def copy(self) -> _Clock:
         """An independent copy."""
         other = copy.copy(self)

@@ -97,6 +97,9 @@ PHASES = (
     Phase("forward", "forward", "fwd", "#4e79a7", "forward_us", "gpu_forward_us", True),
     Phase("backward", "backward", "bwd", "#76b7b2", "backward_us", "gpu_backward_us", True),
     Phase("optimizer", "optimizer", "opt", "#59a14f", "optimizer_us", "gpu_optimizer_us", True),
+    # The training thread waiting in collectives, taken out of the phase that held it
+    # (traceml.sdk.collectives): host time only.
+    Phase("comm", "communication", "comm", "#edc948", "comm_us"),
 )
 
 #: The time inside the step outside every measured phase (computed by the analysis, never sent).

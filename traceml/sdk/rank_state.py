@@ -181,6 +181,9 @@ class RankState:
         name = type(model).__name__
         if name == "DistributedDataParallel":
             self.parallelism = "ddp"
+            from traceml.sdk import collectives
+
+            collectives.watch_ddp(model)
         elif name in ("FullyShardedDataParallel", "FSDPModule") or "FSDP" in name:
             self.parallelism = "fsdp"
 
@@ -300,9 +303,10 @@ def start(aggregator: str | None = None, run_name: str | None = None) -> RankSta
                 f"{env_info.world_size}); its telemetry is reported as rank {info.rank}"
             )
         state = RankState(info, name, target)
-        from traceml.sdk import instrumentation
+        from traceml.sdk import collectives, instrumentation
 
         instrumentation.install(state.tracer)
+        collectives.install(state.tracer)
         state.attach_telemetry()
         _install_exit_hooks(state)
         _state = state

@@ -68,6 +68,7 @@ class StepMeasurement:
         "forward_ns",
         "backward_ns",
         "optimizer_ns",
+        "comm_ns",
         "gpu",
         "peak_allocated_bytes",
         "peak_reserved_bytes",
@@ -82,6 +83,7 @@ class StepMeasurement:
         self.peak_allocated_bytes = None
         self.peak_reserved_bytes = None
         self.samples = self.tokens = self.flops = None
+        self.comm_ns = None
 
     def ready(self) -> bool:
         """True when no GPU timing is pending."""
@@ -113,6 +115,8 @@ class StepMeasurement:
             fields["backward_us"] = self.backward_ns // 1000
         if self.optimizer_ns is not None:
             fields["optimizer_us"] = self.optimizer_ns // 1000
+        if self.comm_ns is not None:
+            fields["comm_us"] = self.comm_ns // 1000
         if self.gpu is not None:
             self.gpu.fill(fields)
         if self.peak_allocated_bytes is not None:
@@ -192,6 +196,10 @@ class StepTracer:
         #: Called once a step has ended and been emitted, when set: a SIGTERM that came inside
         #: the step (:mod:`traceml.sdk.sigterm`) ends the process there.
         self.on_step_end: Callable[[], None] | None = None
+        #: The rank's collective recorder (:class:`traceml.sdk.collectives.Recorder`), which
+        #: sets each step's ``comm_ns`` and takes it out of the phases that held it; None when
+        #: collectives are not recorded.
+        self.comm = None
 
     # -- phases: called by the instrumentation hooks --------------------------------------------
     def add_dataloader(
@@ -284,6 +292,8 @@ class StepTracer:
         m.forward_ns = self.forward_ns
         m.backward_ns = self.backward_ns
         m.optimizer_ns = self.optimizer_ns
+        if self.comm is not None:
+            self.comm.close_step(m)
         m.samples, m.tokens = _work_sum(self._pending_work, self._step_work)
         m.flops = (
             self.forward_flops * FWD_BWD_FACTOR * self.train_forwards
