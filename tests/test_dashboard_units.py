@@ -117,7 +117,7 @@ def test_first_frame_holds_everything_then_only_what_is_new():
     first = Snapshot(_run(9), SUMMARY, live=False, version=1).frame(cursor)
     assert first["steps"]["1"]["step"] == list(range(10))
     # Summed over both ranks: steps 20 ms, input 1 + 5 ms, forward 2 x 3 ms, backward 2 x 4 ms,
-    # optimizer 2 x 1 ms, residual 1 ms (rank 0; rank 1's phases fill its step); no H2D.
+    # optimizer 2 x 1 ms, residual 1 ms (rank 0; rank 1's phases fill its step); no H2D, no comm.
     assert first["phases"] == {
         "step": list(range(10)),
         "input_wait": [30.0] * 10,
@@ -125,6 +125,7 @@ def test_first_frame_holds_everything_then_only_what_is_new():
         "forward": [30.0] * 10,
         "backward": [40.0] * 10,
         "optimizer": [10.0] * 10,
+        "comm": [None] * 10,  # no collective recorded
         "residual": [5.0] * 10,
     }
     assert first["charted_ranks"] == [1, 0]  # the verdict's rank first
