@@ -351,3 +351,18 @@ def test_the_bearer_token_of_an_authorization_header(header, token):
     from traceml_aggregator.auth import bearer
 
     assert bearer(header) == token
+
+
+def test_the_pages_phases_are_the_phase_tables_parts():
+    """dashboard.js draws the step's parts with its own list (name, label, colour): the phase
+    table's PARTS, in order, so that a phase added to the table is drawn live too."""
+    import re
+    from pathlib import Path
+
+    from traceml.core.phases import PARTS
+    from traceml_aggregator import dashboard
+
+    js = (Path(dashboard.__file__).parent / "static" / "dashboard.js").read_text()
+    listed = js[js.index("const PHASES = [") : js.index("];", js.index("const PHASES = ["))]
+    drawn = re.findall(r'\["(\w+)", "([^"]+)", "(#[0-9a-f]{6})"\]', listed)
+    assert drawn == [(p.name, p.label, p.color) for p in PARTS]

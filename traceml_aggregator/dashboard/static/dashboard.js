@@ -10,7 +10,8 @@
 const TOKEN = new URLSearchParams(location.search).get("token") || "";
 const PHASES = [["input_wait", "input wait", "#e15759"], ["h2d", "H2D", "#f28e2b"],
   ["forward", "forward", "#4e79a7"], ["backward", "backward", "#76b7b2"],
-  ["optimizer", "optimizer", "#59a14f"], ["residual", "residual", "#bab0ac"]];
+  ["optimizer", "optimizer", "#59a14f"], ["comm", "communication", "#edc948"],
+  ["residual", "residual", "#bab0ac"]];  // traceml/core/phases.py's PARTS (a test checks)
 const PALETTE = ["#4e79a7", "#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948",
   "#ff9da7", "#9c755f", "#bab0ac", "#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"];
 const MAX_LINES = PALETTE.length;   // ranks (the server sends at most 16) or nodes drawn as lines
