@@ -26,7 +26,7 @@ Series (label ``rank`` is the global rank, ``node`` the node rank, "" when unkno
   32 from 512 ranks on); ``_count`` and ``_sum`` cover the window's steps;
 * ``traceml_phase_median_seconds{rank,node,phase}``: each phase's median over the window, for
   the phases measured (``input_wait``, ``dataloader_next``, ``h2d``, ``forward``, ``backward``,
-  ``optimizer``);
+  ``optimizer``, ``comm``: the phase table's);
 * ``traceml_steps_total{rank,node}``: steps stored (this attempt; a counter, as is the next
   but one: it restarts from 0 with the rank's attempt);
 * ``traceml_last_step_timestamp_seconds{rank,node}``: wall clock at the end of the latest
