@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 from helpers.aggregator import LiveAggregator, finish, query
-from restart import finalize_only  # benchmarks/ (on the path)
+from restart import build_store, finalize_only  # benchmarks/ (on the path)
 
 from traceml import wire
 from traceml.core.transport import open_channel
@@ -211,3 +211,39 @@ def test_retention_gives_the_keep_all_steps_summary_on_a_run_longer_than_the_raw
     (kept_dir / "final_summary.json").unlink()
     finalize_only(kept_dir, RUN, WORLD)
     assert _summary(kept_dir) == every
+
+
+def test_a_sigkill_mid_prune_loses_nothing_the_summary_needs(tmp_path):
+    ranks, per_rank = 4, 150_000
+    run_dir = tmp_path / RUN
+    run_dir.mkdir()
+    build_store(run_dir, RUN, ranks, per_rank)
+    whole = LiveAggregator(run_dir, RUN, world_size=ranks, extra_args=("--keep-all-steps",))
+    whole.start(timeout_s=600)  # a full replay, then a checkpoint and a summary at its stop
+    assert whole.stop(timeout_s=300) == 0
+    every = _summary(run_dir)
+    total = ranks * per_rank
+    assert query(run_dir, "SELECT count(*) FROM steps") == [(total,)]
+
+    agg = LiveAggregator(run_dir, RUN, world_size=ranks, env=RETENTION_ENV)
+    with agg:  # the first prune takes the whole backlog, a round at a time: killed after one
+        deadline = time.monotonic() + 120
+        while "retention: backlog pruned up to rowid" not in agg.log():
+            assert time.monotonic() < deadline, agg.log()
+            time.sleep(0.01)
+        assert agg.kill() == -9
+        mark = query(run_dir, f"SELECT value FROM meta WHERE key = '{PRUNED_META_KEY}'")
+        assert 0 < int(mark[0][0]) < total - 1  # the prune had begun, and not finished
+        agg.start()  # from the checkpoint, on a partly pruned store
+        while agg.log().count("retention: pruned") < 1:
+            assert time.monotonic() < deadline + 120, agg.log()
+            time.sleep(0.05)
+        assert agg.stop(timeout_s=120) == 0
+    assert "cannot seed" not in agg.log() and "retention: cannot" not in agg.log()
+    assert _summary(run_dir) == every
+    (kept,) = query(run_dir, "SELECT count(*) FROM steps")[0]
+    assert kept < total // 10, kept
+    # ... and so does a --finalize-only on the pruned store.
+    (run_dir / "final_summary.json").unlink()
+    finalize_only(run_dir, RUN, ranks)
+    assert _summary(run_dir) == every

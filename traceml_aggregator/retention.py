@@ -214,6 +214,9 @@ class Pruner:
         """
         deleted = 0
         top = min(steps_from, await writer.call(writer.store.max_rowid, "steps") - 1)
+        backlog = top - self.done_upto > ROUND_ROWS  # a store kept whole so far
+        if backlog:
+            _log.info(f"retention: pruning a backlog of {top - self.done_upto} step rows")
         while self.done_upto < top:
             hi = min(top, self.done_upto + ROUND_ROWS)
             rows = await self._read(writer, self.done_upto, hi)
@@ -224,6 +227,8 @@ class Pruner:
                 await writer.call(_delete, writer.store, chunk, hi if last else self.done_upto)
             deleted += len(drop)
             self.done_upto = hi
+            if backlog and hi < top:
+                _log.info(f"retention: backlog pruned up to rowid {hi} of {top}")
         self.deleted += deleted
         return deleted
 
