@@ -34,7 +34,7 @@ from traceml import settings, wire
 from traceml.wire.records import add_steps
 from traceml_aggregator.aggregates import StepState, series_steps
 from traceml_aggregator.live.analysis_process import WINDOW_STEPS
-from traceml_aggregator.retention import Policy, Pruner, RankPlan
+from traceml_aggregator.retention import Policy, Pruner, RankPlan, most_rows_kept
 from traceml_aggregator.store import Store
 
 #: Steps a batch of a rank carries (a rank's client sends about this many at 2 steps/s).
@@ -149,13 +149,7 @@ def main() -> None:
     print(f"  prune: rows/s                      {args.ranks * args.steps / took:,.0f}")
     print(f"  checkpoint bytes per rank          {rank_ckpt}")
     run_steps = int(args.days * 86_400 * args.steps_per_s)
-    per_rank = (
-        policy.first_steps
-        + policy.last_steps
-        + 2 * series_steps(args.world)
-        + run_steps // policy.sample_every
-        + policy.evidence_steps
-    )
+    per_rank = most_rows_kept(policy, run_steps, series_steps(args.world))
     ckpt = args.world * rank_ckpt
     print(
         f"sized run: {args.world} ranks x {args.days:g} days at {args.steps_per_s:g} steps/s "

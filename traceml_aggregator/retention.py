@@ -52,8 +52,9 @@ _log = log.get("aggregator")
 
 #: ``meta`` key: the ``steps`` rowid up to which the rows were pruned (absent: never).
 PRUNED_META_KEY = "steps_pruned_upto"
-#: Rows read, or deleted, in one call of the writer's thread (one transaction): ~30 ms of it.
-CHUNK_ROWS = 32_768
+#: Rows read, or deleted, in one call of the writer's thread (one transaction): ~15-80 ms of it
+#: (benchmarks/retention.py), as long as a transaction of batches at most.
+CHUNK_ROWS = 16_384
 #: Rows (by rowid) whose keep is decided at a time: bounds the memory of a prune (5 int64
 #: columns: 10 MiB, and ~50 MiB of rows while read) when a large backlog is pruned at once.
 ROUND_ROWS = 1 << 18
@@ -101,6 +102,26 @@ class RankPlan:
     median_step_us: float | None
 
 
+def most_rows_kept(policy: Policy, run_steps: int, series_bound: int) -> int:
+    """Most raw rows the policy keeps of one rank attempt of ``run_steps`` steps whose series
+    holds at most ``series_bound`` steps (:func:`traceml_aggregator.aggregates.series_steps`):
+    its first and last steps, its sample, its evidence cap, the rows held for the next prune,
+    and the steps its series held when each prune ran: all of them while the series is at
+    level 0 (``series_bound``), then about half the bound for each level it goes through (the
+    steps stored while it is at level L, ``series_bound x 2**(L-1)``, of which one in 2**L),
+    one level more for the hash's spread. Used to size the defaults (docs/storage.md)."""
+    levels = max(0, math.ceil(math.log2(max(1, run_steps) / series_bound)))
+    return (
+        policy.first_steps
+        + policy.last_steps
+        + run_steps // policy.sample_every
+        + policy.evidence_steps
+        + series_bound
+        + (levels + 1) * series_bound // 2
+        + HELD_STEPS
+    )
+
+
 def sampled(steps: np.ndarray, every: int) -> np.ndarray:
     """Which of ``steps`` (int64 step indices) the uniform sample keeps: one in ``every``,
     by the series' hash of the index (:func:`traceml_aggregator.aggregates.keep_mask`;
@@ -131,7 +152,7 @@ def evidence(steps: np.ndarray, step_us: np.ndarray, median_step_us: float | Non
             )
             if gap >= floor:  # the onset is a bucket's first step: its bucket is near too
                 ordered = steps[order]
-                bucket = math.ceil(len(steps) / MAX_POINTS)
+                bucket = math.ceil(len(steps) / MAX_POINTS) if len(steps) > MAX_POINTS else 0
                 at = int(np.searchsorted(ordered, cp["onset_step"]))
                 lo = ordered[max(0, at - bucket)] - ONSET_NEIGHBOURHOOD_STEPS
                 hi = ordered[min(len(steps) - 1, at + bucket)] + ONSET_NEIGHBOURHOOD_STEPS
