@@ -245,7 +245,8 @@ class Pruner:
             for start in range(0, max(1, len(drop)), CHUNK_ROWS):
                 chunk = drop[start : start + CHUNK_ROWS]
                 last = start + CHUNK_ROWS >= len(drop)
-                await writer.call(_delete, writer.store, chunk, hi if last else self.done_upto)
+                mark = hi if last else self.done_upto  # recorded with the chunk's deletes
+                await writer.call(writer.store.delete_steps, chunk, PRUNED_META_KEY, mark)
             deleted += len(drop)
             self.done_upto = hi
             if backlog and hi < top:
@@ -275,12 +276,6 @@ def _rows(store, lo: int, hi: int) -> list[tuple]:
         (lo, hi),
         by_name=False,
     )
-
-
-def _delete(store, rowids: list[int], done_upto: int) -> None:
-    """Delete ``rowids`` from ``steps`` and record :data:`PRUNED_META_KEY` = ``done_upto``,
-    in one transaction (on the writer's thread)."""
-    store.delete_steps(rowids, PRUNED_META_KEY, done_upto)
 
 
 def plans(live) -> dict[int, RankPlan]:
