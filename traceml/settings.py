@@ -342,7 +342,7 @@ AGGREGATOR_CHECKPOINT_SEC = Setting(
 KEEP_ALL_STEPS = Setting(
     "",
     "0",
-    "Node 0's store keeps every step row; off: the first and last steps of each rank, a "
+    "Node 0's store keeps every step row; off: each rank's first and last steps, the "
     "findings' evidence and a uniform sample (docs/storage.md).",
     kind=BOOL,
     readers=(_L, _A),
