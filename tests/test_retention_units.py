@@ -12,6 +12,7 @@ from traceml_aggregator.retention import (
     HELD_STEPS,
     ONSET_NEIGHBOURHOOD_STEPS,
     SPIKE_FACTOR,
+    STATE_META_KEY,
     Policy,
     Pruner,
     RankPlan,
@@ -25,8 +26,11 @@ STEP_US = 25_000
 class _Store:
     """What a :class:`Pruner` reads of the store at its start: ``meta``."""
 
+    def __init__(self, meta: dict[str, str] | None = None) -> None:
+        self._meta = meta or {}
+
     def meta(self) -> dict[str, str]:
-        return {}
+        return self._meta
 
 
 def _rows(rank: int, steps: range, step_us, *, restart: int = 0, rowid0: int = 1) -> dict:
@@ -93,6 +97,18 @@ def test_evidence_is_capped_per_rank():
     assert pruner.evidence_kept == {0: 10}
     pruner.drop(plans, _rows(0, range(1_001, 2_001), lambda i: STEP_US * 3, rowid0=1_001))
     assert pruner.evidence_kept == {0: 10}
+
+
+def test_the_evidence_cap_outlives_a_restart_through_the_stored_state():
+    policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=10)
+    pruner = Pruner(_Store(), policy)
+    plans = {0: RankPlan(0, 10_000, 20, float(STEP_US))}
+    pruner.drop(plans, _rows(0, range(1, 1_001), lambda i: STEP_US * (3 if i % 10 == 0 else 1)))
+    pruner.held.clear()  # held rows are read back from a real store (tests/test_retention.py)
+    restarted = Pruner(_Store({STATE_META_KEY: pruner.state()}), policy)
+    assert restarted.evidence_kept == {0: 10}
+    restarted.drop(plans, _rows(0, range(1_001, 2_001), lambda i: STEP_US * 3, rowid0=1_001))
+    assert restarted.evidence_kept == {0: 10}
 
 
 def test_an_onset_at_a_prunes_boundary_keeps_its_neighbourhood_through_the_held_rows():

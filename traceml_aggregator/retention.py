@@ -14,7 +14,7 @@ rank's latest attempt (docs/storage.md; the knobs are in :mod:`traceml.settings`
   of the step index (so the same indices on every rank, aligned step for step), and every step
   the rank's final series may still hold (the hash at the series' current level: the series
   only ever drops steps, so every step it ends with stays raw);
-* a finding's evidence, at most ``TRACEML_STORE_EVIDENCE_STEPS`` per rank and aggregator start:
+* a finding's evidence, at most ``TRACEML_STORE_EVIDENCE_STEPS`` per rank over the run:
   the spikes (a step at least :data:`SPIKE_FACTOR` times the rank's median step) and the
   neighbourhood (:data:`ONSET_NEIGHBOURHOOD_STEPS` either side) of an onset (the best
   two-segment split of the rank's step time, :func:`traceml.analysis.onset.change_point`,
@@ -27,7 +27,11 @@ highest rowid (SQLite would hand it out again, below a later checkpoint's mark).
 aggregator seeds from that checkpoint and folds only the rows above its mark, which are all
 there. The rowid the pruning reached is kept in ``meta`` (:data:`PRUNED_META_KEY`) in the
 transaction of each chunk's deletes, so an aggregator killed mid-prune leaves a store whose
-rows below the mark are partly pruned, which the next prune finishes.
+rows below the mark are partly pruned, which the next prune finishes. With the mark that ends
+a round goes the :meth:`Pruner.state` (:data:`STATE_META_KEY`: each rank's evidence count and
+the rowids of the rows held for the next prune), so a restart keeps counting against the
+same cap and decides the held rows with its first prune. A clean stop prunes once more after
+its last checkpoint, so the bound (:func:`most_rows_kept`) holds at the end of the run too.
 
 Ingest: the rows are read, and deleted, :data:`CHUNK_ROWS` at a time, each in one call on the
 writer's thread (its own transaction), so a transaction of batches waits at most one chunk; the
@@ -37,6 +41,7 @@ choice of rows runs on a thread of its own.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from dataclasses import dataclass
 
@@ -52,6 +57,8 @@ _log = log.get("aggregator")
 
 #: ``meta`` key: the ``steps`` rowid up to which the rows were pruned (absent: never).
 PRUNED_META_KEY = "steps_pruned_upto"
+#: ``meta`` key: the :meth:`Pruner.state` (evidence kept a rank, held rows) at that mark.
+STATE_META_KEY = "steps_prune_state"
 #: Rows read, or deleted, in one call of the writer's thread (one transaction): ~15-80 ms of it
 #: (benchmarks/retention.py), as long as a transaction of batches at most.
 CHUNK_ROWS = 16_384
@@ -141,6 +148,10 @@ def evidence(steps: np.ndarray, step_us: np.ndarray, median_step_us: float | Non
     keep = np.zeros(len(steps), dtype=bool)
     if median_step_us:
         keep |= step_us >= SPIKE_FACTOR * median_step_us
+    # the onset is looked for without the spikes: a spike in a short range would otherwise be
+    # its best split, and its neighbourhood would use up the cap before a real onset comes
+    flat = np.flatnonzero(~keep)
+    steps, step_us = steps[flat], step_us[flat]
     if len(steps) >= 2 * th.ONSET_MIN_STEPS:
         order = np.argsort(steps, kind="stable")
         cp = change_point(steps[order].tolist(), (step_us[order] / 1000.0).tolist())
@@ -156,7 +167,7 @@ def evidence(steps: np.ndarray, step_us: np.ndarray, median_step_us: float | Non
                 at = int(np.searchsorted(ordered, cp["onset_step"]))
                 lo = ordered[max(0, at - bucket)] - ONSET_NEIGHBOURHOOD_STEPS
                 hi = ordered[min(len(steps) - 1, at + bucket)] + ONSET_NEIGHBOURHOOD_STEPS
-                keep |= (steps >= lo) & (steps <= hi)
+                keep[flat] |= (steps >= lo) & (steps <= hi)
     return keep
 
 
@@ -170,15 +181,45 @@ class Pruner:
 
     def __init__(self, store, policy: Policy) -> None:
         self.policy = policy
+        meta = store.meta()
         #: The rowid up to which the rows were pruned.
-        self.done_upto = int(store.meta().get(PRUNED_META_KEY) or 0)
-        #: rank -> rows kept as evidence by this aggregator (bounded by the policy).
-        self.evidence_kept: dict[int, int] = {}
+        self.done_upto = int(meta.get(PRUNED_META_KEY) or 0)
+        state = json.loads(meta.get(STATE_META_KEY) or "{}")
+        #: rank -> rows kept as evidence (bounded by the policy), over every aggregator start
+        #: of the run (stored with the prune's mark).
+        self.evidence_kept: dict[int, int] = {
+            int(rank): n for rank, n in state.get("evidence_kept", {}).items()
+        }
         #: Rows deleted by this aggregator.
         self.deleted = 0
         #: rank -> its rows held back for its next prune (see :meth:`drop`): columns
-        #: ``rowid``, ``step``, ``step_us`` and the attempt, ``restart``.
+        #: ``rowid``, ``step``, ``step_us`` and the attempt, ``restart`` (their rowids are
+        #: stored with the prune's mark, and read back here after a restart).
         self.held: dict[int, dict] = {}
+        held = state.get("held", [])
+        for start in range(0, len(held), 500):
+            part = held[start : start + 500]
+            found = store.query(
+                "SELECT rowid, rank, restart, step, step_us FROM steps WHERE rowid IN "
+                f"({','.join('?' * len(part))}) ORDER BY rowid",
+                tuple(part),
+                by_name=False,
+            )
+            for rowid, rank, restart, step, step_us in found:
+                h = self.held.setdefault(rank, {"rowid": [], "step": [], "step_us": []})
+                h["restart"] = restart
+                for name, value in (("rowid", rowid), ("step", step), ("step_us", step_us)):
+                    h[name].append(value)
+        for h in self.held.values():
+            for name in ("rowid", "step", "step_us"):
+                h[name] = np.array(h[name], dtype=np.int64)
+
+    def state(self) -> str:
+        """The pruner's state a restart needs (:data:`STATE_META_KEY`): the evidence kept a
+        rank and the held rows' rowids, as JSON."""
+        held = [int(r) for h in self.held.values() for r in h["rowid"]]
+        evidence = {str(rank): n for rank, n in self.evidence_kept.items()}
+        return json.dumps({"evidence_kept": evidence, "held": held}, separators=(",", ":"))
 
     def drop(self, plans: dict[int, RankPlan], rows: dict[str, np.ndarray]) -> np.ndarray:
         """The rowids of ``rows`` (int64 columns ``rowid``, ``rank``, ``restart``, ``step``,
@@ -241,12 +282,18 @@ class Pruner:
         while self.done_upto < top:
             hi = min(top, self.done_upto + ROUND_ROWS)
             rows = await self._read(writer, self.done_upto, hi)
-            drop = (await asyncio.to_thread(self.drop, plans, rows)).tolist()
-            for start in range(0, max(1, len(drop)), CHUNK_ROWS):
-                chunk = drop[start : start + CHUNK_ROWS]
-                last = start + CHUNK_ROWS >= len(drop)
-                mark = hi if last else self.done_upto  # recorded with the chunk's deletes
-                await writer.call(writer.store.delete_steps, chunk, PRUNED_META_KEY, mark)
+            before = dict(self.held), dict(self.evidence_kept)
+            try:
+                drop = (await asyncio.to_thread(self.drop, plans, rows)).tolist()
+                for start in range(0, max(1, len(drop)), CHUNK_ROWS):
+                    chunk = drop[start : start + CHUNK_ROWS]
+                    meta = {PRUNED_META_KEY: str(self.done_upto)}
+                    if start + CHUNK_ROWS >= len(drop):  # the round's mark and state with it
+                        meta = {PRUNED_META_KEY: str(hi), STATE_META_KEY: self.state()}
+                    await writer.call(writer.store.delete_steps, chunk, meta)
+            except BaseException:  # the round is taken up again from the state before it
+                self.held, self.evidence_kept = before
+                raise
             deleted += len(drop)
             self.done_upto = hi
             if backlog and hi < top:

@@ -48,6 +48,7 @@ from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.live.rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Pruner
+from traceml_aggregator.retention import plans as retention_plans
 from traceml_aggregator.retention import run as run_retention
 from traceml_aggregator.script_world import ScriptWorld, store_record
 from traceml_aggregator.senders import BATCH_ONLY, Rejections, check_batch
@@ -656,6 +657,12 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await checkpointer.write()
     except Exception as exc:
         _log.warning(f"cannot store the live aggregates' checkpoint: {exc}")
+    if pruning is not None and pruner is not None:  # the rows the last checkpoint covers
+        await asyncio.gather(pruning, return_exceptions=True)
+        try:
+            await pruner.prune(writer, checkpointer.committed_from, retention_plans(live))
+        except Exception as exc:
+            _log.warning(f"retention: cannot prune the step rows: {exc}")
     if otlp_push is not None:  # the run's last figures, after its last batches
         await otlp_push.final()
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None

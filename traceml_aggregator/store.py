@@ -508,9 +508,9 @@ class Store:
         entry of the table's b-tree."""
         return self._db.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
 
-    def delete_steps(self, rowids: list[int], meta_key: str, meta_value: int) -> None:
-        """Delete the ``steps`` rows of ``rowids`` and set ``meta_key`` to ``meta_value``, in
-        one transaction (the retention's prune: :mod:`traceml_aggregator.retention`).
+    def delete_steps(self, rowids: list[int], meta: dict[str, str]) -> None:
+        """Delete the ``steps`` rows of ``rowids`` and set the ``meta`` keys to their values,
+        in one transaction (the retention's prune: :mod:`traceml_aggregator.retention`).
 
         Raises:
             sqlite3.Error: the disk (full, I/O error); nothing was deleted.
@@ -519,7 +519,7 @@ class Store:
         db.execute("BEGIN")
         try:
             db.executemany("DELETE FROM steps WHERE rowid = ?", ((r,) for r in rowids))
-            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (meta_key, str(meta_value)))
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
             db.execute("COMMIT")
         except BaseException:
             self._rollback()
