@@ -385,7 +385,9 @@ def run_world(
     its figures (records/s, ack median and p99 in s, connect s, server CPU % of a core, RSS
     bytes). Without ``summary_at_stop`` the aggregator writes no summary when stopped."""
     metrics_port = free_port()
-    extra = () if summary_at_stop else ("--no-summary-at-stop",)
+    # Every step stays (the store's count is checked below); the retention's prune is timed by
+    # benchmarks/retention.py.
+    extra = ("--keep-all-steps",) + (() if summary_at_stop else ("--no-summary-at-stop",))
     extra += ("--metrics-port", str(metrics_port)) if metrics or scrapers else ()
     with (
         tempfile.TemporaryDirectory() as tmp,

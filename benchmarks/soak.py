@@ -227,6 +227,7 @@ class Soak:
         self.run_dir = tmp / "run"
         self.stall_file = tmp / "commit-stall"
         self.base_args = [
+            "--keep-all-steps",  # every acknowledged step stays: the losses are counted
             "--finalize-timeout-sec",
             str(args.finalize_timeout_sec),
             *args.aggregator_arg,

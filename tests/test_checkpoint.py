@@ -101,8 +101,12 @@ def test_two_million_steps_restart_from_checkpoint_serves_in_bound_as_a_replay(t
 
 def test_sigkill_mid_run_restart_loses_nothing_and_knows_what_a_replay_knows(tmp_path):
     run_dir = tmp_path / "run"
-    agg = LiveAggregator(
-        run_dir, RUN, world_size=1, env={"TRACEML_AGGREGATOR_CHECKPOINT_SEC": "0.2"}
+    agg = LiveAggregator(  # every step kept: each is counted in the store below
+        run_dir,
+        RUN,
+        world_size=1,
+        extra_args=("--keep-all-steps",),
+        env={"TRACEML_AGGREGATOR_CHECKPOINT_SEC": "0.2"},
     )
     total = 3000
     warnings: list[str] = []

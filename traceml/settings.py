@@ -336,6 +336,54 @@ AGGREGATOR_CHECKPOINT_SEC = Setting(
     readers=(_A,),
 )
 
+# --- the store's retention (traceml_aggregator/retention.py, docs/storage.md) --------------
+# The defaults keep a 3-day, 8,000-rank run at 2 steps/s under 20 GiB of steps
+# (benchmarks/store_bytes.py prints the arithmetic from a real store's bytes per row).
+KEEP_ALL_STEPS = Setting(
+    "",
+    "0",
+    "Node 0's store keeps every step row; off: each rank's first and last steps, the "
+    "findings' evidence and a uniform sample (docs/storage.md).",
+    kind=BOOL,
+    readers=(_L, _A),
+    flag="--keep-all-steps",
+    passed_as="--keep-all-steps",
+)
+STORE_FIRST_STEPS = Setting(
+    "TRACEML_STORE_FIRST_STEPS",
+    "1000",
+    "Steps of each rank kept raw from its start (step index below this).",
+    kind=NON_NEGATIVE,
+    unit="steps",
+    readers=(_A,),
+)
+STORE_LAST_STEPS = Setting(
+    "TRACEML_STORE_LAST_STEPS",
+    "1000",
+    "Each rank's latest steps kept raw (never pruned while they are its latest).",
+    kind=COUNT,
+    unit="steps",
+    readers=(_A,),
+)
+STORE_SAMPLE_EVERY = Setting(
+    "TRACEML_STORE_SAMPLE_EVERY",
+    "128",
+    "Beyond the first and last steps, one step in this many (the same step indices on every "
+    "rank) is kept raw.",
+    kind=COUNT,
+    unit="steps",
+    readers=(_A,),
+)
+STORE_EVIDENCE_STEPS = Setting(
+    "TRACEML_STORE_EVIDENCE_STEPS",
+    "4096",
+    "Most steps of each rank kept raw as a finding's evidence (spikes, an onset's "
+    "neighbourhood) per aggregator start.",
+    kind=NON_NEGATIVE,
+    unit="steps",
+    readers=(_A,),
+)
+
 AUTO_INSTRUMENT = Setting(
     "TRACEML_AUTO_INSTRUMENT",
     "1",

@@ -66,8 +66,9 @@ _SHIFT = np.uint64(32)
 _NAN = float("nan")
 
 
-def _keep_mask(steps: np.ndarray, level: int) -> np.ndarray:
-    """Which of ``steps`` (int64 indices) the sample keeps at ``level``."""
+def keep_mask(steps: np.ndarray, level: int) -> np.ndarray:
+    """Which of ``steps`` (int64 indices) the sample keeps at ``level`` (one in 2**level; the
+    store's retention keeps the same ones: :mod:`traceml_aggregator.retention`)."""
     if level == 0:
         return np.ones(len(steps), dtype=bool)
     mixed = (steps.astype(np.uint64) * _HASH) >> _SHIFT
@@ -112,7 +113,7 @@ class _Series:
             for name, kept in self.sample.items():
                 kept.extend(chunk[name])
         else:
-            keep = _keep_mask(np.array(chunk["step"], dtype=np.int64), self.level)
+            keep = keep_mask(np.array(chunk["step"], dtype=np.int64), self.level)
             picked = np.flatnonzero(keep).tolist()
             if picked:
                 pick = operator.itemgetter(*picked, picked[0])  # a tuple even for one
@@ -120,7 +121,7 @@ class _Series:
                     kept.extend(pick(chunk[name])[:-1])
         while len(self.sample["step"]) > self.bound:
             self.level += 1
-            mask = _keep_mask(np.array(self.sample["step"], dtype=np.int64), self.level)
+            mask = keep_mask(np.array(self.sample["step"], dtype=np.int64), self.level)
             stay = np.flatnonzero(mask).tolist()
             self.sample = {name: [kept[i] for i in stay] for name, kept in self.sample.items()}
 
@@ -207,6 +208,12 @@ class StepState:
         """The last ``count`` window steps, as one list per step field."""
         size = len(self.window["step"])
         return {name: list(islice(w, size - count, size)) for name, w in self.window.items()}
+
+    @property
+    def series_level(self) -> int:
+        """The series' sampling level: it holds only steps :func:`keep_mask` keeps at this
+        level (0: every step), and only ever goes up."""
+        return self._series.level
 
     @property
     def digest(self) -> RankDigest:

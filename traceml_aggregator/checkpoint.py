@@ -16,12 +16,14 @@ is of two kinds:
 
 A :class:`Checkpoint` holds the second kind with, for each part, the store's rowid up to which
 it covers its table. The rows of an SQLite table without an ``INTEGER PRIMARY KEY`` get
-increasing rowids as they are inserted (the store never deletes a row, and nothing vacuums it
-during a run), so "the rows stored after the checkpoint" is the rowid range above its mark: a
-range scan of the table's b-tree, O(those rows). :meth:`LiveAggregates.seed` loads the
-checkpoint and folds in only those rows; with no checkpoint (a new store, one an older TraceML
-wrote, or one this version cannot read) it folds in every row, which is the full replay, and
-the two give the same aggregates (tests/test_checkpoint.py).
+increasing rowids as they are inserted (nothing vacuums the store during a run, and the
+retention's prune, :mod:`traceml_aggregator.retention`, deletes only rows at or below a
+committed checkpoint's mark, never the highest one), so "the rows stored after the
+checkpoint" is the rowid range above its mark: a range scan of the table's b-tree, O(those
+rows). :meth:`LiveAggregates.seed` loads the checkpoint and folds in only those rows; with
+no checkpoint (a new store, one an older TraceML wrote, or one this version cannot read) it
+folds in every row, which is the full replay, and the two give the same aggregates
+(tests/test_checkpoint.py).
 
 Where it is kept: one row of the store's ``live_checkpoint`` table, replaced in a transaction
 of its own (:meth:`~traceml_aggregator.store.Store.write_live_checkpoint`), so a SIGKILL at any
@@ -255,6 +257,8 @@ class Checkpointer:
         self._copied: dict[int, tuple[int, int]] = {}
         #: Checkpoints written, and the size of the last one (bytes).
         self.written = 0
+        #: The ``steps_from`` of the latest checkpoint committed (0: none yet).
+        self.committed_from = 0
         self.last_bytes = 0
 
     async def _copy_ranks(self) -> tuple[int, dict[int, tuple[int, bytes]]]:
@@ -281,6 +285,7 @@ class Checkpointer:
         steps_from, ranks = await self._copy_ranks()
         self.last_bytes = await self.writer.call(self._store, steps_from, ranks)
         self.written += 1
+        self.committed_from = steps_from
         if self.written == 1:
             _log.info(f"live aggregates checkpointed ({self.last_bytes} bytes, {len(ranks)} ranks)")
 

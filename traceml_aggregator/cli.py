@@ -109,6 +109,7 @@ def serve_command(
     tls_key: Path | None = option(settings.TLS_KEY),
     max_concurrent_rpcs: int = option(settings.MAX_CONCURRENT_RPCS),
     max_queued_bytes: int = option(settings.MAX_QUEUED_BYTES),
+    keep_all_steps: bool = option(settings.KEEP_ALL_STEPS, negatable=False),
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit code (see the module docstring)."""
     from traceml_aggregator.server import BindError, ServerConfig, finalize_offline, serve
@@ -176,6 +177,7 @@ def serve_command(
         tls_key=tls_key,
         max_concurrent_rpcs=max_concurrent_rpcs,
         max_queued_bytes=max_queued_bytes,
+        keep_all_steps=keep_all_steps,
         metrics_port=metrics_port,
         metrics_bind_host=metrics_bind_host,
         dashboard_port=dashboard_port,

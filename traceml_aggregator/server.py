@@ -47,6 +47,9 @@ from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.live.rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
+from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Pruner
+from traceml_aggregator.retention import plans as retention_plans
+from traceml_aggregator.retention import run as run_retention
 from traceml_aggregator.script_world import ScriptWorld, store_record
 from traceml_aggregator.senders import BATCH_ONLY, Rejections, check_batch
 from traceml_aggregator.sessions import NodeSessions
@@ -130,6 +133,11 @@ class ServerConfig:
     checkpoint_interval_s: float = field(
         default_factory=lambda: settings.read(settings.AGGREGATOR_CHECKPOINT_SEC)
     )
+    #: ``--keep-all-steps``: no retention, the store keeps every step row (see
+    #: :mod:`traceml_aggregator.retention`).
+    keep_all_steps: bool = settings.KEEP_ALL_STEPS.value
+    #: What the store keeps of the steps otherwise: the ``TRACEML_STORE_*`` knobs.
+    retention: Policy = field(default_factory=Policy.from_settings)
 
     @property
     def tls(self) -> tuple[Path, Path] | None:
@@ -159,6 +167,11 @@ def seed(live: LiveAggregates, store: Store) -> Checkpoint:
     returns the checkpoint the next ones start from."""
     started = time.monotonic()
     checkpoint = live.seed(store, read_checkpoint(store))
+    if not checkpoint.steps_from and store.meta().get(PRUNED_META_KEY):
+        _log.warning(
+            "the store's step rows were pruned (retention) and no checkpoint of the live "
+            "aggregates could be read: the summary covers the kept steps only (a sample)"
+        )
     if store.steps_rowid:
         _log.info(
             f"live aggregates seeded in {time.monotonic() - started:.2f} s: "
@@ -446,6 +459,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
 
     writer = Writer(store, on_stored, config.max_queued_bytes)
     checkpointer = Checkpointer(checkpoint, live, writer)
+    pruner = None if config.keep_all_steps else Pruner(store, config.retention)
     rejections = Rejections()
     rejections.restore(
         store.meta().get(REJECTED_META_KEY), store.meta().get(REJECTED_REASONS_META_KEY)
@@ -604,6 +618,11 @@ async def serve(config: ServerConfig, ready=None) -> int:
     checkpoints = asyncio.get_running_loop().create_task(
         checkpointer.run(config.checkpoint_interval_s)
     )
+    pruning = None
+    if pruner is not None:
+        pruning = asyncio.get_running_loop().create_task(
+            run_retention(pruner, checkpointer, live, config.checkpoint_interval_s)
+        )
     if otlp_push is not None:
         otlp_push.start()
     if ready is not None:
@@ -630,6 +649,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
     node_watch.cancel()
     records_keeper.cancel()
     checkpoints.cancel()
+    if pruning is not None:
+        pruning.cancel()
     await server.stop(grace=1.0)
     if metrics_server is not None:
         metrics_server.shutdown()
@@ -641,6 +662,12 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await checkpointer.write()
     except Exception as exc:
         _log.warning(f"cannot store the live aggregates' checkpoint: {exc}")
+    if pruning is not None and pruner is not None:  # the rows the last checkpoint covers
+        await asyncio.gather(pruning, return_exceptions=True)
+        try:
+            await pruner.prune(writer, checkpointer.committed_from, retention_plans(live))
+        except Exception as exc:
+            _log.warning(f"retention: cannot prune the step rows: {exc}")
     if otlp_push is not None:  # the run's last figures, after its last batches
         await otlp_push.final()
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None

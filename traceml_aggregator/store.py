@@ -508,6 +508,23 @@ class Store:
         entry of the table's b-tree."""
         return self._db.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
 
+    def delete_steps(self, rowids: list[int], meta: dict[str, str]) -> None:
+        """Delete the ``steps`` rows of ``rowids`` and set the ``meta`` keys to their values,
+        in one transaction (the retention's prune: :mod:`traceml_aggregator.retention`).
+
+        Raises:
+            sqlite3.Error: the disk (full, I/O error); nothing was deleted.
+        """
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            db.executemany("DELETE FROM steps WHERE rowid = ?", ((r,) for r in rowids))
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
+            db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
     def write_live_checkpoint(self, state: bytes, written_unix_us: int) -> None:
         """Replace the live aggregates' checkpoint (:mod:`traceml_aggregator.checkpoint`) by
         ``state``, in one transaction of its own: after a crash at any moment the store holds

@@ -1,0 +1,253 @@
+"""Retention (traceml_aggregator/retention.py): a run longer than the raw window gives the same
+summary as the same run with ``--keep-all-steps``: the same verdict, per-rank figures, onsets
+and spike steps; any difference is a failure. Real ``traceml-aggregator`` processes over real
+gRPC and SQLite, simulated ranks with a planted straggler (from an onset on), spikes and an
+aggregator SIGKILL once the store was pruned; small windows through the ``TRACEML_STORE_*``
+knobs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from helpers.aggregator import LiveAggregator, finish, query
+from restart import build_store, finalize_only  # benchmarks/ (on the path)
+
+from traceml import wire
+from traceml.core.transport import open_channel
+from traceml.wire.records import add_steps
+from traceml_aggregator.aggregates import keep_mask, series_steps
+from traceml_aggregator.retention import (
+    ONSET_NEIGHBOURHOOD_STEPS,
+    PRUNED_META_KEY,
+    Policy,
+    most_rows_kept,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.aggregator]
+
+RUN = "retain"
+WORLD = 4
+STEPS = 20_000
+PER_BATCH = 100
+#: The straggler: from ONSET on, its input wait grows by SLOW_US a step.
+STRAGGLER, ONSET, SLOW_US = 2, 9_000, 12_000
+#: Every SPIKE_EVERY steps, every rank's step holds SPIKE_US more outside every phase
+#: (a checkpoint save inside the step: a residual spike).
+SPIKE_EVERY, SPIKE_US = 50, 200_000
+#: The raw window: small, so the run is 50x longer than it; evidence capped above the
+#: planted spikes and onset.
+FIRST, LAST, SAMPLE_EVERY, EVIDENCE = 200, 200, 64, 600
+RETENTION_ENV = {
+    "TRACEML_STORE_FIRST_STEPS": str(FIRST),
+    "TRACEML_STORE_LAST_STEPS": str(LAST),
+    "TRACEML_STORE_SAMPLE_EVERY": str(SAMPLE_EVERY),
+    "TRACEML_STORE_EVIDENCE_STEPS": str(EVIDENCE),
+    "TRACEML_AGGREGATOR_CHECKPOINT_SEC": "0.2",
+}
+#: The SIGKILL comes after this many steps of every rank (once the store was pruned).
+KILL_AT = 12_000
+
+
+def _row(rank: int, i: int) -> dict[str, int]:
+    jitter = (rank * 7 + i * 13) % 400  # µs, deterministic
+    slow = SLOW_US if rank == STRAGGLER and i >= ONSET else 0
+    spike = SPIKE_US if i % SPIKE_EVERY == SPIKE_EVERY - 1 else 0
+    step_us = 25_000 + jitter + slow + spike
+    return {
+        "step": i,
+        "end_us": (i + 1) * 60_000,
+        "step_us": step_us,
+        "input_wait_us": 1_000 + slow,
+        "forward_us": 6_000 + jitter,
+        "backward_us": 14_000,
+        "optimizer_us": 2_000,
+    }
+
+
+def _push(target: str, first: int, last: int) -> None:
+    """Steps ``first .. last - 1`` of every rank, PER_BATCH a batch, each acknowledged."""
+    with open_channel(target) as channel:
+        stub = wire.AggregatorStub(channel)
+        for start in range(first, last, PER_BATCH):
+            seq = start // PER_BATCH + 1
+            for rank in range(WORLD):
+                batch = wire.Batch(run_name=RUN, rank=rank, seq=seq)
+                if seq == 1:
+                    batch.identity.CopyFrom(
+                        wire.RankIdentity(
+                            run_name=RUN,
+                            rank=rank,
+                            local_rank=rank,
+                            world_size=WORLD,
+                            hostname="node0",
+                            start_unix_us=1_700_000_000_000_000,
+                        )
+                    )
+                add_steps(batch, (_row(rank, i) for i in range(start, start + PER_BATCH)))
+                if start + PER_BATCH >= STEPS:
+                    batch.finish.CopyFrom(finish(STEPS))
+                ack = stub.Push(batch, timeout=60.0)
+                assert ack.stored_seq == seq and not ack.rejected, ack
+
+
+def _summary(run_dir) -> dict:
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    doc.pop("generated_unix_s", None)
+    return doc
+
+
+def _run(run_dir, extra_args: tuple[str, ...]) -> LiveAggregator:
+    """The planted run on a real aggregator: the first KILL_AT steps, a SIGKILL once a
+    checkpoint committed (and, with retention, once the store was pruned), a restart on the
+    same store, the rest of the steps, a clean stop (which writes the summary)."""
+    run_dir.parent.mkdir(parents=True)
+    agg = LiveAggregator(run_dir, RUN, world_size=WORLD, extra_args=extra_args, env=RETENTION_ENV)
+    with agg:
+        _push(agg.target, 0, KILL_AT)
+        # pruned (logged once the deletes and the prune's mark committed), or checkpointed
+        wanted = "retention: pruned" if not extra_args else "live aggregates checkpointed"
+        deadline = time.monotonic() + 60
+        while wanted not in agg.log():
+            assert time.monotonic() < deadline, agg.log()
+            time.sleep(0.05)
+        assert agg.kill() == -9
+        agg.start()  # from the checkpoint
+        _push(agg.target, KILL_AT, STEPS)
+        while agg.log().count(wanted) < 2:  # the restarted aggregator's own first one
+            assert time.monotonic() < deadline + 60, agg.log()
+            time.sleep(0.05)
+        assert agg.stop(timeout_s=120) == 0
+    assert "cannot seed" not in agg.log() and "retention: cannot" not in agg.log()
+    return agg
+
+
+def _findings(doc: dict) -> list[dict]:
+    """The primary diagnosis and every finding, in the document's order."""
+    listed = [f for kind in doc["findings"].values() for f in kind]
+    return [doc["primary_diagnosis"], *listed] if doc["primary_diagnosis"] else listed
+
+
+def _spike_steps(doc: dict) -> list[tuple]:
+    """(ranks, spike steps) of each STEP_SPIKES finding."""
+    return [
+        (tuple(f["ranks"]), list(f["evidence"]["steps"]))
+        for f in _findings(doc)
+        if f["kind"] == "STEP_SPIKES"
+    ]
+
+
+def _walk(node, key: str):
+    """Every mapping under ``node`` that has ``key``."""
+    if isinstance(node, dict):
+        if key in node:
+            yield node
+        for value in node.values():
+            yield from _walk(value, key)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value, key)
+
+
+def test_retention_gives_the_keep_all_steps_summary_on_a_run_longer_than_the_raw_window(
+    tmp_path,
+):
+    kept_dir, all_dir = tmp_path / "kept" / RUN, tmp_path / "all" / RUN
+    _run(kept_dir, ())
+    _run(all_dir, ("--keep-all-steps",))
+    kept, every = _summary(kept_dir), _summary(all_dir)
+
+    # The planted run is found at all (so the comparison below cannot pass on two empty runs).
+    assert every["primary_diagnosis"]["kind"] == "INPUT_STRAGGLER"
+    assert every["primary_diagnosis"]["ranks"] == [STRAGGLER]
+    assert {"STEP_SPIKES"} <= {f["kind"] for f in _findings(every)}
+    onsets = [o["onset_step"] for o in _walk(every, "onset_step")]
+    assert onsets and all(abs(o - ONSET) <= SAMPLE_EVERY for o in onsets), onsets
+    spikes = _spike_steps(every)
+    assert spikes and all(len(steps) >= 2 for _, steps in spikes), spikes
+
+    # The same verdict, findings, onsets, spike steps and per-rank figures, then every field
+    # of the document: the per-rank figures come from the same digests and series (the
+    # checkpointed live aggregates), so they are equal, not only within the digest's error.
+    assert kept["primary_diagnosis"] == every["primary_diagnosis"]
+    assert kept["findings"] == every["findings"]
+    assert [o["onset_step"] for o in _walk(kept, "onset_step")] == onsets
+    assert _spike_steps(kept) == spikes
+    assert kept["ranks"] == every["ranks"]
+    for key in sorted(set(kept) | set(every)):
+        assert kept.get(key) == every.get(key), key
+
+    # ... while the retention store holds far fewer raw steps, and all the ones it promises.
+    assert query(all_dir, "SELECT count(*) FROM steps") == [(WORLD * STEPS,)]
+    rows = query(kept_dir, "SELECT rank, step FROM steps")
+    # At most what the policy promises (docs/storage.md), well under the run.
+    policy = Policy(FIRST, LAST, SAMPLE_EVERY, EVIDENCE)
+    bound = most_rows_kept(policy, STEPS, series_steps(WORLD))
+    assert bound < STEPS / 3
+    pruned_upto = int(
+        query(kept_dir, f"SELECT value FROM meta WHERE key = '{PRUNED_META_KEY}'")[0][0]
+    )
+    assert pruned_upto > 0
+    for rank in range(WORLD):
+        steps = {s for r, s in rows if r == rank}
+        assert len(steps) == len([s for r, s in rows if r == rank])  # each once
+        assert len(steps) <= bound, (rank, len(steps), bound)
+        promised = set(range(FIRST)) | set(range(STEPS - LAST, STEPS))
+        every_index = np.arange(STEPS, dtype=np.int64)
+        promised |= set(every_index[keep_mask(every_index, SAMPLE_EVERY.bit_length() - 1)].tolist())
+        promised |= {i for i in range(STEPS) if i % SPIKE_EVERY == SPIKE_EVERY - 1}  # spikes
+        if rank == STRAGGLER:
+            promised |= set(
+                range(ONSET - ONSET_NEIGHBOURHOOD_STEPS, ONSET + ONSET_NEIGHBOURHOOD_STEPS)
+            )
+        missing = sorted(promised - steps)
+        assert not missing, (rank, missing[:20])
+        for ranks, spike_steps in spikes:  # the summary's evidence is there, raw
+            if rank in ranks:
+                assert set(spike_steps) <= steps, (rank, sorted(set(spike_steps) - steps))
+        if rank == STRAGGLER:  # the step the summary names (a series step) is raw too
+            assert set(onsets) <= steps
+
+    # A --finalize-only on the pruned store (from its checkpoint) writes the same summary.
+    (kept_dir / "final_summary.json").unlink()
+    finalize_only(kept_dir, RUN, WORLD)
+    assert _summary(kept_dir) == every
+
+
+def test_a_sigkill_mid_prune_loses_nothing_the_summary_needs(tmp_path):
+    ranks, per_rank = 4, 150_000
+    run_dir = tmp_path / RUN
+    run_dir.mkdir()
+    build_store(run_dir, RUN, ranks, per_rank)
+    whole = LiveAggregator(run_dir, RUN, world_size=ranks, extra_args=("--keep-all-steps",))
+    whole.start(timeout_s=600)  # a full replay, then a checkpoint and a summary at its stop
+    assert whole.stop(timeout_s=300) == 0
+    every = _summary(run_dir)
+    total = ranks * per_rank
+    assert query(run_dir, "SELECT count(*) FROM steps") == [(total,)]
+
+    agg = LiveAggregator(run_dir, RUN, world_size=ranks, env=RETENTION_ENV)
+    with agg:  # the first prune takes the whole backlog, a round at a time: killed after one
+        deadline = time.monotonic() + 120
+        while "retention: backlog pruned up to rowid" not in agg.log():
+            assert time.monotonic() < deadline, agg.log()
+            time.sleep(0.01)
+        assert agg.kill() == -9
+        mark = query(run_dir, f"SELECT value FROM meta WHERE key = '{PRUNED_META_KEY}'")
+        assert 0 < int(mark[0][0]) < total - 1  # the prune had begun, and not finished
+        agg.start()  # from the checkpoint, on a partly pruned store
+        while agg.log().count("retention: pruned") < 1:
+            assert time.monotonic() < deadline + 120, agg.log()
+            time.sleep(0.05)
+        assert agg.stop(timeout_s=120) == 0
+    assert "cannot seed" not in agg.log() and "retention: cannot" not in agg.log()
+    assert _summary(run_dir) == every
+    (kept,) = query(run_dir, "SELECT count(*) FROM steps")[0]
+    assert kept < total // 10, kept
+    # ... and so does a --finalize-only on the pruned store.
+    (run_dir / "final_summary.json").unlink()
+    finalize_only(run_dir, RUN, ranks)
+    assert _summary(run_dir) == every

@@ -1,0 +1,141 @@
+"""The retention's choice of rows (traceml_aggregator/retention.py), on hand-built rows: which
+rows each rule keeps, the evidence cap, the rows held back across prunes so an onset at a
+prune's boundary keeps its neighbourhood. The real aggregator's prunes are
+tests/test_retention.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from traceml_aggregator.aggregates import keep_mask
+from traceml_aggregator.retention import (
+    HELD_STEPS,
+    ONSET_NEIGHBOURHOOD_STEPS,
+    SPIKE_FACTOR,
+    STATE_META_KEY,
+    Policy,
+    Pruner,
+    RankPlan,
+    evidence,
+    sampled,
+)
+
+STEP_US = 25_000
+
+
+class _Store:
+    """What a :class:`Pruner` reads of the store at its start: ``meta``."""
+
+    def __init__(self, meta: dict[str, str] | None = None) -> None:
+        self._meta = meta or {}
+
+    def meta(self) -> dict[str, str]:
+        return self._meta
+
+
+def _rows(rank: int, steps: range, step_us, *, restart: int = 0, rowid0: int = 1) -> dict:
+    n = len(steps)
+    return {
+        "rowid": np.arange(rowid0, rowid0 + n, dtype=np.int64),
+        "rank": np.full(n, rank, dtype=np.int64),
+        "restart": np.full(n, restart, dtype=np.int64),
+        "step": np.array(steps, dtype=np.int64),
+        "step_us": np.array([step_us(i) for i in steps], dtype=np.int64),
+    }
+
+
+def _cat(*parts: dict) -> dict:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def test_the_sample_is_the_series_hash_at_a_power_of_two_and_one_in_n_otherwise():
+    steps = np.arange(1 << 16, dtype=np.int64)
+    assert np.array_equal(sampled(steps, 64), keep_mask(steps, 6))
+    assert sampled(steps, 64).sum() in within_10pct(len(steps) / 64)
+    assert sampled(steps, 100).sum() in within_10pct(len(steps) / 100)
+    assert sampled(steps, 1).all()
+
+
+def within_10pct(expected: float) -> range:
+    """Within 10 % of ``expected`` (a hash's sample of 65,536 indices)."""
+    return range(int(expected * 0.9), int(expected * 1.1) + 1)
+
+
+def test_spikes_and_an_onsets_neighbourhood_are_evidence_nothing_else():
+    steps = np.arange(1_000, 1_400, dtype=np.int64)
+    step_us = np.full(len(steps), STEP_US, dtype=np.int64)
+    step_us[steps >= 1_200] += 12_000  # an onset at 1,200
+    spike_at = [1_050, 1_333]
+    step_us[np.isin(steps, spike_at)] = int(SPIKE_FACTOR * STEP_US) + 1
+    kept = set(steps[evidence(steps, step_us, STEP_US)].tolist())
+    near = set(range(1_200 - ONSET_NEIGHBOURHOOD_STEPS, 1_200 + ONSET_NEIGHBOURHOOD_STEPS + 1))
+    assert kept == near | set(spike_at)
+    flat = np.full(len(steps), STEP_US, dtype=np.int64) + (steps % 7) * 100  # 0-600 µs jitter
+    assert not evidence(steps, flat, STEP_US).any()
+
+
+def test_each_rule_keeps_its_rows_and_the_rest_goes():
+    policy = Policy(first_steps=100, last_steps=50, sample_every=32, evidence_steps=10)
+    pruner = Pruner(_Store(), policy)
+    rows = _rows(0, range(0, 2_000), lambda i: STEP_US + (i % 7) * 100)
+    plans = {0: RankPlan(0, 2_999, 3, float(STEP_US))}  # the rank is at step 2,999
+    gone = set(pruner.drop(plans, rows).tolist())
+    steps = rows["step"]
+    kept = set(rows["rowid"].tolist()) - gone
+    expected = (steps < 100) | sampled(steps, 32) | keep_mask(steps, 3)
+    held = set(pruner.held[0]["rowid"].tolist())
+    assert len(held) == HELD_STEPS
+    assert kept - held == set(rows["rowid"][expected].tolist())
+
+
+def test_evidence_is_capped_per_rank():
+    policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=10)
+    pruner = Pruner(_Store(), policy)
+    rows = _rows(0, range(1, 1_001), lambda i: STEP_US * (3 if i % 10 == 0 else 1))
+    plans = {0: RankPlan(0, 10_000, 20, float(STEP_US))}
+    pruner.drop(plans, rows)
+    assert pruner.evidence_kept == {0: 10}
+    pruner.drop(plans, _rows(0, range(1_001, 2_001), lambda i: STEP_US * 3, rowid0=1_001))
+    assert pruner.evidence_kept == {0: 10}
+
+
+def test_the_evidence_cap_outlives_a_restart_through_the_stored_state():
+    policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=10)
+    pruner = Pruner(_Store(), policy)
+    plans = {0: RankPlan(0, 10_000, 20, float(STEP_US))}
+    pruner.drop(plans, _rows(0, range(1, 1_001), lambda i: STEP_US * (3 if i % 10 == 0 else 1)))
+    pruner.held.clear()  # held rows are read back from a real store (tests/test_retention.py)
+    restarted = Pruner(_Store({STATE_META_KEY: pruner.state()}), policy)
+    assert restarted.evidence_kept == {0: 10}
+    restarted.drop(plans, _rows(0, range(1_001, 2_001), lambda i: STEP_US * 3, rowid0=1_001))
+    assert restarted.evidence_kept == {0: 10}
+
+
+def test_an_onset_at_a_prunes_boundary_keeps_its_neighbourhood_through_the_held_rows():
+    policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=1_000)
+    pruner = Pruner(_Store(), policy)
+    onset = 1_000 - 5  # 5 steps before the first prune's last row
+
+    def step_us(i: int) -> int:
+        return STEP_US + (12_000 if i >= onset else 0)
+
+    plans = {0: RankPlan(0, 100_000, 30, float(STEP_US))}
+    gone = set(pruner.drop(plans, _rows(0, range(0, 1_000), step_us)).tolist())
+    gone |= set(pruner.drop(plans, _rows(0, range(1_000, 2_000), step_us, rowid0=1_001)).tolist())
+    rowid_of_step = {s: s + 1 for s in range(2_000)}
+    for s in range(onset - ONSET_NEIGHBOURHOOD_STEPS, onset + ONSET_NEIGHBOURHOOD_STEPS + 1):
+        assert rowid_of_step[s] not in gone, s
+
+
+def test_earlier_attempts_and_unknown_ranks_are_kept():
+    policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=0)
+    pruner = Pruner(_Store(), policy)
+    rows = _cat(
+        _rows(0, range(0, 500), lambda i: STEP_US, restart=0),
+        _rows(0, range(0, 500), lambda i: STEP_US, restart=1, rowid0=501),
+        _rows(7, range(0, 500), lambda i: STEP_US, rowid0=1_001),
+    )
+    plans = {0: RankPlan(1, 10_000, 30, float(STEP_US))}  # rank 0 is on attempt 1
+    gone = pruner.drop(plans, rows)
+    assert gone.min() >= 501 and gone.max() <= 1_000  # attempt 1 of rank 0 only
+    assert len(gone) == 500 - HELD_STEPS - 1  # step 0: the hash keeps it at every level
