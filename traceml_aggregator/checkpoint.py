@@ -285,9 +285,13 @@ class Checkpointer:
         steps_from, ranks = await self._copy_ranks()
         self.last_bytes = await self.writer.call(self._store, steps_from, ranks)
         self.written += 1
+        first_with_steps = steps_from > 0 and self.committed_from == 0
         self.committed_from = steps_from
-        if self.written == 1:
-            _log.info(f"live aggregates checkpointed ({self.last_bytes} bytes, {len(ranks)} ranks)")
+        if self.written == 1 or first_with_steps:  # then silent: one every interval
+            _log.info(
+                f"live aggregates checkpointed ({self.last_bytes} bytes, {len(ranks)} ranks, "
+                f"the steps stored up to row {steps_from})"
+            )
 
     def _store(self, steps_from: int, ranks: dict) -> int:
         checkpoint = self.checkpoint
