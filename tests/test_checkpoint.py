@@ -66,7 +66,10 @@ def test_two_million_steps_restart_from_checkpoint_serves_in_bound_as_a_replay(t
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     build_store(run_dir, RUN, ranks, per_rank - after)
-    first = LiveAggregator(run_dir, RUN, world_size=ranks)
+    # Every step kept (the store is counted, and replayed, below): retention would prune the
+    # rows a checkpoint covers at the stop (tests/test_retention.py is about that).
+    keep_all = ("--keep-all-steps",)
+    first = LiveAggregator(run_dir, RUN, world_size=ranks, extra_args=keep_all)
     first.start(timeout_s=600)  # no checkpoint yet: a full replay
     assert first.stop(timeout_s=120) == 0  # writes the checkpoint
     assert query(run_dir, "SELECT count(*) FROM live_checkpoint") == [(1,)]
@@ -77,7 +80,7 @@ def test_two_million_steps_restart_from_checkpoint_serves_in_bound_as_a_replay(t
     blob = query(run_dir, "SELECT written_unix_us, state FROM live_checkpoint")[0]
     took = []
     for _ in range(TIMED_STARTS):  # each from the same checkpoint plus the 3,200 steps after it
-        agg = LiveAggregator(run_dir, RUN, world_size=ranks)
+        agg = LiveAggregator(run_dir, RUN, world_size=ranks, extra_args=keep_all)
         started = time.monotonic()
         with agg:
             took.append(time.monotonic() - started)
