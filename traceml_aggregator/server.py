@@ -662,17 +662,19 @@ async def serve(config: ServerConfig, ready=None) -> int:
         await checkpointer.write()
     except Exception as exc:
         _log.warning(f"cannot store the live aggregates' checkpoint: {exc}")
-    if pruning is not None and pruner is not None:  # the rows the last checkpoint covers
-        await asyncio.gather(pruning, return_exceptions=True)
-        try:
-            await pruner.prune(writer, checkpointer.committed_from, retention_plans(live))
-        except Exception as exc:
-            _log.warning(f"retention: cannot prune the step rows: {exc}")
     if otlp_push is not None:  # the run's last figures, after its last batches
         await otlp_push.final()
     outcome = await finalizer.finalize_on_stop() if config.summary_at_stop else None
     if outcome is not None:
         _log.info(f"summary written at stop: {outcome.json_path or outcome.error}")
+    # The rows the last checkpoint covers, once the summary is written (it reads none of them):
+    # a store kept whole so far takes seconds a million rows, and a stop may be cut short.
+    if pruning is not None and pruner is not None:
+        await asyncio.gather(pruning, return_exceptions=True)
+        try:
+            await pruner.prune(writer, checkpointer.committed_from, retention_plans(live))
+        except Exception as exc:
+            _log.warning(f"retention: cannot prune the step rows: {exc}")
     await store_run_records()  # the latest, also without reports
     await writer.close()
     live.close()
