@@ -46,6 +46,7 @@ def test_real_report_and_view_print_the_same_text(planted, tmp_path):
         "fwd",
         "bwd",
         "opt",
+        "comm",
         "resid",
     ]
     assert lines[table + 2].split()[:3] == ["0", "0", "30"]
