@@ -161,6 +161,19 @@ def test_job_slowdown_and_drift():
     assert p["evidence"]["rate_ms_per_1000_steps"] == pytest.approx(100.0, rel=0.01)
 
 
+def test_drift_needs_drift_min_steps_in_the_window():
+    """A line that rises by half the step over too short a window is no STEP_TIME_DRIFT."""
+    from traceml.analysis import thresholds as th
+
+    def kinds(window_steps: int) -> list[str]:
+        n = th.WARMUP_STEPS + window_steps
+        run = run_of([rank(0, [step(i, residual=20 * MS + MS * i) for i in range(n)])])
+        return [f["kind"] for f in build_summary(run)["findings"]["step_time"]]
+
+    assert "STEP_TIME_DRIFT" not in kinds(th.DRIFT_MIN_STEPS - 1)
+    assert "STEP_TIME_DRIFT" in kinds(th.DRIFT_MIN_STEPS)
+
+
 def test_compare_interval_is_seeded_and_decides_the_gate():
     import random
 

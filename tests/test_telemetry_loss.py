@@ -391,18 +391,18 @@ def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links,
             env={**env, "GLOO_SOCKET_IFNAME": links["train"][node]},
         )
     err1 = tmp_path / "node1.err"
-    rss: list[tuple[float, int]] = []
+    rss: list[tuple[float, dict[int, int]]] = []  # (unix s, rank -> RSS bytes)
     try:
         wait_logged(step_log, 1, 100, procs[1], err1)
-        rank1 = rank_process(procs[1], 1)
+        pids = {rank: rank_process(procs[rank], rank).pid for rank in (0, 1)}
         end_before = time.time() + 6.0
         while time.time() < end_before:
-            rss.append((time.time(), rss_bytes(rank1.pid)))
+            rss.append((time.time(), {r: rss_bytes(pid) for r, pid in pids.items()}))
             time.sleep(0.25)
         cut_at = time.time()
         ip("-n", netns[1], "link", "set", links["tel"][1], "down")
         while time.time() < cut_at + PARTITION_S:
-            rss.append((time.time(), rss_bytes(rank1.pid)))
+            rss.append((time.time(), {r: rss_bytes(pid) for r, pid in pids.items()}))
             time.sleep(0.25)
         ip("-n", netns[1], "link", "set", links["tel"][1], "up")
         restored_at = time.time()
@@ -427,10 +427,15 @@ def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links,
     print(f"\npartition: step time inside/outside {ratios}")
     assert all(abs(ratio - 1) < 0.05 for ratio in ratios.values()), ratios
 
-    # Rank 1's memory during the partition stays within its buffer's documented bound.
-    before = statistics.median([b for t, b in rss if t < cut_at])
-    during = max(b for t, b in rss if t >= cut_at)
-    assert during - before <= PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES, (before, during)
+    # Rank 1's memory grows during the partition by at most its buffer's documented bound
+    # beyond rank 0's growth in the same seconds: rank 0 runs the same steps and collectives,
+    # not cut off, so its growth is what is not the partition's (the ring of collective events
+    # filling, EVENTS_KEPT, and the allocator's churn).
+    growth = {}
+    for rank in (0, 1):
+        before = statistics.median([b[rank] for t, b in rss if t < cut_at])
+        growth[rank] = max(b[rank] for t, b in rss if t >= cut_at) - before
+    assert growth[1] - growth[0] <= PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES, growth
 
     # received + dropped = produced, exactly, for each rank; drops only where cut off.
     run_dir = tmp_path / "host0" / "partition"
@@ -451,7 +456,8 @@ def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links,
     assert [(n["node_rank"], n["lost_after_s"]) for n in losses] == [(1, PARTITION_LOST_AFTER_S)]
     assert cut_at < losses[0]["lost_unix_s"] < restored_at <= losses[0]["resumed_unix_s"], losses
     print(
-        f"partition: rank 1 RSS +{(during - before) / 1024:.0f} KiB (bound "
+        f"partition: rank 1 RSS +{growth[1] / 1024:.0f} KiB, rank 0 "
+        f"+{growth[0] / 1024:.0f} KiB (bound "
         f"{PARTITION_BUFFER * BUFFERED_RECORD_MAX_BYTES / 1024:.0f} KiB); rank 1 stored "
         f"{health[1]['steps_received']} + dropped {health[1]['steps_dropped']} = {steps}"
     )

@@ -15,7 +15,8 @@ an input wait below the straggler floor is the DataLoader's prefetched batches r
 
 **Drift.** A series drifts when a straight line fits it better than two flat segments (smaller
 summed squared error) and the line rises by at least DRIFT_PCT of the series' median (and
-1 ms) over the window: STEP_TIME_DRIFT, with the rate per 1,000 steps.
+1 ms) over a window of at least DRIFT_MIN_STEPS steps: STEP_TIME_DRIFT, with the rate per
+1,000 steps.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def change_point(steps: Sequence[int], values: Sequence[float]) -> ChangePoint |
 def drift(steps: Sequence[int], values: Sequence[float]) -> Drift | None:
     """The upward drift of ``values``: ``{"rate_per_1000_steps", "rise", "median"}`` when a
     line fits better than a change point and rises by DRIFT_PCT of the median (and 1 ms, for
-    values in ms) over the steps; else None."""
+    values in ms) over the steps; else None, also with fewer than DRIFT_MIN_STEPS steps."""
+    if len(steps) < th.DRIFT_MIN_STEPS:
+        return None
     xs, ys = bucket_medians(steps, values, MAX_POINTS)
     split = _sse_split(ys, th.ONSET_MIN_STEPS)
     if split is None:

@@ -74,6 +74,10 @@ SLOWDOWN_PCT = 40.0
 #: STEP_TIME_DRIFT: a straight line fits the job's step time better than a change point and
 #: rises by at least this share of its median over the window (%) (and 1 ms).
 DRIFT_PCT = 40.0
+#: ... over at least this many window steps: a slow leak shows over tens of steps; over a few,
+#: a busy host's swings and the DataLoader's prefetched batches running out fit a rising line
+#: (seen: a 15-step input-bound run on the loaded 2-core test machine called STEP_TIME_DRIFT).
+DRIFT_MIN_STEPS = 50
 
 #: A step-time finding whose recoverable time is at least this share of the typical step is
 #: ``critical``; below it, ``warning``.
