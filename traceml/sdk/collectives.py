@@ -48,7 +48,7 @@ import functools
 import threading
 import time
 
-from traceml.sdk.failopen import warn
+from traceml.sdk.failopen import warn_once
 
 _now_ns = time.perf_counter_ns
 
@@ -273,14 +273,11 @@ def _completed(rec: Recorder, ev: Collective, work) -> None:
         _warn_once(exc)
 
 
-_warned = False
-
-
 def _warn_once(exc: BaseException) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warn(f"collective recording failed ({type(exc).__name__}: {exc}); continuing without")
+    warn_once(
+        "collectives",
+        f"collective recording failed ({type(exc).__name__}: {exc}); continuing without",
+    )
 
 
 # -- DDP ------------------------------------------------------------------------------------

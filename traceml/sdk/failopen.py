@@ -18,6 +18,17 @@ def warn(message: str) -> None:
     _log.warning(message)
 
 
+_said: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """:func:`warn` ``message`` the first time ``key`` is given in this process; later calls
+    with the same ``key`` say nothing (a failure that repeats every step is said once)."""
+    if key not in _said:
+        _said.add(key)
+        warn(message)
+
+
 def fail_open(what: str, exc: BaseException) -> None:
     """Report an SDK error as one warning, or raise it under ``TRACEML_STRICT=1``."""
     if settings.read(settings.STRICT):

@@ -13,16 +13,11 @@ import time
 
 from traceml import settings
 from traceml.sdk import rank_state
-from traceml.sdk.failopen import warn
-
-_warned = False
+from traceml.sdk.failopen import warn_once
 
 
 def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warn(f"traceml.summary(): {message}; returning {{}}")
+    warn_once("summary", f"traceml.summary(): {message}; returning {{}}")
 
 
 def _number(name: str, value: float) -> float | int:
