@@ -388,13 +388,13 @@ def rank_hung(facts: Facts) -> Finding | None:
         text = text[0].upper() + text[1:] + "."
     suspect = sorted(set(stall.suspects if stall else ()) | lingered)
     hang = collective_hang(stall.ranks) if stall else None
-    waited = None
+    in_collective = None
     if hang is not None and stall is not None:
         until = stall.ended_unix_s or facts.now_unix_s
-        waited = _collective_evidence(hang, until)
-        told_wait = collective_text(hang, until)
-        text += f" {told_wait[0].upper()}{told_wait[1:]}."
-    if hang is not None and hang.absent and set(suspect) <= {e.rank for e in hang.absent}:
+        in_collective = _collective_evidence(hang, until)
+        waits = collective_text(hang, until)
+        text += f" {waits[0].upper()}{waits[1:]}."
+    if hang is not None and suspect and set(suspect) <= {e.rank for e in hang.absent}:
         where = "; ".join(
             f"rank {e.rank}'s main thread sits at {sits_at(e)}" for e in hang.absent if e.stack
         )
@@ -425,7 +425,7 @@ def rank_hung(facts: Facts) -> Finding | None:
             "not_exited": lingering,
             "hang_timeout_s": stall.hang_timeout_s if stall else None,
             "detected_unix_s": stall.detected_unix_s if stall else None,
-            "collective": waited,
+            "collective": in_collective,
         },
         ranks=suspect,
     )
