@@ -16,6 +16,7 @@ the suspect.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -194,9 +195,14 @@ def test_a_rank_stuck_in_forward_is_the_suspect_of_a_hang_inside_training(tmp_pa
     [line] = [ln for ln in (tmp_path / "launcher.err").read_text().splitlines() if "hang:" in ln]
     assert line.startswith("traceml: hang: ranks 0, 1 made no progress for ")
     assert live["ended_unix_s"] is None
-    assert line.endswith(
-        "(rank 0: 3 steps done, in backward; rank 1: 3 steps done, in forward); suspect: rank 1"
-    )
+    # rank 0 waits in step 3's gradient bucket, the 4th collective of the default group
+    at = sits_at("stalled in forward", "forward")
+    assert re.search(
+        r"\(rank 0: 3 steps done, in backward; rank 1: 3 steps done, in forward\); rank 0 waits "
+        r"in ddp_bucket #4 of group default for \d+ s; rank 1 never entered it \(alive, at "
+        rf"{re.escape(at)}\); suspect: rank 1$",
+        line,
+    ), line
     assert live["suspects"] == [1]
     final = load_summary(run_dir)
     hung = finding(final, "RANK_HUNG")
@@ -319,10 +325,14 @@ def test_four_ranks_one_stuck_in_forward_named_the_same_live_and_after_ctrl_c(tm
         "--steps",
         "10",
     )
-    assert line.endswith(
-        "(rank 0: 3 steps done, in backward; rank 1: 3 steps done, in backward; rank 2: 3 steps "
-        "done, in forward; rank 3: 3 steps done, in backward); suspect: rank 2"
-    )
+    at = sits_at("stalled in forward", "forward")
+    assert re.search(
+        r"\(rank 0: 3 steps done, in backward; rank 1: 3 steps done, in backward; rank 2: 3 "
+        r"steps done, in forward; rank 3: 3 steps done, in backward\); ranks 0, 1, 3 wait in "
+        r"ddp_bucket #4 of group default for \d+ s; rank 2 never entered it \(alive, at "
+        rf"{re.escape(at)}\); suspect: rank 2$",
+        line,
+    ), line
     assert live["suspects"] == [2]
     hung = final["primary_diagnosis"]
     assert hung["kind"] == "RANK_HUNG" and hung["ranks"] == [2]
@@ -361,10 +371,14 @@ def test_ranks_waiting_in_an_explicit_collective_are_never_the_culprit(tmp_path,
         "12",
         "--explicit-collective",
     )
-    assert line.endswith(
-        "(rank 0: 4 steps done, in step; rank 1: 4 steps done, in idle; rank 2: 4 steps done, "
-        "in step); suspect: rank 1"
-    )
+    # each of 4 steps: its all-reduce, then its gradient bucket; step 4's all-reduce is #9
+    at = sits_at("stopped outside its step", "main")
+    assert re.search(
+        r"\(rank 0: 4 steps done, in step; rank 1: 4 steps done, in idle; rank 2: 4 steps done, "
+        r"in step\); ranks 0, 2 wait in all_reduce #9 of group default for \d+ s; rank 1 never "
+        rf"entered it \(alive, at {re.escape(at)}\); suspect: rank 1$",
+        line,
+    ), line
     assert live["suspects"] == [1]
     hung = finding(final, "RANK_HUNG")
     assert hung["ranks"] == [1] and hung["evidence"]["suspects"] == [1]
@@ -383,3 +397,86 @@ def test_ranks_waiting_in_an_explicit_collective_are_never_the_culprit(tmp_path,
         if f["kind"].endswith("STRAGGLER") or f["kind"] == "RANK_HUNG"
     ]
     assert all(set(f["ranks"]) <= {1} for f in named), named
+
+
+def sits_at(marker: str, function: str) -> str:
+    """``"<faulty_ddp.py>:<line> in <function>"``: where a rank of faulty_ddp.py stopped at the
+    line that ends with comment ``marker`` sits (as its reported stack says it)."""
+    lines = open(SCRIPT).read().splitlines()
+    [line] = [i for i, text in enumerate(lines, 1) if text.endswith(f"# {marker}")]
+    return f"{SCRIPT}:{line} in {function}"
+
+
+def test_a_hang_is_named_down_to_the_collective_and_the_line_of_the_rank_that_never_entered_it(
+    tmp_path, port
+):
+    """Every step is followed by an all-reduce of one number, outside the step. Rank 2 of 4
+    stops after its 3rd step, before that all-reduce, alive; ranks 0, 1 and 3 wait in it: the
+    6th collective of the default group (each step's DDP gradient bucket, then the all-reduce).
+    All four are between steps with 3 steps done, so only the ranks' reports tell them apart:
+    live and in the summary written after Ctrl-C, the three are named as waiting in
+    all_reduce #6 of group default, and rank 2 as never entering it, alive, at the script's
+    line where its main thread sleeps."""
+    line, live, final = hang_then_ctrl_c(
+        tmp_path,
+        port,
+        "coll",
+        4,
+        "--fail",
+        "collective",
+        "--fail-rank",
+        "2",
+        "--fail-step",
+        "3",
+        "--steps",
+        "12",
+        "--collective-after-step",
+    )
+    at = sits_at("stopped before the collective", "main")
+    waiting = re.fullmatch(
+        r"traceml: hang: ranks 0, 1, 2, 3 made no progress for \d+ s \(rank 0: 3 steps done, in "
+        r"idle; rank 1: 3 steps done, in idle; rank 2: 3 steps done, in idle; rank 3: 3 steps "
+        r"done, in idle\); ranks 0, 1, 3 wait in all_reduce #6 of group default for (\d+) s; "
+        rf"rank 2 never entered it \(alive, at {re.escape(at)}\); suspect: rank 2",
+        line,
+    )
+    assert waiting, line
+    assert live["suspects"] == [2]
+    assert {
+        e["rank"]: (
+            e["collective"]
+            and (e["collective"]["op"], e["collective"]["group"], e["collective"]["seq"]),
+            e["alive"],
+        )
+        for e in live["ranks"]
+    } == {
+        0: (("all_reduce", "default", 6), True),
+        1: (("all_reduce", "default", 6), True),
+        2: (None, True),
+        3: (("all_reduce", "default", 6), True),
+    }
+    [stopped] = [e for e in live["ranks"] if e["rank"] == 2]
+    assert stopped["stack"].split("\n")[-1] == at
+
+    hung = finding(final, "RANK_HUNG")
+    assert hung["ranks"] == [2] and hung["evidence"]["suspects"] == [2]
+    assert hung["evidence"]["detected_unix_s"] == live["detected_unix_s"]
+    collective = hung["evidence"]["collective"]
+    assert (collective["op"], collective["group"], collective["seq"], collective["waiting"]) == (
+        "all_reduce",
+        "default",
+        6,
+        [0, 1, 3],
+    )
+    [never] = collective["never_entered"]
+    assert (never["rank"], never["alive"], never["inside"], never["at"]) == (2, True, None, at)
+    assert never["stack"][-1] == at
+    assert collective["waited_s"] >= int(waiting.group(1)) - 1
+    assert (
+        f" Ranks 0, 1, 3 wait in all_reduce #6 of group default for "
+        f"{collective['waited_s']:.0f} s; rank 2 never entered it (alive, at {at})."
+    ) in hung["summary"]
+    assert hung["action"].startswith(
+        "Look at rank 2 first: the others wait for it in all_reduce #6 of group default, which "
+        f"it never entered (rank 2's main thread sits at {at})."
+    )

@@ -291,3 +291,100 @@ def test_a_rank_waiting_in_a_collective_of_its_step_is_never_the_residual_stragg
     }
     [found] = stragglers(working)
     assert (found.kind, found.ranks, found.evidence["gap_ms"]) == ("STRAGGLER", [1], 40.0)
+
+
+def reporting(rank: int, steps: int, *, stack: str, inside=None) -> wire.Batch:
+    """A heartbeat of ``rank`` between steps whose step stayed open: its main thread's stack
+    and ``inside`` = ``(op, group, seq, entered Unix s)`` or None (inside no collective)."""
+    batch = progress(rank, steps, "idle")
+    batch.progress.stack = stack
+    if inside is not None:
+        op, group, seq, entered_s = inside
+        batch.progress.inside.CopyFrom(
+            wire.CollectiveState(
+                op=op, group=group, seq=seq, entered_unix_us=int(entered_s * 1_000_000)
+            )
+        )
+    return batch
+
+
+WAITING_STACK = "train.py:30 in <module>\ntrain.py:21 in main\ntrain.py:8 in sync"
+STOPPED_STACK = "train.py:30 in <module>\ntrain.py:19 in main"
+
+
+def test_the_collective_ranks_wait_in_and_the_rank_that_never_entered_it_are_named():
+    """Ranks 0, 1 and 3 wait in all-reduce #6 of the default group after their 3rd step; rank 2
+    stopped before it, alive, at train.py:19. All four are between steps with 3 steps done
+    (no place differs): the collective names rank 2, live and in the summary."""
+    from rundata_factory import rank, run_of, steps
+
+    from traceml.analysis.summary import build_summary
+
+    w = watch()
+    for r in range(4):
+        w.on_batch(progress(r, 3, "idle"), now=100.0)  # the step count moves at 100 s
+    for r in (0, 1, 3):
+        w.on_batch(
+            reporting(r, 3, stack=WAITING_STACK, inside=("all_reduce", "default", 6, 100.5 + r)),
+            now=106.0,
+        )
+    w.on_batch(reporting(2, 3, stack=STOPPED_STACK), now=106.0)
+    record = w.check(now=112.0)
+    assert record["suspects"] == [2]
+    entries = {e["rank"]: e for e in record["ranks"]}
+    assert entries[1]["collective"] == {
+        "op": "all_reduce",
+        "group": "default",
+        "seq": 6,
+        "entered_unix_s": 101.5,
+    }
+    assert entries[2]["collective"] is None and entries[2]["stack"] == STOPPED_STACK
+    assert describe(HangRecord.from_json(json.loads(json.dumps(record)))) == (
+        "hang: ranks 0, 1, 2, 3 made no progress for 12 s (rank 0: 3 steps done, in idle; "
+        "rank 1: 3 steps done, in idle; rank 2: 3 steps done, in idle; rank 3: 3 steps done, "
+        "in idle); ranks 0, 1, 3 wait in all_reduce #6 of group default for 12 s; rank 2 "
+        "never entered it (alive, at train.py:19 in main); suspect: rank 2"
+    )
+    # Without the ranks' reports (an older SDK), all four stand at one place: no suspect.
+    old = [
+        {k: v for k, v in e.items() if k not in ("collective", "stack")} for e in record["ranks"]
+    ]
+    assert [HungRank.from_json(e).collective for e in old] == [None] * 4
+    bare = watch()
+    for r in range(4):
+        bare.on_batch(progress(r, 3, "idle"), now=100.0)
+    assert bare.check(now=112.0)["suspects"] == []
+
+    run = run_of([rank(r, steps(3), finish=False, end=None) for r in range(4)])
+    run.stall = HangRecord.from_json(record)
+    summary = build_summary(run, now_unix_s=130.0)
+    [hung] = [
+        f
+        for f in [summary["primary_diagnosis"], *summary["findings"]["health"]]
+        if f["kind"] == "RANK_HUNG"
+    ]
+    assert hung["ranks"] == [2]
+    assert (
+        " Ranks 0, 1, 3 wait in all_reduce #6 of group default for 30 s; rank 2 never entered "
+        "it (alive, at train.py:19 in main)." in hung["summary"]
+    )
+    assert hung["evidence"]["collective"] == {
+        "op": "all_reduce",
+        "group": "default",
+        "seq": 6,
+        "waiting": [0, 1, 3],
+        "waited_s": 29.5,
+        "never_entered": [
+            {
+                "rank": 2,
+                "alive": True,
+                "inside": None,
+                "at": "train.py:19 in main",
+                "stack": ["train.py:30 in <module>", "train.py:19 in main"],
+            }
+        ],
+    }
+    assert hung["action"].startswith(
+        "Look at rank 2 first: the others wait for it in all_reduce #6 of group default, which "
+        "it never entered (rank 2's main thread sits at train.py:19 in main)."
+    )

@@ -401,6 +401,9 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
     watch = HangWatch(10.0, lambda rank, attempt: False, tmp_path / "stall.json")
     batch = wire.Batch(rank=0, restart_count=1)
     batch.progress.steps_completed, batch.progress.phase = 5, "backward"
+    batch.progress.inside.op, batch.progress.inside.group = "ddp_bucket", "default"
+    batch.progress.inside.seq, batch.progress.inside.entered_unix_us = 9, 99_500_000
+    batch.progress.stack = "train.py:10 in <module>\ntrain.py:4 in main"
     watch.on_batch(batch, now=100.0)
     stall = watch.check(now=111.0)
     assert list(stall) == fields("stall")
@@ -414,7 +417,17 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
             "silent_s": 11.0,
             "alive": True,
             "last_progress_unix_s": 100.0,
+            "collective": {
+                "op": "ddp_bucket",
+                "group": "default",
+                "seq": 9,
+                "entered_unix_s": 99.5,
+            },
+            "stack": "train.py:10 in <module>\ntrain.py:4 in main",
         }
+    ]
+    assert list(stall["ranks"][0]["collective"]) == [
+        f.name for f in dataclasses.fields(records.CollectiveWait)
     ]
     assert list(stall["ranks"][0]) == [f.name for f in dataclasses.fields(records.HungRank)]
     identity = wire.RankIdentity(rank=0, world_size=4, node_rank=0, own_process_group=True)
@@ -437,6 +450,9 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
         }
     )
     assert typed["stall"].ranks[0].phase == "backward" and typed["stall"].suspects == ()
+    assert typed["stall"].ranks[0].collective == records.CollectiveWait(
+        "ddp_bucket", "default", 9, 99.5
+    )
     assert typed["stall"].to_json() == stall
     assert typed["script_world"].to_json() == world
     assert [r.to_json() for r in typed["aggregator_restarts"]] == [restart]

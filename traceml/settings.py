@@ -297,7 +297,7 @@ HANG_TIMEOUT_SEC = Setting(
     "Seconds without a completed step before a live rank is reported as hung.",
     kind=POSITIVE,
     unit="s",
-    readers=(_L, _A),
+    readers=(_L, _A, _R),
     flag="--hang-timeout-sec",
     passed_as="--hang-timeout-sec",
 )

@@ -16,7 +16,9 @@ stall record
 * every stalled rank as it was when found stalled: its attempt, steps completed, phase, the
   seconds since its step count last moved (``silent_s``), and whether it was ``alive``: a
   batch of its own, or a process sample of it from its node's sampler, arrived within
-  :data:`ALIVE_WINDOW_S`;
+  :data:`ALIVE_WINDOW_S`; and, from its latest ``Progress`` (sent by the rank once its step
+  has stayed open a share of the hang timeout, ``traceml/sdk/stall.py``), the collective it
+  is inside and its main thread's stack;
 * the suspects: stalled ranks that are dead while others live; else the ranks furthest behind
   (fewest steps, then the earliest phase of a step: the rank still in forward while the others
   wait in backward's all-reduce); else, when every stalled rank stands at the same place while
@@ -48,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from traceml.analysis.hang import describe, silent_s, suspects
-from traceml.core.records import HangRecord, HungRank
+from traceml.core.records import CollectiveWait, HangRecord, HungRank
 from traceml.core.rundir import write_atomic
 
 #: A rank counts as alive while a batch of its own or a process sample of it arrived this
@@ -71,6 +73,8 @@ class RankProgress:
     changed_unix_s: float  # when the step count last moved
     seen_unix_s: float  # its last batch or process sample
     attempt: int = 0  # torchrun's restart_count
+    collective: CollectiveWait | None = None  # the collective it last said it is inside
+    stack: str | None = None  # the main thread's stack it last sent (None: none)
 
 
 class HangWatch:
@@ -98,13 +102,15 @@ class HangWatch:
             return
         now = time.time() if now is None else now
         self.record = record
-        for e in record["ranks"]:
-            self.ranks[e["rank"]] = RankProgress(
-                e["steps_completed"],
-                e["phase"],
-                e["last_progress_unix_s"],
+        for e in map(HungRank.from_json, record["ranks"]):
+            self.ranks[e.rank] = RankProgress(
+                e.steps_completed,
+                e.phase,
+                e.last_progress_unix_s,
                 now,
-                e.get("attempt", 0),
+                e.attempt,
+                e.collective,
+                e.stack,
             )
 
     def on_batch(self, batch, now: float | None = None) -> None:
@@ -128,12 +134,20 @@ class HangWatch:
             or known.attempt != batch.restart_count
             or known.steps_completed != p.steps_completed
         ):
-            self.ranks[batch.rank] = RankProgress(
+            known = self.ranks[batch.rank] = RankProgress(
                 p.steps_completed, p.phase, now, now, batch.restart_count
             )
         else:
             known.phase = p.phase
             known.seen_unix_s = now
+        known.collective = (
+            CollectiveWait(
+                p.inside.op, p.inside.group, p.inside.seq, round(p.inside.entered_unix_us / 1e6, 3)
+            )
+            if p.HasField("inside")
+            else None
+        )
+        known.stack = p.stack or None
 
     def _moved(self, entry: dict) -> bool:
         known = self.ranks[entry["rank"]]
@@ -154,6 +168,8 @@ class HangWatch:
                 silent_s=round(now - p.changed_unix_s, 1),
                 alive=now - p.seen_unix_s < ALIVE_WINDOW_S,
                 last_progress_unix_s=round(p.changed_unix_s, 3),
+                collective=p.collective,
+                stack=p.stack,
             )
         )
 

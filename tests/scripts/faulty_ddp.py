@@ -15,11 +15,16 @@ model (one all-reduce per step). Rank ``--fail-rank`` ends itself at the start o
     outside   before step ``--fail-step`` (outside any step), sleeps forever; with
               ``--explicit-collective`` its peers then wait inside that step, in the
               all-reduce it never joins
+    collective  with ``--collective-after-step``: after its ``--fail-step``-th step, sleeps
+              forever (at the line marked ``# stopped before the collective``) instead of
+              entering the all-reduce its peers then wait in
     none      no failure
 
 ``--step-sleep`` adds a planted sleep to every step (s), to make a run last without CPU work.
 ``--explicit-collective`` adds an all-reduce of one number at the start of every step, inside
 the traced step and outside its phases (a metric synchronised by hand).
+``--collective-after-step`` adds an all-reduce of one number after every step, outside the
+traced step (between steps: a metric synchronised by hand).
 ``--ignore-sigterm`` makes every rank ignore SIGTERM (a rank stuck in I/O that torchrun cannot
 stop in its grace period).
 Rank 0 prints ``faulty_ddp: training`` once its first step begins. ``--step-log DIR`` makes
@@ -54,7 +59,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=5)
     p.add_argument(
         "--fail",
-        choices=("segv", "exit3", "sysexit7", "raise", "hang", "stall", "outside", "none"),
+        choices=(
+            "segv",
+            "exit3",
+            "sysexit7",
+            "raise",
+            "hang",
+            "stall",
+            "outside",
+            "collective",
+            "none",
+        ),
         default="none",
     )
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -62,6 +77,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mark", default="")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--explicit-collective", action="store_true")
+    p.add_argument("--collective-after-step", action="store_true")
     p.add_argument("--step-log", default="")
     return p.parse_args()
 
@@ -92,7 +108,7 @@ class Stallable(nn.Linear):
 
     def forward(self, x):
         while self.stall:
-            time.sleep(3600)
+            time.sleep(3600)  # stalled in forward
         return super().forward(x)
 
 
@@ -115,7 +131,11 @@ def main() -> None:
             os.path.join(args.step_log, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
         )
     for step in range(args.steps):
-        if failing and args.fail not in ("hang", "stall", "outside") and step == args.fail_step:
+        if (
+            failing
+            and args.fail not in ("hang", "stall", "outside", "collective")
+            and step == args.fail_step
+        ):
             die(rank, args.fail, args.settle_sec, args.mark)
         if failing and args.fail == "stall" and step == args.fail_step:
             print(f"faulty_ddp: rank {rank} stalls in forward now", file=sys.stderr, flush=True)
@@ -125,7 +145,7 @@ def main() -> None:
                 f"faulty_ddp: rank {rank} stops outside its step now", file=sys.stderr, flush=True
             )
             while True:
-                time.sleep(3600)
+                time.sleep(3600)  # stopped outside its step
         if rank == 0 and step == 0:
             print("faulty_ddp: training", flush=True)
         began = time.perf_counter()
@@ -140,6 +160,16 @@ def main() -> None:
             if step_log is not None:
                 took = time.perf_counter() - began
                 os.write(step_log, f"step {step} {time.time():.6f} {took:.6f}\n".encode())
+        if failing and args.fail == "collective" and step + 1 == args.fail_step:
+            print(
+                f"faulty_ddp: rank {rank} stops before the collective now",
+                file=sys.stderr,
+                flush=True,
+            )
+            while True:
+                time.sleep(3600)  # stopped before the collective
+        if args.collective_after_step:
+            dist.all_reduce(torch.ones(1))
     dist.destroy_process_group()
     if failing and args.fail == "hang":
         die(rank, "hang", args.settle_sec, args.mark)

@@ -21,7 +21,13 @@ from traceml.analysis.document import (
     RankSummary,
 )
 from traceml.analysis.findings import EVENTS, Finding, ranks_text
-from traceml.analysis.hang import silent_s
+from traceml.analysis.hang import (
+    CollectiveHang,
+    collective_hang,
+    collective_text,
+    silent_s,
+    sits_at,
+)
 from traceml.analysis.rundata import RankData, RunData
 from traceml.analysis.schema import plain
 from traceml.core.ends import COMPLETED, FAILED, SIGNALED, TERMINATED, is_interrupted
@@ -329,11 +335,36 @@ def _stalled_text(e: dict[str, Any]) -> str:
     )
 
 
+def _collective_evidence(hang: CollectiveHang, until_unix_s: float) -> dict[str, Any]:
+    """RANK_HUNG's ``evidence.collective``: the collective the stalled ranks wait in, for how
+    long (s, up to ``until_unix_s``), and each rank that never entered it, alive or not, where
+    its main thread sat and its stack (lines, outermost first; None: not reported)."""
+    return {
+        "op": hang.op,
+        "group": hang.group,
+        "seq": hang.seq,
+        "waiting": list(hang.waiting),
+        "waited_s": hang.waited_s(until_unix_s),
+        "never_entered": [
+            {
+                "rank": e.rank,
+                "alive": e.alive,
+                "inside": e.collective.to_json() if e.collective else None,
+                "at": sits_at(e),
+                "stack": e.stack.split("\n") if e.stack else None,
+            }
+            for e in hang.absent
+        ],
+    }
+
+
 def rank_hung(facts: Facts) -> Finding | None:
     """RANK_HUNG: ranks that stopped making progress, from the aggregator's stall record
     (:mod:`traceml.analysis.hang`), naming the suspects the others wait for (each stalled
-    rank's state is the one it was found stalled in), and ranks that completed their steps
-    but did not exit (:func:`not_exited`; named even before a stall record has them)."""
+    rank's state is the one it was found stalled in), the collective the stalled ranks wait in
+    and the ranks that never entered it with where they sit (when the ranks reported them:
+    ``evidence.collective``, else None), and ranks that completed their steps but did not exit
+    (:func:`not_exited`; named even before a stall record has them)."""
     stall = facts.run.stall
     ended = stall.ended_unix_s if stall else None
     entries = [
@@ -356,7 +387,23 @@ def rank_hung(facts: Facts) -> Finding | None:
         stalled = sorted(lingered)
         text = text[0].upper() + text[1:] + "."
     suspect = sorted(set(stall.suspects if stall else ()) | lingered)
-    if suspect:
+    hang = collective_hang(stall.ranks) if stall else None
+    in_collective = None
+    if hang is not None and stall is not None:
+        until = stall.ended_unix_s or facts.now_unix_s
+        in_collective = _collective_evidence(hang, until)
+        waits = collective_text(hang, until)
+        text += f" {waits[0].upper()}{waits[1:]}."
+    if hang is not None and suspect and set(suspect) <= {e.rank for e in hang.absent}:
+        where = "; ".join(
+            f"rank {e.rank}'s main thread sits at {sits_at(e)}" for e in hang.absent if e.stack
+        )
+        look = (
+            f"Look at {ranks_text(suspect)} first: the others wait for it in {hang.name}, "
+            f"which it never entered{f' ({where})' if where else ''}. Its full stack is in "
+            "evidence.collective.never_entered."
+        )
+    elif suspect:
         look = (
             f"Look at {ranks_text(suspect)} first: the others wait for it, or it does not "
             "exit. Its stack (py-spy dump --pid, or faulthandler) shows where it is stuck."
@@ -378,6 +425,7 @@ def rank_hung(facts: Facts) -> Finding | None:
             "not_exited": lingering,
             "hang_timeout_s": stall.hang_timeout_s if stall else None,
             "detected_unix_s": stall.detected_unix_s if stall else None,
+            "collective": in_collective,
         },
         ranks=suspect,
     )

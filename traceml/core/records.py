@@ -30,10 +30,10 @@ see ``docs/architecture.md``. A step field is a row of the phase table instead
 (:mod:`traceml.core.phases`): steps travel and are stored as columns (:class:`StepGroup`).
 
 The run's own records that the aggregator keeps as JSON entries of the store's ``meta`` table
-(not rows) are declared here too (:class:`MetaRecord`: :class:`HangRecord` and its
-:class:`HungRank`, :class:`ScriptWorld`, :class:`AggregatorRestart`, :class:`LostNode`,
-:class:`StreamEnd`); ``META_RECORDS`` in :mod:`traceml_aggregator.load` lists every such entry
-with its key and record.
+(not rows) are declared here too (:class:`MetaRecord`: :class:`HangRecord`, its
+:class:`HungRank` and their :class:`CollectiveWait`, :class:`ScriptWorld`,
+:class:`AggregatorRestart`, :class:`LostNode`, :class:`StreamEnd`); ``META_RECORDS`` in
+:mod:`traceml_aggregator.load` lists every such entry with its key and record.
 """
 
 from __future__ import annotations
@@ -610,6 +610,25 @@ class MetaRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectiveWait(MetaRecord):
+    """The collective a stalled rank was inside (its ``Progress.inside``; see
+    ``proto/traceml/wire/v1/step.proto``).
+
+    Attributes:
+        op: the ``torch.distributed`` function name, or ``"ddp_bucket"``.
+        group: process group name (``"default"`` for the default group).
+        seq: its number in ``group`` on that rank, from 1 (the same collective has the same
+            number on every rank of the group).
+        entered_unix_s: when the rank entered it (Unix s, the rank's clock).
+    """
+
+    op: str
+    group: str
+    seq: int
+    entered_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class HungRank(MetaRecord):
     """One rank of a :class:`HangRecord`: its state when it was found stalled.
 
@@ -622,6 +641,11 @@ class HungRank(MetaRecord):
         silent_s: seconds without a step, as of the record's last change (s).
         alive: a batch or process sample of it arrived within the aggregator's alive window.
         last_progress_unix_s: when its step count last moved (Unix s).
+        collective: the collective it was inside, None: inside none, or not reported (an
+            older SDK, a rank that sent nothing since its step stayed open, or a failed read).
+        stack: its main thread's Python stack as it reported it (``Progress.stack``:
+            "file:line in function" lines, outermost first, newline-separated), None: not
+            reported.
     """
 
     rank: int
@@ -632,15 +656,20 @@ class HungRank(MetaRecord):
     silent_s: float
     alive: bool
     last_progress_unix_s: float
+    collective: CollectiveWait | None = None
+    stack: str | None = None
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> HungRank:
         """The rank of the decoded JSON ``entry`` (an entry stored before ranks had an
-        ``attempt`` reads as attempt 0).
+        ``attempt`` reads as attempt 0; one without ``collective`` or ``stack``, as None).
 
         Raises:
             TypeError: a field is missing or unknown.
         """
+        inside = entry.get("collective")
+        if isinstance(inside, Mapping):
+            entry = {**entry, "collective": CollectiveWait.from_json(inside)}
         return cls(**{"attempt": 0, **entry})
 
 

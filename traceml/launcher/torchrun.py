@@ -64,8 +64,9 @@ def torchrun_argv(config: LaunchConfig) -> list[str]:
 
 
 def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
-    """The environment for torchrun and its ranks: the caller's, plus the TraceML endpoint
-    (and gRPC's fork handlers off: :func:`~traceml.core.transport.disable_grpc_fork_handlers`)."""
+    """The environment for torchrun and its ranks: the caller's, plus the TraceML endpoint, the
+    knobs the ranks read that a flag set, and gRPC's fork handlers off
+    (:func:`~traceml.core.transport.disable_grpc_fork_handlers`)."""
     env = dict(os.environ)
     env[settings.RUN_NAME.name] = str(config.run_name)
     env[settings.AGGREGATOR.name] = config.aggregator_target
@@ -74,6 +75,8 @@ def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     if config.peak_tflops is not None:
         env[settings.PEAK_TFLOPS.name] = repr(config.peak_tflops)
+    if config.hang_timeout_sec is not None:  # the ranks report a stalled step from a share of it
+        env[settings.HANG_TIMEOUT_SEC.name] = repr(config.hang_timeout_sec)
     env.setdefault("PYTHONUNBUFFERED", "1")
     disable_grpc_fork_handlers(env)  # also for a script that imports grpc before traceml
     return env

@@ -67,7 +67,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from traceml import settings
 from traceml.core.backoff import Backoff
@@ -287,6 +287,9 @@ class TelemetryClient:
             ``proto/traceml/wire/v1/step.proto``), read on the sender thread for every batch;
             with it, a batch goes out at least every ``config.heartbeat_s`` even when nothing
             else is buffered. None for a node sampler.
+        progress_detail: callable taking the batch's ``wire.Progress`` once ``progress`` is
+            in it, to add what the rank is doing while its step stays open
+            (:class:`traceml.sdk.stall.StallDetail`; on the sender thread), or None.
         config: tuning; defaults from the ``TRACEML_*`` environment.
         warn: where one-line warnings go (stderr by default).
         credentials: the run token and TLS CA; from the environment by default (read when
@@ -303,6 +306,7 @@ class TelemetryClient:
         restart_count: int = 0,
         identity=None,
         progress: Callable[[], tuple[int, str]] | None = None,
+        progress_detail: Callable[[Any], None] | None = None,
         config: ClientConfig | None = None,
         warn: Callable[[str], None] | None = None,
         credentials=None,
@@ -314,6 +318,7 @@ class TelemetryClient:
         self.restart_count = restart_count
         self.identity = identity
         self.progress = progress
+        self.progress_detail = progress_detail
         self._last_batch_at = time.monotonic()  # when the last batch was built (heartbeats)
         self.config = config or ClientConfig()
         self.credentials = credentials
@@ -620,6 +625,8 @@ class TelemetryClient:
         self._last_batch_at = now
         if progress is not None:
             batch.progress.steps_completed, batch.progress.phase = progress
+            if self.progress_detail is not None:
+                self.progress_detail(batch.progress)
         stats = self.stats
         counts = batch.counts
         counts.records_produced = stats.produced

@@ -19,6 +19,7 @@ from traceml.sdk import client as client_mod
 from traceml.sdk import sigterm, workload
 from traceml.sdk.failopen import fail_open, warn
 from traceml.sdk.identity import RankInfo
+from traceml.sdk.stall import StallDetail
 from traceml.sdk.step import StepTracer
 
 
@@ -42,6 +43,9 @@ class RankState:
         self._exception: BaseException | None = None
         self._closed = False
         self._nested_warned = False
+        #: What the rank does while its step stays open, added to its batches' progress by the
+        #: sender thread (set once the tracer exists).
+        self.stall: StallDetail | None = None
         self.client = client_mod.TelemetryClient(
             target,
             run_name,
@@ -49,11 +53,13 @@ class RankState:
             restart_count=info.restart_count,
             identity=self._identity,
             progress=self._progress,
+            progress_detail=self._progress_detail,
             config=client_mod.ClientConfig(first_record_at_once=True),
         )
         self.tracer = StepTracer(
             functools.partial(self.client.submit, client_mod.STEPS), time.perf_counter_ns()
         )
+        self.stall = StallDetail(self.tracer, settings.read(settings.HANG_TIMEOUT_SEC))
         self.tracer.flops_counter = workload.FlopsCounter(
             functools.partial(self.client.submit, workload.FLOPS_COUNTS),
             settings.read(settings.PEAK_TFLOPS),
@@ -67,6 +73,13 @@ class RankState:
         """``(steps_completed, phase)`` now, for the sender thread (two attribute reads)."""
         tracer = self.tracer
         return tracer.steps_completed, tracer.phase
+
+    def _progress_detail(self, progress) -> None:
+        """Add what the rank does while its step stays open to ``progress`` (a
+        ``wire.Progress``), for the sender thread (:class:`~traceml.sdk.stall.StallDetail`)."""
+        stall = self.stall
+        if stall is not None:
+            stall(progress)
 
     def _identity(self):
         """The RankIdentity, built when the first batch is sent (the traced model is known by

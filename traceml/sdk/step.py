@@ -201,6 +201,12 @@ class StepTracer:
         #: collectives are not recorded.
         self.comm = None
 
+    @property
+    def last_end_ns(self) -> int | None:
+        """``perf_counter_ns`` at the end of the last step (completed or abandoned), None
+        before the first (read by the sender thread: :mod:`traceml.sdk.stall`)."""
+        return self._last_end_ns
+
     # -- phases: called by the instrumentation hooks --------------------------------------------
     def add_dataloader(
         self,

@@ -31,7 +31,7 @@ from traceml.wire.v1.service_pb2_grpc import (
     AggregatorStub,
     add_AggregatorServicer_to_server,
 )
-from traceml.wire.v1.step_pb2 import FlopsCount, Progress, StepColumns
+from traceml.wire.v1.step_pb2 import CollectiveState, FlopsCount, Progress, StepColumns
 
 
 def end_state_name(value: int) -> str:
@@ -44,6 +44,7 @@ __all__ = [
     "AggregatorServicer",
     "AggregatorStub",
     "Batch",
+    "CollectiveState",
     "EndState",
     "FinalizeReply",
     "FinalizeRequest",
