@@ -27,7 +27,7 @@ import sysconfig
 import threading
 import time
 
-from traceml.sdk.failopen import warn
+from traceml.sdk.failopen import warn_once
 
 #: Share of the hang timeout a rank's step stays open (since its last step ended) before its
 #: batches carry what it is doing: half, so that two or more heartbeats (5 s default, of a
@@ -92,7 +92,6 @@ class StallDetail:
         #: Age of the open step (ns since the last step ended) from which the detail is sent.
         self.after_ns = int(hang_timeout_s * DETAIL_SHARE * 1e9)
         self.thread_id = threading.main_thread().ident
-        self._warned = False
 
     def __call__(self, progress) -> None:
         """Set ``progress.inside`` and ``progress.stack`` (a ``wire.Progress``) when the open
@@ -112,14 +111,16 @@ class StallDetail:
                 progress.inside.seq, progress.inside.entered_unix_us = ev.seq, entered_us
         except Exception as exc:  # fail-open: the collective is not reported
             progress.ClearField("inside")
-            self._warn(exc)
+            _warn(exc)
         try:
             progress.stack = stack_of(self.thread_id)
         except Exception as exc:  # fail-open: the stack is not reported
             progress.ClearField("stack")
-            self._warn(exc)
+            _warn(exc)
 
-    def _warn(self, exc: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            warn(f"reading what the stalled rank does failed ({type(exc).__name__}: {exc})")
+
+def _warn(exc: BaseException) -> None:
+    warn_once(
+        "stall detail",
+        f"reading what the stalled rank does failed ({type(exc).__name__}: {exc})",
+    )
