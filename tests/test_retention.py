@@ -243,9 +243,9 @@ def _spike_steps(doc: dict) -> list[tuple]:
 
 
 def _walk(node, key: str):
-    """Every mapping under ``node`` that has ``key``."""
+    """Every mapping under ``node`` whose ``key`` is set (a sample growth's onset is None)."""
     if isinstance(node, dict):
-        if key in node:
+        if node.get(key) is not None:
             yield node
         for value in node.values():
             yield from _walk(value, key)

@@ -36,7 +36,7 @@ from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log, otlp
 from traceml.core.heap import freeze_startup_objects
-from traceml.core.records import AggregatorRestart
+from traceml.core.records import SAMPLES, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
 from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
@@ -47,7 +47,7 @@ from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.live.rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Retention
+from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Retention, sample_meta_keys
 from traceml_aggregator.retention import run as run_retention
 from traceml_aggregator.script_world import ScriptWorld, store_record
 from traceml_aggregator.senders import BATCH_ONLY, Rejections, check_batch
@@ -166,10 +166,13 @@ def seed(live: LiveAggregates, store: Store) -> Checkpoint:
     returns the checkpoint the next ones start from."""
     started = time.monotonic()
     checkpoint = live.seed(store, read_checkpoint(store))
-    if not checkpoint.steps_from and store.meta().get(PRUNED_META_KEY):
+    meta = store.meta()
+    marks = [PRUNED_META_KEY, *(sample_meta_keys(r.TABLE)[0] for r in SAMPLES)]
+    if not checkpoint.steps_from and any(meta.get(key) for key in marks):
         _log.warning(
-            "the store's step rows were pruned (retention) and no checkpoint of the live "
-            "aggregates could be read: the summary covers the kept steps only (a sample)"
+            "the store's step and sample rows were pruned (retention) and no checkpoint of "
+            "the live aggregates could be read: the summary covers the kept rows only (a "
+            "sample)"
         )
     if store.steps_rowid:
         _log.info(
