@@ -9,6 +9,7 @@ the ``TRACEML_STORE_*`` knobs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -23,6 +24,7 @@ from traceml.core.transport import open_channel
 from traceml.wire.records import add_steps
 from traceml_aggregator.aggregates import keep_mask, series_steps
 from traceml_aggregator.checkpoint import read as read_checkpoint
+from traceml_aggregator.dashboard.sources import StoredSource
 from traceml_aggregator.retention import (
     ONSET_NEIGHBOURHOOD_STEPS,
     PRUNED_META_KEY,
@@ -328,6 +330,14 @@ def test_retention_gives_the_keep_all_steps_summary_on_a_run_longer_than_the_raw
     # the samples are in the summaries compared
     assert all(r["process"]["samples"] > 0 for r in every["ranks"]), every["ranks"]
     assert every["nodes"][0]["system"]["samples"] > 0, every["nodes"]
+
+    # `traceml view --serve` reads the pruned store: its summary is the file's, its charts
+    # the kept rows.
+    source = StoredSource(kept_dir)
+    shown = asyncio.run(source.summary())
+    shown.pop("generated_unix_s", None)
+    assert shown == kept
+    assert asyncio.run(source.snapshot(None, 0)).tables["run"]["run_name"] == RUN
 
     # A --finalize-only on the pruned store (from its checkpoint) writes the same summary.
     (kept_dir / "final_summary.json").unlink()

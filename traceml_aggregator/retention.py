@@ -468,42 +468,64 @@ class SamplePruner(_TablePrune):
         held back for the next call, unless ``final`` (the run's end: they are its last, and
         stay, and so do those of every held group)."""
         policy = self.policy
-        parts: dict[tuple, np.ndarray] = {}
+        # The groups in hand (those with new rows; at the end, every held one too), numbered.
+        keys: list[tuple] = []
+        gid = np.zeros(0, dtype=np.int64)
         if len(rows["rowid"]):
-            keys = np.stack([rows[c] for c in self.record.GROUP], axis=1)
-            distinct, inverse = np.unique(keys, axis=0, return_inverse=True)
-            inverse = inverse.reshape(-1)
-            order = np.argsort(inverse, kind="stable")
-            bounds = np.flatnonzero(np.diff(inverse[order])) + 1
-            for part in np.split(order, bounds):
-                parts[tuple(int(v) for v in distinct[inverse[part[0]]])] = part
-        out = []
-        for key in sorted(parts.keys() | self.held.keys()) if final else sorted(parts):
-            part = parts.get(key, np.zeros(0, dtype=np.int64))
-            rowid, unix_us = rows["rowid"][part], rows["unix_us"][part]
+            columns = np.stack([rows[c] for c in self.record.GROUP], axis=1)
+            distinct, gid = np.unique(columns, axis=0, return_inverse=True)
+            gid = gid.reshape(-1).astype(np.int64)
+            keys = [tuple(int(v) for v in row) for row in distinct]
+        if final:
+            keys += sorted(self.held.keys() - set(keys))
+        if not keys:
+            return np.zeros(0, dtype=np.int64)
+        parts = [(gid, rows["rowid"], rows["unix_us"])]
+        for g, key in enumerate(keys):
             held = self.held.pop(key, None)
             if held is not None:
-                rowid = np.concatenate([held["rowid"], rowid])
-                unix_us = np.concatenate([held["unix_us"], unix_us])
-            by = np.lexsort((rowid, unix_us))
-            rowid, unix_us = rowid[by], unix_us[by]
-            times, tick = np.unique(unix_us, return_inverse=True)
-            tick = tick.reshape(-1)  # the row's sample time among the rows in hand
-            last = tick >= len(times) - policy.last_samples
-            decided = len(times) if final else max(0, len(times) - policy.last_samples)
-            seen = self.seen.get(key, 0)
+                parts.append((np.full(len(held["rowid"]), g), held["rowid"], held["unix_us"]))
+        gid, rowid, unix_us = (np.concatenate([p[i] for p in parts]) for i in range(3))
+        by = np.lexsort((rowid, unix_us, gid))  # each group's rows in time order, together
+        gid, rowid, unix_us = gid[by], rowid[by], unix_us[by]
+        # Each row's sample time among its group's rows in hand (tick), and the group's count.
+        starts = np.r_[True, gid[1:] != gid[:-1]]
+        time_id = np.cumsum(np.r_[True, starts[1:] | (unix_us[1:] != unix_us[:-1])]) - 1
+        tick = time_id - np.maximum.accumulate(np.where(starts, time_id, 0))
+        ends = np.r_[starts[1:], True]
+        times = np.zeros(len(keys), dtype=np.int64)
+        times[gid[ends]] = tick[ends] + 1
+        seen = np.array([self.seen.get(key, 0) for key in keys], dtype=np.int64)
+        last = tick >= times[gid] - policy.last_samples
+        keep = (seen[gid] + tick < policy.first_samples) | last
+        # The times each group's series holds, as (group, time) pairs packed in an int64 (the
+        # group above the time's offset in the span of the rows in hand): one isin, exact.
+        lo, hi = int(unix_us.min()), int(unix_us.max())
+        shift = (hi - lo).bit_length()
+        known = np.zeros(len(keys), dtype=bool)
+        pairs = []
+        for g, key in enumerate(keys):
             kept = series.get(key)
-            keep = (seen + tick < policy.first_samples) | last
-            if kept is None:
-                keep[:] = True
-            else:
-                keep |= np.isin(unix_us, kept)
-            if not final and last.any():
-                self.held[key] = {"rowid": rowid[last], "unix_us": unix_us[last]}
-            if policy.first_samples:
-                self.seen[key] = min(policy.first_samples, seen + decided)
-            out.append(rowid[~keep])
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+            if kept is not None:
+                known[g] = True
+                kept = kept[(kept >= lo) & (kept <= hi)].astype(np.int64)  # others match none
+                pairs.append((g << shift) + (kept - lo))
+        keep |= ~known[gid]
+        if shift + len(keys).bit_length() > 62:  # rows in hand years apart: all kept
+            keep[:] = True
+        elif pairs:
+            keep |= np.isin((gid << shift) + (unix_us - lo), np.concatenate(pairs))
+        held_at = np.flatnonzero(last) if not final else np.zeros(0, dtype=np.int64)
+        if len(held_at):  # the latest times wait for the group's next rows
+            firsts = np.flatnonzero(np.r_[True, gid[held_at][1:] != gid[held_at][:-1]])
+            for lo, hi in zip(firsts, [*firsts[1:], len(held_at)], strict=True):
+                at = held_at[lo:hi]
+                self.held[keys[int(gid[at[0]])]] = {"rowid": rowid[at], "unix_us": unix_us[at]}
+        if policy.first_samples:
+            decided = times if final else np.maximum(0, times - policy.last_samples)
+            for key, n in zip(keys, np.minimum(policy.first_samples, seen + decided), strict=True):
+                self.seen[key] = int(n)
+        return rowid[~keep]
 
     async def prune(
         self, writer, upto: int, series: dict[tuple, np.ndarray], final: bool = False
