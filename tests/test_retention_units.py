@@ -1,12 +1,13 @@
 """The retention's choice of rows (traceml_aggregator/retention.py), on hand-built rows: which
 rows each rule keeps, the evidence cap, the rows held back across prunes so an onset at a
-prune's boundary keeps its neighbourhood. The real aggregator's prunes are
-tests/test_retention.py."""
+prune's boundary keeps its neighbourhood; of a sample group, exactly its first and last sample
+times and those its series held. The real aggregator's prunes are tests/test_retention.py."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from traceml.core.records import GpuSample, ProcessSample
 from traceml_aggregator.aggregates import keep_mask
 from traceml_aggregator.retention import (
     HELD_STEPS,
@@ -16,7 +17,10 @@ from traceml_aggregator.retention import (
     Policy,
     Pruner,
     RankPlan,
+    SamplePruner,
     evidence,
+    most_sample_times_kept,
+    sample_meta_keys,
     sampled,
 )
 
@@ -139,3 +143,101 @@ def test_earlier_attempts_and_unknown_ranks_are_kept():
     gone = pruner.drop(plans, rows)
     assert gone.min() >= 501 and gone.max() <= 1_000  # attempt 1 of rank 0 only
     assert len(gone) == 500 - HELD_STEPS - 1  # step 0: the hash keeps it at every level
+
+
+T0_US = 1_700_000_000_000_000
+
+
+def _samples(
+    key: tuple, ticks: range, *, per_tick: int = 1, rowid0: int = 1, record=ProcessSample
+) -> dict:
+    """A group's rows of ``record``'s table (``key``: its GROUP columns' values), ``per_tick``
+    rows a sample time (a node's GPUs), one time a second from T0_US."""
+    times = np.repeat(np.array(ticks, dtype=np.int64) * 1_000_000 + T0_US, per_tick)
+    n = len(times)
+    out = {"rowid": np.arange(rowid0, rowid0 + n, dtype=np.int64), "unix_us": times}
+    for name, value in zip(record.GROUP, key, strict=True):
+        out[name] = np.full(n, value, dtype=np.int64)
+    return out
+
+
+def _series(ticks, level: int) -> np.ndarray:
+    """The ``unix_us`` a series at ``level`` holds of ``ticks`` (float64, as it keeps them)."""
+    return np.array([T0_US + t * 1_000_000 for t in ticks if t % (1 << level) == 0], np.float64)
+
+
+def _ticks(rows: dict, rowids) -> list[int]:
+    """The sample times (ticks) of ``rows``' rows of ``rowids``, sorted."""
+    at = np.isin(rows["rowid"], np.asarray(list(rowids), dtype=np.int64))
+    return sorted(((rows["unix_us"][at] - T0_US) // 1_000_000).tolist())
+
+
+def test_a_sample_group_keeps_its_first_and_last_times_and_what_its_series_held():
+    """3,000 sample times pruned in three calls: the series at level 2 for the first, level 3
+    from the second on; the last call is the run's end. Kept: the first 100 times, the times
+    the series held when they were decided, the last 50, nothing else."""
+    policy = Policy(first_samples=100, last_samples=50)
+    pruner = SamplePruner(_Store(), ProcessSample, policy)
+    key = (0, 0)
+    every = _samples(key, range(3_000))
+    gone: set[int] = set()
+    for lo, level, final in ((0, 2, False), (1_000, 3, False), (2_000, 3, True)):
+        rows = {k: c[lo : lo + 1_000] for k, c in every.items()}
+        series = {key: _series(range(lo + 1_000), level)}
+        gone |= set(pruner.drop(series, rows, final).tolist())
+        if not final:  # the latest 50 times wait for the next call, undecided
+            assert _ticks(every, pruner.held[key]["rowid"]) == list(range(lo + 950, lo + 1_000))
+    kept = _ticks(every, set(every["rowid"].tolist()) - gone)
+    expected = (
+        set(range(100))
+        | {t for t in range(950) if t % 4 == 0}  # decided by the first call (level 2)
+        | {t for t in range(950, 2_950) if t % 8 == 0}  # by the later ones (level 3)
+        | set(range(2_950, 3_000))
+    )
+    assert kept == sorted(expected)
+    assert len(kept) == 100 + 213 + 250 + 50
+    assert not pruner.held
+
+
+def test_a_group_that_stopped_sending_keeps_its_last_times_and_every_gpu_row_of_a_time():
+    """Node 0's GPU samples (2 rows a time) stop after 300 times while node 1's go on; an
+    unknown group (no series) keeps every row; the first-times count outlives a restart."""
+    policy = Policy(first_samples=20, last_samples=10)
+    pruner = SamplePruner(_Store(), GpuSample, policy)
+
+    def gpus(node: int, ticks: range, rowid0: int) -> dict:
+        return _samples((node,), ticks, per_tick=2, rowid0=rowid0, record=GpuSample)
+
+    first = _cat(gpus(0, range(300), 1), gpus(1, range(300), 601), gpus(9, range(50), 1_201))
+    series = {(n,): _series(range(600), 6) for n in (0, 1)}  # every 64th time: 0, 64, ...
+    gone = set(pruner.drop(series, first).tolist())
+    assert not gone & set(first["rowid"][first["node_rank"] == 9].tolist())  # no series: kept
+    assert set(pruner.seen) == {(0,), (1,), (9,)} and pruner.seen[(0,)] == 20  # capped
+    restarted = SamplePruner(_Store(sample_state(GpuSample, pruner)), GpuSample, policy)
+    assert restarted.seen == pruner.seen
+    restarted.held = pruner.held  # the held rows are this aggregator's (see SamplePruner)
+    later = gpus(1, range(300, 600), 2_000)
+    gone |= set(restarted.drop(series, later, final=True).tolist())
+    rows = _cat(first, later)
+    for node, times in ((0, 300), (1, 600)):
+        mine = rows["node_rank"] == node
+        kept = set(rows["rowid"][mine].tolist()) - gone
+        ticks = _ticks(rows, kept)
+        expected = set(range(20)) | set(range(0, times, 64)) | set(range(times - 10, times))
+        assert ticks == sorted(t for t in expected for _ in range(2)), node  # both GPUs
+        assert len(kept) == 2 * (20 + len(range(64, times - 10, 64)) + 10)
+
+
+def sample_state(record, pruner: SamplePruner) -> dict[str, str]:
+    """The ``meta`` a store holds after ``pruner``'s prune of ``record``'s table."""
+    mark_key, state_key = sample_meta_keys(record.TABLE)
+    return {mark_key: "0", state_key: pruner.state()}
+
+
+def test_the_bound_of_sample_times_kept_covers_the_defaults_3_day_group():
+    policy = Policy()
+    ticks = 3 * 86_400  # 3 days at 1 sample/s
+    levels = 9  # 512 x 2**9 = 262,144 >= 259,200
+    expected = policy.first_samples + policy.last_samples + 512 + (levels + 1) * 256
+    assert most_sample_times_kept(policy, ticks) == expected
+    assert most_sample_times_kept(policy, 512) == policy.first_samples + policy.last_samples + 768

@@ -337,13 +337,14 @@ AGGREGATOR_CHECKPOINT_SEC = Setting(
 )
 
 # --- the store's retention (traceml_aggregator/retention.py, docs/storage.md) --------------
-# The defaults keep a 3-day, 8,000-rank run at 2 steps/s under 20 GiB of steps
-# (benchmarks/store_bytes.py prints the arithmetic from a real store's bytes per row).
+# The defaults keep a 3-day, 8,000-rank run at 2 steps/s and 1 sample/s under 20 GiB of steps
+# and samples (benchmarks/retention.py prints the arithmetic from a real store's bytes per row).
 KEEP_ALL_STEPS = Setting(
     "",
     "0",
-    "Node 0's store keeps every step row; off: each rank's first and last steps, the "
-    "findings' evidence and a uniform sample (docs/storage.md).",
+    "Node 0's store keeps every step row and every sample row; off: each rank's first and "
+    "last steps, the findings' evidence and a uniform sample, and each group's first and last "
+    "samples and its series' sample times (docs/storage.md).",
     kind=BOOL,
     readers=(_L, _A),
     flag="--keep-all-steps",
@@ -381,6 +382,24 @@ STORE_EVIDENCE_STEPS = Setting(
     "neighbourhood) per aggregator start.",
     kind=NON_NEGATIVE,
     unit="steps",
+    readers=(_A,),
+)
+STORE_FIRST_SAMPLES = Setting(
+    "TRACEML_STORE_FIRST_SAMPLES",
+    "600",
+    "Sample times of each group (a rank attempt's process samples, a node's system or GPU "
+    "samples) kept raw from its start.",
+    kind=NON_NEGATIVE,
+    unit="samples",
+    readers=(_A,),
+)
+STORE_LAST_SAMPLES = Setting(
+    "TRACEML_STORE_LAST_SAMPLES",
+    "120",
+    "Each group's latest sample times kept raw (held back from every prune while they are its "
+    "latest: the aggregator's memory holds their row ids, ~16 bytes a row).",
+    kind=NON_NEGATIVE,
+    unit="samples",
     readers=(_A,),
 )
 

@@ -68,6 +68,8 @@ import pickle
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from traceml.analysis.rundata import RunData, SampleColumns
 from traceml.core import log
 from traceml.core.records import GpuSample, ProcessSample, Record, SystemSample
@@ -193,6 +195,22 @@ class Checkpoint:
         series = self.series.get(record.TABLE, {}).get(key) or SampleSeries()
         return series.samples(record.ORDER)
 
+    def series_times(self) -> dict[str, tuple[int, dict[tuple, np.ndarray]]]:
+        """Each sample table's mark (the rowid its windows and series cover it up to) and,
+        per group, the ``unix_us`` of the rows its series holds (float64; the arrays are
+        never changed in place, a fold replaces them): what the retention's prune of the
+        sample rows keeps (:class:`~traceml_aggregator.retention.SamplePruner`); O(groups)."""
+        empty = np.empty(0, dtype=np.float64)
+        out = {}
+        for record, _ in SAMPLE_WINDOWS:
+            table = record.TABLE
+            groups = self.series.get(table, {})
+            out[table] = (
+                self.windows.get(table, (0, {}))[0],
+                {key: s.columns.get("unix_us", empty) for key, s in groups.items()},
+            )
+        return out
+
     def keys(self, table: str) -> list[tuple]:
         """The keys ``table``'s windows hold."""
         return list(self.windows.get(table, (0, {}))[1])
@@ -259,6 +277,9 @@ class Checkpointer:
         self.written = 0
         #: The ``steps_from`` of the latest checkpoint committed (0: none yet).
         self.committed_from = 0
+        #: The latest committed checkpoint's :meth:`Checkpoint.series_times` (sample table ->
+        #: its mark, and each group's series' sample times; {}: none yet).
+        self.committed_samples: dict[str, tuple[int, dict[tuple, np.ndarray]]] = {}
         self.last_bytes = 0
 
     async def _copy_ranks(self) -> tuple[int, dict[int, tuple[int, bytes]]]:
@@ -283,23 +304,23 @@ class Checkpointer:
             sqlite3.Error: the store could not take it (the previous checkpoint stays).
         """
         steps_from, ranks = await self._copy_ranks()
-        self.last_bytes = await self.writer.call(self._store, steps_from, ranks)
+        self.last_bytes, samples = await self.writer.call(self._store, steps_from, ranks)
         self.written += 1
         first_with_steps = steps_from > 0 and self.committed_from == 0
-        self.committed_from = steps_from
+        self.committed_from, self.committed_samples = steps_from, samples
         if self.written == 1 or first_with_steps:  # then silent: one every interval
             _log.info(
                 f"live aggregates checkpointed ({self.last_bytes} bytes, {len(ranks)} ranks, "
                 f"the steps stored up to row {steps_from})"
             )
 
-    def _store(self, steps_from: int, ranks: dict) -> int:
+    def _store(self, steps_from: int, ranks: dict) -> tuple[int, dict]:
         checkpoint = self.checkpoint
         checkpoint.advance_windows(self.writer.store)
         checkpoint.steps_from, checkpoint.ranks = steps_from, ranks
         data = pickle.dumps(checkpoint, 5)
         self.writer.store.write_live_checkpoint(data, time.time_ns() // 1000)
-        return len(data)
+        return len(data), checkpoint.series_times()  # as committed
 
     async def run(self, interval_s: float) -> None:
         """Write a checkpoint every ``interval_s`` s; a failed one is said and tried again at

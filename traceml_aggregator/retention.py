@@ -1,4 +1,5 @@
-"""The store's retention policy: which raw step rows stay once the live aggregates hold them.
+"""The store's retention policy: which raw step and sample rows stay once the live aggregates
+hold them.
 
 What the summary and the live views read is not the ``steps`` table but the live aggregates
 (:mod:`traceml_aggregator.aggregates`: per rank its window, its series at the report's
@@ -21,21 +22,41 @@ rank's latest attempt (docs/storage.md; the knobs are in :mod:`traceml.settings`
   whose segments differ by the straggler floor: STRAGGLER_GAP_PCT and STRAGGLER_MIN_GAP_MS);
 * every row of an earlier attempt, and of a rank the live aggregates do not know.
 
-Crash safety: a row is deleted only at or below the ``steps_from`` mark of a checkpoint that
-has committed (every rank's state in it covers the rows up to there), and never the table's
-highest rowid (SQLite would hand it out again, below a later checkpoint's mark). A replacement
-aggregator seeds from that checkpoint and folds only the rows above its mark, which are all
-there. The rowid the pruning reached is kept in ``meta`` (:data:`PRUNED_META_KEY`) in the
-transaction of each chunk's deletes, so an aggregator killed mid-prune leaves a store whose
-rows below the mark are partly pruned, which the next prune finishes. With the mark that ends
-a round goes the :meth:`Pruner.state` (:data:`STATE_META_KEY`: each rank's evidence count and
-the rowids of the rows held for the next prune), so a restart keeps counting against the
-same cap and decides the held rows with its first prune. A clean stop prunes once more after
-its last checkpoint, so the bound (:func:`most_rows_kept`) holds at the end of the run too.
+The sample tables (process, system and GPU samples: :data:`traceml.core.records.SAMPLES`) are
+summarized from each group's bounded series (:mod:`traceml_aggregator.sample_series`, in the
+same checkpoint), so past a committed checkpoint the :class:`SamplePruner` keeps, of each group
+(a rank attempt's process samples, a node's system or GPU samples), the rows of:
+
+* its first ``TRACEML_STORE_FIRST_SAMPLES`` sample times (distinct ``unix_us``, in time order);
+* its last ``TRACEML_STORE_LAST_SAMPLES`` sample times: the latest ones a prune sees are held
+  back (their rowids in memory) and decided with the group's next rows, so what stays is the
+  group's last sample times when the run ends (or when it stopped sending: a dead rank, an
+  earlier attempt), not the latest ones of every prune;
+* every sample time its series still holds (the series only ever drops times, so every time
+  it ends with stays raw);
+* every row of a group the series do not know.
+
+Crash safety: a row is deleted only at or below the mark of a checkpoint that has committed
+(``steps_from`` for the steps, each sample table's own mark for its rows: every state in the
+checkpoint covers the rows up to there), and never the table's highest rowid (SQLite would hand
+it out again, below a later checkpoint's mark). A replacement aggregator seeds from that
+checkpoint and folds only the rows above its marks, which are all there. The rowid the pruning
+of a table reached is kept in ``meta`` (:data:`PRUNED_META_KEY`, :func:`sample_meta_keys`) in
+the transaction of each chunk's deletes, so an aggregator killed mid-prune leaves a store
+whose rows below the mark are partly pruned, which the next prune finishes. With the mark that
+ends a round goes the pruner's state (:data:`STATE_META_KEY`: each rank's evidence count and
+the rowids of the rows held for the next prune; for a sample table, each group's count of
+sample times decided, against its first ``TRACEML_STORE_FIRST_SAMPLES``), so a restart keeps
+counting from there. A sample group's held rows are not in that state (a million rowids at
+8,000 ranks): an aggregator killed keeps them for good (at most the last-samples knob a
+group). A clean stop prunes once more after its last checkpoint, deciding the held sample rows
+as the groups' last, so the bounds (:func:`most_rows_kept`, :func:`most_sample_times_kept`)
+hold at the end of the run too.
 
 Ingest: the rows are read, and deleted, :data:`CHUNK_ROWS` at a time, each in one call on the
 writer's thread (its own transaction), so a transaction of batches waits at most one chunk; the
-choice of rows runs on a thread of its own.
+choice of rows runs on a thread of its own. Both kinds of table are pruned by the same sweep
+(:class:`_TablePrune`); only the choice of rows differs.
 """
 
 from __future__ import annotations
@@ -43,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +73,9 @@ from traceml import settings
 from traceml.analysis import thresholds as th
 from traceml.analysis.onset import MAX_POINTS, change_point
 from traceml.core import log
+from traceml.core.records import SAMPLES, Record
 from traceml_aggregator.aggregates import keep_mask
+from traceml_aggregator.sample_series import SERIES_TICKS
 
 _log = log.get("aggregator")
 
@@ -86,6 +110,9 @@ class Policy:
     last_steps: int = settings.STORE_LAST_STEPS.value
     sample_every: int = settings.STORE_SAMPLE_EVERY.value
     evidence_steps: int = settings.STORE_EVIDENCE_STEPS.value
+    #: Sample times of each sample group kept from its start, and at its end.
+    first_samples: int = settings.STORE_FIRST_SAMPLES.value
+    last_samples: int = settings.STORE_LAST_SAMPLES.value
 
     @classmethod
     def from_settings(cls) -> Policy:
@@ -95,6 +122,8 @@ class Policy:
             settings.read(settings.STORE_LAST_STEPS),
             settings.read(settings.STORE_SAMPLE_EVERY),
             settings.read(settings.STORE_EVIDENCE_STEPS),
+            settings.read(settings.STORE_FIRST_SAMPLES),
+            settings.read(settings.STORE_LAST_SAMPLES),
         )
 
 
@@ -127,6 +156,27 @@ def most_rows_kept(policy: Policy, run_steps: int, series_bound: int) -> int:
         + (levels + 1) * series_bound // 2
         + HELD_STEPS
     )
+
+
+def most_sample_times_kept(policy: Policy, ticks: int) -> int:
+    """Most sample times the policy keeps of one sample group of ``ticks`` sample times (its
+    rows: that times the rows a time, 1 for process and system samples, the node's GPUs for
+    GPU samples; the table's highest row is kept besides): its first and last times, and the
+    times its series held when each prune ran: all of them while the series is at level 0
+    (:data:`~traceml_aggregator.sample_series.SERIES_TICKS`), then half that bound for each
+    level it goes through (the times folded while it is at level L, ``SERIES_TICKS x
+    2**(L-1)``, of which one in 2**L), one level more for the folds' spread. Used to size the
+    defaults (docs/storage.md)."""
+    levels = max(0, math.ceil(math.log2(max(1, ticks) / SERIES_TICKS)))
+    return (
+        policy.first_samples + policy.last_samples + SERIES_TICKS + (levels + 1) * SERIES_TICKS // 2
+    )
+
+
+def sample_meta_keys(table: str) -> tuple[str, str]:
+    """The ``meta`` keys of a sample table's prune: the rowid up to which its rows were pruned,
+    and the :meth:`SamplePruner.state` at that mark."""
+    return f"{table}_pruned_upto", f"{table}_prune_state"
 
 
 def sampled(steps: np.ndarray, every: int) -> np.ndarray:
@@ -171,7 +221,95 @@ def evidence(steps: np.ndarray, step_us: np.ndarray, median_step_us: float | Non
     return keep
 
 
-class Pruner:
+class _TablePrune:
+    """The sweep of one table's rows that both pruners share (see the module docstring: the
+    marks, the chunks, the state kept with each round's mark); a subclass chooses the rows.
+
+    Args:
+        store: the run's store (its ``meta`` read here once, before the writer starts).
+        table: the table pruned.
+        columns: the columns the choice reads besides ``rowid`` (INTEGER columns).
+        mark_key, state_key: the ``meta`` keys of the prune's mark and state.
+    """
+
+    def __init__(
+        self, store, table: str, columns: tuple[str, ...], mark_key: str, state_key: str
+    ) -> None:
+        self.table, self.columns = table, columns
+        self.mark_key, self.state_key = mark_key, state_key
+        meta = store.meta()
+        #: The rowid up to which the rows were pruned.
+        self.done_upto = int(meta.get(mark_key) or 0)
+        #: The state stored with that mark (JSON; {} when none).
+        self.stored_state: dict = json.loads(meta.get(state_key) or "{}")
+        #: Rows deleted by this aggregator.
+        self.deleted = 0
+
+    def state(self) -> str:
+        """The pruner's state a restart needs, as JSON (stored with each round's mark)."""
+        raise NotImplementedError
+
+    def _saved(self):
+        """A copy of what a round changes (taken back with :meth:`_restore` when it fails)."""
+        raise NotImplementedError
+
+    def _restore(self, saved) -> None:
+        raise NotImplementedError
+
+    async def _sweep(
+        self, writer, upto: int, choose: Callable[[dict[str, np.ndarray], bool], np.ndarray]
+    ) -> int:
+        """Delete the rows above :attr:`done_upto` and at or below ``upto`` (a committed
+        checkpoint's mark; never the table's highest rowid) that ``choose(rows, last_round)``
+        lets go (``rows``: int64 columns ``rowid`` and :attr:`columns`, in rowid order, at
+        most :data:`ROUND_ROWS` of them; ``last_round``: no row up to the mark is left after
+        them), :data:`CHUNK_ROWS` a transaction on ``writer``'s thread; returns how many were
+        deleted.
+
+        Raises:
+            sqlite3.Error: the store failed (what was deleted stays deleted, and is recorded).
+        """
+        deleted = 0
+        top = min(upto, await writer.call(writer.store.max_rowid, self.table) - 1)
+        backlog = top - self.done_upto > ROUND_ROWS  # a store kept whole so far
+        if backlog:
+            _log.info(f"retention: pruning a backlog of {top - self.done_upto} {self.table} rows")
+        while self.done_upto < top:
+            hi = min(top, self.done_upto + ROUND_ROWS)
+            rows = await self._read(writer, self.done_upto, hi)
+            before = self._saved()
+            try:
+                drop = (await asyncio.to_thread(choose, rows, hi == top)).tolist()
+                for start in range(0, max(1, len(drop)), CHUNK_ROWS):
+                    chunk = drop[start : start + CHUNK_ROWS]
+                    meta = {self.mark_key: str(self.done_upto)}
+                    if start + CHUNK_ROWS >= len(drop):  # the round's mark and state with it
+                        meta = {self.mark_key: str(hi), self.state_key: self.state()}
+                    await writer.call(writer.store.delete_rows, self.table, chunk, meta)
+            except BaseException:  # the round is taken up again from the state before it
+                self._restore(before)
+                raise
+            deleted += len(drop)
+            self.done_upto = hi
+            if backlog and hi < top:
+                _log.info(f"retention: backlog pruned up to rowid {hi} of {top} ({self.table})")
+        self.deleted += deleted
+        return deleted
+
+    async def _read(self, writer, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """The rows of the table with ``lo < rowid <= hi``, as int64 columns."""
+        parts = []
+        at = lo
+        while at < hi:
+            end = min(hi, at + CHUNK_ROWS)
+            parts += await writer.call(_rows, writer.store, self.table, self.columns, at, end)
+            at = end
+        names = ("rowid", *self.columns)
+        table = np.array(parts, dtype=np.int64).reshape(-1, len(names))
+        return {name: table[:, i] for i, name in enumerate(names)}
+
+
+class Pruner(_TablePrune):
     """Deletes the step rows the :class:`Policy` lets go (see the module docstring).
 
     Args:
@@ -180,18 +318,16 @@ class Pruner:
     """
 
     def __init__(self, store, policy: Policy) -> None:
+        super().__init__(
+            store, "steps", ("rank", "restart", "step", "step_us"), PRUNED_META_KEY, STATE_META_KEY
+        )
         self.policy = policy
-        meta = store.meta()
-        #: The rowid up to which the rows were pruned.
-        self.done_upto = int(meta.get(PRUNED_META_KEY) or 0)
-        state = json.loads(meta.get(STATE_META_KEY) or "{}")
+        state = self.stored_state
         #: rank -> rows kept as evidence (bounded by the policy), over every aggregator start
         #: of the run (stored with the prune's mark).
         self.evidence_kept: dict[int, int] = {
             int(rank): n for rank, n in state.get("evidence_kept", {}).items()
         }
-        #: Rows deleted by this aggregator.
-        self.deleted = 0
         #: rank -> its rows held back for its next prune (see :meth:`drop`): columns
         #: ``rowid``, ``step``, ``step_us`` and the attempt, ``restart`` (their rowids are
         #: stored with the prune's mark, and read back here after a restart).
@@ -220,6 +356,12 @@ class Pruner:
         held = [int(r) for h in self.held.values() for r in h["rowid"]]
         evidence = {str(rank): n for rank, n in self.evidence_kept.items()}
         return json.dumps({"evidence_kept": evidence, "held": held}, separators=(",", ":"))
+
+    def _saved(self):
+        return dict(self.held), dict(self.evidence_kept)
+
+    def _restore(self, saved) -> None:
+        self.held, self.evidence_kept = saved
 
     def drop(self, plans: dict[int, RankPlan], rows: dict[str, np.ndarray]) -> np.ndarray:
         """The rowids of ``rows`` (int64 columns ``rowid``, ``rank``, ``restart``, ``step``,
@@ -274,52 +416,139 @@ class Pruner:
         Raises:
             sqlite3.Error: the store failed (what was deleted stays deleted, and is recorded).
         """
-        deleted = 0
-        top = min(steps_from, await writer.call(writer.store.max_rowid, "steps") - 1)
-        backlog = top - self.done_upto > ROUND_ROWS  # a store kept whole so far
-        if backlog:
-            _log.info(f"retention: pruning a backlog of {top - self.done_upto} step rows")
-        while self.done_upto < top:
-            hi = min(top, self.done_upto + ROUND_ROWS)
-            rows = await self._read(writer, self.done_upto, hi)
-            before = dict(self.held), dict(self.evidence_kept)
-            try:
-                drop = (await asyncio.to_thread(self.drop, plans, rows)).tolist()
-                for start in range(0, max(1, len(drop)), CHUNK_ROWS):
-                    chunk = drop[start : start + CHUNK_ROWS]
-                    meta = {PRUNED_META_KEY: str(self.done_upto)}
-                    if start + CHUNK_ROWS >= len(drop):  # the round's mark and state with it
-                        meta = {PRUNED_META_KEY: str(hi), STATE_META_KEY: self.state()}
-                    await writer.call(writer.store.delete_steps, chunk, meta)
-            except BaseException:  # the round is taken up again from the state before it
-                self.held, self.evidence_kept = before
-                raise
-            deleted += len(drop)
-            self.done_upto = hi
-            if backlog and hi < top:
-                _log.info(f"retention: backlog pruned up to rowid {hi} of {top}")
-        self.deleted += deleted
-        return deleted
-
-    @staticmethod
-    async def _read(writer, lo: int, hi: int) -> dict[str, np.ndarray]:
-        """The rows of ``steps`` with ``lo < rowid <= hi``, as int64 columns."""
-        parts = []
-        at = lo
-        while at < hi:
-            end = min(hi, at + CHUNK_ROWS)
-            parts += await writer.call(_rows, writer.store, at, end)
-            at = end
-        table = np.array(parts, dtype=np.int64).reshape(-1, 5)
-        names = ("rowid", "rank", "restart", "step", "step_us")
-        return {name: table[:, i] for i, name in enumerate(names)}
+        return await self._sweep(writer, steps_from, lambda rows, _last: self.drop(plans, rows))
 
 
-def _rows(store, lo: int, hi: int) -> list[tuple]:
-    """``(rowid, rank, restart, step, step_us)`` of the ``steps`` rows with ``lo < rowid <=
-    hi`` (on the writer's thread: a range of the table's b-tree)."""
+class SamplePruner(_TablePrune):
+    """Deletes the rows of one sample table the :class:`Policy` lets go (see the module
+    docstring).
+
+    Args:
+        store: the run's store (read here once, before the writer starts).
+        record: the sample record (:data:`traceml.core.records.SAMPLES`) of the table.
+        policy: what to keep.
+    """
+
+    def __init__(self, store, record: type[Record], policy: Policy) -> None:
+        super().__init__(
+            store, record.TABLE, (*record.GROUP, "unix_us"), *sample_meta_keys(record.TABLE)
+        )
+        self.record = record
+        self.policy = policy
+        #: group -> its sample times decided so far (at most the first-samples knob: only
+        #: whether a time is among the group's first counts), stored with the prune's mark.
+        self.seen: dict[tuple, int] = {
+            tuple(int(v) for v in key.split(",")): n
+            for key, n in self.stored_state.get("seen", {}).items()
+        }
+        #: group -> its rows of its latest sample times, held back undecided (see the module
+        #: docstring): int64 columns ``rowid`` and ``unix_us``, in time order.
+        self.held: dict[tuple, dict[str, np.ndarray]] = {}
+
+    def state(self) -> str:
+        """Each group's count of sample times decided (:attr:`seen`), as JSON."""
+        seen = {",".join(map(str, key)): n for key, n in self.seen.items()}
+        return json.dumps({"seen": seen}, separators=(",", ":"))
+
+    def _saved(self):
+        return dict(self.held), dict(self.seen)
+
+    def _restore(self, saved) -> None:
+        self.held, self.seen = saved
+
+    def drop(
+        self, series: dict[tuple, np.ndarray], rows: dict[str, np.ndarray], final: bool = False
+    ) -> np.ndarray:
+        """The rowids of ``rows`` (int64 columns ``rowid``, the record's ``GROUP`` columns and
+        ``unix_us``) and of the held rows that the policy lets go; ``series``: group -> the
+        ``unix_us`` of the rows its series holds (the committed checkpoint's; a group not in
+        it keeps every row).
+
+        A group's rows of its latest ``last_samples`` sample times (held ones included) are
+        held back for the next call, unless ``final`` (the run's end: they are its last, and
+        stay, and so do those of every held group)."""
+        policy = self.policy
+        # The groups in hand (those with new rows; at the end, every held one too), numbered.
+        keys: list[tuple] = []
+        gid = np.zeros(0, dtype=np.int64)
+        if len(rows["rowid"]):
+            columns = np.stack([rows[c] for c in self.record.GROUP], axis=1)
+            distinct, gid = np.unique(columns, axis=0, return_inverse=True)
+            gid = gid.reshape(-1).astype(np.int64)
+            keys = [tuple(int(v) for v in row) for row in distinct]
+        if final:
+            keys += sorted(self.held.keys() - set(keys))
+        if not keys:
+            return np.zeros(0, dtype=np.int64)
+        parts = [(gid, rows["rowid"], rows["unix_us"])]
+        for g, key in enumerate(keys):
+            held = self.held.pop(key, None)
+            if held is not None:
+                parts.append((np.full(len(held["rowid"]), g), held["rowid"], held["unix_us"]))
+        gid, rowid, unix_us = (np.concatenate([p[i] for p in parts]) for i in range(3))
+        by = np.lexsort((rowid, unix_us, gid))  # each group's rows in time order, together
+        gid, rowid, unix_us = gid[by], rowid[by], unix_us[by]
+        # Each row's sample time among its group's rows in hand (tick), and the group's count.
+        starts = np.r_[True, gid[1:] != gid[:-1]]
+        time_id = np.cumsum(np.r_[True, starts[1:] | (unix_us[1:] != unix_us[:-1])]) - 1
+        tick = time_id - np.maximum.accumulate(np.where(starts, time_id, 0))
+        ends = np.r_[starts[1:], True]
+        times = np.zeros(len(keys), dtype=np.int64)
+        times[gid[ends]] = tick[ends] + 1
+        seen = np.array([self.seen.get(key, 0) for key in keys], dtype=np.int64)
+        last = tick >= times[gid] - policy.last_samples
+        keep = (seen[gid] + tick < policy.first_samples) | last
+        # The times each group's series holds, as (group, time) pairs packed in an int64 (the
+        # group above the time's offset in the span of the rows in hand): one isin, exact.
+        lo, hi = int(unix_us.min()), int(unix_us.max())
+        shift = (hi - lo).bit_length()
+        known = np.zeros(len(keys), dtype=bool)
+        pairs = []
+        for g, key in enumerate(keys):
+            kept = series.get(key)
+            if kept is not None:
+                known[g] = True
+                kept = kept[(kept >= lo) & (kept <= hi)].astype(np.int64)  # others match none
+                pairs.append((g << shift) + (kept - lo))
+        keep |= ~known[gid]
+        if shift + len(keys).bit_length() > 62:  # rows in hand years apart: all kept
+            keep[:] = True
+        elif pairs:
+            keep |= np.isin((gid << shift) + (unix_us - lo), np.concatenate(pairs))
+        held_at = np.flatnonzero(last) if not final else np.zeros(0, dtype=np.int64)
+        if len(held_at):  # the latest times wait for the group's next rows
+            firsts = np.flatnonzero(np.r_[True, gid[held_at][1:] != gid[held_at][:-1]])
+            for lo, hi in zip(firsts, [*firsts[1:], len(held_at)], strict=True):
+                at = held_at[lo:hi]
+                self.held[keys[int(gid[at[0]])]] = {"rowid": rowid[at], "unix_us": unix_us[at]}
+        if policy.first_samples:
+            decided = times if final else np.maximum(0, times - policy.last_samples)
+            for key, n in zip(keys, np.minimum(policy.first_samples, seen + decided), strict=True):
+                self.seen[key] = int(n)
+        return rowid[~keep]
+
+    async def prune(
+        self, writer, upto: int, series: dict[tuple, np.ndarray], final: bool = False
+    ) -> int:
+        """Delete the rows above :attr:`done_upto` and at or below ``upto`` (the table's mark
+        in a committed checkpoint, whose series are ``series``: see :meth:`drop`) that the
+        policy lets go, :data:`CHUNK_ROWS` a transaction on ``writer``'s thread; ``final``:
+        the run's end (the held rows of the groups' last sample times are decided, and
+        stay); returns how many were deleted.
+
+        Raises:
+            sqlite3.Error: the store failed (what was deleted stays deleted, and is recorded).
+        """
+        return await self._sweep(
+            writer, upto, lambda rows, last: self.drop(series, rows, final and last)
+        )
+
+
+def _rows(store, table: str, columns: tuple[str, ...], lo: int, hi: int) -> list[tuple]:
+    """``(rowid, *columns)`` of ``table``'s rows with ``lo < rowid <= hi`` (on the writer's
+    thread: a range of the table's b-tree)."""
     return store.query(
-        "SELECT rowid, rank, restart, step, step_us FROM steps WHERE rowid > ? AND rowid <= ?",
+        f"SELECT rowid, {', '.join(columns)} FROM {table} WHERE rowid > ? AND rowid <= ?",
         (lo, hi),
         by_name=False,
     )
@@ -338,20 +567,55 @@ def plans(live) -> dict[int, RankPlan]:
     return out
 
 
-async def run(pruner: Pruner, checkpointer, live, interval_s: float) -> None:
-    """Every ``interval_s`` s, after a new checkpoint committed, prune up to its mark
-    (:attr:`~traceml_aggregator.checkpoint.Checkpointer.committed_from`); a failed prune is
-    said and taken up again at the next one (nothing the summary reads is lost)."""
-    pruned_from = 0
+class Retention:
+    """The store's retention: the steps' :class:`Pruner` and a :class:`SamplePruner` for each
+    sample table, pruning up to the marks of the latest committed checkpoint.
+
+    Args:
+        store: the run's store (read here once, before the writer starts).
+        policy: what to keep.
+    """
+
+    def __init__(self, store, policy: Policy) -> None:
+        self.steps = Pruner(store, policy)
+        self.samples = [SamplePruner(store, record, policy) for record in SAMPLES]
+
+    async def prune(self, checkpointer, live, *, final: bool = False) -> int:
+        """Prune every table up to the marks of ``checkpointer``'s latest committed
+        checkpoint (:attr:`~traceml_aggregator.checkpoint.Checkpointer.committed_from` and
+        :attr:`~traceml_aggregator.checkpoint.Checkpointer.committed_samples`), the steps
+        by ``live``'s plans (:func:`plans`); ``final``: the run's end (a clean stop); returns
+        the rows deleted.
+
+        Raises:
+            sqlite3.Error: the store failed (the tables pruned so far stay pruned).
+        """
+        writer = checkpointer.writer
+        mark = checkpointer.committed_from
+        deleted = await self.steps.prune(writer, mark, plans(live))
+        if deleted and self.steps.deleted == deleted:
+            _log.info(f"retention: pruned {deleted} step rows up to rowid {mark}")
+        for pruner in self.samples:
+            upto, series = checkpointer.committed_samples.get(pruner.table, (0, {}))
+            gone = await pruner.prune(writer, upto, series, final=final)
+            if gone and pruner.deleted == gone:
+                _log.info(f"retention: pruned {gone} {pruner.table} rows up to rowid {upto}")
+            deleted += gone
+        return deleted
+
+
+async def run(retention: Retention, checkpointer, live, interval_s: float) -> None:
+    """Every ``interval_s`` s, after a new checkpoint committed, prune up to its marks
+    (:meth:`Retention.prune`); a failed prune is said and taken up again at the next one
+    (nothing the summary reads is lost)."""
+    pruned_at = 0  # checkpoints written when the last prune succeeded
     while True:
         await asyncio.sleep(interval_s)
-        mark = checkpointer.committed_from
-        if mark <= pruned_from:
+        written = checkpointer.written
+        if written <= pruned_at:
             continue
         try:
-            deleted = await pruner.prune(checkpointer.writer, mark, plans(live))
-            pruned_from = mark
-            if deleted and pruner.deleted == deleted:
-                _log.info(f"retention: pruned {deleted} step rows up to rowid {mark}")
+            await retention.prune(checkpointer, live)
+            pruned_at = written
         except Exception as exc:
-            _log.warning(f"retention: cannot prune the step rows: {exc}")
+            _log.warning(f"retention: cannot prune the stored rows: {exc}")

@@ -36,7 +36,7 @@ from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log, otlp
 from traceml.core.heap import freeze_startup_objects
-from traceml.core.records import AggregatorRestart
+from traceml.core.records import SAMPLES, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
 from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
@@ -47,8 +47,7 @@ from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.live.rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Pruner
-from traceml_aggregator.retention import plans as retention_plans
+from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Retention, sample_meta_keys
 from traceml_aggregator.retention import run as run_retention
 from traceml_aggregator.script_world import ScriptWorld, store_record
 from traceml_aggregator.senders import BATCH_ONLY, Rejections, check_batch
@@ -133,10 +132,10 @@ class ServerConfig:
     checkpoint_interval_s: float = field(
         default_factory=lambda: settings.read(settings.AGGREGATOR_CHECKPOINT_SEC)
     )
-    #: ``--keep-all-steps``: no retention, the store keeps every step row (see
+    #: ``--keep-all-steps``: no retention, the store keeps every step and sample row (see
     #: :mod:`traceml_aggregator.retention`).
     keep_all_steps: bool = settings.KEEP_ALL_STEPS.value
-    #: What the store keeps of the steps otherwise: the ``TRACEML_STORE_*`` knobs.
+    #: What the store keeps of the steps and samples otherwise: the ``TRACEML_STORE_*`` knobs.
     retention: Policy = field(default_factory=Policy.from_settings)
 
     @property
@@ -167,10 +166,13 @@ def seed(live: LiveAggregates, store: Store) -> Checkpoint:
     returns the checkpoint the next ones start from."""
     started = time.monotonic()
     checkpoint = live.seed(store, read_checkpoint(store))
-    if not checkpoint.steps_from and store.meta().get(PRUNED_META_KEY):
+    meta = store.meta()
+    marks = [PRUNED_META_KEY, *(sample_meta_keys(r.TABLE)[0] for r in SAMPLES)]
+    if not checkpoint.steps_from and any(meta.get(key) for key in marks):
         _log.warning(
-            "the store's step rows were pruned (retention) and no checkpoint of the live "
-            "aggregates could be read: the summary covers the kept steps only (a sample)"
+            "the store's step and sample rows were pruned (retention) and no checkpoint of "
+            "the live aggregates could be read: the summary covers the kept rows only (a "
+            "sample)"
         )
     if store.steps_rowid:
         _log.info(
@@ -459,7 +461,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
 
     writer = Writer(store, on_stored, config.max_queued_bytes)
     checkpointer = Checkpointer(checkpoint, live, writer)
-    pruner = None if config.keep_all_steps else Pruner(store, config.retention)
+    retention = None if config.keep_all_steps else Retention(store, config.retention)
     rejections = Rejections()
     rejections.restore(
         store.meta().get(REJECTED_META_KEY), store.meta().get(REJECTED_REASONS_META_KEY)
@@ -619,9 +621,9 @@ async def serve(config: ServerConfig, ready=None) -> int:
         checkpointer.run(config.checkpoint_interval_s)
     )
     pruning = None
-    if pruner is not None:
+    if retention is not None:
         pruning = asyncio.get_running_loop().create_task(
-            run_retention(pruner, checkpointer, live, config.checkpoint_interval_s)
+            run_retention(retention, checkpointer, live, config.checkpoint_interval_s)
         )
     if otlp_push is not None:
         otlp_push.start()
@@ -669,12 +671,13 @@ async def serve(config: ServerConfig, ready=None) -> int:
         _log.info(f"summary written at stop: {outcome.json_path or outcome.error}")
     # The rows the last checkpoint covers, once the summary is written (it reads none of them):
     # a store kept whole so far takes seconds a million rows, and a stop may be cut short.
-    if pruning is not None and pruner is not None:
+    # The samples' held rows are their groups' last and stay (final).
+    if pruning is not None and retention is not None:
         await asyncio.gather(pruning, return_exceptions=True)
         try:
-            await pruner.prune(writer, checkpointer.committed_from, retention_plans(live))
+            await retention.prune(checkpointer, live, final=True)
         except Exception as exc:
-            _log.warning(f"retention: cannot prune the step rows: {exc}")
+            _log.warning(f"retention: cannot prune the stored rows: {exc}")
     await store_run_records()  # the latest, also without reports
     await writer.close()
     live.close()

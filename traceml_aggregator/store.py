@@ -508,9 +508,10 @@ class Store:
         entry of the table's b-tree."""
         return self._db.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0] or 0
 
-    def delete_steps(self, rowids: list[int], meta: dict[str, str]) -> None:
-        """Delete the ``steps`` rows of ``rowids`` and set the ``meta`` keys to their values,
-        in one transaction (the retention's prune: :mod:`traceml_aggregator.retention`).
+    def delete_rows(self, table: str, rowids: list[int], meta: dict[str, str]) -> None:
+        """Delete the rows of ``table`` (``steps`` or a sample table) of ``rowids`` and set the
+        ``meta`` keys to their values, in one transaction (the retention's prune:
+        :mod:`traceml_aggregator.retention`).
 
         Raises:
             sqlite3.Error: the disk (full, I/O error); nothing was deleted.
@@ -518,7 +519,7 @@ class Store:
         db = self._db
         db.execute("BEGIN")
         try:
-            db.executemany("DELETE FROM steps WHERE rowid = ?", ((r,) for r in rowids))
+            db.executemany(f"DELETE FROM {table} WHERE rowid = ?", ((r,) for r in rowids))
             db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
             db.execute("COMMIT")
         except BaseException:

@@ -58,7 +58,7 @@ class LaunchConfig:
     max_restarts: int = settings.MAX_RESTARTS.value
     aggregator_max_restarts: int | None = None
     save_training_output: bool | None = None
-    #: ``--keep-all-steps``: node 0's store keeps every step row (no retention).
+    #: ``--keep-all-steps``: node 0's store keeps every step and sample row (no retention).
     keep_all_steps: bool = settings.KEEP_ALL_STEPS.value
     #: Zero-code steps: ranks start as ``python -m traceml.sdk.autorun SCRIPT``.
     auto_instrument: bool | None = None
