@@ -92,6 +92,27 @@ def test_each_rule_keeps_its_rows_and_the_rest_goes():
     assert kept - held == set(rows["rowid"][expected].tolist())
 
 
+def test_a_live_runs_small_prunes_keep_the_last_steps_of_the_run_not_of_every_prune():
+    """Checkpoints cover fewer steps than the last-steps window (2 steps/s x 30 s against
+    1,000): each prune's rows are all within the window then, and must be decided later."""
+    policy = Policy(first_steps=0, last_steps=100, sample_every=1 << 20, evidence_steps=0)
+    pruner = Pruner(_Store(), policy)
+    gone: set[int] = set()
+    per_prune, prunes = 50, 30
+    for i in range(prunes):
+        steps = range(i * per_prune, (i + 1) * per_prune)
+        rows = _rows(0, steps, lambda _s: STEP_US, rowid0=1 + i * per_prune)
+        plans = {0: RankPlan(0, steps[-1], 20, float(STEP_US))}
+        gone |= set(pruner.drop(plans, rows, final=i == prunes - 1).tolist())
+    run = np.arange(per_prune * prunes, dtype=np.int64)
+    kept = set(range(len(run))) - {r - 1 for r in gone}  # rowid r is step r - 1
+    last = set(range(len(run) - 100, len(run)))
+    held = {int(r) - 1 for r in pruner.held[0]["rowid"]}
+    assert len(held) == HELD_STEPS and max(held) < min(last)
+    assert kept == last | held | set(run[keep_mask(run, 20)].tolist())
+    assert 0 not in pruner.pending  # the final prune decided them
+
+
 def test_evidence_is_capped_per_rank():
     policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=10)
     pruner = Pruner(_Store(), policy)

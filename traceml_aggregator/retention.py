@@ -10,7 +10,10 @@ evidence a person may want to read back. Past that point the :class:`Pruner` kee
 rank's latest attempt (docs/storage.md; the knobs are in :mod:`traceml.settings`):
 
 * its first ``TRACEML_STORE_FIRST_STEPS`` steps (step index below it: start-up, warm-up);
-* its latest ``TRACEML_STORE_LAST_STEPS`` steps (the end, the hung step of a hang);
+* its latest ``TRACEML_STORE_LAST_STEPS`` steps (the end, the hung step of a hang): the
+  rows within that many steps of the rank's latest step when a prune runs are held back
+  (in memory) and decided with the rank's next rows, so what stays is the rank's last steps
+  when the run ends (or when it stopped sending), not the latest steps of every prune;
 * a uniform sample: one step in ``TRACEML_STORE_SAMPLE_EVERY``, chosen by the series' hash
   of the step index (so the same indices on every rank, aligned step for step), and every step
   the rank's final series may still hold (the hash at the series' current level: the series
@@ -47,10 +50,11 @@ whose rows below the mark are partly pruned, which the next prune finishes. With
 ends a round goes the pruner's state (:data:`STATE_META_KEY`: each rank's evidence count and
 the rowids of the rows held for the next prune; for a sample table, each group's count of
 sample times decided, against its first ``TRACEML_STORE_FIRST_SAMPLES``), so a restart keeps
-counting from there. A sample group's held rows are not in that state (a million rowids at
-8,000 ranks): an aggregator killed keeps them for good (at most the last-samples knob a
-group). A clean stop prunes once more after its last checkpoint, deciding the held sample rows
-as the groups' last, so the bounds (:func:`most_rows_kept`, :func:`most_sample_times_kept`)
+counting from there. The rows held back as a rank's last steps or a group's last sample times
+are not in that state (millions of rowids at 8,000 ranks): an aggregator killed keeps them for
+good (at most the last-steps knob a rank, the last-samples knob a group, per kill). A clean
+stop prunes once more after its last checkpoint, deciding the held rows as the ranks' and
+groups' last, so the bounds (:func:`most_rows_kept`, :func:`most_sample_times_kept`)
 hold at the end of the run too.
 
 Ingest: the rows are read, and deleted, :data:`CHUNK_ROWS` at a time, each in one call on the
@@ -332,6 +336,9 @@ class Pruner(_TablePrune):
         #: ``rowid``, ``step``, ``step_us`` and the attempt, ``restart`` (their rowids are
         #: stored with the prune's mark, and read back here after a restart).
         self.held: dict[int, dict] = {}
+        #: rank -> its rows within ``last_steps`` of its latest step at the last prune, held
+        #: back undecided (same columns; in memory only: an aggregator killed keeps them).
+        self.pending: dict[int, dict] = {}
         held = state.get("held", [])
         for start in range(0, len(held), 500):
             part = held[start : start + 500]
@@ -358,19 +365,23 @@ class Pruner(_TablePrune):
         return json.dumps({"evidence_kept": evidence, "held": held}, separators=(",", ":"))
 
     def _saved(self):
-        return dict(self.held), dict(self.evidence_kept)
+        return dict(self.held), dict(self.pending), dict(self.evidence_kept)
 
     def _restore(self, saved) -> None:
-        self.held, self.evidence_kept = saved
+        self.held, self.pending, self.evidence_kept = saved
 
-    def drop(self, plans: dict[int, RankPlan], rows: dict[str, np.ndarray]) -> np.ndarray:
+    def drop(
+        self, plans: dict[int, RankPlan], rows: dict[str, np.ndarray], final: bool = False
+    ) -> np.ndarray:
         """The rowids of ``rows`` (int64 columns ``rowid``, ``rank``, ``restart``, ``step``,
         ``step_us``, one value per row, in rowid order) that the policy lets go; ``plans``:
-        the ranks the live aggregates know.
+        the ranks the live aggregates know; ``final``: the run's end.
 
-        Each rank's latest :data:`HELD_STEPS` rows that would go are held back (in
-        :attr:`held`) and decided with the rank's next rows: an onset is found in the rank's
-        rows wherever a prune's range cut them, and its neighbourhood is still there."""
+        A rank's rows within ``last_steps`` of its latest step are held back undecided (in
+        :attr:`pending`) and decided with its next rows, unless ``final`` (then they are its
+        last steps, kept). Each rank's latest :data:`HELD_STEPS` rows that would go are held
+        back (in :attr:`held`) and decided with the rank's next rows: an onset is found in the
+        rank's rows wherever a prune's range cut them, and its neighbourhood is still there."""
         policy = self.policy
         out = []
         order = np.argsort(rows["rank"], kind="stable")
@@ -381,19 +392,27 @@ class Pruner(_TablePrune):
             if plan is None:
                 continue  # a rank the live aggregates do not know: kept
             part = part[rows["restart"][part] == plan.restart]  # earlier attempts: kept
-            held = self.held.pop(rank, None)
             mine = {name: rows[name][part] for name in ("rowid", "step", "step_us")}
-            if held is not None and held["restart"] == plan.restart:
-                mine = {name: np.concatenate([held[name], mine[name]]) for name in mine}
+            for earlier in (self.pending.pop(rank, None), self.held.pop(rank, None)):
+                if earlier is not None and earlier["restart"] == plan.restart:
+                    mine = {name: np.concatenate([earlier[name], mine[name]]) for name in mine}
             s = mine["step"]
             if not len(s):
                 continue
+            last = s > plan.last_step - policy.last_steps
             keep = (
                 (s < policy.first_steps)
-                | (s > plan.last_step - policy.last_steps)
                 | sampled(s, policy.sample_every)
                 | keep_mask(s, plan.series_level)
             )
+            if final:
+                keep |= last
+            else:
+                undecided = np.flatnonzero(last & ~keep)
+                if len(undecided):
+                    self.pending[rank] = {name: c[undecided] for name, c in mine.items()}
+                    self.pending[rank]["restart"] = plan.restart
+                keep |= last
             room = policy.evidence_steps - self.evidence_kept.get(rank, 0)
             if room > 0:
                 proof = evidence(s, mine["step_us"], plan.median_step_us) & ~keep
@@ -408,15 +427,20 @@ class Pruner(_TablePrune):
             out.append(np.setdiff1d(mine["rowid"][going], mine["rowid"][hold]))
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
-    async def prune(self, writer, steps_from: int, plans: dict[int, RankPlan]) -> int:
+    async def prune(
+        self, writer, steps_from: int, plans: dict[int, RankPlan], *, final: bool = False
+    ) -> int:
         """Delete the rows above :attr:`done_upto` and at or below ``steps_from`` (the mark of
         a committed checkpoint) that the policy lets go, :data:`CHUNK_ROWS` a transaction on
-        ``writer``'s thread; returns how many were deleted.
+        ``writer``'s thread; ``final``: the run's end (the rows held as the ranks' last steps
+        are decided); returns how many were deleted.
 
         Raises:
             sqlite3.Error: the store failed (what was deleted stays deleted, and is recorded).
         """
-        return await self._sweep(writer, steps_from, lambda rows, _last: self.drop(plans, rows))
+        return await self._sweep(
+            writer, steps_from, lambda rows, last: self.drop(plans, rows, final and last)
+        )
 
 
 class SamplePruner(_TablePrune):
@@ -592,7 +616,7 @@ class Retention:
         """
         writer = checkpointer.writer
         mark = checkpointer.committed_from
-        deleted = await self.steps.prune(writer, mark, plans(live))
+        deleted = await self.steps.prune(writer, mark, plans(live), final=final)
         if deleted and self.steps.deleted == deleted:
             _log.info(f"retention: pruned {deleted} step rows up to rowid {mark}")
         for pruner in self.samples:
