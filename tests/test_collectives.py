@@ -1,18 +1,30 @@
 """Collectives as measured events (traceml/sdk/collectives.py), on a real 2-rank DDP job
 (torchrun, gloo, CPU): every op recorded with its group, sequence number and bytes, the step's
-``comm`` phase stored and summarised, and the training's results bit-identical without TraceML."""
+``comm`` phase stored and summarised, and the training's results bit-identical without TraceML;
+and, on a one-process gloo group driven by a step tracer, which steps measure ``comm``: none
+before the rank's first collective, every one after it (0 on a step without one)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import SCRIPTS, free_port, load_summary, query, run_traceml
 
+from traceml import wire
+from traceml.sdk import collectives
+from traceml.sdk.step import StepTracer
+from traceml.wire.records import add_steps, step_group_columns
+
 STEPS = 10
+#: Steps after them without any collective (DDP's ``no_sync``): ``comm`` measured as 0.
+QUIET_STEPS = 3
 WORLD = 2
 #: Bytes of the job's one DDP bucket: Linear(32, 64) + Linear(64, 3), float32.
 BUCKET_BYTES = (32 * 64 + 64 + 64 * 3 + 3) * 4
@@ -50,6 +62,8 @@ def runs(tmp_path_factory):
             str(tmp / "with"),
             "--steps",
             str(STEPS),
+            "--quiet-steps",
+            str(QUIET_STEPS),
         ],
         cwd=tmp,
     )
@@ -57,7 +71,7 @@ def runs(tmp_path_factory):
     plain = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}"]
         + [f"--master-port={free_port()}", script, "--out", str(tmp / "without")]
-        + ["--steps", str(STEPS), "--no-traceml"],
+        + ["--steps", str(STEPS), "--quiet-steps", str(QUIET_STEPS), "--no-traceml"],
         cwd=tmp,
         capture_output=True,
         text=True,
@@ -96,9 +110,89 @@ def test_results_are_bit_identical_with_and_without_traceml(runs):
 def test_comm_is_a_phase_in_the_store_and_the_summary(runs):
     run_dir = runs / "logs" / "coll"
     rows = query(run_dir, "SELECT rank, step, comm_us, step_us FROM steps ORDER BY rank, step")
-    assert [(r[0], r[1]) for r in rows] == [(r, s) for r in range(WORLD) for s in range(STEPS)]
+    total = STEPS + QUIET_STEPS
+    assert [(r[0], r[1]) for r in rows] == [(r, s) for r in range(WORLD) for s in range(total)]
+    busy = [r for r in rows if r[1] < STEPS]
     # six sync collectives a step: their time is in the step, never more than the step
-    assert all(r[2] is not None and 0 < r[2] <= r[3] for r in rows)
+    assert all(r[2] is not None and 0 < r[2] <= r[3] for r in busy)
+    # after the rank's first collective a step without any has comm measured, as 0
+    assert [(r[0], r[1], r[2]) for r in rows if r[1] >= STEPS] == [
+        (r, s, 0) for r in range(WORLD) for s in range(STEPS, total)
+    ]
     summary = load_summary(run_dir)
     for rank in summary["ranks"]:
         assert rank["phase_median_ms"]["comm"] > 0
+
+
+# --- which steps measure comm: a one-process gloo group, a step tracer, a recorder --------------
+@pytest.fixture
+def traced(monkeypatch):
+    """``(tracer, steps)``: a world-size-1 gloo group and a step tracer whose collectives are
+    recorded (:func:`traceml.sdk.collectives.install`, as ``traceml.init()`` does), appending
+    each finished step's measurement to ``steps``. The process's recorder is restored after
+    (the wrappers stay in ``torch.distributed`` and pass calls straight through without one)."""
+    monkeypatch.setattr(collectives, "_recorder", collectives._recorder)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        steps: list = []
+        tracer = StepTracer(steps.append, time.perf_counter_ns())
+        assert collectives.install(tracer) is not None
+        yield tracer, steps
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_steps(tracer, n: int, collective_steps: dict[int, object]) -> None:
+    """``n`` steps; on step ``i`` in ``collective_steps`` call its function (a collective)."""
+    for i in range(n):
+        tracer.begin()
+        call = collective_steps.get(i)
+        if call is not None:
+            call()
+        tracer.end()
+
+
+def test_comm_is_measured_on_every_step_from_the_first_collective_on(traced):
+    """A collective on steps 3 and 7 only: steps 0-2 (before the first) have no ``comm``;
+    3 and 7 have the all-reduce's time; 4-6 and 8-9 have exactly 0, on the wire too (before
+    the fix they had none, so the median ``comm`` was over steps 3 and 7 alone)."""
+    tracer, steps = traced
+    reduce = lambda: dist.all_reduce(torch.ones(4))  # noqa: E731
+    _run_steps(tracer, 10, {3: reduce, 7: reduce})
+    assert [m.step for m in steps] == list(range(10))
+    comm = [m.comm_ns for m in steps]
+    assert comm[:3] == [None, None, None]
+    assert all(c is not None for c in comm[3:])
+    assert comm[3] > 0 and comm[7] > 0
+    assert [comm[i] for i in (4, 5, 6, 8, 9)] == [0] * 5
+    fields = [m.fields() for m in steps]
+    assert ["comm_us" in f for f in fields] == [False] * 3 + [True] * 7
+    assert [fields[i]["comm_us"] for i in (4, 5, 6, 8, 9)] == [0] * 5
+    batch = wire.Batch()
+    add_steps(batch, fields)
+    groups = [dict(zip(*step_group_columns(g), strict=True)) for g in batch.step_groups]
+    # step 0 (no input wait), steps 1-2 (no comm), steps 3-9 (comm, zeros included)
+    assert [list(g["step"]) for g in groups] == [[0], [1, 2], list(range(3, 10))]
+    assert [list(g.get("comm_us", [])) for g in groups] == [
+        [],
+        [],
+        [f["comm_us"] for f in fields[3:]],
+    ]
+
+
+def test_an_async_collective_starts_comm_at_zero(traced):
+    """The first collective is async (an event, no part of ``comm``): its step and every later
+    one measure ``comm`` as 0; the steps before it, none."""
+    tracer, steps = traced
+    _run_steps(tracer, 4, {1: lambda: dist.all_reduce(torch.ones(4), async_op=True).wait()})
+    assert [m.comm_ns for m in steps] == [None, 0, 0, 0]
+
+
+def test_without_collectives_comm_is_never_measured(traced):
+    """A process whose recorder never sees a collective (single-process training under
+    ``traceml.init()``) reports no ``comm`` on any step: "-", never 0."""
+    tracer, steps = traced
+    _run_steps(tracer, 10, {})
+    assert [m.comm_ns for m in steps] == [None] * 10
+    assert not any("comm_us" in m.fields() for m in steps)

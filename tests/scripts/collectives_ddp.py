@@ -3,10 +3,12 @@
 Each of ``--steps`` steps: a DDP forward/backward (its gradient buckets) and optimizer step,
 then, still inside the step, one of each explicit collective: ``all_reduce`` (sync),
 ``all_gather_into_tensor`` (async, waited on), ``all_gather``, ``reduce_scatter_tensor``,
-``broadcast`` and ``barrier``. At the end every rank writes its parameters and the results of
-its collectives to ``--out/result_<rank>.pt`` and, when TraceML recorded them, its collective
-events to ``--out/events_<rank>.json``. With ``--no-traceml`` TraceML is never imported (the
-reference run for bit-identical results).
+``broadcast`` and ``barrier``. Then ``--quiet-steps`` steps without any collective: a
+forward/backward under ``model.no_sync()`` (gradient accumulation, no bucket all-reduced). At
+the end every rank writes its parameters and the results of its collectives to
+``--out/result_<rank>.pt`` and, when TraceML recorded them, its collective events to
+``--out/events_<rank>.json``. With ``--no-traceml`` TraceML is never imported (the reference
+run for bit-identical results).
 """
 
 import argparse
@@ -23,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quiet-steps", type=int, default=0)
     parser.add_argument("--no-traceml", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -60,6 +63,11 @@ def main() -> None:
             dist.broadcast(b, src=0)  # 12 bytes
             dist.barrier()
         results += [t, gathered, *parts, scattered, b]
+    for _ in range(args.quiet_steps):
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 3, generator=g)
+        ctx = traceml.trace_step(model) if traceml else _null()
+        with ctx, model.no_sync():
+            ((model(x) - y) ** 2).mean().backward()
     torch.save(
         {"params": [p.detach() for p in model.parameters()], "results": results},
         os.path.join(args.out, f"result_{rank}.pt"),

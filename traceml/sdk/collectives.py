@@ -36,6 +36,10 @@ others (never counted twice):
 * an async explicit collective: an event, but no part of ``comm`` (where the script waits for
   it is not seen).
 
+Before the rank's first collective ``comm`` is not measured (absent, as in a process without
+collectives); from its first collective on, every step has it, 0 on a step without any
+(:meth:`Recorder.close_step`).
+
 Fail-open: recording never raises into the training; an exception in the recording drops the
 event, and the collective runs as if TraceML were absent. ``benchmarks/collective_events.py``
 measures the cost per event on the calling thread.
@@ -176,16 +180,26 @@ class Recorder:
 
     # -- at step end (training thread) ----------------------------------------------------------
     def close_step(self, m) -> None:
-        """Set the step's ``comm_ns`` on measurement ``m`` and take it out of the phases that
-        held it (module docstring); leave ``comm_ns`` None when no collective was seen."""
+        """Set the step's ``comm_ns`` on measurement ``m`` (ns) and take it out of the phases
+        that held it (module docstring).
+
+        ``comm_ns`` is None (not measured) until this rank has entered its first collective
+        (any op, a DDP bucket or an async call included), so a process without collectives
+        never reports ``comm``; from then on every step has it, 0 on a step without a sync
+        collective or DDP bucket: the rank takes part in collectives and waited in none, a
+        measurement of 0, so that the step's median ``comm`` is over the same steps as its
+        other parts. The check reads the per-group sequence numbers :meth:`enter` keeps (no
+        cost on the collective's path, no allocation on a step without collectives)."""
         sync, buckets = self._sync_ns, self._buckets
+        if not (sync or buckets):
+            m.comm_ns = 0 if self._seq else None
+            return
         self._sync_ns, self._buckets = {}, []
         m.comm_ns = None
-        if sync or buckets:
-            try:
-                m.comm_ns = self._split(m, sync, buckets)
-            except Exception as exc:  # fail-open: the step is sent without comm
-                _warn_once(exc)
+        try:
+            m.comm_ns = self._split(m, sync, buckets)
+        except Exception as exc:  # fail-open: the step is sent without comm
+            _warn_once(exc)
 
     def _split(self, m, sync: dict[str, int], buckets: list[Collective]) -> int:
         total = 0
