@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -280,6 +281,23 @@ def test_view_serve_refuses_a_directory_without_a_store(tmp_path):
     assert result.returncode == 2
     assert (
         result.stderr == f"traceml: error: {tmp_path} holds no TraceML store (telemetry.sqlite)\n"
+    )
+
+
+def test_view_serve_refuses_a_file_that_is_not_a_database(tmp_path):
+    """The same one line as ``traceml-aggregator --finalize-only``'s for the same file
+    (traceml_aggregator.store.open_run_store)."""
+    (tmp_path / "telemetry.sqlite").write_bytes(random.Random(7).randbytes(64 * 1024))
+    result = subprocess.run(
+        traceml_cmd() + ["view", str(tmp_path), "--serve", f"--port={free_port()}"],
+        env=traceml_env(launcher=True),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"traceml: error: cannot read {tmp_path / 'telemetry.sqlite'}: file is not a database\n"
     )
 
 

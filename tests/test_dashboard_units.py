@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sqlite3
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ from traceml_aggregator.dashboard import app as dashboard_app
 from traceml_aggregator.dashboard import frames
 from traceml_aggregator.dashboard.frames import Cursor, Snapshot
 from traceml_aggregator.dashboard.sources import StoredSource
-from traceml_aggregator.store import Store
+from traceml_aggregator.store import Store, StoreUnavailable
 
 START_US = 1_700_000_000_000_000
 
@@ -268,8 +267,12 @@ def test_http_token_frame_and_event_stream():
 def test_a_stored_run_is_read_only_and_a_held_store_is_refused(tmp_path):
     writer = Store(tmp_path / "telemetry.sqlite")
     writer.set_meta("run_name", "held")
-    with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+    with pytest.raises(StoreUnavailable) as refused:
         StoredSource(tmp_path)  # a running aggregator holds its store
+    assert str(refused.value) == (
+        f"{tmp_path / 'telemetry.sqlite'} is locked: another aggregator holds it (a live run's "
+        "store)"
+    )
     writer.close()
     before = (tmp_path / "telemetry.sqlite").read_bytes()
     source = StoredSource(tmp_path)

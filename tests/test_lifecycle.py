@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -291,6 +292,89 @@ def test_finalize_only_writes_the_summary_from_the_store(tmp_path):
     summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert summary["run"]["complete"] is True and summary["run"]["status"] == "completed"
     assert "summary written from the store" in result.stderr
+
+
+def _finalize_only(run_dir, run_name: str) -> subprocess.CompletedProcess:
+    """``traceml-aggregator --finalize-only`` on ``run_dir`` (a real process), finished."""
+    return subprocess.run(
+        [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(run_dir)]
+        + ["--run-name", run_name, "--world-size", "1", "--finalize-only"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _refusal(reason: str) -> str:
+    """``--finalize-only``'s whole stderr when it refuses the store for ``reason``."""
+    return f"traceml-aggregator: error: --finalize-only: {reason}: nothing to finalize\n"
+
+
+@pytest.mark.aggregator
+def test_finalize_only_refuses_a_directory_without_a_store_and_creates_nothing(tmp_path):
+    missing, empty = tmp_path / "nope", tmp_path / "empty"
+    empty.mkdir()
+    for run_dir in (missing, empty):
+        result = _finalize_only(run_dir, "x")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == _refusal(f"{run_dir} holds no TraceML store (telemetry.sqlite)")
+    assert not missing.exists() and list(empty.iterdir()) == []
+
+
+@pytest.mark.aggregator
+def test_finalize_only_refuses_another_runs_store_and_a_live_one(tmp_path):
+    """The store records its run's name: another --run-name is refused, the summary unwritten.
+    While an aggregator holds the store (locking_mode=EXCLUSIVE), it is refused as locked."""
+    warnings: list[str] = []
+    run_dir = tmp_path / "run"
+    database = run_dir / "telemetry.sqlite"
+    with LiveAggregator(run_dir, "named", world_size=1) as agg:
+        client = make_client(agg.target, "named", warnings)
+        client.submit(STEPS, step(0))
+        client.flush(30)
+        result = _finalize_only(run_dir, "named")  # the aggregator still holds the store
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == _refusal(
+            f"{database} is locked: another aggregator holds it (a live run's store)"
+        )
+        assert client.close(finish(1))
+        assert agg.stop() == 0
+    (run_dir / "final_summary.json").unlink()
+    result = _finalize_only(run_dir, "WRONG")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == _refusal(
+        f"{database} is the store of run 'named', not of --run-name 'WRONG'"
+    )
+    assert not (run_dir / "final_summary.json").exists()
+    assert _finalize_only(run_dir, "named").returncode == 0  # its own name is accepted
+
+
+@pytest.mark.aggregator
+def test_finalize_only_refuses_a_corrupt_store_in_one_line(tmp_path):
+    """Random bytes, and a real store cut to its first page: exit 2, one line naming the file
+    and SQLite's cause, no traceback."""
+    noise = tmp_path / "noise"
+    noise.mkdir()
+    (noise / "telemetry.sqlite").write_bytes(random.Random(7).randbytes(64 * 1024))
+    result = _finalize_only(noise, "x")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == _refusal(
+        f"cannot read {noise / 'telemetry.sqlite'}: file is not a database"
+    )
+    warnings: list[str] = []
+    cut = tmp_path / "cut"
+    with LiveAggregator(cut, "cut", world_size=1) as agg:
+        client = make_client(agg.target, "cut", warnings)
+        for i in range(200):
+            client.submit(STEPS, step(i))
+        assert client.close(finish(200))
+        assert agg.stop() == 0
+    database = cut / "telemetry.sqlite"
+    with open(database, "r+b") as file:
+        file.truncate(database.stat().st_size // 2)
+    result = _finalize_only(cut, "cut")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == _refusal(f"cannot read {database}: database disk image is malformed")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

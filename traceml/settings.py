@@ -379,7 +379,8 @@ STORE_EVIDENCE_STEPS = Setting(
     "TRACEML_STORE_EVIDENCE_STEPS",
     "4096",
     "Most steps of each rank kept raw as a finding's evidence (spikes, an onset's "
-    "neighbourhood) per aggregator start.",
+    "neighbourhood) over the whole run (the count is stored, so it survives an aggregator "
+    "restart).",
     kind=NON_NEGATIVE,
     unit="steps",
     readers=(_A,),

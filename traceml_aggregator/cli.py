@@ -22,7 +22,9 @@ that cannot be opened (another TraceML version's, or not a database).
 its standard input, the launcher's pipe, closes; SIGTERM and SIGINT are noted, not obeyed).
 ``--restart-reason``/``--down-since-unix-s`` mark a restart on the same store after the
 previous aggregator died; ``--finalize-only`` writes the summary from the store without
-serving (exit code 1 if it cannot).
+serving: exit code 2 (one line, nothing created) when ``--run-dir`` holds no store, the store
+is not a database, is damaged, is held by a running aggregator or records another run name,
+1 if the summary cannot be written otherwise.
 
 Every call but the health check must carry the run token: ``--run-token``, else
 ``TRACEML_RUN_TOKEN``, else the one in ``<run-dir>/run_token`` (a restart on the run's

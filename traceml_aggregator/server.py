@@ -23,6 +23,7 @@ import asyncio
 import json
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 import time
@@ -59,6 +60,10 @@ from traceml_aggregator.store import (
     RESTARTS_META_KEY,
     STORE_INT_MAX,
     Store,
+    StoreUnavailable,
+    is_unreadable,
+    open_run_store,
+    unreadable,
 )
 from traceml_aggregator.streams import CLOSED, LOST, STREAMS_META_KEY, StreamLedger
 from traceml_aggregator.writer import QueueFull, Writer
@@ -745,11 +750,28 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
     finished nor belong to a reported node are the summary's missing ranks.
 
     Returns:
-        0 once the reports are written (their paths on stderr), 1 when they cannot be.
+        0 once the reports are written (their paths on stderr); 2, said in one line, when
+        ``config.run_dir`` holds no store (nothing is created), the store is not a database,
+        is damaged or another aggregator holds it
+        (:func:`~traceml_aggregator.store.open_run_store`), or it records another run name
+        than ``config.run_name``; 1 when the reports cannot be written otherwise.
     """
     from traceml_aggregator.reports import write_reports
 
-    store = Store(config.run_dir / DATABASE_NAME)
+    try:
+        store = open_run_store(config.run_dir)
+        stored_name = store.meta().get("run_name", config.run_name)
+    except StoreUnavailable as exc:
+        return _refuse_finalize(str(exc))
+    except sqlite3.DatabaseError as exc:  # the meta table's pages are damaged
+        store.close()
+        return _refuse_finalize(str(unreadable(store.path, exc)))
+    if stored_name != config.run_name:
+        store.close()
+        return _refuse_finalize(
+            f"{store.path} is the store of run {stored_name!r}, not of --run-name "
+            f"{config.run_name!r}"
+        )
     try:
         if node_exit_path is not None:
             report = wire.NodeExit.FromString(node_exit_path.read_bytes())
@@ -769,6 +791,11 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
             steps=live.final_steps(),
             samples=checkpoint,
         )
+    except sqlite3.DatabaseError as exc:
+        if not is_unreadable(exc):
+            _log.error(f"error: no summary: {type(exc).__name__}: {exc}")
+            return 1
+        return _refuse_finalize(str(unreadable(store.path, exc)))
     except Exception as exc:
         _log.error(f"error: no summary: {type(exc).__name__}: {exc}")
         return 1
@@ -776,3 +803,9 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
         store.close()
     _log.info(f"summary written from the store: {outcome.json_path}")
     return 0
+
+
+def _refuse_finalize(reason: str) -> int:
+    """``--finalize-only``'s one-line refusal of a store (see :func:`finalize_offline`): 2."""
+    _log.error(f"error: --finalize-only: {reason}: nothing to finalize")
+    return 2

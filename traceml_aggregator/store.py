@@ -50,6 +50,7 @@ from traceml.core.records import (
     SystemSample,
     step_group_columns,
 )
+from traceml.core.rundir import DATABASE_NAME
 from traceml.wire.records import add_steps
 
 #: Version of the table layout below; stored in ``meta``.
@@ -256,6 +257,29 @@ class WriteResult:
 
 class StoreVersionError(RuntimeError):
     """The database was written with another table layout (``meta.schema_version``)."""
+
+
+class StoreUnavailable(RuntimeError):
+    """A run directory's store cannot be used: there is none, it has another schema version,
+    it is not a database or is damaged, or a running aggregator holds it. The message is one
+    line that names the file and the cause (:func:`open_run_store`, :func:`unreadable`)."""
+
+
+def unreadable(database: Path, exc: sqlite3.Error) -> StoreUnavailable:
+    """The one-line refusal of ``database`` for the SQLite error ``exc`` met opening or
+    reading it: a lock (``database is locked``: an aggregator holds the store, in
+    ``locking_mode=EXCLUSIVE``) is said as such; any other error is quoted."""
+    if "is locked" in str(exc):  # SQLITE_BUSY / SQLITE_LOCKED (no error codes before 3.11)
+        return StoreUnavailable(
+            f"{database} is locked: another aggregator holds it (a live run's store)"
+        )
+    return StoreUnavailable(f"cannot read {database}: {exc}")
+
+
+def is_unreadable(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says the file is not a database, is damaged or is locked (the store's
+    fault, said by :func:`unreadable`), rather than a failed write (a full disk, ...)."""
+    return type(exc) is sqlite3.DatabaseError or "is locked" in str(exc)
 
 
 class Store:
@@ -562,3 +586,23 @@ class Store:
                 self.checkpoint()
         finally:
             self._db.close()
+
+
+def open_run_store(run_dir: Path, *, read_only: bool = False) -> Store:
+    """The existing store of the run directory ``run_dir`` (``traceml view --serve``,
+    ``traceml-aggregator --finalize-only``); unlike :class:`Store`, never creates one.
+
+    Raises:
+        StoreUnavailable: ``run_dir`` holds no store (nothing is created), or the store has
+            another schema version, is not a database or cannot be opened, or (SQLite's
+            ``database is locked``, after its 5 s busy timeout) a running aggregator holds it.
+    """
+    database = Path(run_dir) / DATABASE_NAME
+    if not database.is_file():
+        raise StoreUnavailable(f"{run_dir} holds no TraceML store ({DATABASE_NAME})")
+    try:
+        return Store(database, read_only=read_only)
+    except StoreVersionError as exc:
+        raise StoreUnavailable(str(exc)) from exc
+    except sqlite3.Error as exc:
+        raise unreadable(database, exc) from exc

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sqlite3
 import tempfile
 from pathlib import Path
 
@@ -45,7 +44,7 @@ def serve_stored(
     """Serve until SIGINT/SIGTERM; the exit code (see the module docstring)."""
     from traceml_aggregator.dashboard import app as dashboard_app
     from traceml_aggregator.dashboard.sources import StoredSource
-    from traceml_aggregator.store import StoreVersionError
+    from traceml_aggregator.store import StoreUnavailable
 
     try:
         settings.resolve(settings.DASHBOARD_PORT, port, "--port")
@@ -54,11 +53,8 @@ def serve_stored(
         return 2
     try:
         source = StoredSource(run_dir)
-    except (OSError, StoreVersionError) as exc:
+    except (OSError, StoreUnavailable) as exc:
         _log.error(f"error: {exc}")
-        return 2
-    except sqlite3.DatabaseError as exc:
-        _log.error(f"error: cannot read the store in {run_dir}: {exc}")
         return 2
     token = settings.env_str(settings.RUN_TOKEN) or transport.new_token()
 

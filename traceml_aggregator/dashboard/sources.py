@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
 
 from traceml.core import log
-from traceml.core.rundir import DATABASE_NAME, SUMMARY_JSON_NAME
+from traceml.core.rundir import SUMMARY_JSON_NAME
 from traceml_aggregator.dashboard.frames import Snapshot
 
 _log = log.get("aggregator")
@@ -62,22 +63,20 @@ class StoredSource:
     there, else a summary computed from the store.
 
     Raises:
-        FileNotFoundError: ``run_dir`` holds no store.
-        sqlite3.DatabaseError: the store cannot be read.
+        StoreUnavailable: ``run_dir`` holds no store, or it cannot be read (one line).
     """
 
     live = False
 
     def __init__(self, run_dir: Path) -> None:
         from traceml_aggregator.load import load
-        from traceml_aggregator.store import Store
+        from traceml_aggregator.store import open_run_store, unreadable
 
-        database = Path(run_dir) / DATABASE_NAME
-        if not database.is_file():
-            raise FileNotFoundError(f"{run_dir} holds no TraceML store ({DATABASE_NAME})")
-        store = Store(database, read_only=True)
+        store = open_run_store(run_dir, read_only=True)
         try:
             self._run = load(store, [])
+        except sqlite3.DatabaseError as exc:  # damaged beyond its first pages
+            raise unreadable(store.path, exc) from exc
         finally:
             store.close()
         summary_path = Path(run_dir) / SUMMARY_JSON_NAME
