@@ -40,9 +40,10 @@ Series (label ``rank`` is the global rank, ``node`` the node rank, "" when unkno
   sample and each GPU's latest sample.
 
 Cardinality: at most 2 + 7 + 6 = 15 series a rank (quantiles, phases, the rest; + the
-summary's ``_count`` and ``_sum``: 17), 2 a node and 2 a GPU; for 8,000 ranks on 1,000 nodes of
-8 GPUs that is at most 8,000 x 17 + 1,000 x 2 + 8,000 x 2 = 154,000 series, whatever the run's length (labels hold
-only rank, node, phase, GPU index and quantile: never a step or a time).
+summary's ``_count`` and ``_sum``: 17), 2 a node and 2 a GPU; for 8,000 ranks on 1,000 nodes
+of 8 GPUs that is at most 8,000 x 17 + 1,000 x 2 + 8,000 x 2 = 154,000 series, whatever the
+run's length (labels hold only rank, node, phase, GPU index and quantile: never a step or a
+time).
 """
 
 from __future__ import annotations
