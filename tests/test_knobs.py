@@ -85,6 +85,8 @@ NOT_KNOBS = {
         "down_since_unix_s": "the launcher's protocol with its aggregator",
         "finalize_only": "the launcher's protocol with its aggregator",
         "node_exit_file": "the launcher's protocol with its aggregator",
+        "lost_reason": "the launcher's protocol with its aggregator",
+        "lost_unix_s": "the launcher's protocol with its aggregator",
     },
     "python -m traceml_aggregator.dashboard": {
         "run_dir": "the input directory",

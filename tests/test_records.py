@@ -4,6 +4,7 @@ store's and the live aggregates' rows against the model."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import ClassVar
 
 import pytest
@@ -392,7 +393,7 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
     from traceml_aggregator.hang import HangWatch
     from traceml_aggregator.load import META_RECORDS, run_records
     from traceml_aggregator.script_world import ScriptWorld
-    from traceml_aggregator.server import record_restart
+    from traceml_aggregator.server import record_loss, record_restart
     from traceml_aggregator.streams import StreamLedger
 
     def fields(name: str) -> list[str]:
@@ -436,6 +437,10 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
     store = Store(tmp_path / "t.sqlite")
     restart = record_restart(store, "killed", 0.0)
     assert list(restart) == fields("aggregator_restarts")
+    loss = record_loss(store, "exited with code 137 during the run", 1700000000.1234)
+    assert loss == {"reason": "exited with code 137 during the run", "lost_unix_s": 1700000000.123}
+    assert list(loss) == fields("aggregator_loss")
+    assert json.loads(store.meta()[META_RECORDS["aggregator_loss"][0]]) == loss
     store.close()
     ledger = StreamLedger()
     ledger.opened(("rank", 0, 0))
@@ -446,6 +451,7 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
             "stall": stall,
             "script_world": world,
             "aggregator_restarts": [restart],
+            "aggregator_loss": loss,
             "sender_streams": ledger.entries(),
         }
     )
@@ -456,6 +462,9 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
     assert typed["stall"].to_json() == stall
     assert typed["script_world"].to_json() == world
     assert [r.to_json() for r in typed["aggregator_restarts"]] == [restart]
+    assert typed["aggregator_loss"] == records.AggregatorLoss(
+        "exited with code 137 during the run", 1700000000.123
+    )
     assert [s.to_json() for s in typed["sender_streams"]] == ledger.entries()
     assert [name for name, (_, _, schema) in META_RECORDS.items() if schema is None] == [
         "rejected",

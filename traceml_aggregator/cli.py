@@ -106,6 +106,14 @@ def serve_command(
     node_exit_file: Path | None = typer.Option(
         None, help="with --finalize-only: a serialized NodeExit to store first (the launcher's)"
     ),
+    lost_reason: str = typer.Option(
+        "",
+        help="with --finalize-only: the run's aggregator was lost for good for this reason "
+        "(recorded in the store; the summary says it covers only what was stored before)",
+    ),
+    lost_unix_s: float | None = typer.Option(
+        None, help="with --lost-reason: when the launcher saw it lost (Unix s)"
+    ),
     run_token: str | None = option(settings.RUN_TOKEN),
     tls_cert: Path | None = option(settings.TLS_CERT),
     tls_key: Path | None = option(settings.TLS_KEY),
@@ -174,6 +182,8 @@ def serve_command(
         owned=owned,
         restart_reason=restart_reason,
         down_since_unix_s=down_since_unix_s,
+        lost_reason=lost_reason,
+        lost_unix_s=lost_unix_s,
         run_token=token,
         tls_cert=tls_cert,
         tls_key=tls_key,

@@ -28,6 +28,7 @@ from traceml.core import records
 from traceml.core.phases import STEP_FIELDS
 from traceml_aggregator.script_world import SCRIPT_WORLD_META_KEY
 from traceml_aggregator.store import (
+    LOSS_META_KEY,
     NODE_LOSSES_META_KEY,
     REJECTED_META_KEY,
     REJECTED_REASONS_META_KEY,
@@ -47,6 +48,7 @@ SAMPLE_CHUNK_ROWS = 65536
 META_RECORDS: dict[str, tuple[str, str, type[records.MetaRecord] | None]] = {
     "stall": (STALL_META_KEY, "null", records.HangRecord),
     "aggregator_restarts": (RESTARTS_META_KEY, "[]", records.AggregatorRestart),
+    "aggregator_loss": (LOSS_META_KEY, "null", records.AggregatorLoss),
     "node_losses": (NODE_LOSSES_META_KEY, "[]", records.LostNode),
     "rejected": (REJECTED_META_KEY, "{}", None),
     "rejected_reasons": (REJECTED_REASONS_META_KEY, "{}", None),

@@ -37,7 +37,7 @@ from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log, otlp
 from traceml.core.heap import freeze_startup_objects
-from traceml.core.records import SAMPLES, AggregatorRestart
+from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
 from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
@@ -54,6 +54,7 @@ from traceml_aggregator.script_world import ScriptWorld, store_record
 from traceml_aggregator.senders import BATCH_ONLY, Rejections, check_batch
 from traceml_aggregator.sessions import NodeSessions
 from traceml_aggregator.store import (
+    LOSS_META_KEY,
     NODE_LOSSES_META_KEY,
     REJECTED_META_KEY,
     REJECTED_REASONS_META_KEY,
@@ -109,6 +110,10 @@ class ServerConfig:
     #: (Unix s) the run had none. Recorded in the store's ``aggregator_restarts`` meta entry.
     restart_reason: str = ""
     down_since_unix_s: float | None = None
+    #: With ``--finalize-only``: the run's aggregator was lost for good (``--lost-reason``),
+    #: since when (Unix s). Recorded in the store's ``aggregator_loss`` meta entry.
+    lost_reason: str = ""
+    lost_unix_s: float | None = None
     #: The run token every call but health's must carry (see traceml_aggregator/auth.py).
     run_token: str = field(default="", repr=False)
     #: PEM files of the aggregator's TLS certificate and key (both, or neither: plain text).
@@ -162,6 +167,15 @@ def record_restart(store: Store, reason: str, down_since_unix_s: float) -> dict:
     ).to_json()
     restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
     store.set_meta(RESTARTS_META_KEY, json.dumps(restarts + [entry]))
+    return entry
+
+
+def record_loss(store: Store, reason: str, lost_unix_s: float) -> dict:
+    """Set the store's :data:`~traceml_aggregator.store.LOSS_META_KEY` entry: node 0's
+    aggregator was lost for good (``reason``, one line) at ``lost_unix_s`` (Unix s); returns
+    the entry, ``{"reason": str, "lost_unix_s": float}``."""
+    entry = AggregatorLoss(reason=reason, lost_unix_s=round(lost_unix_s, 3)).to_json()
+    store.set_meta(LOSS_META_KEY, json.dumps(entry))
     return entry
 
 
@@ -746,8 +760,10 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
 
     The launcher runs this when its aggregator died and could not be restarted: everything
     acknowledged is in the store. ``node_exit_path`` holds the launcher's serialized
-    :class:`~traceml.wire.NodeExit` (its ranks' end states), stored first. Ranks that neither
-    finished nor belong to a reported node are the summary's missing ranks.
+    :class:`~traceml.wire.NodeExit` (its ranks' end states), stored first, and
+    ``config.lost_reason`` (``--lost-reason``) why the aggregator was lost, recorded with
+    :func:`record_loss` (the summary's AGGREGATOR_LOST finding). Ranks that neither finished
+    nor belong to a reported node are the summary's missing ranks.
 
     Returns:
         0 once the reports are written (their paths on stderr); 2, said in one line, when
@@ -776,6 +792,9 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
         if node_exit_path is not None:
             report = wire.NodeExit.FromString(node_exit_path.read_bytes())
             store.write_node_exit(report, time.time_ns() // 1000)
+        if config.lost_reason:
+            lost = config.lost_unix_s if config.lost_unix_s is not None else time.time()
+            record_loss(store, config.lost_reason, lost)
         world_size = ScriptWorld.restore(store.meta()).world_size(config.world_size)
         state = RunState(world_size=world_size, nnodes=config.nnodes)
         state.restore(store)

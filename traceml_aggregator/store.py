@@ -90,6 +90,9 @@ _INSERT = {r: records.insert(r) for r in records.RECORDS}
 #: ``meta`` key of the run's aggregator restarts: a JSON list, one entry per replacement
 #: aggregator (see :func:`traceml_aggregator.server.record_restart`).
 RESTARTS_META_KEY = "aggregator_restarts"
+#: ``meta`` key of the loss of node 0's aggregator for good: one JSON object (see
+#: :func:`traceml_aggregator.server.record_loss`), absent when it was not lost.
+LOSS_META_KEY = "aggregator_loss"
 #: ``meta`` key of the nodes the aggregator lost: a JSON list, one entry per loss (see
 #: :class:`traceml_aggregator.sessions.NodeSessions`).
 NODE_LOSSES_META_KEY = "node_losses"

@@ -123,6 +123,19 @@ class AggregatorOutage:
 
 
 @dataclass
+class AggregatorLoss:
+    """``run.telemetry_health.aggregator_loss``: node 0's aggregator lost for good (the
+    launcher did not restart it) and the summary written from the store
+    (:attr:`~traceml.analysis.rundata.RunData.aggregator_loss`): the telemetry sent after
+    ``lost_unix_s`` was not received."""
+
+    reason: Annotated[str, Schema(description="why it was lost, as the launcher said it")]
+    lost_unix_s: Annotated[
+        float, Schema(description="when the launcher saw the aggregator lost, unix seconds")
+    ]
+
+
+@dataclass
 class RankDelivery:
     """``run.telemetry_health.ranks[]``: what one rank's client produced and gave up, from the
     running totals that every batch carries (``SenderCounts``), so known even for a rank whose
@@ -234,6 +247,13 @@ class TelemetryHealth:
     ]
     aggregator_outages: Annotated[
         list[AggregatorOutage], Schema(description="each restart, in order")
+    ]
+    aggregator_loss: Annotated[
+        AggregatorLoss | None,
+        Schema(
+            description="node 0's aggregator lost for good (not restarted): the summary covers "
+            "only what was stored until then; null: not lost"
+        ),
     ]
     ranks: Annotated[
         list[RankDelivery],

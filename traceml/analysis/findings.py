@@ -57,6 +57,7 @@ KINDS = {
         "GPU_TIMING_UNRESOLVED",
         "RESTARTED",
         "AGGREGATOR_RESTARTED",
+        "AGGREGATOR_LOST",
         "TELEMETRY_REFUSED",
         "SCRIPT_PROCESS_GROUP",
     ),

@@ -174,8 +174,9 @@ def findings(
 
     Kinds: RANK_CRASHED, RANK_HUNG, RUN_INTERRUPTED, RANK_TERMINATED (ranks stopped after
     another failed; hung and interrupted ranks are left out), RANK_MISSING, RANK_NEVER_REPORTED,
-    NODE_FAILED, NODE_LOST, AGGREGATOR_RESTARTED, RANK_WITHOUT_STEPS, TELEMETRY_DROPPED,
-    GPU_TIMING_UNRESOLVED, RESTARTED, TELEMETRY_REFUSED, SCRIPT_PROCESS_GROUP.
+    NODE_FAILED, NODE_LOST, AGGREGATOR_RESTARTED, AGGREGATOR_LOST, RANK_WITHOUT_STEPS,
+    TELEMETRY_DROPPED, GPU_TIMING_UNRESOLVED, RESTARTED, TELEMETRY_REFUSED,
+    SCRIPT_PROCESS_GROUP.
     """
     facts = Facts(run, ranks, live, now_unix_s)
     found = [f for f in (rule(facts) for rule in RULES) if f is not None]
@@ -617,6 +618,31 @@ def aggregator_restarted(facts: Facts) -> Finding | None:
     )
 
 
+def aggregator_lost(facts: Facts) -> Finding | None:
+    """AGGREGATOR_LOST: node 0's aggregator died and was not restarted (no restart allowed,
+    or none left), so the summary was written from the store and covers only the steps stored
+    until then (:attr:`RunData.aggregator_loss`)."""
+    loss = facts.run.aggregator_loss
+    if loss is None:
+        return None
+    stored = {r.rank: r.records_received for r in facts.ranks}
+    told = ", ".join(f"rank {rank}: {n}" for rank, n in stored.items())
+    return Finding(
+        "AGGREGATOR_LOST",
+        "warning",
+        f"The aggregator was lost at {_utc(loss.lost_unix_s)} ({loss.reason}) and not "
+        f"restarted: this summary covers only the steps stored until then ({told}); the "
+        "telemetry sent after it was not received.",
+        "Read the verdict as one of the run's first part only. See aggregator/process.stderr.log "
+        "for why it died; --aggregator-max-restarts lets the launcher restart it on the run's "
+        "store.",
+        evidence={
+            "aggregator_loss": loss.to_json(),
+            "steps_stored": {str(rank): n for rank, n in stored.items()},
+        },
+    )
+
+
 def rank_without_steps(facts: Facts) -> Finding | None:
     """RANK_WITHOUT_STEPS: ranks that stored no step while others did."""
     stepless = [r.rank for r in facts.ranks if not r.records_received]
@@ -775,6 +801,7 @@ RULES = (
     node_failed,
     node_lost,
     aggregator_restarted,
+    aggregator_lost,
     rank_without_steps,
     telemetry_dropped,
     gpu_timing_unresolved,

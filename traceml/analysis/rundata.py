@@ -20,6 +20,7 @@ import numpy as np
 
 from traceml.core.phases import STEP_FIELDS
 from traceml.core.records import (
+    AggregatorLoss,
     AggregatorRestart,
     Finish,
     Flops,
@@ -310,6 +311,9 @@ class RunData:
     stall: HangRecord | None = None
     #: Node 0's aggregator restarts on this run's store, in order.
     aggregator_restarts: list[AggregatorRestart] = field(default_factory=list)
+    #: Node 0's aggregator lost for good (the launcher did not restart it), else None: the
+    #: store holds nothing sent after it.
+    aggregator_loss: AggregatorLoss | None = None
     #: Nodes the aggregator lost (a launcher's session stream broke and did not come back in
     #: time; see traceml_aggregator/sessions.py), in order.
     node_losses: list[LostNode] = field(default_factory=list)

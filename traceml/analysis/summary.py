@@ -33,6 +33,7 @@ from traceml.analysis.document import (
     MEDIAN_PARTS,
     PARTS,
     SCHEMA_VERSION,
+    AggregatorLoss,
     AggregatorOutage,
     Analysis,
     ClockInfo,
@@ -435,6 +436,9 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
                 aggregator_outages=[
                     AggregatorOutage(**o.to_json()) for o in run.aggregator_restarts
                 ],
+                aggregator_loss=(
+                    AggregatorLoss(**run.aggregator_loss.to_json()) if run.aggregator_loss else None
+                ),
                 ranks=[_delivery(rd) for rd in run.ranks.values() if rd.counts],
                 sender_streams=[SenderStream(**s.to_json()) for s in run.sender_streams],
                 node_losses=[NodeLoss(**n.to_json()) for n in run.node_losses],

@@ -32,7 +32,8 @@ see ``docs/architecture.md``. A step field is a row of the phase table instead
 The run's own records that the aggregator keeps as JSON entries of the store's ``meta`` table
 (not rows) are declared here too (:class:`MetaRecord`: :class:`HangRecord`, its
 :class:`HungRank` and their :class:`CollectiveWait`, :class:`ScriptWorld`,
-:class:`AggregatorRestart`, :class:`LostNode`, :class:`StreamEnd`); ``META_RECORDS`` in
+:class:`AggregatorRestart`, :class:`AggregatorLoss`, :class:`LostNode`, :class:`StreamEnd`);
+``META_RECORDS`` in
 :mod:`traceml_aggregator.load` lists every such entry with its key and record.
 """
 
@@ -748,6 +749,22 @@ class AggregatorRestart(MetaRecord):
     reason: str
     gap_s: float
     restarted_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatorLoss(MetaRecord):
+    """Node 0's aggregator lost for good: it died (or a replacement did not serve) and the
+    launcher did not restart it, so nothing sent after ``lost_unix_s`` was stored (meta key
+    ``aggregator_loss``: one JSON object; written by ``traceml-aggregator --finalize-only``
+    from the launcher's supervisor, ``traceml_aggregator/server.py``).
+
+    Attributes:
+        reason: why it was lost, as the launcher's warning says it (one line).
+        lost_unix_s: when the launcher saw the death that ended the telemetry (Unix s).
+    """
+
+    reason: str
+    lost_unix_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,10 +90,18 @@ def aggregator_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
 
 
 def finalize_offline(
-    config: LaunchConfig, run_dir: RunDir, node_exit_file, timeout_s: float = 120.0
+    config: LaunchConfig,
+    run_dir: RunDir,
+    node_exit_file,
+    timeout_s: float = 120.0,
+    *,
+    lost_reason: str = "",
+    lost_unix_s: float | None = None,
 ) -> int:
     """Write the summary from the store with ``traceml-aggregator --finalize-only`` (the run's
-    aggregator is dead and may not be restarted); its exit code (0: written).
+    aggregator is dead and may not be restarted); its exit code (0: written). ``lost_reason``
+    (with when it was lost, Unix s) says why the run lost its aggregator: the summary records
+    it and warns that telemetry sent after it was not received.
 
     Raises:
         subprocess.TimeoutExpired: it ran longer than ``timeout_s`` (it is killed first).
@@ -103,6 +111,10 @@ def finalize_offline(
         "--node-exit-file",
         str(node_exit_file),
     ]
+    if lost_reason:
+        argv += ["--lost-reason", lost_reason]
+        if lost_unix_s is not None:
+            argv += ["--lost-unix-s", f"{lost_unix_s:.3f}"]
     with open(run_dir.aggregator_stderr, "ab") as log:
         return subprocess.run(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=timeout_s

@@ -132,14 +132,22 @@ class Finalization:
 
     def _from_store(self, manifest: Manifest, report) -> None:
         """The aggregator is gone for good: write the summary from the run's store with
-        ``traceml-aggregator --finalize-only`` (this node's exit report included), print it."""
+        ``traceml-aggregator --finalize-only`` (this node's exit report and, when the
+        supervisor lost it, why and since when included), print it."""
         supervisor = self.supervisor
         aggregator.stop(supervisor.process, 2.0)  # its store lock must be released
         node_exit_file = self.run_dir.node_dir / "node_exit.pb"
         node_exit_file.write_bytes(report.SerializeToString())
         root = self.run_dir.root
+        lost = supervisor.lost_unix_s is not None  # the summary says what it lacks
         try:
-            code = aggregator.finalize_offline(self.config, self.run_dir, node_exit_file)
+            code = aggregator.finalize_offline(
+                self.config,
+                self.run_dir,
+                node_exit_file,
+                lost_reason=str(supervisor.health["reason"]) if lost else "",
+                lost_unix_s=supervisor.lost_unix_s,
+            )
         except Exception as exc:  # fail-open: a timeout, or no python to run
             code = f"{type(exc).__name__}: {exc}"
         if code != 0:

@@ -45,6 +45,9 @@ class AggregatorSupervisor:
         }
         #: True once it served (there is a store to summarize).
         self.served = False
+        #: When the run lost it for good (:meth:`lost`; Unix s: the death that ended the
+        #: telemetry), None while it was not: the summary written from the store says so.
+        self.lost_unix_s: float | None = None
 
     @property
     def status(self) -> AggregatorStatus:
@@ -69,7 +72,7 @@ class AggregatorSupervisor:
         goes on without telemetry."""
         if not self._wait(self.config.aggregator_start_sec):
             self.stop()
-            self.lost(manifest, f"did not serve ({self.health['reason']})")
+            self.lost(manifest, f"did not serve ({self.health['reason']})", time.time())
             return
         self._move(AggregatorStatus.SERVING)
         self.served = True
@@ -100,7 +103,7 @@ class AggregatorSupervisor:
             if self._restart(manifest, reason, down_since):
                 return
             reason = self.health["reason"]
-        self.lost(manifest, reason)
+        self.lost(manifest, reason, down_since)
 
     def _restart(self, manifest: Manifest, reason: str, down_since: float) -> bool:
         """Start a replacement on the same store; True once it serves."""
@@ -127,9 +130,11 @@ class AggregatorSupervisor:
         )
         return True
 
-    def lost(self, manifest: Manifest, reason: str) -> None:
-        """It is not serving (``reason``) and will not be restarted: record it and warn;
-        training goes on, and the summary is written from the store at the end."""
+    def lost(self, manifest: Manifest, reason: str, since_unix_s: float) -> None:
+        """It is not serving (``reason``) since ``since_unix_s`` (Unix s) and will not be
+        restarted: record it and warn; training goes on, and the summary is written from the
+        store at the end (saying that it covers only what was stored until then)."""
+        self.lost_unix_s = since_unix_s
         self._move(AggregatorStatus.FAILED, reason=reason)
         manifest.event("aggregator_failed", aggregator=self.health)
         _log.warning(
