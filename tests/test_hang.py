@@ -242,6 +242,14 @@ def attempt_1(summary: dict | None) -> dict | None:
     return summary if summary and summary["run"]["attempt"] == 1 else None
 
 
+def hung_in(summary: dict | None) -> dict | None:
+    """``summary`` when it has a RANK_HUNG finding, else None."""
+    if summary is None:
+        return None
+    kinds = [f["kind"] for f in [summary["primary_diagnosis"]] + summary["findings"]["health"]]
+    return summary if "RANK_HUNG" in kinds else None
+
+
 def test_a_hang_of_the_attempt_after_a_torchrun_restart_is_found_and_named(tmp_path, port):
     """Attempt 0 fails (rank 1 raises) and torchrun restarts the workers; in attempt 1 rank 1
     stops after 2 steps while rank 0 completes its 5. Attempt 0's finish markers must not
@@ -269,9 +277,11 @@ def test_a_hang_of_the_attempt_after_a_torchrun_restart_is_found_and_named(tmp_p
     )
     try:
         # (on a loaded machine, attempt 0's rank 0 may wait longer than the budget to be stopped
-        # by torchrun: attempt 0 then has its own partial summary and hang line first)
+        # by torchrun: attempt 0 then has its own partial summary and hang line first; written
+        # while torchrun restarts the workers, that summary already reads attempt 1's first
+        # identities, so attempt 1's partial summary is the one that has its hang)
         partial = wait_for(
-            lambda: attempt_1(read_json(run_dir / "final_summary.json")),
+            lambda: hung_in(attempt_1(read_json(run_dir / "final_summary.json"))),
             180,
             "attempt 1's partial summary",
         )
