@@ -26,6 +26,10 @@ page took for the frame that brought them (``document.body.dataset.drawMs``): it
 time of Chromium's processes per frame (wall times stretch on a loaded machine, CPU time much
 less). ``--ranks`` with no value skips the in-process part.
 
+The issue's bounds at :data:`TARGET_RANKS` ranks are printed with the figures they bound:
+the loop's CPU time over one refresh ≤ :data:`LOOP_TARGET_MS`, the page's time from a
+frame's message to the page painted ≤ :data:`DRAW_TARGET_MS`.
+
 Usage::
 
     .venv/bin/python benchmarks/dashboard.py --ranks 8 64 256 1024 --reps 5
@@ -56,6 +60,17 @@ from traceml import wire  # noqa: E402
 from traceml.wire.records import add_steps  # noqa: E402
 from traceml_aggregator.dashboard.frames import Cursor, Snapshot  # noqa: E402
 from traceml_aggregator.live import WINDOW_SAMPLES, WINDOW_STEPS, LiveAggregates  # noqa: E402
+
+#: World size the bounds below are for.
+TARGET_RANKS = 1024
+#: Most CPU time of the event loop's thread over one refresh, ms.
+LOOP_TARGET_MS = 20.0
+#: Most time from a frame's message to the page painted with it, ms.
+DRAW_TARGET_MS = 100.0
+
+
+def _against(value: float, bound: float) -> str:
+    return f"(bound {bound:.0f} ms: {'met' if value <= bound else 'MISSED'})"
 
 
 def _steps(first: int, count: int) -> list[dict]:
@@ -100,9 +115,9 @@ def grow(live: LiveAggregates, ranks: int) -> None:
 
 
 async def refresh_deltas(live: LiveAggregates, ranks: int, reps: int) -> float:
-    """Median ms of the delta after one new step per rank (the first, whole delta not
-    counted: it is shipped once per analysis process)."""
-    await live._delta(whole=True, records={})
+    """Median ms of the delta after one new step per rank (the analysis process's start and
+    the first, whole delta, shipped once per analysis process, not counted)."""
+    await live.metrics()
     times = []
     for _ in range(reps):
         grow(live, ranks)
@@ -275,7 +290,8 @@ def main() -> None:
         print(
             f"{ranks:5d}  {loop_ms:7.1f}  {snap_ms:11.1f}  {first_ms:8.1f}  "
             f"{len(first_body) / 1024:9.0f}  {next_ms:7.1f}  {len(next_body) / 1024:8.0f}"
-            f"  {hold:16.1f}  {cpu:11.1f}  {wall:7.0f}",
+            f"  {hold:16.1f}  {cpu:11.1f}  {wall:7.0f}"
+            + (f"  loop cpu {_against(cpu, LOOP_TARGET_MS)}" if ranks == TARGET_RANKS else ""),
             flush=True,
         )
         live.close()
@@ -284,8 +300,9 @@ def main() -> None:
         print(
             f"browser at {args.browser} ranks, ms: first frame {b['first_script']:.0f} script, "
             f"{b['first_painted']:.0f} to painted; next frames (medians of {args.reps}): "
-            f"{b['script']:.0f} script, {b['painted']:.0f} to painted, {b['cpu']:.0f} of "
-            "Chromium's CPU time"
+            f"{b['script']:.0f} script, {b['painted']:.0f} to painted"
+            + (f" {_against(b['painted'], DRAW_TARGET_MS)}" if args.browser == TARGET_RANKS else "")
+            + f", {b['cpu']:.0f} of Chromium's CPU time"
         )
 
 

@@ -247,12 +247,14 @@ def test_each_query_ships_only_what_arrived_since_and_the_mirror_equals_the_wind
         await query()
         delta = sent[-1]
         assert not delta.full and sorted(delta.ranks) == [1]
-        assert delta.ranks[1].steps["step"] == tuple(range(40, 50)) and not delta.ranks[1].reset
+        assert delta.ranks[1].step_columns()["step"] == list(range(40, 50))
+        assert not delta.ranks[1].reset
         assert len(delta.ranks[1].process_samples) == 1
         assert delta.system_samples == {} and delta.node_exits == {}
         grow(0, WINDOW_STEPS + 7, 2), agg.on_batch(node_batch(2, START_US + 10**6))
         await query()
-        assert sent[-1].ranks[0].reset and len(sent[-1].ranks[0].steps["step"]) == WINDOW_STEPS
+        assert sent[-1].ranks[0].reset
+        assert len(sent[-1].ranks[0].step_columns()["step"]) == WINDOW_STEPS
         assert [s["unix_us"] for s in sent[-1].system_samples[0]] == [START_US + 10**6]
         grow(1, 20, 1, restart=1)  # a new attempt of rank 1
         report = wire.NodeExit(run_name="r", node_rank=0, hostname="h0", exit_code=0)
@@ -312,11 +314,16 @@ def test_the_live_analysis_covers_fewer_steps_per_rank_as_the_world_grows():
     assert list(run.ranks[0].steps["step"]) == list(range(236, 300))  # the latest 64
     assert len(agg.run_data().ranks[0].steps) == 300  # the views' window keeps them all
     agg.on_batch(rank_batch(0, 2, range(300, 310)))
+    assert len(agg.ranks[0].unshipped) == 1  # the batch's group, held for the next delta
     delta = asyncio.run(agg._delta(whole=False, records={}))  # 10 new steps: those alone
-    assert delta.ranks[0].steps["step"] == tuple(range(300, 310)) and not delta.ranks[0].reset
-    agg.on_batch(rank_batch(0, 3, range(310, 510)))
+    assert delta.ranks[0].step_columns()["step"] == list(range(300, 310))
+    assert not delta.ranks[0].reset and delta.ranks[0].steps == {}
+    agg.on_batch(rank_batch(0, 3, range(310, 350)))
+    agg.on_batch(rank_batch(0, 4, range(350, 510)))
+    assert agg.ranks[0].unshipped is None  # past the 64 steps the analysis covers: none held
     delta = asyncio.run(agg._delta(whole=False, records={}))  # 200 new steps: the latest 64 of them
-    assert delta.ranks[0].steps["step"] == tuple(range(446, 510)) and delta.ranks[0].reset
+    assert delta.ranks[0].step_columns()["step"] == list(range(446, 510)) and delta.ranks[0].reset
+    assert delta.ranks[0].groups == []
 
 
 def test_a_delta_gives_the_loop_back_and_loses_nothing_that_arrives_meanwhile():
@@ -340,11 +347,11 @@ def test_a_delta_gives_the_loop_back_and_loses_nothing_that_arrives_meanwhile():
         return whole, first, await agg._delta(whole=False, records={})
 
     whole, first, second = asyncio.run(scenario())
-    assert first.ranks[0].steps["step"] == tuple(range(20, 25))
-    assert first.ranks[99].steps["step"] == tuple(range(20, 35))
+    assert first.ranks[0].step_columns()["step"] == list(range(20, 25))
+    assert first.ranks[99].step_columns()["step"] == list(range(20, 35))
     assert sorted(second.ranks) == [0, 99]
-    assert second.ranks[0].steps["step"] == tuple(range(25, 35))
-    assert second.ranks[99].steps["step"] == ()
+    assert second.ranks[0].step_columns()["step"] == list(range(25, 35))
+    assert second.ranks[99].step_columns() == {"step": []}
     mirror = analysis_process.Mirror().apply(whole).apply(first).apply(second)
     assert mirror.run_data() == agg.run_data()
 

@@ -41,6 +41,8 @@ from traceml.analysis.rundata import RankData, RunData, run_data
 from traceml.analysis.summary import build_summary
 from traceml.core import records
 from traceml.core.phases import STEP_FIELDS
+from traceml.core.records import step_group_columns
+from traceml.wire import StepColumns
 from traceml_aggregator import load
 from traceml_aggregator.aggregates import in_step_order, last
 from traceml_aggregator.dashboard.frames import Snapshot
@@ -95,12 +97,14 @@ class RankDelta:
 
     Attributes:
         restart: the rank's attempt.
-        reset: the mirror drops the rank's window first (a new attempt, a whole delta, or at
-            least as many new steps as the analysis covers).
-        steps: the new steps, oldest first (the window's last ones, at most as many as the
-            analysis covers): step field -> tuple, the fields the attempt measured only
+        reset: the mirror drops the rank's window first (a new attempt, a whole delta, or
+            more new steps than the analysis covers).
+        steps: on a reset, the window's latest steps (at most as many as the analysis
+            covers), oldest first: step field -> tuple, the fields the attempt measured only
             (:attr:`~traceml_aggregator.aggregates.StepState.measured`; the mirror fills the
-            others with None).
+            others with None); else empty.
+        groups: else the step groups that arrived since the last delta, in arrival order, as
+            the wire sent them (serialized StepColumns).
         process_samples: the new process samples, oldest first.
         identity, finish, flops, earlier_attempts: the rank's current records (small).
         steps_stored: steps of the attempt stored so far (all of them, not only the window).
@@ -111,6 +115,7 @@ class RankDelta:
     restart: int
     reset: bool
     steps: dict[str, tuple]
+    groups: list[bytes]
     process_samples: list[dict]
     identity: records.Identity | None
     finish: records.Finish | None
@@ -119,6 +124,20 @@ class RankDelta:
     steps_stored: int = 0
     last_step_unix_s: float | None = None
     counts: records.SenderCounts | None = None
+
+    def step_columns(self) -> dict[str, list]:
+        """The steps this delta carries (``steps``, then ``groups``), in arrival order: step
+        field -> one value per step, ``step`` and every field any of them measured (None at
+        a step that did not)."""
+        parts = [self.steps] + [
+            dict(zip(*step_group_columns(StepColumns.FromString(g)), strict=True))
+            for g in self.groups
+        ]
+        names = [n for n in STEP_FIELDS if n == "step" or any(n in part for part in parts)]
+        columns: dict[str, list] = {name: [] for name in names}
+        for part in parts:
+            _extend(columns, part)
+        return columns
 
 
 @dataclass
@@ -168,6 +187,14 @@ def _window() -> dict[str, deque]:
     return {name: deque(maxlen=WINDOW_STEPS) for name in STEP_FIELDS}
 
 
+def _extend(columns: Mapping[str, Any], steps: Mapping[str, Any]) -> None:
+    """Append ``steps`` (step field -> one value per step) to ``columns`` (step field ->
+    a deque or list); a field they lack (one the rank never measured) gets None at each."""
+    count = len(steps.get("step", ()))
+    for name, column in columns.items():
+        column.extend(steps.get(name) or repeat(None, count))
+
+
 class Mirror:
     """The live windows as the analysis process knows them, kept from :class:`LiveDelta`\\ s."""
 
@@ -195,9 +222,7 @@ class Mirror:
             mr = self.ranks.setdefault(r, _MirrorRank())
             if d.reset:
                 mr.window = _window()
-            count = len(d.steps.get("step", ()))
-            for name, window in mr.window.items():  # a field the rank never measured: None
-                window.extend(d.steps.get(name) or repeat(None, count))
+            _extend(mr.window, d.step_columns())
             mr.process_samples.extend(d.process_samples)
             mr.restart, mr.identity, mr.finish = d.restart, d.identity, d.finish
             mr.flops, mr.earlier_attempts = d.flops, d.earlier_attempts

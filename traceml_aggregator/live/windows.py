@@ -109,6 +109,13 @@ class RankLive:
     #: The attempt's latest running totals, as the store's sender_counts row
     #: (records.SenderCounts), None before a batch with them.
     counts: records.SenderCounts | None = None
+    #: The step groups folded since the last delta to the live analysis process, as the wire
+    #: sent them (serialized StepColumns), in arrival order; None when the next delta sends
+    #: the window's tail instead (nothing shipped of this attempt yet, or more steps arrived
+    #: than the analysis covers). See :meth:`hold`.
+    unshipped: list[bytes] | None = None
+    #: Steps in :attr:`unshipped`.
+    unshipped_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.steps is None:
@@ -135,6 +142,22 @@ class RankLive:
             )
             self.__dict__.update(fresh.__dict__)
         return restart == self.restart
+
+    def hold(self, group, limit: int) -> None:
+        """Keep the step group ``group`` (a wire StepColumns, just folded) for the next delta,
+        serialized (~40 bytes a step; a reference would keep its whole batch alive): the
+        delta then hands the groups over instead of reading the window's tail field by field
+        (at 1,024 ranks that read was ~10 ms of the event loop a refresh). Past ``limit``
+        steps (those the analysis covers) they are dropped,
+        and the next delta sends the tail: at most ``limit`` steps a rank are held, whether
+        or not anyone asks for a delta."""
+        if self.unshipped is None:
+            return
+        self.unshipped_steps += len(group.step)
+        if self.unshipped_steps > limit:
+            self.unshipped = None
+        else:
+            self.unshipped.append(group.SerializeToString())
 
     def steps_part(self) -> tuple:
         """What of this rank a checkpoint keeps (:mod:`traceml_aggregator.checkpoint`): its
@@ -207,9 +230,9 @@ class LiveAggregates:
         #: (version covered, loop.time() when computed, the last /metrics text)
         self._metrics: tuple[int, float, bytes] | None = None
         self._next_start = 0.0  # loop.time() before which no computation starts
-        # What the analysis process was last sent: per rank (restart, steps stored, process
-        # samples appended), per node (system, GPU samples appended); what changed since.
-        self._shipped: dict[int, tuple[int, int, int]] = {}
+        # What the analysis process was last sent: per rank (restart, process samples
+        # appended; its steps are RankLive.unshipped), per node (system, GPU samples appended); what changed since.
+        self._shipped: dict[int, tuple[int, int]] = {}
         self._shipped_nodes: dict[int, tuple[int, int]] = {}
         self._changed_ranks: set[int] = set()
         self._changed_ends: set[int] = set()
@@ -264,12 +287,14 @@ class LiveAggregates:
     def _rank_data(self, batch, rl: RankLive, restart: int) -> None:
         if not rl.attempt(restart):
             return
+        limit = analysis_steps(self._world())
         if batch.HasField("identity"):
             rl.identity = records.Identity.from_wire(batch.identity)
         for group in batch.step_groups:
             names, columns = step_group_columns(group)
             if names:
                 rl.fold_steps(names, columns)
+                rl.hold(group, limit)
         if batch.HasField("counts"):
             rl.counts = records.SenderCounts.from_wire(
                 batch.counts, rank=rl.rank, restart=restart, seq=batch.seq
@@ -312,20 +337,24 @@ class LiveAggregates:
             self._run_records(),
         )
 
+    def _world(self) -> int:
+        """The world size: the flag's, else the first identity's, else the ranks seen."""
+        return self.world_size or self._identity_world_size or len(self.ranks)
+
     def _run_records(self) -> dict:
         return self.run_records() if self.run_records is not None else {}
 
     async def _delta(self, whole: bool, records: dict) -> LiveDelta:
         """What changed since the last delta sent to the analysis process (everything when
         ``whole``), with the run's ``records``; the marks of what was sent move on. A rank's
-        steps are its new ones, at most the :func:`analysis_steps` latest (all the analysis
-        covers): O(the data that arrived since), O(ranks x analysis steps) at most. The loop
-        is given back every :data:`DELTA_SLICE_RANKS` ranks (at 256 ranks a delta is ~15 ms
-        of copies, far longer when the writer's thread holds the GIL meanwhile), so no
+        steps are the groups held since the last delta (:meth:`RankLive.hold`), or, after a
+        whole delta, a new attempt or more new steps than the analysis covers, the window's
+        latest :func:`analysis_steps` steps: O(the data that arrived since), O(ranks x
+        analysis steps) at most. The loop is given back every :data:`DELTA_SLICE_RANKS` ranks
+        (a delta may copy windows, far slower when the writer's thread holds the GIL), so no
         acknowledgement waits for a whole delta; what arrives meanwhile is in this delta or the
         next one, never lost: each rank is copied, and its marks moved, at one go."""
-        world = self.world_size or self._identity_world_size or len(self.ranks)
-        keep = analysis_steps(world)
+        keep = analysis_steps(self._world())
         delta = LiveDelta(whole, self.run_name, self.world_size, keep, run_records=records)
         ranks = list(self.ranks if whole else self._changed_ranks)
         exits = list(self.node_exits if whole else self._changed_exits)
@@ -337,14 +366,14 @@ class LiveAggregates:
             rl = self.ranks.get(r)
             if rl is None:
                 continue
-            restart, stored, appended = (-1, 0, 0) if whole else self._shipped.get(r, (-1, 0, 0))
-            window = rl.window
-            new = rl.steps_stored - stored
-            reset = restart != rl.restart or new >= min(keep, len(window["step"]))
+            restart, appended = (-1, 0) if whole else self._shipped.get(r, (-1, 0))
+            groups = rl.unshipped
+            reset = groups is None or restart != rl.restart
             delta.ranks[r] = RankDelta(
                 restart=rl.restart,
                 reset=reset,
-                steps=rl.steps.tail(keep if reset else new),
+                steps=rl.steps.tail(keep) if reset else {},
+                groups=[] if reset else groups,
                 process_samples=rl.process_samples.since(appended),
                 identity=rl.identity,
                 finish=rl.finish,
@@ -354,7 +383,8 @@ class LiveAggregates:
                 last_step_unix_s=rl.last_step_unix_s,
                 counts=rl.counts,
             )
-            self._shipped[r] = (rl.restart, rl.steps_stored, rl.process_samples.appended)
+            rl.unshipped, rl.unshipped_steps = [], 0
+            self._shipped[r] = (rl.restart, rl.process_samples.appended)
         for n in self.system_samples.keys() | self.gpu_samples.keys():
             system, gpus = self.system_samples.get(n, Tail()), self.gpu_samples.get(n, Tail())
             sent_system, sent_gpus = (0, 0) if whole else self._shipped_nodes.get(n, (0, 0))
