@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import math
+import time
 from pathlib import Path
 
 import jsonschema
@@ -206,3 +208,34 @@ def test_failed_rank_end_state_in_reports(store, tmp_path):
     assert kinds[:2] == ["RANK_CRASHED", "RANK_TERMINATED"] and "NODE_FAILED" in kinds
     text = (tmp_path / "final_summary.txt").read_text()
     assert "rank 0: failed, exit code 1" in text
+
+
+def test_past_the_finalization_deadline_the_summary_is_written_and_the_html_left_out(
+    store, tmp_path, caplog
+):
+    """The deadline is checked once the summary is written: past it, final_summary.json and
+    .txt are those of a finalization in time, byte for byte, and the HTML report is left out
+    with one warning line that says how to draw it later."""
+    store.write_batches([node_samples(1)], T0)
+    store.write_node_exit(node_exit(), T0)
+    (tmp_path / "in_time").mkdir(), (tmp_path / "late").mkdir()
+    in_time = write_reports(store, tmp_path / "in_time", [], html=True, deadline=math.inf)
+    late = write_reports(store, tmp_path / "late", [], html=True, deadline=time.monotonic() - 1)
+    assert in_time.html_path.exists() and late.html_path is None
+    assert sorted(p.name for p in (tmp_path / "late").iterdir()) == [
+        "final_summary.json",
+        "final_summary.txt",
+    ]
+
+    def stable(path: Path) -> dict:  # the summary less when it was written
+        summary = json.loads(path.read_text())
+        del summary["generated_unix_s"]
+        return summary
+
+    assert stable(late.json_path) == stable(in_time.json_path)
+    assert late.text == in_time.text == (tmp_path / "late" / "final_summary.txt").read_text()
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert warnings == [
+        "warning: final_summary.html left out: the finalization deadline passed once the "
+        f"summary was written (traceml view {tmp_path / 'late'} --html PATH draws it)"
+    ]

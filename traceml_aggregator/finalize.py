@@ -180,7 +180,8 @@ class Finalizer:
     Args:
         state: the run state.
         writer: the store's writer.
-        write_reports: ``fn(store, missing, steps) -> Outcome`` run on the writer thread.
+        write_reports: ``fn(store, missing, steps, deadline) -> Outcome`` run on the writer
+            thread, ``deadline`` being the finalization's (``time.monotonic()``).
         budget_s: default finalization budget (the launcher's ``--finalize-timeout-sec``).
         steps: ``fn() -> steps`` run on the event loop once the writer drained, whose result
             is ``write_reports``'s ``steps`` (the live aggregates' snapshot:
@@ -222,7 +223,7 @@ class Finalizer:
             try:
                 await self.writer.call(self.writer.store.checkpoint)
                 outcome = await self.writer.call(
-                    self._write_reports, self.writer.store, missing, self._steps()
+                    self._write_reports, self.writer.store, missing, self._steps(), deadline
                 )
             except Exception as exc:
                 outcome = Outcome(missing, error=f"{type(exc).__name__}: {exc}")

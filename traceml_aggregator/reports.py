@@ -9,9 +9,11 @@ else (identities, ends) from the store's small tables.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from traceml.analysis.summary import build_summary
+from traceml.core import log
 from traceml.core.rundir import (
     SUMMARY_HTML_NAME,
     SUMMARY_JSON_NAME,
@@ -25,6 +27,8 @@ from traceml_aggregator.checkpoint import Checkpoint
 from traceml_aggregator.finalize import Outcome
 from traceml_aggregator.live import with_steps
 
+_log = log.get("aggregator")
+
 
 def write_reports(
     store,
@@ -34,14 +38,21 @@ def write_reports(
     html: bool,
     steps: dict | None = None,
     samples: Checkpoint | None = None,
+    deadline: float | None = None,
 ) -> Outcome:
     """Build the summary and write the report files into ``run_dir``.
+
+    The summary (``final_summary.json`` and ``.txt``) is always written: what it reads is
+    bounded per rank (above), so its time grows with the ranks, not the run. The HTML report
+    is drawn only while ``deadline`` (``time.monotonic()``, None: none) has not passed once
+    they are written: past it, one line says it was left out (``traceml view RUN_DIR --html
+    PATH`` draws it later from the summary), and the finalization ends.
 
     Args:
         store: the run's store.
         run_dir: where the files go.
         missing: ranks finalization gave up on.
-        html: also write ``final_summary.html``.
+        html: also write ``final_summary.html`` (unless past ``deadline``).
         steps: the ranks' steps from the live aggregates
             (:meth:`traceml_aggregator.live.LiveAggregates.final_steps`); None reads every
             stored step from ``store`` instead (O(stored steps)).
@@ -49,6 +60,7 @@ def write_reports(
             its bounded series (:meth:`~traceml_aggregator.checkpoint.Checkpoint.with_samples`),
             advanced first over the sample rows stored since it (O(those rows)); None reads
             every stored sample instead (O(stored samples)).
+        deadline: the finalization's deadline (see above).
     """
     if samples is not None:
         samples.advance_windows(store)
@@ -71,7 +83,12 @@ def write_reports(
     write_atomic(outcome.json_path, to_json(summary))
     outcome.text_path = run_dir / SUMMARY_TEXT_NAME
     write_atomic(outcome.text_path, text)
-    if html:
+    if html and deadline is not None and time.monotonic() > deadline:
+        _log.warning(
+            f"warning: {SUMMARY_HTML_NAME} left out: the finalization deadline passed once "
+            f"the summary was written (traceml view {run_dir} --html PATH draws it)"
+        )
+    elif html:
         from traceml.report.html import render_html
 
         outcome.html_path = run_dir / SUMMARY_HTML_NAME

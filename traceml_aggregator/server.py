@@ -523,7 +523,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
             await writer.call(store.set_meta, STALL_META_KEY, json.dumps(record))
         publish_stall(service.sessions, record)
 
-    def reports(store_, missing, steps):
+    def reports(store_, missing, steps, deadline):
         from traceml_aggregator.reports import write_reports
 
         write_run_records(store_)
@@ -534,6 +534,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
             html=config.html_report,
             steps=steps,
             samples=checkpointer.checkpoint,
+            deadline=deadline,
         )
 
     finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, live.final_steps)
@@ -774,6 +775,7 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
     """
     from traceml_aggregator.reports import write_reports
 
+    deadline = time.monotonic() + config.finalize_timeout_s
     try:
         store = open_run_store(config.run_dir)
         stored_name = store.meta().get("run_name", config.run_name)
@@ -809,6 +811,7 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
             html=config.html_report,
             steps=live.final_steps(),
             samples=checkpoint,
+            deadline=deadline,
         )
     except sqlite3.DatabaseError as exc:
         if not is_unreadable(exc):

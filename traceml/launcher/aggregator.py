@@ -93,7 +93,7 @@ def finalize_offline(
     config: LaunchConfig,
     run_dir: RunDir,
     node_exit_file,
-    timeout_s: float = 120.0,
+    timeout_s: float,
     *,
     lost_reason: str = "",
     lost_unix_s: float | None = None,

@@ -133,7 +133,12 @@ class Finalization:
     def _from_store(self, manifest: Manifest, report) -> None:
         """The aggregator is gone for good: write the summary from the run's store with
         ``traceml-aggregator --finalize-only`` (this node's exit report and, when the
-        supervisor lost it, why and since when included), print it."""
+        supervisor lost it, why and since when included), print it. It has the budget of a
+        live finalization (``--finalize-timeout-sec``, its own deadline too) and is killed
+        :data:`~traceml.launcher.session.FINALIZE_SLACK_S` after it, as a live aggregator's
+        answer is waited for."""
+        from traceml.launcher.session import FINALIZE_SLACK_S
+
         supervisor = self.supervisor
         aggregator.stop(supervisor.process, 2.0)  # its store lock must be released
         node_exit_file = self.run_dir.node_dir / "node_exit.pb"
@@ -145,6 +150,7 @@ class Finalization:
                 self.config,
                 self.run_dir,
                 node_exit_file,
+                self.config.finalize_timeout_sec + FINALIZE_SLACK_S,
                 lost_reason=str(supervisor.health["reason"]) if lost else "",
                 lost_unix_s=supervisor.lost_unix_s,
             )
