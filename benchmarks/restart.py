@@ -215,12 +215,14 @@ def time_to_serving(
 ) -> float:
     """Seconds from starting a ``traceml-aggregator`` process (of the source tree ``tree``,
     None: this one) on ``run_dir`` to SERVING; it is stopped cleanly after (SIGTERM: it writes
-    its checkpoint)."""
+    its checkpoint). With ``--keep-all-steps``: the store is built whole, as no run under the
+    retention defaults leaves it, and a stop's prune of 100 M rows (minutes) is not what is
+    timed."""
     agg = LiveAggregator(
         run_dir,
         run_name,
         world_size=world,
-        extra_args=("--finalize-timeout-sec", "5"),
+        extra_args=("--finalize-timeout-sec", "5", "--keep-all-steps"),
         env=_env(tree),
     )
     started = time.monotonic()
