@@ -231,7 +231,8 @@ class LiveAggregates:
         self._metrics: tuple[int, float, bytes] | None = None
         self._next_start = 0.0  # loop.time() before which no computation starts
         # What the analysis process was last sent: per rank (restart, process samples
-        # appended; its steps are RankLive.unshipped), per node (system, GPU samples appended); what changed since.
+        # appended; its steps are RankLive.unshipped), per node (system, GPU samples
+        # appended); what changed since.
         self._shipped: dict[int, tuple[int, int]] = {}
         self._shipped_nodes: dict[int, tuple[int, int]] = {}
         self._changed_ranks: set[int] = set()
