@@ -64,9 +64,12 @@ def _thin(points: Sequence[Reading], max_points: int) -> list[Reading]:
         return list(points)
     size = math.ceil(len(points) / max_points)
     steps = [p[0] for p in points]
-    known = sum(s is not None for s in steps)
-    if known in (0, len(steps)):
-        step_medians = _bucket_medians(steps, size) if known else [None] * -(-len(steps) // size)
+    present = [s for s in steps if s is not None]
+    step_medians: list[float | None]
+    if len(present) == len(steps):
+        step_medians = list(_bucket_medians(present, size))
+    elif not present:
+        step_medians = [None] * len(range(0, len(steps), size))
     else:  # some readings without a step: the median of those with one, bucket by bucket
         step_medians = [median(steps[i : i + size]) for i in range(0, len(steps), size)]
     times = _bucket_medians([p[1] for p in points], size)
@@ -92,7 +95,8 @@ def _sorted_median(rows: np.ndarray) -> np.ndarray:
     pos = (rows.shape[-1] - 1) * 0.5
     lo = math.floor(pos)
     hi = min(lo + 1, rows.shape[-1] - 1)
-    return rows[..., lo] + (rows[..., hi] - rows[..., lo]) * (pos - lo)
+    medians: np.ndarray = rows[..., lo] + (rows[..., hi] - rows[..., lo]) * (pos - lo)
+    return medians
 
 
 def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
