@@ -20,6 +20,7 @@ from traceml.core.rundir import (
     SUMMARY_TEXT_NAME,
     write_atomic,
 )
+from traceml.core.transport import FINALIZE_SLACK_S
 from traceml.report import to_json
 from traceml.report.text import render_text
 from traceml_aggregator import load
@@ -28,6 +29,11 @@ from traceml_aggregator.finalize import Outcome
 from traceml_aggregator.live import with_steps
 
 _log = log.get("aggregator")
+
+#: The HTML report is drawn when the summary is written at most this long past the
+#: finalization's deadline, s: half the time node 0's launcher waits past the budget
+#: (:data:`~traceml.core.transport.FINALIZE_SLACK_S`), the other half left to draw it.
+HTML_AFTER_DEADLINE_S = FINALIZE_SLACK_S / 2
 
 
 def write_reports(
@@ -44,9 +50,11 @@ def write_reports(
 
     The summary (``final_summary.json`` and ``.txt``) is always written: what it reads is
     bounded per rank (above), so its time grows with the ranks, not the run. The HTML report
-    is drawn only while ``deadline`` (``time.monotonic()``, None: none) has not passed once
-    they are written: past it, one line says it was left out (``traceml view RUN_DIR --html
-    PATH`` draws it later from the summary), and the finalization ends.
+    is drawn only when they are written at most :data:`HTML_AFTER_DEADLINE_S` past
+    ``deadline`` (``time.monotonic()``, None: none; a partial summary comes after the budget
+    was spent waiting for ranks): later, one line says it was left out (``traceml view
+    RUN_DIR --html PATH`` draws it from the summary), and the finalization ends before node
+    0's launcher stops waiting for it.
 
     Args:
         store: the run's store.
@@ -83,10 +91,11 @@ def write_reports(
     write_atomic(outcome.json_path, to_json(summary))
     outcome.text_path = run_dir / SUMMARY_TEXT_NAME
     write_atomic(outcome.text_path, text)
-    if html and deadline is not None and time.monotonic() > deadline:
+    if html and deadline is not None and time.monotonic() > deadline + HTML_AFTER_DEADLINE_S:
         _log.warning(
-            f"warning: {SUMMARY_HTML_NAME} left out: the finalization deadline passed once "
-            f"the summary was written (traceml view {run_dir} --html PATH draws it)"
+            f"warning: {SUMMARY_HTML_NAME} left out: the summary was written more than "
+            f"{HTML_AFTER_DEADLINE_S:g} s past the finalization's deadline (traceml view "
+            f"{run_dir} --html PATH draws it)"
         )
     elif html:
         from traceml.report.html import render_html

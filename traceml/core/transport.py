@@ -100,6 +100,11 @@ NODE_HEARTBEAT_INTERVAL_S = 2.0
 NODE_LOST_AFTER_S = settings.read(settings.NODE_LOST_AFTER_SEC)
 #: Longest wait of a node launcher between two attempts to reopen its session, s.
 SESSION_MAX_BACKOFF_S = 2.0
+#: How long past the finalization budget node 0's launcher waits for the aggregator's answer,
+#: and lets ``--finalize-only`` run, s: the time the reports are written in once the budget
+#: went to waiting for ranks (traceml_aggregator/reports.py draws the HTML report only when
+#: the summary is written in the first half of it).
+FINALIZE_SLACK_S = 30.0
 
 
 class TlsFilesError(ValueError):

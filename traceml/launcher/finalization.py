@@ -135,9 +135,9 @@ class Finalization:
         ``traceml-aggregator --finalize-only`` (this node's exit report and, when the
         supervisor lost it, why and since when included), print it. It has the budget of a
         live finalization (``--finalize-timeout-sec``, its own deadline too) and is killed
-        :data:`~traceml.launcher.session.FINALIZE_SLACK_S` after it, as a live aggregator's
+        :data:`~traceml.core.transport.FINALIZE_SLACK_S` after it, as a live aggregator's
         answer is waited for."""
-        from traceml.launcher.session import FINALIZE_SLACK_S
+        from traceml.core.transport import FINALIZE_SLACK_S
 
         supervisor = self.supervisor
         aggregator.stop(supervisor.process, 2.0)  # its store lock must be released

@@ -33,14 +33,16 @@ import time
 
 from traceml.core import log
 from traceml.core.backoff import Backoff
-from traceml.core.transport import NODE_HEARTBEAT_INTERVAL_S, SESSION_MAX_BACKOFF_S
+from traceml.core.transport import (
+    FINALIZE_SLACK_S,
+    NODE_HEARTBEAT_INTERVAL_S,
+    SESSION_MAX_BACKOFF_S,
+)
 
 _log = log.get("launcher")
 
 #: First wait before a session is opened again, s (doubled per failed attempt).
 MIN_BACKOFF_S = 0.1
-#: How long :meth:`NodeSession.finalize` waits past the budget it asked for, s.
-FINALIZE_SLACK_S = 30.0
 #: Status codes after which opening the session again cannot help (another run, another
 #: token, an aggregator without NodeSession, a claim the aggregator could not parse).
 _PERMANENT = ("FAILED_PRECONDITION", "UNAUTHENTICATED", "UNIMPLEMENTED", "INVALID_ARGUMENT")
