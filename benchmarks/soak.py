@@ -101,6 +101,8 @@ _PEAK_LINE = re.compile(r"queue peak (\d+) bytes \(bound (\d+)\)")
 #: The line the benchmark writes into the aggregator's log before each start (a process logs
 #: its first peak as soon as batches come, which can be before its own "serving" line).
 _START_LINE = "soak: an aggregator process starts\n"
+#: A replacement's own account of its start (traceml_aggregator/server.py's ``seed``).
+_SEEDED_LINE = re.compile(r"live aggregates seeded in ([\d.]+) s: (\d+) stored steps after")
 
 
 # --- the simulated ranks (a client process) -------------------------------------------------
@@ -301,6 +303,14 @@ class Soak:
                 started = time.perf_counter()
                 self.start()
                 fault["restart_s"] = time.perf_counter() - started
+                seeded = _SEEDED_LINE.search(
+                    self.agg.log_path.read_text(errors="replace").split(_START_LINE)[-1]
+                )
+                if seeded:
+                    fault["seeded_s"], fault["steps_after_checkpoint"] = (
+                        float(seeded.group(1)),
+                        int(seeded.group(2)),
+                    )
             elif kind == "stop":
                 pid = self.agg.process.pid
                 os.kill(pid, signal.SIGSTOP)
@@ -316,6 +326,12 @@ class Soak:
                 f"  {fault['at_s']:7.1f} s: {kind}"
                 + (
                     f", SERVING again in {fault['restart_s']:.2f} s"
+                    + (
+                        f" (seeded in {fault['seeded_s']:.2f} s: "
+                        f"{fault['steps_after_checkpoint']:,} steps after the checkpoint)"
+                        if "seeded_s" in fault
+                        else ""
+                    )
                     if kind == "kill"
                     else f" for {duration_s:g} s"
                 ),

@@ -479,7 +479,7 @@ class LiveAggregates:
                     carried = [
                         (name, column)
                         for name, column in zip(STEP_FIELDS, columns, strict=True)
-                        if any(v is not None for v in column)
+                        if column.count(None) != len(column)
                     ]
                     rl.fold_steps(*zip(*carried, strict=True))
                 else:
