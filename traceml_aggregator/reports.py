@@ -60,7 +60,7 @@ def write_reports(
         store: the run's store.
         run_dir: where the files go.
         missing: ranks finalization gave up on.
-        html: also write ``final_summary.html`` (unless past ``deadline``).
+        html: also write ``final_summary.html`` (unless late: see above).
         steps: the ranks' steps from the live aggregates
             (:meth:`traceml_aggregator.live.LiveAggregates.final_steps`); None reads every
             stored step from ``store`` instead (O(stored steps)).

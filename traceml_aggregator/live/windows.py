@@ -148,9 +148,8 @@ class RankLive:
         serialized (~40 bytes a step; a reference would keep its whole batch alive): the
         delta then hands the groups over instead of reading the window's tail field by field
         (at 1,024 ranks that read was ~10 ms of the event loop a refresh). Past ``limit``
-        steps (those the analysis covers) they are dropped,
-        and the next delta sends the tail: at most ``limit`` steps a rank are held, whether
-        or not anyone asks for a delta."""
+        steps (those the analysis covers) they are dropped and the next delta sends the tail:
+        at most ``limit`` steps a rank are held, whether or not anyone asks for a delta."""
         if self.unshipped is None:
             return
         self.unshipped_steps += len(group.step)
