@@ -145,7 +145,7 @@ class RankLive:
 
     def hold(self, group, limit: int) -> None:
         """Keep the step group ``group`` (a wire StepColumns, just folded) for the next delta,
-        serialized (~40 bytes a step; a reference would keep its whole batch alive): the
+        serialized (20-40 bytes a step; a reference would keep its whole batch alive): the
         delta then hands the groups over instead of reading the window's tail field by field
         (at 1,024 ranks that read was ~10 ms of the event loop a refresh). Past ``limit``
         steps (those the analysis covers) they are dropped and the next delta sends the tail:
