@@ -5,9 +5,14 @@ times and those its series held. The real aggregator's prunes are tests/test_ret
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
+import pytest
+from helpers.batches import node_batch
 
 from traceml.core.records import GpuSample, ProcessSample
+from traceml_aggregator import retention
 from traceml_aggregator.aggregates import keep_mask
 from traceml_aggregator.retention import (
     HELD_STEPS,
@@ -23,6 +28,8 @@ from traceml_aggregator.retention import (
     sample_meta_keys,
     sampled,
 )
+from traceml_aggregator.store import Store
+from traceml_aggregator.writer import Writer
 
 STEP_US = 25_000
 
@@ -262,3 +269,45 @@ def test_the_bound_of_sample_times_kept_covers_the_defaults_3_day_group():
     expected = policy.first_samples + policy.last_samples + 512 + (levels + 1) * 256
     assert most_sample_times_kept(policy, ticks) == expected
     assert most_sample_times_kept(policy, 512) == policy.first_samples + policy.last_samples + 768
+
+
+@pytest.mark.parametrize("round_rows", [retention.ROUND_ROWS, 7])
+def test_a_prune_killed_after_a_round_cut_inside_a_sample_time_leaves_whole_times(
+    tmp_path, monkeypatch, round_rows
+):
+    """Node 0's GPU samples (2 GPUs a time, 10 times a batch) on a real store: a prune up to
+    the table's highest row, which is never pruned, so its reach ends inside the last time
+    (and, with 7 rows a round, so does every round), then the aggregator is killed (its held
+    rows are lost, and stay for good); a replacement prunes on to the run's end. Every time
+    left has both its GPU rows, and exactly these times are left: the first 2, those the
+    killed prune held (its last 3 whole ones), the last 3 and the table's highest row's."""
+    monkeypatch.setattr(retention, "ROUND_ROWS", round_rows)
+    policy = Policy(first_samples=2, last_samples=3)
+    path = tmp_path / "telemetry.sqlite"
+
+    async def prune(batches: range, final: bool) -> None:
+        store = Store(path)
+        writer = Writer(store, lambda batch: None)
+        writer.start()
+        for seq in batches:
+            batch = node_batch(seq, run_name="r")
+            for t in range(10 * (seq - 1), 10 * seq):
+                s = batch.system_samples.add(node_rank=0, unix_us=T0_US + t, hostname="h0")
+                for g in range(2):
+                    s.gpus.add(nvml_index=g, uuid=f"GPU-{g}")
+            await writer.store_batch(batch)
+        highest = await writer.call(store.max_rowid, GpuSample.TABLE)
+        pruner = SamplePruner(store, GpuSample, policy)
+        await pruner.prune(writer, highest, {(0,): np.zeros(0)}, final=final)
+        await writer.close()  # closes the store
+
+    asyncio.run(prune(range(1, 5), final=False))  # times 0-39, then killed
+    asyncio.run(prune(range(5, 9), final=True))  # times 40-79, the run's end
+    store = Store(path, read_only=True)
+    rows = store.query("SELECT unix_us, nvml_index FROM gpu_samples", by_name=False)
+    store.close()
+    gpus: dict[int, list[int]] = {}
+    for unix_us, gpu in rows:
+        gpus.setdefault(unix_us - T0_US, []).append(gpu)
+    assert all(sorted(g) == [0, 1] for g in gpus.values()), gpus
+    assert sorted(gpus) == [0, 1, 36, 37, 38, 76, 77, 78, 79]

@@ -52,7 +52,8 @@ the rowids of the rows held for the next prune; for a sample table, each group's
 sample times decided, against its first ``TRACEML_STORE_FIRST_SAMPLES``), so a restart keeps
 counting from there. The rows held back as a rank's last steps or a group's last sample times
 are not in that state (millions of rowids at 8,000 ranks): an aggregator killed keeps them for
-good (at most the last-steps knob a rank, the last-samples knob a group, per kill). A clean
+good (at most the last-steps knob a rank, the last-samples knob a group, per kill; whole
+sample times, as a round of the sample tables ends between two times). A clean
 stop prunes once more after its last checkpoint, deciding the held rows as the ranks' and
 groups' last, so the bounds (:func:`most_rows_kept`, :func:`most_sample_times_kept`)
 hold at the end of the run too.
@@ -266,9 +267,9 @@ class _TablePrune:
         """Delete the rows above :attr:`done_upto` and at or below ``upto`` (a committed
         checkpoint's mark; never the table's highest rowid) that ``choose(rows, last_round)``
         lets go (``rows``: int64 columns ``rowid`` and :attr:`columns`, in rowid order, at
-        most :data:`ROUND_ROWS` of them; ``last_round``: no row up to the mark is left after
-        them), :data:`CHUNK_ROWS` a transaction on ``writer``'s thread; returns how many were
-        deleted.
+        most :data:`ROUND_ROWS` of them, less the trailing ones :meth:`_whole` leaves to the
+        next round; ``last_round``: the round reaches the mark), :data:`CHUNK_ROWS` a
+        transaction on ``writer``'s thread; returns how many were deleted.
 
         Raises:
             sqlite3.Error: the store failed (what was deleted stays deleted, and is recorded).
@@ -280,10 +281,15 @@ class _TablePrune:
             _log.info(f"retention: pruning a backlog of {top - self.done_upto} {self.table} rows")
         while self.done_upto < top:
             hi = min(top, self.done_upto + ROUND_ROWS)
+            last_round = hi == top
             rows = await self._read(writer, self.done_upto, hi)
+            if hi < upto:  # not a checkpoint's mark, where a batch ended: cut at a whole unit
+                rows = self._whole(rows)
+                if len(rows["rowid"]):
+                    hi = int(rows["rowid"][-1])
             before = self._saved()
             try:
-                drop = (await asyncio.to_thread(choose, rows, hi == top)).tolist()
+                drop = (await asyncio.to_thread(choose, rows, last_round)).tolist()
                 for start in range(0, max(1, len(drop)), CHUNK_ROWS):
                     chunk = drop[start : start + CHUNK_ROWS]
                     meta = {self.mark_key: str(self.done_upto)}
@@ -295,10 +301,18 @@ class _TablePrune:
                 raise
             deleted += len(drop)
             self.done_upto = hi
+            if last_round:  # the rows _whole() left wait for the next prune
+                break
             if backlog and hi < top:
                 _log.info(f"retention: backlog pruned up to rowid {hi} of {top} ({self.table})")
         self.deleted += deleted
         return deleted
+
+    def _whole(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``rows`` (a round's, read up to a rowid that may fall inside a batch's rows) without
+        the trailing rows that must be decided with rows after them, which the next round
+        reads: none here (a step row is decided alone)."""
+        return rows
 
     async def _read(self, writer, lo: int, hi: int) -> dict[str, np.ndarray]:
         """The rows of the table with ``lo < rowid <= hi``, as int64 columns."""
@@ -468,6 +482,22 @@ class SamplePruner(_TablePrune):
         #: group -> its rows of its latest sample times, held back undecided (see the module
         #: docstring): int64 columns ``rowid`` and ``unix_us``, in time order.
         self.held: dict[tuple, dict[str, np.ndarray]] = {}
+
+    def _whole(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``rows`` without the trailing rows of the last row's sample time (its group's): the
+        rows of one group's sample time are consecutive (one batch's, each system sample's
+        GPUs stored together by the store's ``_batch_rows``), so a round never ends
+        inside one, a time's rows are decided together, and an aggregator killed after the
+        round keeps whole times. A round of a single time is kept whole."""
+        if not len(rows["rowid"]):
+            return rows
+        same = np.ones(len(rows["rowid"]), dtype=bool)
+        for name in (*self.record.GROUP, "unix_us"):
+            same &= rows[name] == rows[name][-1]
+        other = np.flatnonzero(~same)
+        if not len(other):
+            return rows
+        return {name: column[: other[-1] + 1] for name, column in rows.items()}
 
     def state(self) -> str:
         """Each group's count of sample times decided (:attr:`seen`), as JSON."""
