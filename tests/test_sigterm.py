@@ -8,6 +8,7 @@ the store would hold no step at all.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -28,9 +29,10 @@ def aggregator(tmp_path):
         yield agg
 
 
-def run_until_sigterm(aggregator, mode: str) -> tuple[int, float, str]:
-    """Start the script in ``mode``, SIGTERM it once ready; (its return code, s from the
-    signal to its exit, its stdout after ``ready``)."""
+def run_until_sigterm(aggregator, mode: str, again_after_s: float = 0.0) -> tuple[int, float, str]:
+    """Start the script in ``mode``, SIGTERM it once ready (and again ``again_after_s`` later,
+    when given); (its return code, s from the first signal to its exit, its stdout after
+    ``ready``)."""
     env = traceml_env(
         {
             "TRACEML_AGGREGATOR": aggregator.target,
@@ -48,7 +50,14 @@ def run_until_sigterm(aggregator, mode: str) -> tuple[int, float, str]:
     try:
         assert proc.stdout.readline() == "ready\n", proc.stderr.read()
         time.sleep(0.1)
-        code, took = signal_and_wait(proc, signal.SIGTERM, 30)
+        if again_after_s:
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(again_after_s)
+            code, _ = signal_and_wait(proc, signal.SIGTERM, 30)
+            took = time.monotonic() - sent
+        else:
+            code, took = signal_and_wait(proc, signal.SIGTERM, 30)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -68,6 +77,22 @@ def test_sigterm_flushes_then_dies_of_sigterm(aggregator, mode, steps):
     assert aggregator.query(
         "SELECT steps_completed, records_dropped, end_state, reason FROM rank_finish"
     ) == [(steps, 0, "signaled", "SIGTERM")]
+
+
+def test_a_second_sigterm_during_the_flush_does_not_stop_it(aggregator):
+    """The aggregator is stopped (SIGSTOP), so the flush the first SIGTERM starts on the main
+    thread waits its whole budget (2 s) for acks; a second SIGTERM 0.5 s into it runs its
+    handler inside that flush. The flush goes on, and the rank dies of SIGTERM within the
+    budget; without the fix the second handler waited for the first, on the same thread,
+    for ever."""
+    os.kill(aggregator.process.pid, signal.SIGSTOP)
+    try:
+        code, took, _ = run_until_sigterm(aggregator, "idle", again_after_s=0.5)
+    finally:
+        os.kill(aggregator.process.pid, signal.SIGCONT)
+    assert code == -signal.SIGTERM
+    assert 2.0 - 0.2 < took < 2.0 + 1.5  # the whole budget: no ack came
+    assert aggregator.stop() == 0
 
 
 @pytest.mark.parametrize("mode", ["user-after", "user-before"])

@@ -81,8 +81,9 @@ class _Terminator:
         self.state = state
         self.budget_s = budget_s
         self.arrived: float | None = None  # monotonic s of the first SIGTERM
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a further SIGTERM's handler may run while held
         self._started = False
+        self._owner: int | None = None  # the thread of the first terminate()
         self._pipe: tuple[int, int] | None = None
 
     # --- where the signal is seen -----------------------------------------------------------
@@ -142,10 +143,18 @@ class _Terminator:
 
     # --- the sequence -----------------------------------------------------------------------
     def terminate(self) -> None:
-        """Flush within the budget, then die of SIGTERM; a second caller waits for the end."""
+        """Flush within the budget, then die of SIGTERM. A second caller on another thread
+        waits for the end; one on the first caller's own thread (a further SIGTERM, whose
+        handler runs inside the flush) returns at once, so that the flush goes on: a rank
+        SIGTERMed twice (scancel signals every process of a step, and torchrun signals its
+        ranks too) would otherwise wait on itself for ever."""
         with self._lock:
             first, self._started = not self._started, True
+            if first:
+                self._owner = threading.get_ident()
         if not first:
+            if self._owner == threading.get_ident():
+                return
             threading.Event().wait()  # the first caller ends the process
         try:
             remaining = max(self.arrived + self.budget_s - time.monotonic(), 0.1)
