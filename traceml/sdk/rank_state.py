@@ -15,6 +15,7 @@ import threading
 import time
 
 from traceml import settings
+from traceml.core import orphans
 from traceml.sdk import client as client_mod
 from traceml.sdk import sigterm, workload
 from traceml.sdk.failopen import fail_open, warn
@@ -64,7 +65,7 @@ class RankState:
             functools.partial(self.client.submit, workload.FLOPS_COUNTS),
             settings.read(settings.PEAK_TFLOPS),
         )
-        self.extensions: list = []  # objects with close(): samplers, GPU timing
+        self.extensions: list = []  # objects with close(timeout_s): samplers, GPU timing
         #: The rank's CUDA device (a :class:`~traceml.sdk.device.RankDevice`) when torch has CUDA.
         self.device = None
         self.step_context = None  # the reusable context manager trace_step() returns
@@ -227,9 +228,12 @@ class RankState:
         self._closed = True
         from traceml import wire
 
+        if timeout_s is None:
+            timeout_s = settings.read(settings.FINISH_TIMEOUT_SEC)
+        deadline = time.monotonic() + timeout_s  # the samplers' delivery shares the budget
         for ext in self.extensions:
             try:
-                ext.close()
+                ext.close(timeout_s=max(deadline - time.monotonic(), 0.0))
             except Exception as exc:
                 warn(f"telemetry extension failed to close: {exc}")
         finish = wire.RankFinish(steps_completed=self.tracer.steps_completed)
@@ -241,9 +245,7 @@ class RankState:
         else:
             finish.end_state = wire.EndState.END_STATE_FAILED
             finish.reason = f"{type(self._exception).__name__}: {self._exception}"[:500]
-        if timeout_s is None:
-            timeout_s = settings.read(settings.FINISH_TIMEOUT_SEC)
-        self.client.close(finish, timeout_s=timeout_s)
+        self.client.close(finish, timeout_s=max(deadline - time.monotonic(), 0.1))
 
 
 def _process_group_backend() -> str:
@@ -336,3 +338,4 @@ def _install_exit_hooks(state: RankState) -> None:
     sys.excepthook = excepthook
     atexit.register(state.close)
     sigterm.install(state)
+    orphans.die_with_torchrun()  # a torchrun that dies without stopping the rank: SIGTERM

@@ -214,15 +214,15 @@ class NodeSampler:
             if os.path.exists("/proc/driver/nvidia"):
                 warn(f"GPU metrics are off on node {self.node_rank}: {exc}")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
         """Take a last sample (a short run still gets one), then deliver what is buffered
-        (bounded by ``TRACEML_FINISH_TIMEOUT_SEC``)."""
+        within ``timeout_s``, s."""
         try:
             self.sample()
         finally:
             if self._nvml is not None:
                 self._nvml.close()
-            self.client.close(timeout_s=settings.read(settings.FINISH_TIMEOUT_SEC))
+            self.client.close(timeout_s=timeout_s)
 
 
 class RankMemorySampler:
@@ -257,7 +257,7 @@ class RankMemorySampler:
             ),
         )
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
         """Nothing to release: the rank state closes the rank's client."""
 
 
@@ -290,13 +290,15 @@ class SamplerThread:
             if self._stop.wait(self.interval_s):
                 return
 
-    def close(self) -> None:
-        """Stop the thread (waiting at most one interval + 2 s), then close each sampler."""
+    def close(self, timeout_s: float) -> None:
+        """Stop the thread (waiting at most one interval + 2 s), then close each sampler,
+        all within ``timeout_s``, s."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
-        self._thread.join(self.interval_s + 2.0)
+        self._thread.join(min(self.interval_s + 2.0, timeout_s))
         for sampler in self.samplers:
             try:
-                sampler.close()
+                sampler.close(timeout_s=max(deadline - time.monotonic(), 0.0))
             except Exception as exc:
                 warn(f"{type(sampler).__name__} did not close cleanly ({exc})")
 

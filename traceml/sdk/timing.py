@@ -382,15 +382,17 @@ class GpuTimer:
         except Exception:
             return None
 
-    def close(self) -> None:
-        """Wait, bounded by ``finish_wait_s`` in all, for the events of every GPU-timed step
-        still pending (their phases may be on different streams, so the last step completing
-        says nothing of the earlier ones).
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait, bounded by ``finish_wait_s`` in all (and by ``timeout_s``, s, the exit's
+        budget left, when given), for the events of every GPU-timed step still pending (their
+        phases may be on different streams, so the last step completing says nothing of the
+        earlier ones).
 
-        Runs on the exit path (``Session.close``), after the last step: it polls
+        Runs on the exit path (``RankState.close``), after the last step: it polls
         ``Event.query()`` every millisecond and never calls a synchronize.
         """
-        deadline = time.monotonic() + self.finish_wait_s
+        wait_s = self.finish_wait_s if timeout_s is None else min(self.finish_wait_s, timeout_s)
+        deadline = time.monotonic() + wait_s
         for step in list(self.pending):
             while not step.ready() and time.monotonic() < deadline:
                 time.sleep(0.001)
