@@ -70,26 +70,67 @@ def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):
     assert_all_gone(processes[1:])
 
 
-#: A torchrun stand-in: its reaper watches the launcher stand-in (its parent), its one rank
-#: lives 2 s more, and its main thread never ends and ignores SIGTERM, as a torchrun stuck in
-#: its own teardown would.
+def test_a_sigkilled_torchrun_takes_its_ranks_with_it(tmp_path, port):
+    """torchrun SIGKILLed cannot stop its rank: the kernel sends the rank SIGTERM
+    (``PR_SET_PDEATHSIG``, set by the rank's ``traceml.init()``), which ends it as torchrun's
+    own SIGTERM would, its telemetry flushed; the launcher then fails as torchrun did."""
+    step_log = tmp_path / "steps"
+    step_log.mkdir()
+    args = run_args(tmp_path, "headless", port, nproc=1) + [
+        "--",
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.05",
+        "--step-log",
+        str(step_log),
+    ]
+    launcher = start_traceml(args, tmp_path, tmp_path / "headless", env=ENV)
+    wait_training(tmp_path, "headless", launcher)
+    (torchrun,) = [p for p in family(launcher.pid) if "torchrun_main" in " ".join(p.cmdline())]
+    ranks = torchrun.children()
+    assert len(ranks) == 1
+    torchrun.kill()
+    assert_all_gone(ranks, timeout_s=15)
+    assert launcher.wait(120) == 128 + signal.SIGKILL  # torchrun's end, as a shell reports it
+    (rank,) = load_summary(tmp_path / "logs" / "headless")["ranks"]
+    assert rank["end"] == {
+        "state": "terminated",
+        "exit_code": None,
+        "signal": None,
+        "reason": "SIGTERM",
+    }
+    # every step the rank completed (its own log) was sent and stored before it ended
+    completed = len((step_log / "rank0.log").read_text().splitlines())
+    assert (rank["steps_completed"], rank["records_dropped"]) == (completed, 0)
+
+
+#: A torchrun stand-in: its reaper watches the launcher stand-in (its parent); its one rank, in
+#: its own session as torch starts it, lives as long as it is told once the launcher died; its
+#: main thread never ends, never stops the rank and ignores SIGTERM, as a torchrun stuck in its
+#: own teardown would.
 _STUCK_TORCHRUN = r"""
 import os, signal, subprocess, sys, threading
 from traceml.launcher.torchrun_main import reap_when_orphaned
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
 rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(float(input()))"],
-                        stdin=subprocess.PIPE, text=True)
+                        stdin=subprocess.PIPE, text=True, start_new_session=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # after the rank's start: it inherits no SIG_IGN
 threading.Thread(target=reap_when_orphaned, args=(os.getppid(),), daemon=True).start()
 print(rank.pid, flush=True)
-sys.stdin.readline()  # the launcher's death: then the rank has 2 s left
-rank.stdin.write("2\n"); rank.stdin.flush()
+rank.stdin.write(sys.stdin.readline()); rank.stdin.flush()  # after the launcher's death
 threading.Event().wait()
 """
 
 
-def test_a_torchrun_stuck_after_its_launcher_died_is_killed_once_its_ranks_ended(tmp_path):
-    """The launcher SIGKILLed, the rank ends 2 s later, torchrun's main thread never does: the
-    reaper kills it ORPHAN_EXIT_GRACE_S after the rank, not before, whatever its signals."""
+@pytest.mark.parametrize("rank_lives_s", [2.0, 3600.0])
+def test_a_torchrun_stuck_after_its_launcher_died_is_killed_once_its_ranks_ended(
+    tmp_path, rank_lives_s
+):
+    """The launcher SIGKILLed, torchrun's main thread never stops its rank nor ends. A rank
+    that ends on its own 2 s later: the reaper leaves it alone. One that would run for an
+    hour: the reaper sends it SIGTERM ORPHAN_EXIT_GRACE_S after the launcher's death. Either
+    way the reaper kills torchrun ORPHAN_EXIT_GRACE_S after the rank ended, not before,
+    whatever its signals."""
     from traceml.launcher.torchrun_main import ORPHAN_EXIT_GRACE_S
 
     launcher = subprocess.Popen(
@@ -107,10 +148,13 @@ def test_a_torchrun_stuck_after_its_launcher_died_is_killed_once_its_ranks_ended
     (torchrun,) = psutil.Process(launcher.pid).children()
     launcher.kill()
     launcher.wait()
-    launcher.stdin.write("\n")  # the pipe the stand-ins share: torchrun reads on
+    died = time.monotonic()
+    launcher.stdin.write(f"{rank_lives_s}\n")  # the pipe the stand-ins share: torchrun reads on
     launcher.stdin.close()
     wait_for(lambda: rank.status() == psutil.STATUS_ZOMBIE, 30, "the rank's end", poll_s=0.01)
     rank_ended = time.monotonic()  # torchrun's main thread never reaps it
+    expected = min(rank_lives_s, ORPHAN_EXIT_GRACE_S)
+    assert expected - 0.5 < rank_ended - died < expected + 5, rank_ended - died
     torchrun.wait(30)
     lived = time.monotonic() - rank_ended
     assert ORPHAN_EXIT_GRACE_S - 0.5 < lived < ORPHAN_EXIT_GRACE_S + 5, lived

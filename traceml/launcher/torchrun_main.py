@@ -13,7 +13,6 @@ run ``--module traceml.sdk.autorun SCRIPT`` (zero-code steps), its "... FAILED" 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -22,32 +21,16 @@ import sys
 import threading
 import time
 
-from traceml.core import log
+from traceml.core import log, orphans
 
 #: Environment variable naming the JSON file this wrapper writes (set by the launcher).
 RANK_ENDS_FILE_ENV = "TRACEML_RANK_ENDS_FILE"
 #: Environment variable with the launcher's process id (set by the launcher).
 LAUNCHER_PID_ENV = "TRACEML_LAUNCHER_PID"
-#: ``prctl`` option from <linux/prctl.h>.
-PR_SET_PDEATHSIG = 1
-#: Once the launcher is gone and the ranks have ended, how long torchrun may take to exit on
-#: its own before it is SIGKILLed, s (its normal exit takes ~1 s).
+#: Once the launcher is gone: how long torchrun's own stop may take to end the ranks before
+#: the reaper sends them SIGTERM itself, and how long torchrun may take to exit on its own
+#: once they ended before it is SIGKILLed, s (its normal exit takes ~1 s).
 ORPHAN_EXIT_GRACE_S = 5.0
-
-
-def _die_with_launcher(launcher_pid: int) -> None:
-    """SIGTERM this process when the launcher's thread that started it dies, however it dies
-    (``PR_SET_PDEATHSIG``); torchrun then stops its ranks as on any SIGTERM. Set here rather
-    than in a ``preexec_fn``, which would make the launcher ``fork()`` (see
-    :meth:`traceml.launcher.torchrun.TorchrunProcess.start`); a launcher that died before
-    the ``prctl`` took effect is seen as a changed parent, and this process stops at once."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != launcher_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _wait_gone(pid: int) -> None:
@@ -66,28 +49,49 @@ def _wait_gone(pid: int) -> None:
 
 
 def reap_when_orphaned(launcher_pid: int) -> None:
-    """Bound how long torchrun outlives the launcher. Once the launcher has died (SIGKILLed:
-    the OOM killer, a scheduler), torchrun gets SIGTERM from ``PR_SET_PDEATHSIG`` and stops
-    its ranks as on any SIGTERM (within its ``--shutdown-timeout``). This waits until they
-    have ended, gives torchrun :data:`ORPHAN_EXIT_GRACE_S` to exit on its own, then SIGKILLs
-    it: a torchrun still in its own teardown long after its ranks ended was seen on a loaded
-    machine (more than 30 s). Blocks; run it on a daemon thread."""
+    """Bound how long torchrun and its ranks outlive the launcher. Once the launcher has died
+    (SIGKILLed: the OOM killer, a scheduler), torchrun gets SIGTERM from ``PR_SET_PDEATHSIG``
+    and stops its ranks as on any SIGTERM (within its ``--shutdown-timeout``). Two ways that
+    failed were seen on a loaded machine (about 1 run in 25 with 4 test workers on 2 cores):
+    the ranks never got torchrun's SIGTERM (it SIGKILLed them 30 s later), and a torchrun
+    stayed in its own teardown long after its ranks ended. So ranks still running
+    :data:`ORPHAN_EXIT_GRACE_S` after the launcher died get SIGTERM from here (their process
+    groups, as torchrun signals them), and a torchrun still running that long after they all
+    ended is SIGKILLed. Blocks; run it on a daemon thread."""
     import psutil
 
-    def running_ranks() -> bool:  # ranks that ended but are not reaped yet do not count
+    def running_ranks() -> list[psutil.Process]:  # ended, not reaped yet: not running
+        running = []
         for child in psutil.Process().children():
             try:
                 if child.status() != psutil.STATUS_ZOMBIE:
-                    return True
+                    running.append(child)
             except psutil.Error:
                 pass
-        return False
+        return running
 
     _wait_gone(launcher_pid)
-    while running_ranks():
+    stop_at = time.monotonic() + ORPHAN_EXIT_GRACE_S
+    while running := running_ranks():
+        if stop_at is not None and time.monotonic() >= stop_at:
+            for rank in running:
+                _signal_group(rank.pid, signal.SIGTERM)
+            stop_at = None
         time.sleep(0.2)
     time.sleep(ORPHAN_EXIT_GRACE_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """``signum`` to ``pid``'s process group when it leads one (torchrun starts each rank in
+    its own session), else to ``pid`` alone; a process already gone is skipped."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def _reason(failure) -> str:
@@ -141,8 +145,9 @@ def main() -> None:
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
     path = os.environ.pop(RANK_ENDS_FILE_ENV, "")
     argv = sys.argv[1:]
+    os.environ[orphans.TORCHRUN_PID_ENV] = str(os.getpid())  # each rank dies with this process
     if launcher.isdigit():
-        _die_with_launcher(int(launcher))
+        orphans.die_with_parent(int(launcher))
         threading.Thread(
             target=reap_when_orphaned,
             args=(int(launcher),),

@@ -1,0 +1,52 @@
+"""Processes that must not outlive their parent: node r's torchrun its launcher, a rank its
+torchrun.
+
+Under ``traceml run`` a launcher that dies in any way (SIGKILL included) takes its processes
+with it (docs/distributed-training.md, "A rank, torchrun or the launcher dies"). The kernel
+does the signalling (``PR_SET_PDEATHSIG``), so it holds however the parent dies: torchrun gets
+SIGTERM when its launcher dies, and each rank gets SIGTERM when its torchrun dies without
+stopping it first (its own SIGTERM is how torchrun stops its ranks, so a rank that got that
+one sees no second). Linux only; elsewhere nothing is set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+#: Environment variable with torchrun's process id, for its ranks (set by
+#: ``traceml.launcher.torchrun_main``; read by :func:`die_with_torchrun` in each rank).
+TORCHRUN_PID_ENV = "TRACEML_TORCHRUN_PID"
+#: ``prctl`` option from <linux/prctl.h>.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> bool:
+    """Have the kernel send ``signum`` to this process when ``parent_pid``, its parent, dies
+    (strictly: when the parent's thread that started it ends); True when set.
+
+    A parent that died before the ``prctl`` took effect shows as a changed parent, and
+    ``signum`` is sent at once. Not Linux, or no ``prctl``: False, nothing set.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signum)
+    return True
+
+
+def die_with_torchrun() -> bool:
+    """In a rank that ``traceml run``'s torchrun started (its parent is the process named by
+    :data:`TORCHRUN_PID_ENV`): SIGTERM when that torchrun dies; True when set. A process the
+    rank starts itself (a DataLoader worker, ``torch.multiprocessing.spawn``) inherits the
+    variable but has another parent, and is left alone."""
+    torchrun = os.environ.get(TORCHRUN_PID_ENV, "")
+    if not torchrun.isdigit() or os.getppid() != int(torchrun):
+        return False
+    return die_with_parent(int(torchrun))
