@@ -147,6 +147,8 @@ def main() -> None:
     argv = sys.argv[1:]
     os.environ[orphans.TORCHRUN_PID_ENV] = str(os.getpid())  # each rank dies with this process
     if launcher.isdigit():
+        # here, not in a preexec_fn, which would make the launcher fork() (see
+        # traceml.launcher.torchrun.TorchrunProcess.start)
         orphans.die_with_parent(int(launcher))
         threading.Thread(
             target=reap_when_orphaned,
