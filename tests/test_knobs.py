@@ -150,8 +150,9 @@ def test_every_option_is_a_declared_knob_or_says_why_not():
 
 
 #: ``TRACEML_*`` variables that are not knobs: the launcher's protocol with its torchrun wrapper
-#: (traceml/launcher/torchrun_main.py). ``TRACEML_TEST_*`` are test hooks, never a user's.
-NOT_KNOB_VARIABLES = {"TRACEML_RANK_ENDS_FILE", "TRACEML_LAUNCHER_PID"}
+#: (traceml/launcher/torchrun_main.py), and the wrapper's with its ranks
+#: (traceml/core/orphans.py). ``TRACEML_TEST_*`` are test hooks, never a user's.
+NOT_KNOB_VARIABLES = {"TRACEML_RANK_ENDS_FILE", "TRACEML_LAUNCHER_PID", "TRACEML_TORCHRUN_PID"}
 
 
 def _knob_names() -> set[str]:

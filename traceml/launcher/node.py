@@ -115,7 +115,7 @@ class NodeLaunch:
         """Stop the sampler (a warning if it does not stop cleanly)."""
         if self.sampler is not None:
             try:
-                self.sampler.close(timeout_s=settings.read(settings.FINISH_TIMEOUT_SEC))
+                self.sampler.close()
             except Exception as exc:
                 _log.warning(f"warning: node sampler did not stop cleanly ({exc})")
 

@@ -290,9 +290,11 @@ class SamplerThread:
             if self._stop.wait(self.interval_s):
                 return
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Stop the thread (waiting at most one interval + 2 s), then close each sampler,
-        all within ``timeout_s``, s."""
+        all within ``timeout_s``, s (default ``TRACEML_FINISH_TIMEOUT_SEC``)."""
+        if timeout_s is None:
+            timeout_s = settings.read(settings.FINISH_TIMEOUT_SEC)
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         self._thread.join(min(self.interval_s + 2.0, timeout_s))
