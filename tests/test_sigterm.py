@@ -50,14 +50,12 @@ def run_until_sigterm(aggregator, mode: str, again_after_s: float = 0.0) -> tupl
     try:
         assert proc.stdout.readline() == "ready\n", proc.stderr.read()
         time.sleep(0.1)
+        sent = time.monotonic()
         if again_after_s:
-            sent = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            time.sleep(again_after_s)
-            code, _ = signal_and_wait(proc, signal.SIGTERM, 30)
-            took = time.monotonic() - sent
-        else:
-            code, took = signal_and_wait(proc, signal.SIGTERM, 30)
+            time.sleep(again_after_s)  # into the flush the first one started (2 s)
+        code, _ = signal_and_wait(proc, signal.SIGTERM, 30)
+        took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()

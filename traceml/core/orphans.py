@@ -2,11 +2,11 @@
 torchrun.
 
 Under ``traceml run`` a launcher that dies in any way (SIGKILL included) takes its processes
-with it (docs/distributed-training.md, "A rank, torchrun or the launcher dies"). The kernel
+with it (docs/distributed-training.md, "The aggregator dies", its last paragraph). The kernel
 does the signalling (``PR_SET_PDEATHSIG``), so it holds however the parent dies: torchrun gets
-SIGTERM when its launcher dies, and each rank gets SIGTERM when its torchrun dies without
-stopping it first (its own SIGTERM is how torchrun stops its ranks, so a rank that got that
-one sees no second). Linux only; elsewhere nothing is set.
+SIGTERM when its launcher dies, and each rank gets SIGTERM when its torchrun dies, which a
+torchrun that stopped its ranks first does only after they ended. Linux only; elsewhere
+nothing is set.
 """
 
 from __future__ import annotations

@@ -71,12 +71,12 @@ def reap_when_orphaned(launcher_pid: int) -> None:
         return running
 
     _wait_gone(launcher_pid)
-    stop_at = time.monotonic() + ORPHAN_EXIT_GRACE_S
-    while running := running_ranks():
-        if stop_at is not None and time.monotonic() >= stop_at:
-            for rank in running:
-                _signal_group(rank.pid, signal.SIGTERM)
-            stop_at = None
+    deadline = time.monotonic() + ORPHAN_EXIT_GRACE_S
+    while (running := running_ranks()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for rank in running:  # torchrun's own stop has not ended them
+        _signal_group(rank.pid, signal.SIGTERM)
+    while running_ranks():
         time.sleep(0.2)
     time.sleep(ORPHAN_EXIT_GRACE_S)
     os.kill(os.getpid(), signal.SIGKILL)
