@@ -12,7 +12,11 @@ Every rank sleeps ``--forward-ms`` inside the model's forward (stable compute). 
   processes that each take L ms per batch and prefetch P batches each, so the first steps run
   on prefetched batches (the workers get 3 x P x L ms to fill their queues before the first
   step) and then every step waits for data;
-* ``--ddp 0``: the model is not wrapped in DDP (the ranks do not wait for one another).
+* ``--ddp 0``: the model is not wrapped in DDP (the ranks do not wait for one another);
+* ``--plateau-x F``: once the cache is full, the run goes on for at least F times as long as
+  the cache took to fill (at least ``--forward-ms`` a step), so that the flat memory after it
+  outlasts the growth however slowly a loaded host fills pages. The fill's time is the
+  slowest rank's (one all-reduce after the fill), so that every rank runs the same steps.
 
 Each rank writes what it measured itself to ``--clock-out``/rank<r>.json: its RSS after every
 step (``rss_bytes``, from /proc/self/statm), its step times (ms) and the number of steps.
@@ -20,6 +24,7 @@ step (``rss_bytes``, from /proc/self/statm), its step times (ms) and the number 
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -47,6 +52,21 @@ def _filled(mib: float) -> torch.Tensor:
     return torch.ones(int(mib * MIB) // 4)
 
 
+#: The most steps a run with ``--plateau-x`` may take (the size of its dataset).
+MAX_STEPS = 100_000
+
+
+def _plateau_steps(args: argparse.Namespace, fill_s: float) -> int:
+    """The steps after the cache's fill that outlast it ``--plateau-x`` times: the slowest
+    rank's fill time (seconds, one all-reduce) over the shortest a step can take."""
+    slowest = torch.tensor([fill_s], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return min(
+        MAX_STEPS - args.cache_steps,
+        math.ceil(args.plateau_x * slowest.item() * 1000.0 / args.forward_ms),
+    )
+
+
 #: The script's options: (flag, type, default); see the module docstring.
 OPTIONS = (
     ("--steps", int, 80),
@@ -62,6 +82,7 @@ OPTIONS = (
     ("--workers", int, 0),
     ("--prefetch", int, 2),
     ("--ddp", int, 1),
+    ("--plateau-x", float, 0.0),
 )
 
 
@@ -84,7 +105,8 @@ def main() -> None:
     loader_kw = {}
     if args.workers:
         loader_kw = {"num_workers": args.workers, "prefetch_factor": args.prefetch}
-    loader = DataLoader(Batches(args.steps, lambda i: args.input_ms), batch_size=None, **loader_kw)
+    batches = Batches(MAX_STEPS if args.plateau_x else args.steps, lambda i: args.input_ms)
+    loader = DataLoader(batches, batch_size=None, **loader_kw)
     net = Model()
     model = DDP(net) if args.ddp else net
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -97,7 +119,8 @@ def main() -> None:
     # while the other waits for it inside the all-reduce (an input straggler, not a bound)
     if args.workers:
         time.sleep(args.input_ms / 1000.0 * args.prefetch * 3)
-    for step in range(args.steps):
+    steps, step, t_first = args.steps, 0, time.perf_counter()
+    while step < steps:
         net.sleep_ms = args.forward_ms
         if rank == args.slow_rank and args.slow_from <= step < slow_to:
             net.sleep_ms += args.slow_ms
@@ -115,6 +138,9 @@ def main() -> None:
             kept.append(_filled(args.cache_mib / args.cache_steps))
         clock["rss_bytes"].append(rss_bytes())
         clock["steps"] += 1
+        if args.plateau_x and step == args.cache_steps - 1:
+            steps = max(steps, step + 1 + _plateau_steps(args, time.perf_counter() - t_first))
+        step += 1
     with open(os.path.join(args.clock_out, f"rank{rank}.json"), "w") as f:
         json.dump(clock, f)
     dist.destroy_process_group()
