@@ -11,6 +11,7 @@ import importlib
 import json
 import pickle
 import sqlite3
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +170,50 @@ def test_seed_from_checkpoint_equals_full_replay(tmp_path, after):
     )
     assert replayed.ranks[1].restart == (1 if after == "new_attempt" else 0)
     assert replayed.ranks[1].earlier_attempts == ({0: 1400} if after == "new_attempt" else {})
+    store.close()
+
+
+def test_a_checkpoint_cancelled_on_the_writer_thread_leaves_the_next_one_whole(tmp_path):
+    """A stop cancels the periodic checkpoint while its row is being written on the writer
+    thread, then writes one of its own: that one's copy of each rank is the newest, so that
+    the rows at or below its mark (which retention may delete) are in it, not only replayed."""
+    path = tmp_path / "telemetry.sqlite"
+
+    async def feed() -> None:
+        run = _Run(path)
+        run.writer.start()
+        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
+        for r in range(RANKS):
+            await run.steps(r, range(0, 500))
+        await checkpointer.write()
+        for r in range(RANKS):
+            await run.steps(r, range(500, 900))
+        gate = threading.Event()
+        busy = asyncio.ensure_future(run.writer.call(gate.wait))  # the writer thread is busy
+        periodic = asyncio.ensure_future(checkpointer.write())
+        await asyncio.sleep(0)  # its copies taken, its row waiting for the writer thread
+        periodic.cancel()
+        at_stop = asyncio.ensure_future(checkpointer.write())
+        await asyncio.sleep(0)  # copies taken before the cancelled one's row was written
+        gate.set()
+        await busy
+        await at_stop
+        assert periodic.cancelled()
+        await run.writer.close()
+
+    asyncio.run(feed())
+    store = Store(path)
+    checkpoint = ckpt.read(store)
+    assert checkpoint.steps_from == RANKS * 900
+    assert {r: mark for r, (mark, _) in checkpoint.ranks.items()} == {
+        r: RANKS * 900 for r in range(RANKS)
+    }
+    full = state_of(_seeded(store))
+    store.close()
+    with contextlib.closing(sqlite3.connect(path)) as db, db:  # what a prune may delete
+        db.execute("DELETE FROM steps WHERE rowid <= ?", (checkpoint.steps_from,))
+    store = Store(path)
+    assert state_of(_seeded(store, ckpt.read(store))) == full
     store.close()
 
 

@@ -271,7 +271,12 @@ class Checkpointer:
         self.checkpoint = checkpoint
         self.live = live
         self.writer = writer
-        #: rank -> (attempt, steps stored) when its entry of ``checkpoint.ranks`` was copied.
+        #: rank -> (its mark, its pickled steps part): the latest copies, made on the loop,
+        #: whether or not the checkpoint that took them committed yet; and rank -> (attempt,
+        #: steps stored) when its copy was made. Both change together, on the loop: a write
+        #: cancelled on the writer thread (a stop) has not yet set ``checkpoint.ranks`` when
+        #: the next write copies, and a copy kept from there would be older than its mark says.
+        self._ranks: dict[int, tuple[int, bytes]] = dict(checkpoint.ranks)
         self._copied: dict[int, tuple[int, int]] = {}
         #: Checkpoints written, and the size of the last one (bytes).
         self.written = 0
@@ -285,7 +290,7 @@ class Checkpointer:
     async def _copy_ranks(self) -> tuple[int, dict[int, tuple[int, bytes]]]:
         """``(steps_from, ranks)`` of a new checkpoint from the live aggregates, on the loop."""
         steps_from = self.writer.steps_rowid_seen
-        ranks = dict(self.checkpoint.ranks)
+        ranks = dict(self._ranks)  # a new dict: the writer thread may be pickling the last
         for i, (r, rl) in enumerate(list(self.live.ranks.items())):
             if i and not i % SNAPSHOT_SLICE_RANKS:
                 await asyncio.sleep(0)
@@ -294,6 +299,7 @@ class Checkpointer:
                 continue  # no step of it stored since: its copy and its mark still hold
             ranks[r] = (self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5))
             self._copied[r] = moved
+        self._ranks = ranks
         return steps_from, ranks
 
     async def write(self) -> None:
