@@ -89,7 +89,7 @@ def test_rank_death(tmp_path, port, fail):
 
     assert plain.wait(120) != 0
     assert result.returncode == plain.returncode, result.stderr
-    assert returned - death_time(mark) < RETURN_BOUND_S
+    assert returned - death_time(mark) < RETURN_BOUND_S, result.stderr[-4000:]
     summary = load_summary(tmp_path / "logs" / f"crash-{fail}")
     assert summary["run"]["complete"] is True
     assert summary["run"]["missing_ranks"] == []
@@ -109,6 +109,9 @@ def test_rank_death(tmp_path, port, fail):
     assert f"rank 1: {state}" in text
 
 
+# Alone: two torchruns' teardown in a chain (5-7 s here, 4 jobs beside it included) took 32 s
+# once with the whole parallel suite on 2 cores, past the bound it checks.
+@pytest.mark.serial
 def test_rank_death_on_node_1_ends_both_nodes(tmp_path):
     """Two launchers (2 nodes x 1 rank): rank 1 on node 1 segfaults at step 5. Node 1's
     torchrun exits, node 0's rank fails in gloo as its peer's connections close; both
@@ -157,8 +160,9 @@ def test_rank_death_on_node_1_ends_both_nodes(tmp_path):
     plain_codes = [p.wait(120) for p in plain]  # node 1, node 0
 
     assert [nodes[1].returncode, nodes[0].returncode] == plain_codes
-    for n in (0, 1):
-        assert returned[n] - death_time(mark) < RETURN_BOUND_S, n
+    for n in (0, 1):  # on failure, the launcher's log (torch's lines carry their times)
+        took = returned[n] - death_time(mark)
+        assert took < RETURN_BOUND_S, (n, took, (tmp_path / f"node{n}.err").read_text()[-4000:])
     summary = load_summary(tmp_path / "logs" / "crash-2n")
     ranks = {r["rank"]: r for r in summary["ranks"]}
     assert (ranks[1]["end"]["state"], ranks[1]["end"]["signal"]) == ("signaled", 11)
