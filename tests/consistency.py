@@ -67,6 +67,9 @@ def _step_time(ev: dict, text: str, stat: str) -> None:
     if "typical_share_pct" in ev:  # job-wide bounds
         assert abs(100 * ev["typical_ms"] / ev["step_time_ms"] - ev["typical_share_pct"]) <= 0.1
         assert f"{ev['typical_ms']:.1f} ms per step ({ev['typical_share_pct']:.0f}%" in text
+    if "transfer_share_pct" in ev:  # COMM_BOUND
+        assert abs(100 * ev["transfer_ms"] / ev["step_time_ms"] - ev["transfer_share_pct"]) <= 0.1
+        assert f"{ev['transfer_ms']:.1f} ms per step ({ev['transfer_share_pct']:.0f}%" in text
     if "compute_share_pct" in ev:
         assert abs(100 * ev["compute_ms"] / ev["step_time_ms"] - ev["compute_share_pct"]) <= 0.1
     if "share_of_wall_pct" in ev:

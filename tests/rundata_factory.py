@@ -24,6 +24,7 @@ def step(
     optimizer=2_000,
     residual=500,
     h2d=None,
+    comm=None,
     gpu=False,
     alloc=None,
     **extra,
@@ -36,6 +37,7 @@ def step(
         backward_us=backward,
         optimizer_us=optimizer,
         h2d_us=h2d,
+        comm_us=comm,
         dataloader_next_us=input_wait,
     )
     if gpu:
@@ -46,7 +48,7 @@ def step(
     if alloc is not None:
         s["peak_allocated_bytes"] = alloc
         s["peak_reserved_bytes"] = alloc + 256 * MIB
-    total = sum(v or 0 for v in (input_wait, forward, backward, optimizer, residual, h2d))
+    total = sum(v or 0 for v in (input_wait, forward, backward, optimizer, residual, h2d, comm))
     if gpu:
         s["gpu_step_us"] = total - input_wait  # the step body, without the input wait
     s.update(step=i, end_us=(i + 1) * total, step_us=total, **extra)

@@ -2,12 +2,14 @@
 
 Every scenario sleeps 10 ms in each rank's forward (stable compute); the planted delay is
 DELAY_MS (20 ms) per step. In DDP the all-reduce equalises step time, so the straggler
-scenarios prove the slow rank is found from each rank's own phases.
+scenarios prove the slow rank is found from each rank's own phases. The ``comm`` scenario plants
+no delay: its gradient all-reduce moves 32 MiB a step.
 """
 
 from __future__ import annotations
 
 import pytest
+from consistency import check_consistent
 from planted import DELAY_MS, STEPS
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
@@ -90,6 +92,11 @@ def test_compute_straggler_names_rank_1(run):
     r0, r1 = s["ranks"]
     assert r0["phase_median_ms"]["comm"] > r1["phase_median_ms"]["comm"] + DELAY_MS / 2
     assert abs(r0["phase_median_ms"]["backward"] - r1["phase_median_ms"]["backward"]) < DELAY_MS / 2
+    # ... and within it, waiting for rank 1, not transfer: no COMM_BOUND
+    wait = s["analysis"]["comm"]["wait_ms"]
+    assert GAP_RANGE_MS[0] <= wait["0"] <= GAP_RANGE_MS[1]
+    assert wait["1"] < DELAY_MS / 4
+    assert "COMM_BOUND" not in _step_kinds(s)
 
 
 def test_residual_heavy(run):
@@ -100,3 +107,21 @@ def test_residual_heavy(run):
     assert p["ranks"] == [0, 1]
     assert GAP_RANGE_MS[0] <= p["evidence"]["typical_ms"] <= GAP_RANGE_MS[1]
     assert not any(k.endswith("STRAGGLER") for k in _step_kinds(s))
+
+
+def test_a_step_held_by_the_gradient_all_reduce_is_comm_bound(run):
+    s = run("comm").summary
+    _common_checks(s)
+    p = s["primary_diagnosis"]
+    assert (p["kind"], p["ranks"]) == ("COMM_BOUND", [0, 1])
+    comm = s["analysis"]["comm"]
+    assert comm["steps"] == STEPS - 5  # every window step: both ranks all-reduce in each
+    assert p["impact_ms"] == p["evidence"]["transfer_ms"] == comm["transfer_ms"]
+    assert p["evidence"]["transfer_share_pct"] >= s["analysis"]["thresholds"]["COMM_BOUND_PCT"]
+    # the transfer is each step's least comm: no more than either rank's median comm, and
+    # the ranks (balanced) wait for each other far less than they transfer
+    assert comm["transfer_ms"] <= min(comm["comm_ms"].values())
+    assert max(comm["wait_ms"].values()) < comm["transfer_ms"] / 2
+    assert "COMPUTE_BOUND" not in _step_kinds(s)
+    assert not any(k.endswith("STRAGGLER") for k in _step_kinds(s))
+    check_consistent(p, "comm")

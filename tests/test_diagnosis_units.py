@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from consistency import check_consistent
 from rundata_factory import MIB, gpu_sample, rank, run_of, step, steps, system_sample
 
 from traceml.analysis import memory, thresholds
@@ -437,3 +438,53 @@ def test_step_time_alone_names_no_straggler_under_ddp():
         "STRAGGLER"
     ]
     assert _stragglers(profiles, node_of, 7.5, synchronized=True) == []
+
+
+# --- communication -------------------------------------------------------------------------------
+def test_a_step_held_by_the_collectives_transfer_is_comm_bound():
+    # both ranks spend 12 ms a step in the all-reduce itself; rank 0 arrives 3 ms early
+    ranks = [rank(r, steps(backward=5_000, comm=15_000 if r == 0 else 12_000)) for r in range(2)]
+    s = build_summary(run_of(ranks))
+    assert s["analysis"]["comm"] == {
+        "statistic": "median_per_step",
+        "steps": 35,
+        "transfer_ms": 12.0,
+        "comm_ms": {"0": 15.0, "1": 12.0},
+        "wait_ms": {"0": 3.0, "1": 0.0},
+    }
+    p = s["primary_diagnosis"]
+    assert (p["kind"], p["ranks"], p["impact_ms"]) == ("COMM_BOUND", [0, 1], 12.0)
+    # the typical step: 1 + 10 + 5 + 2 + 0.5 + 12 ms (the lower median across the ranks)
+    assert p["evidence"]["transfer_share_pct"] == round(100 * 12 / 30.5, 1)
+    assert p["evidence"]["per_rank_wait_ms"] == {"0": 3.0, "1": 0.0}
+    check_consistent(p, "comm_bound")
+    assert "COMPUTE_BOUND" not in kinds(s, "step_time")
+
+
+def test_waiting_for_a_straggler_in_the_all_reduce_is_waiting_not_transfer():
+    # rank 1 computes 25 ms more; rank 0 waits for it inside the all-reduce
+    ranks = [
+        rank(r, steps(forward=35_000 if r else 10_000, comm=1_000 if r else 26_000))
+        for r in range(2)
+    ]
+    s = build_summary(run_of(ranks))
+    assert s["analysis"]["comm"]["transfer_ms"] == 1.0
+    assert s["analysis"]["comm"]["wait_ms"] == {"0": 25.0, "1": 0.0}
+    p = s["primary_diagnosis"]
+    assert (p["kind"], p["ranks"]) == ("COMPUTE_STRAGGLER", [1])
+    assert "COMM_BOUND" not in kinds(s, "step_time")
+
+
+def test_comm_split_counts_only_the_steps_every_rank_measured():
+    # rank 1's first 15 steps come before its first collective (no comm measured)
+    late = steps(comm=4_000)
+    for s_ in late[:15]:
+        s_["comm_us"] = None
+    s = build_summary(run_of([rank(0, steps(comm=9_000)), rank(1, late)]))
+    # window steps 5-39: 25 of them (15-39) have comm on both ranks
+    assert s["analysis"]["comm"]["steps"] == 25
+    assert s["analysis"]["comm"]["wait_ms"] == {"0": 5.0, "1": 0.0}
+    # 4 ms of transfer in a ~37 ms step: no COMM_BOUND
+    assert "COMM_BOUND" not in [s["primary_diagnosis"]["kind"], *kinds(s, "step_time")]
+    no_comm = build_summary(run_of([rank(0, steps()), rank(1, steps())]))
+    assert no_comm["analysis"]["comm"] is None

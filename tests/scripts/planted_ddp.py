@@ -7,7 +7,10 @@ a stable compute part that CPU contention cannot blur. Then, by ``--scenario``:
 * ``input`` — the dataset sleeps ``--delay-ms`` per batch on every rank;
 * ``input_straggler`` — the dataset sleeps ``--delay-ms`` per batch on ``--slow-rank`` only;
 * ``compute_straggler`` — the forward sleeps ``--delay-ms`` more on ``--slow-rank`` only;
-* ``residual`` — every rank sleeps ``--delay-ms`` inside the step, outside every phase.
+* ``residual`` — every rank sleeps ``--delay-ms`` inside the step, outside every phase;
+* ``comm`` — the model holds COMM_PARAMS more parameters, each with a gradient every step (of
+  a cheap use in forward), so the gradient all-reduce moves 32 MiB a step (the communication
+  dominates the step).
 
 With ``--summary-out PATH``, at the end the other ranks shut TraceML down (their last steps
 delivered), every rank meets at a barrier, and rank 0 writes ``traceml.summary()`` there as
@@ -27,7 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 import traceml
 
 BASE_FORWARD_MS = 10.0
-SCENARIOS = ("balanced", "input", "input_straggler", "compute_straggler", "residual")
+SCENARIOS = ("balanced", "input", "input_straggler", "compute_straggler", "residual", "comm")
+#: The ``comm`` scenario's extra parameters (float32: 32 MiB of gradients a step).
+COMM_PARAMS = 8 * 1024 * 1024
 
 
 class Batches(Dataset):
@@ -47,13 +52,16 @@ class Batches(Dataset):
 
 
 class Model(nn.Module):
-    def __init__(self, sleep_s: float) -> None:
+    def __init__(self, sleep_s: float, extra_params: int = 0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
         self.sleep_s = sleep_s
+        self.extra = nn.Parameter(torch.zeros(extra_params)) if extra_params else None
 
     def forward(self, x):
         time.sleep(self.sleep_s)
+        if self.extra is not None:  # one element read: a whole (mostly zero) gradient, the
+            x = x + self.extra[0]  # last one backward makes, so its all-reduce is exposed
         return self.net(x)
 
 
@@ -82,7 +90,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     loader = DataLoader(Batches(args.steps, input_s), batch_size=None, shuffle=False)
-    model = DDP(Model(forward_s))
+    model = DDP(Model(forward_s, COMM_PARAMS if args.scenario == "comm" else 0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.MSELoss()
     for x, y in loader:

@@ -317,12 +317,26 @@ class Typical:
 
 
 @dataclass
+class CommSplit:
+    """``analysis.comm``: the ranks' ``comm`` phase split into the collectives' transfer and each
+    rank's wait for its peers (:mod:`traceml.analysis.comm`), medians per step, ms; ``null``
+    when no step of the window has ``comm`` on every rank."""
+
+    statistic: str
+    steps: Annotated[Count, Schema(description="window steps with comm on every rank")]
+    transfer_ms: Annotated[Ms, Schema(description="per step, the least comm of any rank")]
+    comm_ms: Annotated[dict[str, Ms], Schema(description="rank -> its comm per step")]
+    wait_ms: Annotated[dict[str, Ms], Schema(description="rank -> its comm minus the transfer")]
+
+
+@dataclass
 class Analysis:
     """``analysis``: how the figures were made."""
 
     clock: ClockInfo
     window: WindowInfo
     typical: Typical
+    comm: CommSplit | None
     throughput: JobThroughput
     thresholds: Annotated[dict[str, float], Keys(thresholds.as_dict())]
 

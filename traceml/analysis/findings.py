@@ -23,6 +23,7 @@ KINDS = {
         "H2D_BOUND",
         "COMPUTE_BOUND",
         "RESIDUAL_HEAVY",
+        "COMM_BOUND",
         "INPUT_STRAGGLER",
         "H2D_STRAGGLER",
         "COMPUTE_STRAGGLER",

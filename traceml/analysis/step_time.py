@@ -13,7 +13,8 @@ Candidates, each with the step time it costs every step (``impact_ms``):
   and the gap is what every rank waits per step.
 * job-wide bottlenecks (INPUT_BOUND, H2D_BOUND, RESIDUAL_HEAVY): the typical rank — the lower
   median across ranks, so one slow rank cannot make the job look bound — spends a large share
-  of its step there.
+  of its step there; COMM_BOUND (:mod:`traceml.analysis.comm`, a candidate the caller passes
+  in ``extra``): the collectives' transfer itself takes a large share of every step.
 
 The candidate with the largest impact is the primary diagnosis; the others are findings. With
 none, the run is COMPUTE_BOUND (``info``: nothing outside the model's compute holds it back).
@@ -441,7 +442,8 @@ def _compute_bound(profiles: dict[int, Profile], typ: Typical, step_ms: float) -
         "info",
         f"Compute dominates: forward, backward and optimizer take {compute_ms:.1f} ms per "
         f"step ({compute:.0f}% of the typical {step_ms:.1f} ms step; medians per step); no "
-        "input, transfer, residual or straggler bottleneck passed its threshold.",
+        "input, host-to-device, communication, residual or straggler bottleneck passed its "
+        "threshold.",
         "To go faster, make the compute faster: mixed precision (bf16 autocast), "
         "torch.compile, fused optimizers, a larger batch per device if memory allows; on "
         "GPUs check the utilization figures.",

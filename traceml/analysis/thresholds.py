@@ -27,6 +27,9 @@ H2D_BOUND_PCT = 15.0
 #: RESIDUAL_HEAVY: time inside the step outside every measured phase is at least this share
 #: of the typical rank's step (%).
 RESIDUAL_HEAVY_PCT = 25.0
+#: COMM_BOUND: the collectives' transfer (per step, the least time any rank spent in them:
+#: traceml/analysis/comm.py) is at least this share of the typical step.
+COMM_BOUND_PCT = 25.0
 
 # --- step time: stragglers ----------------------------------------------------------------------
 #: A rank straggles when its own time in one part of the step (input wait, H2D, forward +
