@@ -193,22 +193,32 @@ def test_a_sigterm_does_not_wait_for_a_starved_live_analysis(tmp_path):
         client = make_client(agg.target, "starved", [])
         for i in range(3):
             client.submit(STEPS, step(i))
-        assert client.close(finish(3))
+        assert client.flush(LOADED_CALL_S)
         aggregator.summarize(agg.target, "starved", LOADED_CALL_S)  # starts the process
+        client.submit(STEPS, step(3))  # so that the next Summarize computes anew
+        assert client.close(finish(4))
         (analysis,) = [
             child
             for child in psutil.Process(agg.process.pid).children()
             if "spawn_main" in " ".join(child.cmdline())  # not the resource tracker
         ]
         analysis.suspend()
+        outcome: list = []
+
+        def ask() -> None:  # waits on the stopped analysis process
+            try:
+                outcome.append(aggregator.summarize(agg.target, "starved", 60))
+            except grpc.RpcError as exc:
+                outcome.append(exc)
+
         try:
-            stuck = threading.Thread(
-                target=lambda: pytest.raises(
-                    grpc.RpcError, aggregator.summarize, agg.target, "starved", 60
-                ),
-                daemon=True,
-            )
+            stuck = threading.Thread(target=ask, daemon=True)
             stuck.start()
+            # a computation hangs on the stopped process: another call waits behind it (the
+            # asker's call has reached the server long before this one's deadline)
+            with pytest.raises(grpc.RpcError) as probe:
+                aggregator.summarize(agg.target, "starved", 1.0)
+            assert probe.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             started = time.monotonic()
             assert agg.stop(timeout_s=60) == 0
             stopped_s = time.monotonic() - started
@@ -218,8 +228,16 @@ def test_a_sigterm_does_not_wait_for_a_starved_live_analysis(tmp_path):
                 analysis.kill()
         stuck.join(60)
     assert stopped_s < 10, f"SIGTERM to exit took {stopped_s:.1f} s"
+    # the waiting call ended with the aggregator: cancelled by the server's stop (grpc.aio's
+    # words for it)
+    (answer,) = outcome
+    assert isinstance(answer, grpc.RpcError), answer
+    assert (answer.code(), answer.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "Cancelling all calls",
+    ), answer
     summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
-    assert {r["rank"]: r["steps_completed"] for r in summary["ranks"]} == {0: 3}
+    assert {r["rank"]: r["steps_completed"] for r in summary["ranks"]} == {0: 4}
 
 
 @pytest.mark.serial
