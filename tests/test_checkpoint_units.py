@@ -173,10 +173,15 @@ def test_seed_from_checkpoint_equals_full_replay(tmp_path, after):
     store.close()
 
 
-def test_a_checkpoint_cancelled_on_the_writer_thread_leaves_the_next_one_whole(tmp_path):
+@pytest.mark.parametrize("cancelled_in", ["the writer thread", "the copy"])
+def test_a_cancelled_checkpoint_leaves_the_next_one_whole(tmp_path, monkeypatch, cancelled_in):
     """A stop cancels the periodic checkpoint while its row is being written on the writer
-    thread, then writes one of its own: that one's copy of each rank is the newest, so that
-    the rows at or below its mark (which retention may delete) are in it, not only replayed."""
+    thread, or while it copies the ranks (it returns to the loop between two slices of ranks:
+    one rank a slice here), then writes one of its own: that one's copy of each rank is the
+    newest, so that the rows at or below its mark (which retention may delete) are in it, not
+    only replayed."""
+    if cancelled_in == "the copy":
+        monkeypatch.setattr(ckpt, "SNAPSHOT_SLICE_RANKS", 1)
     path = tmp_path / "telemetry.sqlite"
 
     async def feed() -> None:
@@ -191,7 +196,7 @@ def test_a_checkpoint_cancelled_on_the_writer_thread_leaves_the_next_one_whole(t
         gate = threading.Event()
         busy = asyncio.ensure_future(run.writer.call(gate.wait))  # the writer thread is busy
         periodic = asyncio.ensure_future(checkpointer.write())
-        await asyncio.sleep(0)  # its copies taken, its row waiting for the writer thread
+        await asyncio.sleep(0)  # its copies taken (or the first slice), its row not written
         periodic.cancel()
         at_stop = asyncio.ensure_future(checkpointer.write())
         await asyncio.sleep(0)  # copies taken before the cancelled one's row was written

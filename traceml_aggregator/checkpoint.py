@@ -290,7 +290,9 @@ class Checkpointer:
     async def _copy_ranks(self) -> tuple[int, dict[int, tuple[int, bytes]]]:
         """``(steps_from, ranks)`` of a new checkpoint from the live aggregates, on the loop."""
         steps_from = self.writer.steps_rowid_seen
-        ranks = dict(self._ranks)  # a new dict: the writer thread may be pickling the last
+        # A new dict (the writer thread may be pickling the last one), kept at once: a write
+        # cancelled while it yields below leaves _ranks and _copied agreeing.
+        ranks = self._ranks = dict(self._ranks)
         for i, (r, rl) in enumerate(list(self.live.ranks.items())):
             if i and not i % SNAPSHOT_SLICE_RANKS:
                 await asyncio.sleep(0)
@@ -299,7 +301,6 @@ class Checkpointer:
                 continue  # no step of it stored since: its copy and its mark still hold
             ranks[r] = (self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5))
             self._copied[r] = moved
-        self._ranks = ranks
         return steps_from, ranks
 
     async def write(self) -> None:
