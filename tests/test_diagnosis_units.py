@@ -488,3 +488,12 @@ def test_comm_split_counts_only_the_steps_every_rank_measured():
     assert "COMM_BOUND" not in [s["primary_diagnosis"]["kind"], *kinds(s, "step_time")]
     no_comm = build_summary(run_of([rank(0, steps()), rank(1, steps())]))
     assert no_comm["analysis"]["comm"] is None
+
+
+def test_one_rank_held_by_its_collectives_is_comm_bound_with_no_peer_to_wait_for():
+    s = build_summary(run_of([rank(0, steps(backward=3_000, comm=15_000))]))
+    assert s["analysis"]["comm"]["wait_ms"] == {"0": 0.0}
+    p = s["primary_diagnosis"]
+    assert (p["kind"], p["ranks"], p["impact_ms"]) == ("COMM_BOUND", [0], 15.0)
+    assert "peer" not in p["summary"]
+    check_consistent(p, "one rank")

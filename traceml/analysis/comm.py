@@ -16,7 +16,9 @@ durations are compared, never their clocks. With one rank the transfer is its ``
 
 COMM_BOUND: the median transfer is at least COMM_BOUND_PCT of the typical step: the
 communication itself holds every step back, not a slow peer (a peer's slowness is a straggler,
-and shows here as the others' wait).
+and shows here as the others' wait). Two limits: a medians-per-step figure misses a collective
+that runs only every few steps (it shows as spikes, if at all), and on NCCL ``comm`` ends when
+the work is enqueued (docs/telemetry.md), so the transfer is not seen there yet.
 """
 
 from __future__ import annotations
@@ -81,14 +83,16 @@ def bound(comm: CommSplit | None, step_ms: float | None) -> Finding | None:
         return None
     wait = max(comm.wait_ms.values())
     ranks = sorted(int(r) for r in comm.comm_ms)
+    waiting = (
+        f"; waiting for a slower peer adds at most {wait:.1f} ms on top" if len(ranks) > 1 else ""
+    )
     return Finding(
         COMM_BOUND,
         severity(comm.transfer_ms, step_ms),
         f"Communication holds every step: the collectives' transfer takes "
         f"{comm.transfer_ms:.1f} ms per step ({share:.0f}% of the typical {step_ms:.1f} ms "
         f"step; medians per step of the least time any rank spent in them), time the compute "
-        f"does not hide; waiting for a slower peer adds at most {wait:.1f} ms on top "
-        f"(threshold COMM_BOUND_PCT = {th.COMM_BOUND_PCT:g}%).",
+        f"does not hide{waiting} (threshold COMM_BOUND_PCT = {th.COMM_BOUND_PCT:g}%).",
         "Send less, less often, or hide it: overlap the gradient all-reduce with backward "
         "(DDP bucket_cap_mb: smaller buckets start sooner, gradient_as_bucket_view=True), "
         "all-reduce less often (no_sync() with gradient accumulation, a larger batch per "

@@ -21,8 +21,8 @@ none, the run is COMPUTE_BOUND (``info``: nothing outside the model's compute ho
 Too few steps or unmeasured phases give INSUFFICIENT_DATA naming what is missing.
 
 Each rule stands alone: the data rules are functions (:data:`INSUFFICIENT_RULES`), each
-straggler part and each bottleneck one row of its table (:data:`STRAGGLER_PARTS`,
-:data:`_BOUNDS`) that one function evaluates.
+straggler part and each typical-share bottleneck one row of its table (:data:`STRAGGLER_PARTS`,
+:data:`_BOUNDS`) that one function evaluates; COMM_BOUND comes in ``extra``.
 """
 
 from __future__ import annotations
@@ -442,8 +442,7 @@ def _compute_bound(profiles: dict[int, Profile], typ: Typical, step_ms: float) -
         "info",
         f"Compute dominates: forward, backward and optimizer take {compute_ms:.1f} ms per "
         f"step ({compute:.0f}% of the typical {step_ms:.1f} ms step; medians per step); no "
-        "input, host-to-device, communication, residual or straggler bottleneck passed its "
-        "threshold.",
+        "input, transfer, residual or straggler bottleneck passed its threshold.",
         "To go faster, make the compute faster: mixed precision (bf16 autocast), "
         "torch.compile, fused optimizers, a larger batch per device if memory allows; on "
         "GPUs check the utilization figures.",
