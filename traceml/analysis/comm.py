@@ -50,11 +50,9 @@ def split(profiles: Mapping[int, Profile]) -> CommSplit | None:
     ranks = sorted(profiles)
     if not ranks or any("comm" not in profiles[r].parts for r in ranks):
         return None
-    columns = [profiles[r].parts["comm"] for r in ranks]
-    if len({len(c) for c in columns}) != 1:
-        return None
     us = np.array(
-        [[np.nan if v is None else v for v in column] for column in columns], dtype=np.float64
+        [[np.nan if v is None else v for v in profiles[r].parts["comm"]] for r in ranks],
+        dtype=np.float64,
     ).reshape(len(ranks), -1)  # ranks x steps
     us = us[:, ~np.isnan(us).any(axis=0)]
     if not us.shape[1]:

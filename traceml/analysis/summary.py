@@ -382,8 +382,9 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
     outside_steps = outside.sections(window.steps, {r: rd.steps for r, rd in run.ranks.items()})
     extra = [outside.finding(outside_steps, len(window.indices))]
     extra += spikes.window_findings(clock, profs, len(window.indices))
+    typ = step_time.typical(profs)
     comm_split = comm.split(profs)
-    extra.append(comm.bound(comm_split, step_time.typical(profs).step_time_ms))
+    extra.append(comm.bound(comm_split, typ.step_time_ms))
     primary, step_findings = step_time.diagnose(
         window, clock, profs, node_of, synchronized=synchronized, extra=[f for f in extra if f]
     )
@@ -470,7 +471,7 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
         analysis=Analysis(
             clock=_clock_info(clock),
             window=_window_info(window),
-            typical=step_time.typical(profs),
+            typical=typ,
             comm=comm_split,
             throughput=throughput.job_throughput(work),
             thresholds=thresholds.as_dict(),
