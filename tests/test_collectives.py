@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -172,13 +173,17 @@ def test_comm_is_measured_on_every_step_from_the_first_collective_on(traced):
     batch = wire.Batch()
     add_steps(batch, fields)
     groups = [dict(zip(*step_group_columns(g), strict=True)) for g in batch.step_groups]
-    # step 0 (no input wait), steps 1-2 (no comm), steps 3-9 (comm, zeros included)
-    assert [list(g["step"]) for g in groups] == [[0], [1, 2], list(range(3, 10))]
-    assert [list(g.get("comm_us", [])) for g in groups] == [
-        [],
-        [],
-        [f["comm_us"] for f in fields[3:]],
-    ]
+    # step 0 (no input wait), steps 1-2 (no comm), then the steps with comm (zeros included)
+    # in two groups: those that waited in a collective (3, 7: with the arrival) and the rest
+    assert [list(g["step"]) for g in groups] == [[0], [1, 2], [3, 7], [4, 5, 6, 8, 9]]
+    by_step = {s: c for g in groups for s, c in zip(g["step"], g.get("comm_us", ()))}
+    assert by_step == {i: fields[i]["comm_us"] for i in range(3, 10)}
+    assert [list(g.get("arrive_seq", [])) for g in groups] == [[], [], [1, 2], []]
+    assert list(groups[2]["arrive_group"]) == [zlib.crc32(b"default")] * 2
+    # the arrival is the all-reduce's entry: inside its step, before the step's end
+    for i in (3, 7):
+        assert fields[i]["end_us"] - fields[i]["step_us"] <= fields[i]["arrive_us"]
+        assert fields[i]["arrive_us"] <= fields[i]["end_us"] - fields[i]["comm_us"]
 
 
 def test_an_async_collective_starts_comm_at_zero(traced):

@@ -478,6 +478,7 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
 SCHEMA_DIGESTS = {
     3: "f625c03b0316c2c8b3faa156c39ab22ea68f1021e006e27c852e38165cc455c4",
     4: "91cd9e213155ef8ee6cee85be8cfaaa2e4ad169ebc0deb62e80d8a58cc9e2df6",  # comm_us
+    5: "890da51ec89d2b00351788977fdedf3139705140a7f7f6806b022f1b45d0bc5c",  # arrive_*
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 from rundata_factory import rank, rich_run, run_of, steps
 
 from traceml.analysis import thresholds
-from traceml.analysis.findings import KINDS
+from traceml.analysis.findings import KINDS, PRIMARY_KINDS
 from traceml.analysis.summary import SCHEMA_VERSION, build_summary
 
 SCHEMA = json.loads(
@@ -25,8 +25,8 @@ def test_schema_is_valid_and_matches_the_code():
     props = SCHEMA["properties"]
     assert props["schema_version"]["const"] == SCHEMA_VERSION
     assert props["primary_diagnosis"]["allOf"][1]["properties"]["kind"]["enum"] == list(
-        KINDS["step_time"]
-    ) + ["RANK_HUNG"]
+        PRIMARY_KINDS
+    )
     for section, kinds in KINDS.items():
         item = props["findings"]["properties"][section]["items"]
         assert item["allOf"][1]["properties"]["kind"]["enum"] == list(kinds)

@@ -90,6 +90,7 @@ class Kind:
 POSITIVE = Kind(float, "a finite number > 0", lambda value: math.isfinite(value) and value > 0)
 COUNT = Kind(int, "an integer >= 1", lambda value: value >= 1)
 NON_NEGATIVE = Kind(int, "an integer >= 0", lambda value: value >= 0)
+INTEGER = Kind(int, "an integer", lambda value: True)
 PORT = Kind(int, "a TCP port, 1-65535", lambda value: 0 < value < 65536)
 BOOL = Kind(bool)
 TEXT = Kind(str)
@@ -538,6 +539,18 @@ NODE_LOST_AFTER_SEC = Setting(
     kind=POSITIVE,
     unit="s",
     readers=(_A,),
+)
+
+#: For tests only: shifts the wall clock a launcher, its ranks and its node sampler stamp on the
+#: wire (traceml/core/clock.py), to play a node whose clock is off; node 0 estimates the shift
+#: (docs/telemetry.md, "Clocks").
+TEST_CLOCK_OFFSET_MS = Setting(
+    "TRACEML_TEST_CLOCK_OFFSET_MS",
+    "0",
+    "Test builds: add this to the wall clock this node's launcher and ranks send, ms.",
+    kind=INTEGER,
+    unit="ms",
+    readers=(_L, _R),
 )
 
 # --- SDK -------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from traceml.core.phases import STEP_FIELDS
 from traceml_aggregator.script_world import SCRIPT_WORLD_META_KEY
 from traceml_aggregator.store import (
     LOSS_META_KEY,
+    NODE_CLOCKS_META_KEY,
     NODE_LOSSES_META_KEY,
     REJECTED_META_KEY,
     REJECTED_REASONS_META_KEY,
@@ -50,6 +51,7 @@ META_RECORDS: dict[str, tuple[str, str, type[records.MetaRecord] | None]] = {
     "aggregator_restarts": (RESTARTS_META_KEY, "[]", records.AggregatorRestart),
     "aggregator_loss": (LOSS_META_KEY, "null", records.AggregatorLoss),
     "node_losses": (NODE_LOSSES_META_KEY, "[]", records.LostNode),
+    "node_clocks": (NODE_CLOCKS_META_KEY, "[]", records.NodeClock),
     "rejected": (REJECTED_META_KEY, "{}", None),
     "rejected_reasons": (REJECTED_REASONS_META_KEY, "{}", None),
     "script_world": (SCRIPT_WORLD_META_KEY, "null", records.ScriptWorld),

@@ -55,6 +55,7 @@ from traceml_aggregator.senders import BATCH_ONLY, Rejections, check_batch
 from traceml_aggregator.sessions import NodeSessions
 from traceml_aggregator.store import (
     LOSS_META_KEY,
+    NODE_CLOCKS_META_KEY,
     NODE_LOSSES_META_KEY,
     REJECTED_META_KEY,
     REJECTED_REASONS_META_KEY,
@@ -230,9 +231,11 @@ class AggregatorService(wire.AggregatorServicer):
             store_exit=self._store_node_exit,
             finalize=self._finalize,
             persist_losses=self._persist_losses,
+            persist_clocks=self._persist_clocks,
             foreign=self._foreign,
             refuse=rejections.refuse,
             losses=json.loads(store.meta().get(NODE_LOSSES_META_KEY) or "[]"),
+            clocks=json.loads(store.meta().get(NODE_CLOCKS_META_KEY) or "[]"),
         )
         if config.restart_reason and config.nnodes:  # the nodes that were in the run go on
             self.sessions.expect(set(range(config.nnodes)) - state.exited_nodes.keys())
@@ -354,6 +357,9 @@ class AggregatorService(wire.AggregatorServicer):
 
     async def _persist_losses(self, losses: list[dict]) -> None:
         await self.writer.call(self.writer.store.set_meta, NODE_LOSSES_META_KEY, json.dumps(losses))
+
+    async def _persist_clocks(self, clocks: list[dict]) -> None:
+        await self.writer.call(self.writer.store.set_meta, NODE_CLOCKS_META_KEY, json.dumps(clocks))
 
     async def ReportNodeExit(self, request, context):
         reason = await self._store_node_exit(request)
@@ -557,6 +563,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     live.run_records = lambda: {
         "stall": hangs.record,
         "node_losses": list(service.sessions.losses),
+        "node_clocks": [service.sessions.clocks[n] for n in sorted(service.sessions.clocks)],
         "rejected": dict(rejections.counts),
         "rejected_reasons": dict(rejections.reasons),
         "aggregator_restarts": list(restarts),

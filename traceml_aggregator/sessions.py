@@ -35,7 +35,7 @@ import grpc
 
 from traceml import wire
 from traceml.core import log
-from traceml.core.records import LostNode
+from traceml.core.records import LostNode, NodeClock
 from traceml.core.transport import NODE_LOST_AFTER_S
 from traceml_aggregator.nodes import NodeRegistry
 
@@ -43,6 +43,20 @@ _log = log.get("aggregator")
 
 #: How often the aggregator looks for lost nodes, s.
 LOST_CHECK_S = 1.0
+
+
+def clock_news(stored: dict | None, estimate: dict) -> bool:
+    """Whether a node's new clock ``estimate`` is worth a store write over ``stored`` (both
+    NodeClock JSON): the first one, one with less than half the bound, or one that the stored
+    one does not agree with (the clock moved: the two intervals do not overlap). A launcher
+    resends its best estimate every heartbeat, so most are not news."""
+    if stored is None:
+        return True
+    apart = abs(estimate["offset_us"] - stored["offset_us"])
+    return (
+        2 * estimate["error_us"] < stored["error_us"]
+        or apart > estimate["error_us"] + stored["error_us"]
+    )
 
 
 class _Refused(Exception):
@@ -81,9 +95,12 @@ class NodeSessions:
         store_exit: ``async fn(NodeExit) -> str``: stores a node's exit; the refusal, or "".
         finalize: ``async fn(FinalizeRequest) -> FinalizeReply``.
         persist_losses: ``async fn(list[dict])``: stores every loss record so far.
+        persist_clocks: ``async fn(list[dict])``: stores every node's clock offset so far
+            (:class:`~traceml.core.records.NodeClock` records, by node rank).
         foreign: ``fn(run_name) -> str``: why a run name is not this run's ("" when it is).
         refuse: ``fn(kind, detail) -> detail``: counts a refused claim or session message.
         losses: loss records an earlier aggregator of this run stored.
+        clocks: the clock offsets an earlier aggregator of this run stored.
         lost_after_s: see :data:`~traceml.core.transport.NODE_LOST_AFTER_S`.
     """
 
@@ -94,15 +111,18 @@ class NodeSessions:
         store_exit,
         finalize,
         persist_losses,
+        persist_clocks,
         foreign,
         refuse,
         losses: list[dict] | None = None,
+        clocks: list[dict] | None = None,
         lost_after_s: float = NODE_LOST_AFTER_S,
     ) -> None:
         self.registry = registry
         self._store_exit = store_exit
         self._finalize = finalize
         self._persist = persist_losses
+        self._persist_clocks = persist_clocks
         self._foreign = foreign
         self._refuse = refuse
         self.lost_after_s = lost_after_s
@@ -110,6 +130,8 @@ class NodeSessions:
         #: "lost_unix_s", "resumed_unix_s" (None while lost), "lost_after_s"}``.
         self.losses: list[dict] = list(losses or [])
         self.nodes: dict[int, _Node] = {}
+        #: Each node's clock offset as stored (a NodeClock record's JSON), by node rank.
+        self.clocks: dict[int, dict] = {c["node_rank"]: c for c in clocks or []}
         #: The latest published NodeDown of each kind (``stall``, ``partial_summary``), for
         #: the sessions that open later.
         self._published: dict[str, wire.NodeDown] = {}
@@ -196,11 +218,14 @@ class NodeSessions:
         """
         while True:
             up = await context.read()
+            received_ns = time.time_ns()  # t1 of a heartbeat's clock exchange
             if up is grpc.aio.EOF:
                 return
             self._heard(session.node_rank)
             kind = up.WhichOneof("kind")
-            if kind == "goodbye":
+            if kind == "heartbeat":
+                await self._clock_exchange(session, up.heartbeat, received_ns)
+            elif kind == "goodbye":
                 session.goodbye = True
             elif kind == "exit":
                 if up.exit.node_rank != session.node_rank:  # a node reports its own exit only
@@ -219,6 +244,31 @@ class NodeSessions:
                 if session.finalizing is not None:
                     session.finalizing.cancel()  # the launcher asks again: now, with less
                 session.finalizing = asyncio.ensure_future(self._finalize_and_push(up.finalize))
+
+    async def _clock_exchange(self, session: _Session, heartbeat, received_ns: int) -> None:
+        """Answer ``heartbeat``'s clock exchange at once, and keep the estimate it carries
+        (stored when :func:`clock_news` says it is news)."""
+        if heartbeat.sent_unix_ns:
+            session.outbox.put_nowait(
+                wire.NodeDown(
+                    clock=wire.ClockEcho(
+                        sent_unix_ns=heartbeat.sent_unix_ns,
+                        received_unix_ns=received_ns,
+                        answered_unix_ns=time.time_ns(),
+                    )
+                )
+            )
+        if not heartbeat.HasField("clock"):
+            return
+        estimate = NodeClock(
+            node_rank=session.node_rank,
+            offset_us=heartbeat.clock.offset_us,
+            error_us=heartbeat.clock.error_us,
+            measured_unix_s=round(time.time(), 3),
+        ).to_json()
+        if clock_news(self.clocks.get(session.node_rank), estimate):
+            self.clocks[session.node_rank] = estimate
+            await self._persist_clocks([self.clocks[n] for n in sorted(self.clocks)])
 
     async def _finalize_and_push(self, request) -> None:
         reply = await self._finalize(request)

@@ -54,7 +54,7 @@ from traceml.core.rundir import DATABASE_NAME
 from traceml.wire.records import add_steps
 
 #: Version of the table layout below; stored in ``meta``.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: ``meta`` key of the aggregator's refused calls by kind (a JSON object), written before the
 #: reports (see traceml_aggregator/senders.py).
 REJECTED_META_KEY = "rejected"
@@ -96,6 +96,10 @@ LOSS_META_KEY = "aggregator_loss"
 #: ``meta`` key of the nodes the aggregator lost: a JSON list, one entry per loss (see
 #: :class:`traceml_aggregator.sessions.NodeSessions`).
 NODE_LOSSES_META_KEY = "node_losses"
+#: ``meta`` key of each node's clock offset from node 0's: a JSON list of
+#: :class:`traceml.core.records.NodeClock`, by node rank (see
+#: :class:`traceml_aggregator.sessions.NodeSessions`).
+NODE_CLOCKS_META_KEY = "node_clocks"
 
 
 #: Largest integer the store takes (SQLite's INTEGER is signed 64-bit). The wire's integers

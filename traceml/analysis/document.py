@@ -330,6 +330,39 @@ class CommSplit:
 
 
 @dataclass
+class ArrivalSkew:
+    """``analysis.skew``: who arrives last at the ranks' collectives (:mod:`traceml.analysis.
+    skew`), from each step's arrival (its last collective waited in) on node 0's clock;
+    ``null`` when fewer than two window ranks sent arrivals at the same collectives."""
+
+    statistic: str
+    collectives: Annotated[Count, Schema(description="collectives compared: one per step")]
+    mismatched: Annotated[
+        Count, Schema(description="window steps whose ranks were at different collectives")
+    ]
+    last_pct: Annotated[
+        dict[str, float], Schema(description="rank -> share of the collectives it arrived last, %")
+    ]
+    late_ms: Annotated[
+        dict[str, Ms],
+        Schema(description="rank -> median lateness after the median rank when it arrived last"),
+    ]
+    wait_ms: Annotated[
+        dict[str, Ms], Schema(description="rank -> median wait for the last arrival")
+    ]
+    clock_offsets_ms: Annotated[
+        dict[str, Ms], Schema(description="node -> its clock's offset from node 0's")
+    ]
+    clock_error_ms: Annotated[
+        MaybeMs,
+        Schema(
+            description="largest error bound of the compared nodes' offsets (0: one node; "
+            "null: a node sent none)"
+        ),
+    ]
+
+
+@dataclass
 class Analysis:
     """``analysis``: how the figures were made."""
 
@@ -337,6 +370,7 @@ class Analysis:
     window: WindowInfo
     typical: Typical
     comm: CommSplit | None
+    skew: ArrivalSkew | None
     throughput: JobThroughput
     thresholds: Annotated[dict[str, float], Keys(thresholds.as_dict())]
 

@@ -29,6 +29,7 @@ KINDS = {
         "COMPUTE_STRAGGLER",
         "STRAGGLER",
         "NODE_STRAGGLER",
+        "LATE_ARRIVAL",
         "OUTSIDE_STEP_TIME",
         "STEP_SPIKES",
         "SLOWDOWN",
@@ -64,9 +65,10 @@ KINDS = {
     ),
 }
 
-#: The possible primary diagnoses: the step-time kinds, and RANK_HUNG when a hang lost more
+#: The possible primary diagnoses: the step-time kinds but LATE_ARRIVAL (it names who makes the
+#: others wait, not why; :mod:`traceml.analysis.skew`), and RANK_HUNG when a hang lost more
 #: wall time than the step-time verdict costs over the run (:func:`~.health.hang_first`).
-PRIMARY_KINDS = KINDS["step_time"] + ("RANK_HUNG",)
+PRIMARY_KINDS = tuple(k for k in KINDS["step_time"] if k != "LATE_ARRIVAL") + ("RANK_HUNG",)
 
 #: ``evidence.statistic`` of a step-time finding: its headline figure, its percentage and its
 #: evidence are all medians per step (the percentage is one median over another) ...

@@ -27,6 +27,7 @@ from traceml.core.records import (
     HangRecord,
     Identity,
     LostNode,
+    NodeClock,
     NodeExit,
     RankEnd,
     ScriptWorld,
@@ -317,6 +318,9 @@ class RunData:
     #: Nodes the aggregator lost (a launcher's session stream broke and did not come back in
     #: time; see traceml_aggregator/sessions.py), in order.
     node_losses: list[LostNode] = field(default_factory=list)
+    #: Each node's clock offset from node 0's, as its launcher estimated it (by node rank);
+    #: empty when no launcher sent one (ranks without a launcher, an older launcher).
+    node_clocks: list[NodeClock] = field(default_factory=list)
     #: Calls the aggregator refused, by kind (``unauthenticated``, ``rank_out_of_range``, ...:
     #: see traceml_aggregator/senders.py); empty when none was.
     rejected: dict[str, int] = field(default_factory=dict)

@@ -24,6 +24,7 @@ from traceml.analysis import (
     onset,
     outside,
     segments,
+    skew,
     spikes,
     step_time,
     system,
@@ -392,6 +393,12 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
         primary, step_findings = _onsets_and_costs(
             run, window, clock, profs, in_step, primary, step_findings, synchronized
         )
+    arrival_skew, last_rank = skew.skew(run, window, node_of)
+    late = skew.late_arrival(
+        arrival_skew, last_rank, typ.step_time_ms, run.world_size, window.steps_per_index
+    )
+    if late is not None:  # never the primary diagnosis: it names who, the phases say why
+        step_findings.append(late)
     scores = cost.relative_scores(profs)
     work = {r: throughput.rank_throughput(run.ranks[r], steps) for r, steps in window.steps.items()}
     span = system.window_span_us(run, window)
@@ -473,6 +480,7 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
             window=_window_info(window),
             typical=typ,
             comm=comm_split,
+            skew=arrival_skew,
             throughput=throughput.job_throughput(work),
             thresholds=thresholds.as_dict(),
         ),

@@ -40,6 +40,12 @@ STRAGGLER_GAP_PCT = 10.0
 #: is not a straggler).
 STRAGGLER_MIN_GAP_MS = 1.0
 
+#: LATE_ARRIVAL: a rank arrives last at at least this share of the collectives compared
+#: (traceml/analysis/skew.py) (%), later than the median rank by the straggler floor above
+#: (STRAGGLER_GAP_PCT of the typical step and STRAGGLER_MIN_GAP_MS) and by more than twice
+#: the largest clock error bound of the nodes compared.
+LATE_ARRIVAL_PCT = 50.0
+
 # --- time outside the steps ---------------------------------------------------------------------
 #: OUTSIDE_STEP_TIME: the ranks spend at least this share of their wall time between steps,
 #: not waiting for the DataLoader (evaluation, checkpoints, logging between steps) (%).

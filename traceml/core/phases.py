@@ -13,9 +13,9 @@ analysis (:mod:`traceml.analysis.phases`), the reports and the live view.
 The step fields and their order. :data:`STEP_FIELDS` lists every field of a step in one
 canonical order: :data:`STEP_REQUIRED_FIELDS`, the phases' CPU-clock fields in table order,
 :data:`GPU_STEP_FIELD`, the phases' GPU-clock fields in table order, then
-:data:`MEMORY_FIELDS` and :data:`WORKLOAD_FIELDS`. It is the order of the fields in
-``StepColumns`` and of the store's ``steps`` columns; within each clock the phases' field
-numbers increase in table order.
+:data:`MEMORY_FIELDS`, :data:`WORKLOAD_FIELDS` and :data:`ARRIVAL_FIELDS`. It is the order of
+the fields in ``StepColumns`` and of the store's ``steps`` columns; within each clock the
+phases' field numbers increase in table order.
 ``tests/test_phase_table.py`` checks all of that against the generated descriptor and the
 .proto file.
 
@@ -122,6 +122,12 @@ MEMORY_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes")
 #: Work done by the step (:mod:`traceml.sdk.workload`): samples and token ids of its DataLoader
 #: batches (counts), its model FLOPs (present once the rank counted them).
 WORKLOAD_FIELDS = ("samples", "tokens", "flops")
+#: The step's arrival at a collective (:mod:`traceml.sdk.collectives`): of the collectives the
+#: step waited in (those its ``comm`` counts), the last one the rank entered: its entry (µs
+#: since the rank's start, as ``end_us``), its process group (the CRC-32 of the group's name)
+#: and its sequence number in that group. Node 0 aligns them across ranks
+#: (:mod:`traceml.analysis.skew`); present on the steps that waited in a collective.
+ARRIVAL_FIELDS = ("arrive_us", "arrive_group", "arrive_seq")
 
 #: Fields a step may lack (not measured), in the canonical order.
 STEP_OPTIONAL_FIELDS = (
@@ -130,6 +136,7 @@ STEP_OPTIONAL_FIELDS = (
     + tuple(p.gpu_field for p in GPU_PHASES if p.gpu_field)  # all of them (GPU_PHASES)
     + MEMORY_FIELDS
     + WORKLOAD_FIELDS
+    + ARRIVAL_FIELDS
 )
 #: Every field of a step, in the canonical order (that of ``StepColumns``).
 STEP_FIELDS = STEP_REQUIRED_FIELDS + STEP_OPTIONAL_FIELDS

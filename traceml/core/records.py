@@ -791,6 +791,26 @@ class LostNode(MetaRecord):
 
 
 @dataclass(frozen=True, slots=True)
+class NodeClock(MetaRecord):
+    """A node's clock offset from node 0's aggregator, as its launcher estimated it over its
+    session (:mod:`traceml.core.clock`; meta key ``node_clocks``: a JSON list of these, one per
+    node, by node rank; written by ``traceml_aggregator/sessions.py``).
+
+    Attributes:
+        node_rank: the node.
+        offset_us: node 0's clock minus the node's, µs: add it to the node's wall times (a
+            rank's ``start_unix_us`` and what is measured from it) to read them on node 0's.
+        error_us: the estimate's bound: the true offset is within ``offset_us ± error_us``.
+        measured_unix_s: when the aggregator took this estimate (Unix s, its clock).
+    """
+
+    node_rank: int
+    offset_us: int
+    error_us: int
+    measured_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class StreamEnd(MetaRecord):
     """How one sender's latest stream to the aggregator ended (meta key ``sender_streams``: a
     JSON list of these, ranks first; written by ``traceml_aggregator/streams.py``).

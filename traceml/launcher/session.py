@@ -9,7 +9,9 @@ another node's claim is refused (:attr:`NodeSession.run_failure`: pushed, never 
 exit's acknowledgement, the finalization result, and what the aggregator publishes while the
 run goes on: the stall record as it changes (:attr:`NodeSession.hang_record`) and the watchdog's
 partial summary (:attr:`NodeSession.partial_summary`), the latest of each again on every
-resumed session. It is the launcher's one channel from the aggregator: no file of the
+resumed session; and each heartbeat's clock exchange, from which the launcher estimates its
+clock's offset from node 0's and sends it with the next heartbeat (:mod:`traceml.core.clock`).
+It is the launcher's one channel from the aggregator: no file of the
 aggregator's is polled. The aggregator's side, and how it tells a lost node from one that
 ended: ``traceml_aggregator/sessions.py``.
 
@@ -31,7 +33,7 @@ import queue
 import threading
 import time
 
-from traceml.core import log
+from traceml.core import clock, log
 from traceml.core.backoff import Backoff
 from traceml.core.transport import (
     FINALIZE_SLACK_S,
@@ -93,6 +95,8 @@ class NodeSession:
         self.breaks = 0
         #: Sessions opened (the first one, and each resumed one).
         self.opened = 0
+        #: This node's clock offset from node 0's, from the heartbeats' exchanges.
+        self.clock = clock.OffsetEstimator()
         self._exit = None
         self._exit_stored = False
         self._finalize_request = None
@@ -186,12 +190,17 @@ class NodeSession:
         from traceml import wire
 
         yield self._up(claim=self._claim)
-        heartbeat = self._up(heartbeat=wire.NodeHeartbeat())
         while not attempt.done.is_set():
             try:
                 message = attempt.outbox.get(timeout=NODE_HEARTBEAT_INTERVAL_S)
             except queue.Empty:
-                message = heartbeat
+                best = self.clock.best()
+                message = self._up(
+                    heartbeat=wire.NodeHeartbeat(
+                        clock=None if best is None else wire.ClockOffset(**vars(best)),
+                        sent_unix_ns=clock.unix_ns(),  # t0, last: as close to the send as can be
+                    )
+                )
             if message is _CLOSE:
                 return
             yield message
@@ -262,6 +271,7 @@ class NodeSession:
 
     def _take(self, down) -> bool:
         """Act on one message from the aggregator; False when the session is over."""
+        received_ns = clock.unix_ns()  # t3 of a clock exchange
         kind = down.WhichOneof("kind")
         with self._cond:
             if kind == "claim":
@@ -279,5 +289,10 @@ class NodeSession:
                 self.hang_record = down.stall.record_json
             elif kind == "partial_summary":
                 self.partial_summary = down.partial_summary
+            elif kind == "clock":
+                echo = down.clock
+                self.clock.add(
+                    echo.sent_unix_ns, echo.received_unix_ns, echo.answered_unix_ns, received_ns
+                )
             self._cond.notify_all()
         return kind != "claim" or down.claim.accepted

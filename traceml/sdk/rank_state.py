@@ -15,7 +15,7 @@ import threading
 import time
 
 from traceml import settings
-from traceml.core import orphans
+from traceml.core import clock, orphans
 from traceml.sdk import client as client_mod
 from traceml.sdk import sigterm, workload
 from traceml.sdk.failopen import fail_open, warn
@@ -38,7 +38,7 @@ class RankState:
         self.info = info
         self.run_name = run_name
         self.target = target
-        self.start_unix_us = time.time_ns() // 1000
+        self.start_unix_us = clock.unix_ns() // 1000
         self.parallelism = "single"
         self.backend = ""  # process-group backend ("gloo", "nccl"), "" before one is seen
         self._exception: BaseException | None = None

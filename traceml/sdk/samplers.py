@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from traceml import settings
+from traceml.core import clock
 from traceml.core.threads import name_os_thread
 from traceml.sdk import client as client_mod
 from traceml.sdk.failopen import warn
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
 
 def _now_us() -> int:
-    return time.time_ns() // 1000
+    return clock.unix_ns() // 1000
 
 
 class Workers:

@@ -27,6 +27,7 @@ import sysconfig
 import threading
 import time
 
+from traceml.core import clock
 from traceml.sdk.failopen import warn_once
 
 #: Share of the hang timeout a rank's step stays open (since its last step ended) before its
@@ -106,7 +107,7 @@ class StallDetail:
             recorder = self.tracer.comm
             ev = recorder.inside() if recorder is not None else None
             if ev is not None:
-                entered_us = time.time_ns() // 1000 - (now - ev.entry_ns) // 1000
+                entered_us = clock.unix_ns() // 1000 - (now - ev.entry_ns) // 1000
                 progress.inside.op, progress.inside.group = ev.op, ev.group
                 progress.inside.seq, progress.inside.entered_unix_us = ev.seq, entered_us
         except Exception as exc:  # fail-open: the collective is not reported

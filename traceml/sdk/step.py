@@ -75,6 +75,7 @@ class StepMeasurement:
         "samples",
         "tokens",
         "flops",
+        "arrival",
         "origin_ns",
     )
 
@@ -84,6 +85,9 @@ class StepMeasurement:
         self.peak_reserved_bytes = None
         self.samples = self.tokens = self.flops = None
         self.comm_ns = None
+        #: ``(entry perf_counter_ns, group CRC-32, seq)`` of the last collective the step
+        #: waited in (:meth:`traceml.sdk.collectives.Recorder.close_step`), else None.
+        self.arrival = None
 
     def ready(self) -> bool:
         """True when no GPU timing is pending."""
@@ -128,6 +132,11 @@ class StepMeasurement:
             fields["tokens"] = self.tokens
         if self.flops is not None:
             fields["flops"] = self.flops
+        if self.arrival is not None:
+            entry_ns, group, seq = self.arrival
+            fields["arrive_us"] = max(0, entry_ns - self.origin_ns) // 1000
+            fields["arrive_group"] = group
+            fields["arrive_seq"] = seq
         return fields
 
 

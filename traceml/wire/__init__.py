@@ -12,6 +12,8 @@ from traceml.wire.v1.samples_pb2 import GpuSample, ProcessSample, SystemSample
 from traceml.wire.v1.service_pb2 import (
     Ack,
     Batch,
+    ClockEcho,
+    ClockOffset,
     FinalizeReply,
     FinalizeRequest,
     LiveRank,
@@ -44,6 +46,8 @@ __all__ = [
     "AggregatorServicer",
     "AggregatorStub",
     "Batch",
+    "ClockEcho",
+    "ClockOffset",
     "CollectiveState",
     "EndState",
     "FinalizeReply",

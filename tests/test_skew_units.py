@@ -1,0 +1,147 @@
+"""Arrival skew (traceml/analysis/skew.py) and the clock offset it reads arrivals with
+(traceml/core/clock.py), on hand-built runs and hand-made exchanges: exact values."""
+
+from __future__ import annotations
+
+import pytest
+from consistency import check_consistent
+from rundata_factory import identity, rank, run_of, steps
+
+from traceml.analysis.summary import build_summary
+from traceml.core import clock
+from traceml.core.records import NodeClock
+from traceml_aggregator.sessions import clock_news
+
+#: Node 1's clock reads this much more than node 0's at the same instant, µs.
+AHEAD_US = 250_000
+#: Rank 2 enters each step's collective this much after the others, µs.
+LATE_US = 30_000
+
+
+def _run(late_rank=2, clocks=None, seq_of=None, nodes=(0, 0, 1, 1)):
+    """4 ranks, ranks 2 and 3 on node 1 (its clock AHEAD_US ahead), 40 steps whose collective
+    (the default group's, seq = step + 1 unless ``seq_of(rank, step)`` says otherwise) every
+    rank enters 20 ms into the step, ``late_rank`` LATE_US later."""
+    ranks = []
+    for r, node in enumerate(nodes):
+        rows = steps()
+        for s in rows:
+            i = s["step"]
+            s["arrive_us"] = i * 33_500 + 20_000 + (LATE_US if r == late_rank else 0)
+            s["arrive_group"] = 7
+            s["arrive_seq"] = i + 1 if seq_of is None else seq_of(r, i)
+        rd = rank(r, rows, node=node)
+        rd.identity = identity(r, node=node, start_unix_us=1_000_000 + AHEAD_US * node)
+        ranks.append(rd)
+    run = run_of(ranks, exits={0: {}, 1: {}})
+    run.node_clocks = list(clocks or [])
+    return run
+
+
+CLOCKS = [NodeClock(0, 0, 40, 1.0), NodeClock(1, -AHEAD_US, 100, 1.0)]
+
+
+def test_the_late_rank_is_named_on_node_0s_clock():
+    s = build_summary(_run(clocks=CLOCKS))
+    assert s["analysis"]["skew"] == {
+        "statistic": "median_per_step",
+        "collectives": 35,
+        "mismatched": 0,
+        "last_pct": {"0": 0.0, "1": 0.0, "2": 100.0, "3": 0.0},
+        "late_ms": {"2": 30.0},
+        "wait_ms": {"0": 30.0, "1": 30.0, "2": 0.0, "3": 30.0},
+        "clock_offsets_ms": {"0": 0.0, "1": -250.0},
+        "clock_error_ms": 0.1,
+    }
+    (f,) = [f for f in s["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"]
+    assert f["ranks"] == [2] and f["severity"] == "critical"
+    ev = f["evidence"]
+    assert (ev["last_pct"], ev["late_ms"], ev["others_wait_ms"]) == (100.0, 30.0, 30.0)
+    assert (ev["collectives"], ev["cost_steps"], ev["clock_error_ms"]) == (35, 35, 0.1)
+    assert ev["gpu_hours"] == round(35 * 3 * LATE_US / 3.6e9, 6)
+    assert f["impact_ms"] == 30.0
+    assert f["summary"].startswith(
+        "Rank 2 arrived last at 100% of the 35 collectives compared (each step's last one), "
+        "30.0 ms after the median rank; the other 3 ranks waited 30.0 ms a step"
+    )
+    assert "within ±0.1 ms" in f["summary"]
+    assert s["primary_diagnosis"]["kind"] != "LATE_ARRIVAL"
+    check_consistent(f, "late_arrival")
+
+
+def test_without_the_offsets_two_nodes_clocks_name_nobody():
+    """Node 1's clock is 250 ms ahead: read as sent, both its ranks look 250 ms late. Without
+    its offset the figures are given and clock_error_ms is null, and no finding is made."""
+    s = build_summary(_run(clocks=[NodeClock(0, 0, 40, 1.0)]))
+    skew = s["analysis"]["skew"]
+    assert skew["clock_error_ms"] is None and skew["clock_offsets_ms"] == {"0": 0.0}
+    # ranks 0, 1 at 0 ms, 3 at 250, 2 at 280: 280 - 125 (the median of four, between 0 and 250)
+    assert skew["late_ms"] == {"2": 155.0}
+    assert "LATE_ARRIVAL" not in [f["kind"] for f in s["findings"]["step_time"]]
+
+
+def test_a_lateness_the_clocks_cannot_vouch_for_is_not_reported():
+    loose = [NodeClock(0, 0, 40, 1.0), NodeClock(1, -AHEAD_US, 15_000, 1.0)]  # ±15 ms
+    s = build_summary(_run(clocks=loose))
+    assert s["analysis"]["skew"]["clock_error_ms"] == 15.0
+    assert s["analysis"]["skew"]["late_ms"] == {"2": 30.0}
+    assert "LATE_ARRIVAL" not in [f["kind"] for f in s["findings"]["step_time"]]
+
+
+def test_one_node_needs_no_offset():
+    s = build_summary(_run(nodes=(0, 0, 0, 0)))
+    assert s["analysis"]["skew"]["clock_error_ms"] == 0.0
+    assert s["analysis"]["skew"]["clock_offsets_ms"] == {}
+    assert [f["ranks"] for f in s["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"] == [[2]]
+
+
+def test_only_the_same_collective_is_compared():
+    """Rank 3 is at another collective on every odd step: those steps are not compared."""
+    run = _run(clocks=CLOCKS, seq_of=lambda r, i: i + 1 + (100 if r == 3 and i % 2 else 0))
+    skew = build_summary(run)["analysis"]["skew"]
+    assert (skew["collectives"], skew["mismatched"]) == (17, 18)  # window steps 5-39
+
+
+def test_a_balanced_run_has_no_late_rank():
+    s = build_summary(_run(late_rank=None, clocks=CLOCKS))
+    assert s["analysis"]["skew"]["late_ms"] == {"0": 0.0}  # a tie: the first rank counts
+    assert "LATE_ARRIVAL" not in [f["kind"] for f in s["findings"]["step_time"]]
+
+
+def test_without_arrivals_there_is_no_skew():
+    assert build_summary(run_of([rank(r, steps()) for r in range(2)]))["analysis"]["skew"] is None
+
+
+# --- the clock exchange ------------------------------------------------------------------------
+def test_an_exchange_bounds_the_true_offset():
+    """Node 0 is 5 ms ahead; 0.3 ms up, 0.05 ms in the aggregator, 0.7 ms down (ns)."""
+    theta, t0 = 5_000_000, 10_000_000
+    t1 = t0 + theta + 300_000
+    t2 = t1 + 50_000
+    t3 = t2 - theta + 700_000
+    est = clock.exchange(t0, t1, t2, t3)
+    assert est == clock.Offset(offset_us=4_800, error_us=500)
+    assert abs(theta // 1000 - est.offset_us) <= est.error_us
+    with pytest.raises(ValueError, match="not an exchange"):
+        clock.exchange(t0, t1, t2, t0 - 1)
+
+
+def test_the_estimator_keeps_the_tightest_of_the_latest_exchanges():
+    est = clock.OffsetEstimator()
+    assert est.best() is None
+    est.add(0, 1_000_000, 1_000_000, 2_000_000)  # 1 ms round trip: ±1000 µs
+    est.add(0, 500_000, 500_000, 200_000)  # 0.2 ms round trip: ±100 µs
+    est.add(0, 1, 0, 0)  # not an exchange (t2 < t1): ignored
+    assert est.best() == clock.Offset(offset_us=400, error_us=100)
+    for _ in range(clock.SAMPLES_KEPT):  # the tight one ages out
+        est.add(0, 3_000_000, 3_000_000, 4_000_000)
+    assert est.best() == clock.Offset(offset_us=1_000, error_us=2_000)
+
+
+def test_the_aggregator_stores_an_estimate_only_when_it_is_news():
+    stored = NodeClock(1, 1_000, 100, 1.0).to_json()
+    same = NodeClock(1, 1_050, 90, 2.0).to_json()
+    tighter = NodeClock(1, 1_010, 40, 2.0).to_json()
+    moved = NodeClock(1, 1_300, 100, 2.0).to_json()
+    assert clock_news(None, stored)
+    assert [clock_news(stored, e) for e in (same, tighter, moved)] == [False, True, True]
