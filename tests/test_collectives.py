@@ -176,7 +176,7 @@ def test_comm_is_measured_on_every_step_from_the_first_collective_on(traced):
     # step 0 (no input wait), steps 1-2 (no comm), then the steps with comm (zeros included)
     # in two groups: those that waited in a collective (3, 7: with the arrival) and the rest
     assert [list(g["step"]) for g in groups] == [[0], [1, 2], [3, 7], [4, 5, 6, 8, 9]]
-    by_step = {s: c for g in groups for s, c in zip(g["step"], g.get("comm_us", ()))}
+    by_step = {s: c for g in groups[2:] for s, c in zip(g["step"], g["comm_us"], strict=True)}
     assert by_step == {i: fields[i]["comm_us"] for i in range(3, 10)}
     assert [list(g.get("arrive_seq", [])) for g in groups] == [[], [], [1, 2], []]
     assert list(groups[2]["arrive_group"]) == [zlib.crc32(b"default")] * 2

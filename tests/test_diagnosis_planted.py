@@ -97,6 +97,15 @@ def test_compute_straggler_names_rank_1(run):
     assert GAP_RANGE_MS[0] <= wait["0"] <= GAP_RANGE_MS[1]
     assert wait["1"] < DELAY_MS / 4
     assert "COMM_BOUND" not in _step_kinds(s)
+    # rank 1 arrives last at the gradient all-reduce, by its planted delay (one node: no
+    # clock offset to correct)
+    skew = s["analysis"]["skew"]
+    assert (skew["collectives"], skew["mismatched"], skew["clock_error_ms"]) == (STEPS - 5, 0, 0)
+    assert skew["last_pct"]["1"] >= 90.0
+    (late,) = [f for f in s["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"]
+    assert late["ranks"] == [1]
+    assert GAP_RANGE_MS[0] <= late["evidence"]["late_ms"] <= GAP_RANGE_MS[1]
+    check_consistent(late, "late_arrival")
 
 
 def test_residual_heavy(run):

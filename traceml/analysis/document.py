@@ -345,7 +345,7 @@ class ArrivalSkew:
     ]
     late_ms: Annotated[
         dict[str, Ms],
-        Schema(description="rank -> median lateness after the median rank when it arrived last"),
+        Schema(description="rank -> median lateness after the others' median when it arrived last"),
     ]
     wait_ms: Annotated[
         dict[str, Ms], Schema(description="rank -> median wait for the last arrival")

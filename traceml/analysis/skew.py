@@ -11,7 +11,7 @@ Node 0 reads each arrival on its own clock: the rank's ``start_unix_us`` (its wa
 (:class:`~traceml.core.records.NodeClock`, estimated by the node's launcher over its session,
 :mod:`traceml.core.clock`). Per window step whose ranks all arrived at the same collective:
 
-* the rank that arrived last, and its lateness after the median rank's arrival;
+* the rank that arrived last, and its lateness after the median of the others' arrivals;
 * each rank's wait for it: the last arrival minus its own.
 
 ``analysis.skew`` gives per rank the share of the collectives it arrived last at, its median
@@ -103,7 +103,7 @@ def skew(
     ranks, us, mismatched, error_us, offsets = found
     last = us.argmax(axis=0)
     latest = us.max(axis=0)
-    late = latest - np.median(us, axis=0)
+    late = latest - np.median(np.sort(us, axis=0)[:-1], axis=0)  # after the others' median
     waits = latest - us  # ranks x collectives
     n = us.shape[1]
     counts = np.bincount(last, minlength=len(ranks))
@@ -157,7 +157,7 @@ def late_arrival(
         LATE_ARRIVAL,
         "warning" if share < 90.0 else "critical",
         f"Rank {rank} arrived last at {share:.0f}% of the {doc.collectives} collectives "
-        f"compared (each step's last one), {late:.1f} ms after the median rank; the other "
+        f"compared (each step's last one), {late:.1f} ms after the others' median; the other "
         f"{others} rank{'s' if others != 1 else ''} waited {wait_ms:.1f} ms a step for it there "
         f"(medians per step), {gpu_hours:.4g} GPU-hours over {cost_steps} steps (world size "
         f"{world_size}){clocks}.",

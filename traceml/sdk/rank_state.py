@@ -38,7 +38,10 @@ class RankState:
         self.info = info
         self.run_name = run_name
         self.target = target
+        # The two clocks read together: step ends and collective arrivals are sent as offsets
+        # on the second from the first, and node 0 compares arrivals across ranks to the ms.
         self.start_unix_us = clock.unix_ns() // 1000
+        origin_ns = time.perf_counter_ns()
         self.parallelism = "single"
         self.backend = ""  # process-group backend ("gloo", "nccl"), "" before one is seen
         self._exception: BaseException | None = None
@@ -57,9 +60,7 @@ class RankState:
             progress_detail=self._progress_detail,
             config=client_mod.ClientConfig(first_record_at_once=True),
         )
-        self.tracer = StepTracer(
-            functools.partial(self.client.submit, client_mod.STEPS), time.perf_counter_ns()
-        )
+        self.tracer = StepTracer(functools.partial(self.client.submit, client_mod.STEPS), origin_ns)
         self.stall = StallDetail(self.tracer, settings.read(settings.HANG_TIMEOUT_SEC))
         self.tracer.flops_counter = workload.FlopsCounter(
             functools.partial(self.client.submit, workload.FLOPS_COUNTS),
