@@ -132,6 +132,9 @@ class NodeSessions:
         self.nodes: dict[int, _Node] = {}
         #: Each node's clock offset as stored (a NodeClock record's JSON), by node rank.
         self.clocks: dict[int, dict] = {c["node_rank"]: c for c in clocks or []}
+        self._clocks_write: asyncio.Future | None = None
+        self._clocks_dirty = False
+        self._clocks_logged: set[int] = set(self.clocks)
         #: The latest published NodeDown of each kind (``stall``, ``partial_summary``), for
         #: the sessions that open later.
         self._published: dict[str, wire.NodeDown] = {}
@@ -247,7 +250,7 @@ class NodeSessions:
 
     async def _clock_exchange(self, session: _Session, heartbeat, received_ns: int) -> None:
         """Answer ``heartbeat``'s clock exchange at once, and keep the estimate it carries
-        (stored when :func:`clock_news` says it is news)."""
+        (stored at once when :func:`clock_news` says it is news)."""
         if heartbeat.sent_unix_ns:
             session.outbox.put_nowait(
                 wire.NodeDown(
@@ -268,7 +271,25 @@ class NodeSessions:
         ).to_json()
         if clock_news(self.clocks.get(session.node_rank), estimate):
             self.clocks[session.node_rank] = estimate
-            await self._persist_clocks([self.clocks[n] for n in sorted(self.clocks)])
+            self._clocks_dirty = True
+            if self._clocks_write is None or self._clocks_write.done():
+                self._clocks_write = asyncio.ensure_future(self._write_clocks())
+
+    async def _write_clocks(self) -> None:
+        """Store every node's clock offset now, and again after each write while news came
+        during it (the news of many nodes at once, as a run starts, takes few writes); log each
+        node's first stored offset."""
+        while self._clocks_dirty:
+            self._clocks_dirty = False
+            clocks = [self.clocks[n] for n in sorted(self.clocks)]
+            await self._persist_clocks(clocks)
+            for c in clocks:
+                if c["node_rank"] not in self._clocks_logged:
+                    self._clocks_logged.add(c["node_rank"])
+                    _log.info(
+                        f"node {c['node_rank']}'s clock is {-c['offset_us'] / 1000:+.3f} ms off "
+                        f"node 0's aggregator's (± {c['error_us'] / 1000:.3f} ms)"
+                    )
 
     async def _finalize_and_push(self, request) -> None:
         reply = await self._finalize(request)

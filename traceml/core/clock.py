@@ -16,7 +16,7 @@ clock minus this node's) lies in ``[t2 - t3, t1 - t0]``, so the estimate is that
 middle and its error bound is half its width, ``((t3 - t0) - (t2 - t1)) / 2``: a bound, not a
 statistic, that holds as long as neither clock jumps during the exchange. Of the latest
 :data:`SAMPLES_KEPT` exchanges the estimator keeps the one with the smallest bound (the least
-queueing), and the launcher sends that estimate with its next heartbeat.
+queueing), and the launcher sends that estimate to node 0 as soon as it changes.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ another node's claim is refused (:attr:`NodeSession.run_failure`: pushed, never 
 exit's acknowledgement, the finalization result, and what the aggregator publishes while the
 run goes on: the stall record as it changes (:attr:`NodeSession.hang_record`) and the watchdog's
 partial summary (:attr:`NodeSession.partial_summary`), the latest of each again on every
-resumed session; and each heartbeat's clock exchange, from which the launcher estimates its
-clock's offset from node 0's and sends it with the next heartbeat (:mod:`traceml.core.clock`).
+resumed session; and each heartbeat's clock exchange (one as the session opens, then one per
+heartbeat), from which the launcher estimates its clock's offset from node 0's, sent to node 0
+as soon as it improves (:mod:`traceml.core.clock`).
 It is the launcher's one channel from the aggregator: no file of the
 aggregator's is polled. The aggregator's side, and how it tells a lost node from one that
 ended: ``traceml_aggregator/sessions.py``.
@@ -49,6 +50,8 @@ MIN_BACKOFF_S = 0.1
 #: token, an aggregator without NodeSession, a claim the aggregator could not parse).
 _PERMANENT = ("FAILED_PRECONDITION", "UNAUTHENTICATED", "UNIMPLEMENTED", "INVALID_ARGUMENT")
 _CLOSE = object()
+#: Queued to send the best clock estimate now (a heartbeat without a new exchange).
+_ESTIMATE = object()
 
 
 class SessionBroken(RuntimeError):
@@ -187,23 +190,31 @@ class NodeSession:
 
     def _requests(self, attempt: _Attempt):
         """The stream's messages: the claim, then what is queued, a heartbeat when idle."""
-        from traceml import wire
-
         yield self._up(claim=self._claim)
+        yield self._heartbeat(exchange=True)  # the first clock exchange at once
         while not attempt.done.is_set():
             try:
                 message = attempt.outbox.get(timeout=NODE_HEARTBEAT_INTERVAL_S)
             except queue.Empty:
-                best = self.clock.best()
-                message = self._up(
-                    heartbeat=wire.NodeHeartbeat(
-                        clock=None if best is None else wire.ClockOffset(**vars(best)),
-                        sent_unix_ns=clock.unix_ns(),  # t0, last: as close to the send as can be
-                    )
-                )
+                message = self._heartbeat(exchange=True)
             if message is _CLOSE:
                 return
+            if message is _ESTIMATE:
+                message = self._heartbeat(exchange=False)
             yield message
+
+    def _heartbeat(self, exchange: bool):
+        """A heartbeat with the best clock estimate so far, and, with ``exchange``, its send
+        time (t0) for a new exchange."""
+        from traceml import wire
+
+        best = self.clock.best()
+        beat = wire.NodeHeartbeat()
+        if best is not None:
+            beat.clock.offset_us, beat.clock.error_us = best.offset_us, best.error_us
+        if exchange:
+            beat.sent_unix_ns = clock.unix_ns()  # t0, last: as close to the send as can be
+        return self._up(heartbeat=beat)
 
     def _run(self) -> None:
         try:
@@ -290,9 +301,11 @@ class NodeSession:
             elif kind == "partial_summary":
                 self.partial_summary = down.partial_summary
             elif kind == "clock":
-                echo = down.clock
+                echo, before = down.clock, self.clock.best()
                 self.clock.add(
                     echo.sent_unix_ns, echo.received_unix_ns, echo.answered_unix_ns, received_ns
                 )
+                if self.clock.best() != before:  # node 0 hears a better estimate at once
+                    self._attempt.outbox.put(_ESTIMATE)
             self._cond.notify_all()
         return kind != "claim" or down.claim.accepted
