@@ -13,6 +13,7 @@ never collide with the Slurm lab's ``slab-*`` namespaces or with a parallel test
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import SCRIPTS, load_summary, start_traceml, wait_all, wait_for
@@ -41,26 +42,29 @@ def run_nodes(
     nproc: int,
     shared_logs: bool = False,
     node0_late: bool = False,
+    script: tuple[str, ...] = (SCRIPT, "--steps", str(STEPS)),
+    node_env: dict[int, dict[str, str]] | None = None,
 ) -> dict[int, int]:
     """Start node 1 then node 0 (once node 1 waits for node 0's aggregator if ``node0_late``),
     each in its host with its own logs dir and the run token given to both, or with one shared
-    logs dir and no token given; their exit codes."""
+    logs dir and no token given, running ``script`` (the script and its arguments) with
+    ``node_env[node]`` added to the node's environment; their exit codes."""
     procs = {}
     for node in (1, 0):
         logs = tmp_path / ("shared" if shared_logs else f"host{node}")
         args = [
             "run",
-            SCRIPT,
+            script[0],
             "--nnodes=2",
             f"--nproc-per-node={nproc}",
             f"--node-rank={node}",
             f"--master-addr={HOST0}",
             "--run-name=netns",
             f"--logs-dir={logs}",
-            "--steps",
-            str(STEPS),
-        ] + node_flags[node]
-        env = {"GLOO_SOCKET_IFNAME": hosts.links["train"][node]}
+            *node_flags[node],
+            *script[1:],
+        ]
+        env = {"GLOO_SOCKET_IFNAME": hosts.links["train"][node], **(node_env or {}).get(node, {})}
         if not shared_logs:
             env["TRACEML_RUN_TOKEN"] = "netns-token-given-to-both"
         if node == 0 and node0_late:
@@ -160,3 +164,70 @@ def test_shared_logs_dir_carries_the_token_to_a_node_started_first(hosts, tmp_pa
     node1_err = (tmp_path / "node1.err").read_text()
     assert "waiting up to 300 s for node 0's aggregator" in node1_err
     assert "could not report" not in node1_err and "warning" not in node1_err
+
+
+#: Node 1's clock reads this much ahead of node 0's (TRACEML_TEST_CLOCK_OFFSET_MS on its
+#: launcher and ranks), ms; and rank 2's planted delay per forward, ms.
+AHEAD_MS, LATE_MS = 5000, 50.0
+PLANTED_STEPS = 30
+
+
+def test_a_late_rank_on_a_node_whose_clock_is_off(hosts, tmp_path):
+    """Four DDP ranks on two hosts; node 1's clock is 5 s ahead and its rank 2 computes 50 ms
+    more per forward (tests/scripts/planted_ddp.py). Node 1's launcher measures its offset
+    over its session; node 0 reads the arrivals at the gradient all-reduce on its own clock and
+    names rank 2 as arriving last by its planted delay (within ±20 %), the others' time as
+    waiting, not compute. Read as sent (no offset), node 1's ranks would arrive 5 s late."""
+    script = (
+        str(SCRIPTS / "planted_ddp.py"),
+        "--",
+        "--scenario=compute_straggler",
+        "--slow-rank=2",
+        f"--delay-ms={LATE_MS}",
+        f"--steps={PLANTED_STEPS}",
+    )
+    flags = [f"--aggregator-host={HOST0}"]
+    codes = run_nodes(
+        hosts,
+        tmp_path,
+        {0: flags, 1: flags},
+        nproc=2,
+        script=script,
+        node_env={1: {"TRACEML_TEST_CLOCK_OFFSET_MS": str(AHEAD_MS)}},
+    )
+    assert codes == {0: 0, 1: 0}, (tmp_path / "node0.err").read_text()
+    run_dir = tmp_path / "host0" / "netns"
+    summary = load_summary(run_dir)
+    assert summary["run"]["complete"] is True and summary["run"]["world_size"] == 4
+    skew = summary["analysis"]["skew"]
+    # the offset, node 0's clock minus node 1's, within its stated bound (one host's clock)
+    assert abs(skew["clock_offsets_ms"]["1"] + AHEAD_MS) <= skew["clock_error_ms"] < 5.0
+    assert abs(skew["clock_offsets_ms"]["0"]) <= skew["clock_error_ms"]
+    assert (skew["collectives"], skew["mismatched"]) == (PLANTED_STEPS - 5, 0)
+    (late,) = [f for f in summary["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"]
+    assert late["ranks"] == [2] and late["evidence"]["last_pct"] >= 90.0
+    assert 0.8 * LATE_MS <= late["evidence"]["late_ms"] <= 1.2 * LATE_MS
+    # the others wait for rank 2 in the all-reduce: communication, not compute
+    wait, ranks = summary["analysis"]["comm"]["wait_ms"], summary["ranks"]
+    for r in (0, 1, 3):
+        assert 0.8 * LATE_MS <= wait[str(r)] <= 1.2 * LATE_MS
+        assert (
+            abs(ranks[r]["phase_median_ms"]["backward"] - ranks[2]["phase_median_ms"]["backward"])
+            < LATE_MS / 2
+        )
+    assert summary["primary_diagnosis"]["kind"] == "COMPUTE_STRAGGLER"
+    assert summary["primary_diagnosis"]["ranks"] == [2]
+    # read as sent, node 1's ranks arrive 5 s late: the offset did the work
+    from traceml.analysis.summary import build_summary
+    from traceml_aggregator.load import load
+    from traceml_aggregator.store import Store
+
+    store = Store(run_dir / "telemetry.sqlite", read_only=True)
+    try:
+        run = load(store, [])
+    finally:
+        store.close()
+    assert [c.node_rank for c in run.node_clocks] == [0, 1]
+    run.node_clocks = [replace(c, offset_us=0) for c in run.node_clocks]
+    as_sent = build_summary(run)["analysis"]["skew"]
+    assert as_sent["late_ms"]["2"] >= AHEAD_MS - LATE_MS
