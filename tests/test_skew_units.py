@@ -102,6 +102,17 @@ def test_only_the_same_collective_is_compared():
     assert (skew["collectives"], skew["mismatched"]) == (17, 18)  # window steps 5-39
 
 
+def test_a_step_without_a_collective_is_neither_compared_nor_mismatched():
+    run = _run(clocks=CLOCKS)
+    for rd in run.ranks.values():  # every third step waited in no collective
+        for name in ("arrive_us", "arrive_group", "arrive_seq"):
+            rd.steps.columns[name] = [
+                None if i % 3 == 0 else v for i, v in enumerate(rd.steps.columns[name])
+            ]
+    skew = build_summary(run)["analysis"]["skew"]
+    assert (skew["collectives"], skew["mismatched"]) == (23, 0)  # 35 window steps, 12 without
+
+
 def test_a_balanced_run_has_no_late_rank():
     s = build_summary(_run(late_rank=None, clocks=CLOCKS))
     assert s["analysis"]["skew"]["late_ms"] == {"0": 0.0}  # a tie: the first rank counts

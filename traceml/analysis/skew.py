@@ -33,6 +33,7 @@ from traceml.analysis import thresholds as th
 from traceml.analysis.document import ArrivalSkew
 from traceml.analysis.findings import MEDIAN, Finding
 from traceml.analysis.rundata import RunData
+from traceml.analysis.step_time import severity
 from traceml.analysis.window import Window
 
 LATE_ARRIVAL = "LATE_ARRIVAL"
@@ -60,7 +61,7 @@ def arrivals(
     for r in window.ranks:
         identity = run.ranks[r].identity
         steps = window.steps[r]
-        if identity is None or identity.start_unix_us is None or "arrive_us" not in steps.columns:
+        if identity is None or identity.start_unix_us is None:
             continue
         ranks.append(r)
         rows.append([np.nan if v is None else float(v) for v in steps["arrive_us"]])
@@ -82,13 +83,13 @@ def arrivals(
         shift = clocks[node].offset_us if node in clocks and len(nodes) > 1 else 0
         base[i] = run.ranks[r].identity.start_unix_us - start + shift  # type: ignore[union-attr]
     us = np.array(rows, dtype=np.float64) + base[:, None]
-    same = [len(set(column)) == 1 and None not in column[0] for column in zip(*keys, strict=True)]
-    keep = np.array(same, dtype=bool) & ~np.isnan(us).any(axis=0)
+    arrived = ~np.isnan(us).any(axis=0)  # every rank waited in a collective on the step
+    same = np.array([len(set(column)) == 1 for column in zip(*keys, strict=True)], dtype=bool)
+    keep = arrived & same
     offsets = {str(c.node_rank): _ms(c.offset_us) for c in sorted(known, key=lambda c: c.node_rank)}
     if not keep.any():
         return None
-    mismatched = int(sum(1 for s in same if not s))
-    return ranks, us[:, keep], mismatched, error_us, offsets
+    return ranks, us[:, keep], int((arrived & ~same).sum()), error_us, offsets
 
 
 def skew(
@@ -153,9 +154,10 @@ def late_arrival(
         if doc.clock_offsets_ms and len(doc.clock_offsets_ms) > 1
         else ""
     )
+    impact_ms = round(wait_ms * share / 100.0, 3)
     return Finding(
         LATE_ARRIVAL,
-        "warning" if share < 90.0 else "critical",
+        severity(impact_ms, step_ms),
         f"Rank {rank} arrived last at {share:.0f}% of the {doc.collectives} collectives "
         f"compared (each step's last one), {late:.1f} ms after the others' median; the other "
         f"{others} rank{'s' if others != 1 else ''} waited {wait_ms:.1f} ms a step for it there "
@@ -180,5 +182,5 @@ def late_arrival(
             "gpu_hours": gpu_hours,
         },
         ranks=[rank],
-        impact_ms=round(wait_ms * share / 100.0, 3),
+        impact_ms=impact_ms,
     )
