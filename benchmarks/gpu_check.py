@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--out DIR] [--quick]
 
-One line per check, ``a)`` to ``h)``, each PASS, FAIL or SKIP with its figures (detail lines
+One line per check, ``a)`` to ``i)``, each PASS, FAIL or SKIP with its figures (detail lines
 under it); what each proves: docs/telemetry.md, "The GPU check". Every run is a real
 ``traceml run`` of this script (``--child NAME``): launcher, aggregator, node sampler with
 NVML, SDK; the checks read the run's SQLite store, its ``final_summary.json`` and the child's
@@ -26,8 +26,18 @@ own report.
 * f) world-size-1 FSDP2 with a bf16 ``MixedPrecisionPolicy``: the FLOPs dtype is bf16 and the
   MFU at most 100 %;
 * g) two GPUs or more: two ranks that never call ``set_device`` each report their own device
-  and UUID, and neither has a context on the other's GPU (else SKIP). NCCL collectives: SKIP
-  (timed with the collectives issue);
+  and UUID, and neither has a context on the other's GPU (else SKIP);
+* i) collectives on NCCL, unit by unit on one GPU (a world-size-1 NCCL group: NCCL takes one
+  GPU per rank): every explicit collective of ``traceml.sdk.collectives.OPS``, sync and async,
+  recorded once in call order with its op, group, sequence number and bytes, and completed
+  (the async ones through their CUDA future's callback), its result equal to the untraced
+  call's; a DDP model's gradient buckets recorded through the communication hook; every traced
+  step with ``comm`` and its arrival (the default group's CRC-32, the step's last bucket's
+  sequence number); no synchronize call. With two GPUs or more, also a 2-rank NCCL DDP job
+  whose rank 1 sleeps ``NCCL_LATE_MS`` more on the host in each forward: LATE_ARRIVAL names
+  rank 1 with its lateness within ±20 % (else that part is SKIP). NCCL's ``comm`` ends at
+  enqueue (docs/telemetry.md): its GPU-clock completion is not timed yet, so neither is
+  checked here;
 * h) overhead of ``trace_step`` on a ~2 ms step, with and without TraceML in one run, A/B
   interleaved: at most 3 %.
 
@@ -73,6 +83,9 @@ MIN_RUN_S = 30.0
 RUN_NAME = "gpu-check"
 #: GPU sleeps (ms) of line b)'s phases, and of line d)'s checkpointed block.
 SLEEP_MS = {"forward": 4.0, "backward": 8.0, "optimizer": 2.0}
+#: Line i)'s 2-rank job: rank 1's extra host sleep per forward, ms, and its steps.
+NCCL_LATE_MS = 30.0
+NCCL_STEPS = 40
 CHECKPOINT_MS = {"forward": 3.0, "backward": 5.0, "optimizer": 2.0}
 
 
@@ -88,7 +101,7 @@ class Check:
 
 @dataclass
 class Line:
-    """One line of the check (``a)`` to ``h)``): PASS when every check holds, SKIP with
+    """One line of the check (``a)`` to ``i)``): PASS when every check holds, SKIP with
     ``skip`` as the reason."""
 
     label: str
@@ -855,7 +868,186 @@ def child_devices(args) -> dict:
     }
 
 
-CHILDREN = {"main": child_main, "sleep": child_sleep, "fsdp": child_fsdp, "devices": child_devices}
+def child_nccl(args) -> dict:
+    """Line i), unit by unit: a world-size-1 NCCL group, every explicit collective sync and
+    async against its untraced original, then a DDP model's steps."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import traceml
+    from traceml.sdk import collectives
+
+    device, state = _start(torch)
+    dist.init_process_group("nccl", device_id=device)
+    rec = collectives.recorder()
+    sync = _SyncCounter(torch)
+    x = torch.arange(1024, dtype=torch.float32, device=device)
+    calls = [(name, a) for a in (False, True) for name in collectives.OPS]
+    sync.armed = True
+    first = len(rec.events)
+    equal = []
+    for name, async_op in calls:
+        traced = getattr(dist, name)
+        ours = _collective(name, traced, x, async_op)
+        equal.append(
+            bool(torch.equal(ours, _collective(name, traced.__traceml_original__, x, async_op)))
+        )
+    explicit = [
+        {
+            "op": e.op,
+            "group": e.group,
+            "seq": e.seq,
+            "nbytes": e.nbytes,
+            "done": e.done_ns is not None,
+        }
+        for e in list(rec.events)[first:]
+    ]
+    model = DDP(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1)).to(device))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    first = len(rec.events)
+    for _ in range(10):
+        with traceml.trace_step(model):
+            model(x.view(1, -1)).sum().backward()
+            opt.step()
+    buckets = [e for e in list(rec.events)[first:] if e.op == collectives.DDP_BUCKET]
+    sync.armed = False
+    torch.cuda.synchronize()
+    traceml.shutdown()
+    dist.destroy_process_group()
+    return {
+        "calls": [name for name, _ in calls],
+        "explicit": explicit,
+        "equal": equal,
+        "buckets": len(buckets),
+        "buckets_done": sum(e.done_ns is not None for e in buckets),
+        "sync_calls": sync.calls,
+        "steps": state.tracer.steps_completed,
+    }
+
+
+def _collective(name: str, fn, x, async_op: bool):
+    """Collective ``name`` of ``collectives.OPS`` through ``fn`` (the traced function or its
+    original) on a copy of ``x`` in a world of one, waited for; its result."""
+    t = x.clone()
+    out = t.new_empty(t.numel())
+    if name in ("all_reduce", "broadcast"):
+        work = fn(t, async_op=async_op) if name == "all_reduce" else fn(t, 0, async_op=async_op)
+        out = t
+    elif name == "all_gather":
+        gathered = [out]
+        work = fn(gathered, t, async_op=async_op)
+    elif name == "reduce_scatter":
+        work = fn(out, [t], async_op=async_op)
+    elif name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        work = fn(out, t, async_op=async_op)
+    else:  # barrier
+        work = fn(async_op=async_op)
+        out = t.new_zeros(1)
+    if async_op:
+        work.wait()
+    return out
+
+
+def child_nccl_skew(args) -> dict:
+    """Line i), two ranks: NCCL DDP, rank 1 sleeping NCCL_LATE_MS more on the host each forward."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import traceml
+
+    device, state = _start(torch)
+    dist.init_process_group("nccl", device_id=device)
+    late_s = NCCL_LATE_MS / 1000.0 if dist.get_rank() == 1 else 0.0
+    model = DDP(nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1)).to(device))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 1024, device=device)
+    for _ in range(NCCL_STEPS):
+        with traceml.trace_step(model):
+            time.sleep(0.005 + late_s)
+            model(x).sum().backward()
+            opt.step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return {"rank": dist.get_rank(), "steps": state.tracer.steps_completed}
+
+
+def nccl_checks(report: dict, steps: list[dict]) -> list[Check]:
+    """Line i)'s unit-by-unit verdicts from the child's ``report`` and rank 0's stored
+    ``steps`` (the traced DDP steps are its last 10)."""
+    import zlib
+
+    names = report["calls"]
+    explicit = report["explicit"]
+    expected = [(name, i + 1) for i, name in enumerate(names)]
+    ddp = steps[-10:]
+    arrivals = [(s["arrive_group"], s["arrive_seq"]) for s in ddp]
+    return [
+        Check(
+            "every explicit collective recorded once, in call order",
+            [(e["op"], e["seq"]) for e in explicit] == expected
+            and all(e["group"] == "default" for e in explicit),
+            f"{len(explicit)} events for {len(names)} calls",
+        ),
+        Check(
+            "bytes: the rank's input (4 KiB; a barrier 0)",
+            [e["nbytes"] for e in explicit] == [0 if n == "barrier" else 4096 for n in names],
+            str(sorted({e["nbytes"] for e in explicit})),
+        ),
+        Check(
+            "every explicit collective completed (async: the CUDA future's callback)",
+            all(e["done"] for e in explicit),
+            f"{sum(e['done'] for e in explicit)} of {len(explicit)}",
+        ),
+        Check(
+            "results equal the untraced calls'",
+            report["equal"] == [True] * len(names),
+            f"{sum(report['equal'])} of {len(names)} equal",
+        ),
+        Check(
+            "DDP buckets recorded through the hook, each completed",
+            report["buckets"] >= 10 and report["buckets_done"] == report["buckets"],
+            f"{report['buckets']} buckets over 10 steps, {report['buckets_done']} completed",
+        ),
+        Check(
+            "every traced DDP step has comm and its arrival at the default group",
+            len(ddp) == 10
+            and all(s["comm_us"] is not None for s in ddp)
+            and {g for g, _ in arrivals} == {zlib.crc32(b"default")}
+            and [q for _, q in arrivals] == sorted({q for _, q in arrivals}),
+            f"arrivals {arrivals[:3]}...",
+        ),
+        Check("no synchronize call", report["sync_calls"] == 0, f"{report['sync_calls']} calls"),
+    ]
+
+
+def skew_checks(summary: dict) -> list[Check]:
+    """Line i)'s 2-rank verdict: LATE_ARRIVAL names rank 1, its lateness within ±20 % of
+    NCCL_LATE_MS."""
+    late = [f for f in summary["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"]
+    ms = late[0]["evidence"]["late_ms"] if late else None
+    return [
+        Check(
+            "LATE_ARRIVAL names rank 1 by its host delay (±20 %)",
+            bool(late)
+            and late[0]["ranks"] == [1]
+            and 0.8 * NCCL_LATE_MS <= ms <= 1.2 * NCCL_LATE_MS,
+            f"{[f['ranks'] for f in late]}, late {ms} ms (planted {NCCL_LATE_MS:g})",
+        )
+    ]
+
+
+CHILDREN = {
+    "main": child_main,
+    "sleep": child_sleep,
+    "fsdp": child_fsdp,
+    "devices": child_devices,
+    "nccl": child_nccl,
+    "nccl_skew": child_nccl_skew,
+}
 
 
 # --- the parent -------------------------------------------------------------------------------
@@ -1002,20 +1194,33 @@ def line_fsdp(runner: Runner) -> Line:
     return f
 
 
-def line_devices(runner: Runner, gpus: int) -> list[Line]:
+def line_devices(runner: Runner, gpus: int) -> Line:
     g = Line("g", "two ranks that never call set_device: their own device, UUID and context")
-    nccl = Line(
-        "g", "NCCL collectives timed", skip="timed with the collectives issue, not checked here yet"
-    )
     if gpus < 2:
         g.skip = f"needs 2 GPUs or more, {gpus} visible"
-        return [g, nccl]
+        return g
     run_dir, reports = runner.run("devices", nproc=2)
     if run_dir is None:
-        return [_failed(g, reports), nccl]
+        return _failed(g, reports)
     run = load_run(run_dir)
     g.checks = device_checks(run["all_ranks"], reports, run["gpu_steps"])
-    return [g, nccl]
+    return g
+
+
+def line_nccl(runner: Runner, gpus: int) -> Line:
+    i = Line("i", "collectives on NCCL: recorded, completed, unchanged; arrivals")
+    run_dir, reports = runner.run("nccl")
+    if run_dir is None:
+        return _failed(i, reports)
+    i.checks = nccl_checks(reports[0], load_run(run_dir)["steps"])
+    if gpus < 2:
+        i.info.append(f"the 2-rank LATE_ARRIVAL job: SKIP (needs 2 GPUs or more, {gpus} visible)")
+        return i
+    run_dir, reports = runner.run("nccl_skew", nproc=2)
+    if run_dir is None:
+        return _failed(i, reports)
+    i.checks += skew_checks(json.loads((run_dir / "final_summary.json").read_text()))
+    return i
 
 
 def parent(args) -> int:
@@ -1036,7 +1241,13 @@ def parent(args) -> int:
     )
     t0 = time.monotonic()
     lines = []
-    for produce in (line_main, line_sleep, line_fsdp, lambda r: line_devices(r, gpus)):
+    for produce in (
+        line_main,
+        line_sleep,
+        line_fsdp,
+        lambda r: line_devices(r, gpus),
+        lambda r: line_nccl(r, gpus),
+    ):
         got = produce(runner)
         for line in got if isinstance(got, list) else [got]:
             lines.append(line)

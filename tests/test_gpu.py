@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -643,6 +644,76 @@ def test_gpu_check_devices_line():
         False,
         False,
     ]
+
+
+def _nccl_report(**over) -> dict:
+    """Line i)'s child report as a correct run writes it (``over`` replaces keys)."""
+    from traceml.sdk.collectives import OPS
+
+    calls = list(OPS) * 2  # sync, then async
+    report = {
+        "calls": calls,
+        "explicit": [
+            {
+                "op": n,
+                "group": "default",
+                "seq": i + 1,
+                "nbytes": 0 if n == "barrier" else 4096,
+                "done": True,
+            }
+            for i, n in enumerate(calls)
+        ],
+        "equal": [True] * len(calls),
+        "buckets": 10,
+        "buckets_done": 10,
+        "sync_calls": 0,
+        "steps": 10,
+    }
+    return report | over
+
+
+def _ddp_steps(**over) -> list[dict]:
+    crc = zlib.crc32(b"default")
+    return [
+        {"step": i, "comm_us": 40, "arrive_group": crc, "arrive_seq": i + 1} | over
+        for i in range(10)
+    ]
+
+
+def test_gpu_check_nccl_line():
+    assert all(c.ok for c in gpu_check.nccl_checks(_nccl_report(), _ddp_steps()))
+    report = _nccl_report()
+    report["explicit"][3]["done"] = False  # an async completion never seen
+    report["explicit"][5]["nbytes"] = 8192
+    report["equal"][0] = False
+    assert [c.name for c in gpu_check.nccl_checks(report, _ddp_steps()) if not c.ok] == [
+        "bytes: the rank's input (4 KiB; a barrier 0)",
+        "every explicit collective completed (async: the CUDA future's callback)",
+        "results equal the untraced calls'",
+    ]
+    twice = _nccl_report()
+    twice["explicit"].append(dict(twice["explicit"][0], seq=17))  # one call recorded twice
+    fails = [c.name for c in gpu_check.nccl_checks(twice, _ddp_steps(comm_us=None)) if not c.ok]
+    assert fails == [
+        "every explicit collective recorded once, in call order",
+        "bytes: the rank's input (4 KiB; a barrier 0)",
+        "every traced DDP step has comm and its arrival at the default group",
+    ]
+    synced = _nccl_report(sync_calls=2, buckets_done=9)
+    assert [c.ok for c in gpu_check.nccl_checks(synced, _ddp_steps())] == [True] * 4 + [
+        False,
+        True,
+        False,
+    ]
+    late = {
+        "findings": {
+            "step_time": [{"kind": "LATE_ARRIVAL", "ranks": [1], "evidence": {"late_ms": 31.0}}]
+        }
+    }
+    assert [c.ok for c in gpu_check.skew_checks(late)] == [True]
+    late["findings"]["step_time"][0]["evidence"]["late_ms"] = 15.0  # half the planted delay
+    assert [c.ok for c in gpu_check.skew_checks(late)] == [False]
+    assert [c.ok for c in gpu_check.skew_checks({"findings": {"step_time": []}})] == [False]
 
 
 def test_gpu_check_lines_read_pass_fail_skip():
