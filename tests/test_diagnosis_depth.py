@@ -153,10 +153,18 @@ def test_a_rank_slow_for_part_of_the_run_is_found_with_its_onset_and_end(
 ):
     run = runs[name]
     stragglers = [f for f in run.step_findings() if f["kind"].endswith("STRAGGLER")]
-    assert len(stragglers) == 1, [f["summary"] for f in stragglers]
-    (f,) = stragglers
-    assert (f["kind"], f["ranks"]) == ("COMPUTE_STRAGGLER", [slow_rank])
+    named = [f for f in stragglers if f["ranks"] == [slow_rank]]
+    assert len(named) == 1, [f["summary"] for f in stragglers]
+    (f,) = named
+    assert f["kind"] == "COMPUTE_STRAGGLER"
     ev = f["evidence"]
+    # Any other is a short stretch of host contention, real on this 2-core machine running
+    # other jobs beside this one (CI saw rank 0 9.5 ms slower for 12 steps once): a stretch
+    # that ended, under a third of the planted gap.
+    for other in stragglers:
+        if other is not f:
+            assert other["evidence"]["end_step"] is not None, other["summary"]
+            assert other["evidence"]["gap_ms"] < ev["gap_ms"] / 3, other["summary"]
     assert abs(ev["onset_step"] - onset) <= 5
     if end is None:
         assert ev["end_step"] is None and ev["last_step"] == STEPS - 1

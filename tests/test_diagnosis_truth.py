@@ -123,7 +123,12 @@ def test_straggler_from_halfway_has_its_onset(runs):
     p = run.primary
     assert p["kind"] == "COMPUTE_STRAGGLER"
     assert p["ranks"] == [1]
-    assert run.secondary == []
+    # and the arrivals say so: rank 1 held up the all-reduce from the onset on (~25 of the 45
+    # window steps), by the planted 60 ms
+    assert run.secondary == ["LATE_ARRIVAL"]
+    (late,) = run.summary["findings"]["step_time"]
+    assert late["ranks"] == [1] and 50.0 <= late["evidence"]["held_pct"] <= 70.0
+    assert 45 <= late["evidence"]["late_ms"] <= 90
     ev = p["evidence"]
     assert abs(ev["onset_step"] - 25) <= 5
     assert f"from step {ev['onset_step']}" in p["summary"]

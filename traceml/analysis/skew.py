@@ -15,17 +15,21 @@ Node 0 reads each arrival on its own clock: the rank's ``start_unix_us`` (its wa
 * each rank's wait for it: the last arrival minus its own.
 
 ``analysis.skew`` gives per rank the share of the collectives it arrived last at, its median
-lateness when it did, and its median wait. LATE_ARRIVAL names the rank that arrived last at
-at least LATE_ARRIVAL_PCT of them, when its median lateness passes the straggler floor (the
-same as the phase stragglers': STRAGGLER_GAP_PCT of the typical step and STRAGGLER_MIN_GAP_MS)
-and twice the largest clock error bound of the nodes compared (a lateness the clocks cannot
-vouch for is not reported). Its cost is the others' wait at the collectives it arrived last
-at, in GPU-hours. Two limits: the collectives of a step other than its arrival are not
-compared, and a node whose launcher sent no offset (ranks without ``traceml run``, on more
-than one node) leaves the clocks unknown: the figures are given, the finding is not.
+lateness when it did, and its median wait. A rank *holds up* a collective when it arrives last
+by at least the floor: the straggler floor (the same as the phase stragglers':
+STRAGGLER_GAP_PCT of the typical step and STRAGGLER_MIN_GAP_MS), and twice the largest clock
+error bound of the nodes compared (a lateness the clocks cannot vouch for counts for nothing).
+LATE_ARRIVAL names the rank that held up the most collectives, when it held up at least
+LATE_ARRIVAL_PCT of them (in a balanced run someone is always last, by noise: never by the
+floor). Its cost is the others' wait at the collectives it held up, in GPU-hours. Two limits:
+the collectives of a step other than its arrival are not compared, and a node whose launcher
+sent no offset (ranks without ``traceml run``, on more than one node) leaves the clocks unknown:
+the figures are given, the finding is not.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -94,10 +98,9 @@ def arrivals(
 
 def skew(
     run: RunData, window: Window, node_of: dict[int, int | None]
-) -> tuple[ArrivalSkew | None, tuple[int, np.ndarray] | None]:
-    """``analysis.skew`` (see the module docstring), and what :func:`late_arrival` needs:
-    the rank that arrived last most often and, per compared collective it arrived last at,
-    the others' total wait (µs). ``(None, None)`` when nothing could be compared."""
+) -> tuple[ArrivalSkew | None, Arrivals | None]:
+    """``analysis.skew`` (see the module docstring), and the arrivals it came from for
+    :func:`late_arrival`; ``(None, None)`` when nothing could be compared."""
     found = arrivals(run, window, node_of)
     if found is None:
         return None, None
@@ -118,49 +121,68 @@ def skew(
         clock_offsets_ms=offsets,
         clock_error_ms=None if error_us is None else _ms(error_us),
     )
-    worst = int(counts.argmax())
-    at = last == worst
-    return doc, (ranks[worst], waits[:, at].sum(axis=0))
+    return doc, Arrivals(ranks, last, late, waits)
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """The compared collectives, as :func:`skew` found them.
+
+    Attributes:
+        ranks: the ranks compared, ascending.
+        last: per collective, the index (into ``ranks``) of the rank that arrived last.
+        late: per collective, the last arrival after the others' median, µs.
+        waits: ranks x collectives: each rank's wait for the last arrival, µs.
+    """
+
+    ranks: list[int]
+    last: np.ndarray
+    late: np.ndarray
+    waits: np.ndarray
 
 
 def late_arrival(
     doc: ArrivalSkew | None,
-    worst: tuple[int, np.ndarray] | None,
+    found: Arrivals | None,
     step_ms: float | None,
     world_size: int,
     steps_per_index: float = 1.0,
 ) -> Finding | None:
     """LATE_ARRIVAL (see the module docstring) from :func:`skew`'s results, with the typical
-    step ``step_ms`` (ms); ``impact_ms`` is the others' median wait per step at the
-    collectives it arrived last at, times the share it arrived last at. None otherwise."""
-    if doc is None or worst is None or not step_ms or doc.clock_error_ms is None:
+    step ``step_ms`` (ms): the rank that held up the most collectives (arrived last by at least
+    the floor), when it held up at least LATE_ARRIVAL_PCT of them. ``impact_ms`` is the others'
+    median wait at those collectives times that share. None otherwise."""
+    if doc is None or found is None or not step_ms or doc.clock_error_ms is None:
         return None
-    rank, others_us = worst
-    share, late = doc.last_pct[str(rank)], doc.late_ms.get(str(rank))
-    floor = max(th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0)
-    if (
-        late is None
-        or share < th.LATE_ARRIVAL_PCT
-        or late < floor
-        or late <= 2 * doc.clock_error_ms
-    ):
+    floor_ms = max(
+        th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0, 2 * doc.clock_error_ms
+    )
+    held = found.late >= floor_ms * 1000.0
+    counts = np.bincount(found.last[held], minlength=len(found.ranks))
+    worst = int(counts.argmax())
+    n = len(found.late)
+    share = round(100.0 * counts[worst] / n, 1)
+    if share < th.LATE_ARRIVAL_PCT:
         return None
-    others = len(doc.last_pct) - 1
+    rank, at = found.ranks[worst], held & (found.last == worst)
+    others = len(found.ranks) - 1
+    others_us = found.waits[:, at].sum(axis=0)  # the others' summed wait at each
+    late = _ms(np.median(found.late[at]))
     wait_ms = _ms(np.median(others_us) / others)
-    cost_steps = round(len(others_us) * steps_per_index)
+    cost_steps = round(int(at.sum()) * steps_per_index)
     gpu_hours = round(float(others_us.sum()) * steps_per_index / _US_PER_HOUR, 6)
     clocks = (
         f"; clocks aligned across nodes within ±{doc.clock_error_ms:.3g} ms"
-        if doc.clock_offsets_ms and len(doc.clock_offsets_ms) > 1
+        if len(doc.clock_offsets_ms) > 1
         else ""
     )
     impact_ms = round(wait_ms * share / 100.0, 3)
     return Finding(
         LATE_ARRIVAL,
         severity(impact_ms, step_ms),
-        f"Rank {rank} arrived last at {share:.0f}% of the {doc.collectives} collectives "
-        f"compared (each step's last one), {late:.1f} ms after the others' median; the other "
-        f"{others} rank{'s' if others != 1 else ''} waited {wait_ms:.1f} ms a step for it there "
+        f"Rank {rank} held up {share:.0f}% of the {n} collectives compared (each step's last "
+        f"one), arriving last {late:.1f} ms after the others' median; the other {others} "
+        f"rank{'s' if others != 1 else ''} waited {wait_ms:.1f} ms a step for it there "
         f"(medians per step), {gpu_hours:.4g} GPU-hours over {cost_steps} steps (world size "
         f"{world_size}){clocks}.",
         f"Find what rank {rank} does before its collectives that the others do not: the "
@@ -171,12 +193,13 @@ def late_arrival(
         evidence={
             "statistic": MEDIAN,
             "slow_rank": rank,
-            "last_pct": share,
+            "held_pct": share,
             "threshold_pct": th.LATE_ARRIVAL_PCT,
+            "last_pct": doc.last_pct[str(rank)],
             "late_ms": late,
-            "floor_ms": round(floor, 3),
+            "floor_ms": round(floor_ms, 3),
             "others_wait_ms": wait_ms,
-            "collectives": doc.collectives,
+            "collectives": n,
             "clock_error_ms": doc.clock_error_ms,
             "cost_steps": cost_steps,
             "gpu_hours": gpu_hours,

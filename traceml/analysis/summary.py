@@ -393,9 +393,9 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
         primary, step_findings = _onsets_and_costs(
             run, window, clock, profs, in_step, primary, step_findings, synchronized
         )
-    arrival_skew, last_rank = skew.skew(run, window, node_of)
+    arrival_skew, arrivals = skew.skew(run, window, node_of)
     late = skew.late_arrival(
-        arrival_skew, last_rank, typ.step_time_ms, run.world_size, window.steps_per_index
+        arrival_skew, arrivals, typ.step_time_ms, run.world_size, window.steps_per_index
     )
     if late is not None:  # never the primary diagnosis: it names who, the phases say why
         step_findings.append(late)

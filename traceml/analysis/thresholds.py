@@ -40,10 +40,10 @@ STRAGGLER_GAP_PCT = 10.0
 #: is not a straggler).
 STRAGGLER_MIN_GAP_MS = 1.0
 
-#: LATE_ARRIVAL: a rank arrives last at at least this share of the collectives compared
-#: (traceml/analysis/skew.py) (%), later than the others' median by the straggler floor above
-#: (STRAGGLER_GAP_PCT of the typical step and STRAGGLER_MIN_GAP_MS) and by more than twice
-#: the largest clock error bound of the nodes compared.
+#: LATE_ARRIVAL: a rank holds up at least this share of the collectives compared
+#: (traceml/analysis/skew.py) (%): it arrives last, later than the others' median by the
+#: straggler floor above (STRAGGLER_GAP_PCT of the typical step and STRAGGLER_MIN_GAP_MS) and
+#: by at least twice the largest clock error bound of the nodes compared.
 LATE_ARRIVAL_PCT = 50.0
 
 # --- time outside the steps ---------------------------------------------------------------------
