@@ -705,15 +705,15 @@ def test_gpu_check_nccl_line():
         True,
         False,
     ]
-    late = {
-        "findings": {
-            "step_time": [{"kind": "LATE_ARRIVAL", "ranks": [1], "evidence": {"late_ms": 31.0}}]
-        }
-    }
-    assert [c.ok for c in gpu_check.skew_checks(late)] == [True]
-    late["findings"]["step_time"][0]["evidence"]["late_ms"] = 15.0  # half the planted delay
-    assert [c.ok for c in gpu_check.skew_checks(late)] == [False]
-    assert [c.ok for c in gpu_check.skew_checks({"findings": {"step_time": []}})] == [False]
+    withheld = "NCCL: an arrival is when the host enqueued the collective"
+    skew = {"last_pct": {"0": 0.0, "1": 100.0}, "late_ms": {"1": 31.0}, "withheld": withheld}
+    summary = {"analysis": {"skew": skew}, "findings": {"step_time": []}}
+    assert [c.ok for c in gpu_check.skew_checks(summary)] == [True, True]
+    skew["late_ms"]["1"] = 15.0  # half the planted delay
+    summary["findings"]["step_time"].append({"kind": "LATE_ARRIVAL"})
+    assert [c.ok for c in gpu_check.skew_checks(summary)] == [False, False]
+    none = {"analysis": {"skew": None}, "findings": {"step_time": []}}
+    assert [c.ok for c in gpu_check.skew_checks(none)] == [False, False]
 
 
 def test_gpu_check_lines_read_pass_fail_skip():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from consistency import check_consistent
 from rundata_factory import identity, rank, run_of, steps
@@ -10,7 +12,7 @@ from rundata_factory import identity, rank, run_of, steps
 from traceml.analysis.summary import build_summary
 from traceml.core import clock
 from traceml.core.records import NodeClock
-from traceml_aggregator.sessions import clock_news
+from traceml_aggregator.sessions import CLOCK_REFRESH_S, clock_news
 
 #: Node 1's clock reads this much more than node 0's at the same instant, µs.
 AHEAD_US = 250_000
@@ -18,7 +20,7 @@ AHEAD_US = 250_000
 LATE_US = 30_000
 
 
-def _run(late_rank=2, clocks=None, seq_of=None, nodes=(0, 0, 1, 1)):
+def _run(late_rank=2, clocks=None, seq_of=None, nodes=(0, 0, 1, 1), **identity_kw):
     """4 ranks, ranks 2 and 3 on node 1 (its clock AHEAD_US ahead), 40 steps whose collective
     (the default group's, seq = step + 1 unless ``seq_of(rank, step)`` says otherwise) every
     rank enters 20 ms into the step, ``late_rank`` LATE_US later."""
@@ -31,7 +33,8 @@ def _run(late_rank=2, clocks=None, seq_of=None, nodes=(0, 0, 1, 1)):
             s["arrive_group"] = 7
             s["arrive_seq"] = i + 1 if seq_of is None else seq_of(r, i)
         rd = rank(r, rows, node=node)
-        rd.identity = identity(r, node=node, start_unix_us=1_000_000 + AHEAD_US * node)
+        kw = {k: v(r) for k, v in identity_kw.items()}
+        rd.identity = identity(r, node=node, start_unix_us=1_000_000 + AHEAD_US * node, **kw)
         ranks.append(rd)
     run = run_of(ranks, exits={0: {}, 1: {}})
     run.node_clocks = list(clocks or [])
@@ -52,6 +55,8 @@ def test_the_late_rank_is_named_on_node_0s_clock():
         "wait_ms": {"0": 30.0, "1": 30.0, "2": 0.0, "3": 30.0},
         "clock_offsets_ms": {"0": 0.0, "1": -250.0},
         "clock_error_ms": 0.1,
+        "ranks_without": [],
+        "withheld": None,
     }
     (f,) = [f for f in s["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"]
     assert f["ranks"] == [2] and f["severity"] == "critical"
@@ -137,6 +142,49 @@ def test_late_for_half_the_run_is_held_up_for_that_half():
     assert "LATE_ARRIVAL" not in [f["kind"] for f in build_summary(run)["findings"]["step_time"]]
 
 
+def _late(summary: dict) -> list[dict]:
+    return [f for f in summary["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"]
+
+
+def test_two_hosts_under_one_node_rank_have_unknown_clocks():
+    """srun without torchrun: every rank says node 0; ranks 2 and 3 are on another host whose
+    clock is 250 ms ahead. Read as one node, rank 2 would be 280 ms late."""
+    run = _run(nodes=(0, 0, 0, 0), hostname=lambda r: f"h{r // 2}")
+    for r in (2, 3):
+        run.ranks[r].identity = replace(run.ranks[r].identity, start_unix_us=1_000_000 + AHEAD_US)
+    s = build_summary(run)
+    assert s["analysis"]["skew"]["clock_error_ms"] is None
+    assert s["analysis"]["skew"]["withheld"].startswith("ranks of one node rank on different hosts")
+    assert _late(s) == []
+
+
+def test_on_nccl_the_figures_are_given_and_the_finding_withheld():
+    s = build_summary(_run(clocks=CLOCKS, backend=lambda r: "nccl"))
+    assert s["analysis"]["skew"]["late_ms"] == {"2": 30.0}
+    assert s["analysis"]["skew"]["withheld"].startswith("NCCL: an arrival is when the host")
+    assert _late(s) == []
+
+
+def test_two_ranks_late_by_turns_name_neither():
+    """Rank 2 late on even steps, rank 3 on odd ones: each holds up about half."""
+    run = _run(clocks=CLOCKS)
+    column = list(run.ranks[3].steps.columns["arrive_us"])
+    for i in range(1, 40, 2):
+        column[i] += 2 * LATE_US
+    run.ranks[3].steps.columns["arrive_us"] = column
+    s = build_summary(run)
+    assert s["analysis"]["skew"]["last_pct"] == {"0": 0.0, "1": 0.0, "2": 48.6, "3": 51.4}
+    assert _late(s) == []
+
+
+def test_a_rank_without_arrivals_is_left_out_and_named():
+    run = _run(clocks=CLOCKS)
+    run.ranks[1].steps.columns["arrive_us"] = [None] * 40
+    skew = build_summary(run)["analysis"]["skew"]
+    assert (skew["ranks_without"], skew["collectives"]) == ([1], 35)
+    assert sorted(skew["last_pct"]) == ["0", "2", "3"]
+
+
 def test_a_balanced_run_has_no_late_rank():
     s = build_summary(_run(late_rank=None, clocks=CLOCKS))
     assert s["analysis"]["skew"]["late_ms"] == {"0": 0.0}  # a tie: the first rank counts
@@ -161,15 +209,28 @@ def test_an_exchange_bounds_the_true_offset():
         clock.exchange(t0, t1, t2, t0 - 1)
 
 
+def test_an_answer_held_longer_than_its_round_trip_is_no_exchange():
+    """Node 0 held it 3 ms of a 1 ms round trip (a clock stepped, or a forged answer): the
+    bound would be negative."""
+    with pytest.raises(ValueError, match="not an exchange"):
+        clock.exchange(0, 10_000_000, 13_000_000, 1_000_000)
+
+
 def test_the_estimator_keeps_the_tightest_of_the_latest_exchanges():
     est = clock.OffsetEstimator()
     assert est.best() is None
-    est.add(0, 1_000_000, 1_000_000, 2_000_000)  # 1 ms round trip: ±1000 µs
-    est.add(0, 500_000, 500_000, 200_000)  # 0.2 ms round trip: ±100 µs
-    est.add(0, 1, 0, 0)  # not an exchange (t2 < t1): ignored
+    t0 = est.sent()
+    assert est.add(t0, t0 + 1_000_000, t0 + 1_000_000, t0 + 2_000_000)  # ±1000 µs
+    assert not est.add(t0, t0 + 1_000_000, t0 + 1_000_000, t0 + 2_000_000)  # answered already
+    assert not est.add(t0 - 5, t0, t0, t0)  # the answer to no heartbeat sent
+    t0 = est.sent()
+    assert est.add(t0, t0 + 500_000, t0 + 500_000, t0 + 200_000)  # ±100 µs: better
+    t0 = est.sent()
+    assert not est.add(t0, t0 + 1, t0, t0)  # answered before read: ignored
     assert est.best() == clock.Offset(offset_us=400, error_us=100)
     for _ in range(clock.SAMPLES_KEPT):  # the tight one ages out
-        est.add(0, 3_000_000, 3_000_000, 4_000_000)
+        t0 = est.sent()
+        est.add(t0, t0 + 3_000_000, t0 + 3_000_000, t0 + 4_000_000)
     assert est.best() == clock.Offset(offset_us=1_000, error_us=2_000)
 
 
@@ -178,5 +239,11 @@ def test_the_aggregator_stores_an_estimate_only_when_it_is_news():
     same = NodeClock(1, 1_050, 90, 2.0).to_json()
     tighter = NodeClock(1, 1_010, 40, 2.0).to_json()
     moved = NodeClock(1, 1_300, 100, 2.0).to_json()
+    later = NodeClock(1, 1_050, 90, 1.0 + CLOCK_REFRESH_S).to_json()  # renewed (drift)
     assert clock_news(None, stored)
-    assert [clock_news(stored, e) for e in (same, tighter, moved)] == [False, True, True]
+    assert [clock_news(stored, e) for e in (same, tighter, moved, later)] == [
+        False,
+        True,
+        True,
+        True,
+    ]

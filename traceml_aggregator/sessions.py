@@ -43,19 +43,23 @@ _log = log.get("aggregator")
 
 #: How often the aggregator looks for lost nodes, s.
 LOST_CHECK_S = 1.0
+#: A node's stored clock offset is replaced by its latest estimate at least this often, s.
+CLOCK_REFRESH_S = 300.0
 
 
 def clock_news(stored: dict | None, estimate: dict) -> bool:
     """Whether a node's new clock ``estimate`` is worth a store write over ``stored`` (both
-    NodeClock JSON): the first one, one with less than half the bound, or one that the stored
-    one does not agree with (the clock moved: the two intervals do not overlap). A launcher
-    resends its best estimate every heartbeat, so most are not news."""
+    NodeClock JSON): the first one, one with less than half the bound, one that the stored
+    one does not agree with (the clock moved: the two intervals do not overlap), or one
+    :data:`CLOCK_REFRESH_S` newer (a clock without NTP drifts, 10-50 ppm). A launcher resends
+    its best estimate every heartbeat, so most are not news."""
     if stored is None:
         return True
     apart = abs(estimate["offset_us"] - stored["offset_us"])
     return (
         2 * estimate["error_us"] < stored["error_us"]
         or apart > estimate["error_us"] + stored["error_us"]
+        or estimate["measured_unix_s"] - stored["measured_unix_s"] >= CLOCK_REFRESH_S
     )
 
 
@@ -282,7 +286,12 @@ class NodeSessions:
         while self._clocks_dirty:
             self._clocks_dirty = False
             clocks = [self.clocks[n] for n in sorted(self.clocks)]
-            await self._persist_clocks(clocks)
+            try:
+                await self._persist_clocks(clocks)
+            except Exception as exc:  # the store refused (disk full...): the next news retries
+                self._clocks_dirty = True
+                _log.warning(f"warning: the nodes' clock offsets were not stored ({exc})")
+                return
             for c in clocks:
                 if c["node_rank"] not in self._clocks_logged:
                     self._clocks_logged.add(c["node_rank"])

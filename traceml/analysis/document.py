@@ -340,6 +340,9 @@ class ArrivalSkew:
     mismatched: Annotated[
         Count, Schema(description="window steps whose ranks were at different collectives")
     ]
+    ranks_without: Annotated[
+        list[int], Schema(description="window ranks that sent no arrival (left out)")
+    ]
     last_pct: Annotated[
         dict[str, float], Schema(description="rank -> share of the collectives it arrived last, %")
     ]
@@ -359,6 +362,10 @@ class ArrivalSkew:
             description="largest error bound of the compared nodes' offsets (0: one node; "
             "null: a node sent none)"
         ),
+    ]
+    withheld: Annotated[
+        str | None,
+        Schema(description="why no LATE_ARRIVAL is raised whatever the figures, or null"),
     ]
 
 

@@ -20,11 +20,16 @@ by at least the floor: the straggler floor (the same as the phase stragglers':
 STRAGGLER_GAP_PCT of the typical step and STRAGGLER_MIN_GAP_MS), and twice the largest clock
 error bound of the nodes compared (a lateness the clocks cannot vouch for counts for nothing).
 LATE_ARRIVAL names the rank that held up the most collectives, when it held up at least
-LATE_ARRIVAL_PCT of them (in a balanced run someone is always last, by noise: never by the
-floor). Its cost is the others' wait at the collectives it held up, in GPU-hours. Two limits:
-the collectives of a step other than its arrival are not compared, and a node whose launcher
-sent no offset (ranks without ``traceml run``, on more than one node) leaves the clocks unknown:
-the figures are given, the finding is not.
+LATE_ARRIVAL_PCT of them and at least twice as many as any other rank (in a balanced run
+someone is always last, by noise: never by the floor). Its cost is the others' wait at the
+collectives it held up, in GPU-hours. It is withheld, whatever the figures (``withheld`` says
+why), on NCCL (an arrival is when the host enqueued the collective, and a host running ahead of
+its GPU enqueues early: the completion is not timed yet), when a node's launcher sent no
+offset (ranks without ``traceml run`` on more than one node: the figures read each clock as
+sent), and when ranks of one node rank are on different hosts (a launch without torchrun's
+node ranks). Two limits: the collectives of a step other than its arrival are not compared,
+and one offset per node (the latest stored) is applied to the whole window, so a clock that
+drifts without NTP moves the earlier arrivals by its drift, which the bound does not include.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from traceml.analysis.findings import MEDIAN, Finding
 from traceml.analysis.rundata import RunData
 from traceml.analysis.step_time import severity
 from traceml.analysis.window import Window
+from traceml.core.records import NodeClock
 
 LATE_ARRIVAL = "LATE_ARRIVAL"
 _US_PER_HOUR = 3_600_000_000
@@ -48,63 +54,123 @@ def _ms(us: float) -> float:
     return round(float(us) / 1000.0, 3)
 
 
-def arrivals(
-    run: RunData, window: Window, node_of: dict[int, int | None]
-) -> tuple[list[int], np.ndarray, int, float | None, dict[str, float]] | None:
-    """The window's arrivals on node 0's clock.
+@dataclass(frozen=True)
+class Arrivals:
+    """The compared collectives on node 0's clock (:func:`arrivals`).
 
-    Returns:
-        ``(ranks, us, mismatched, error_us, offsets_ms)``: the ranks compared; their arrivals
-        (ranks x steps, µs on node 0's clock, relative to the earliest); the window steps left
-        out because their ranks were at different collectives; the largest error bound of the
-        compared nodes' offsets (µs; 0 on one node, None when a node has no offset); each
-        node's offset (ms). None with fewer than two ranks or no step to compare.
+    Attributes:
+        ranks: the ranks compared, ascending.
+        us: ranks x collectives: each rank's arrival, µs on node 0's clock from the earliest
+            rank's start.
+        mismatched: window steps left out because their ranks were at different collectives.
+        without: window ranks that sent no arrival on any window step (left out).
+        error_us: the largest error bound of the compared nodes' offsets, µs; 0 when every
+            rank is on one host; None when the clocks are unknown.
+        offsets_ms: each compared node's offset, ms.
+        withheld: why no LATE_ARRIVAL is raised whatever the figures say, or "".
     """
+
+    ranks: list[int]
+    us: np.ndarray
+    mismatched: int
+    without: list[int]
+    error_us: float | None
+    offsets_ms: dict[str, float]
+    withheld: str
+
+
+def arrivals(run: RunData, window: Window, node_of: dict[int, int | None]) -> Arrivals | None:
+    """The window's arrivals on node 0's clock (see the module docstring); None with fewer
+    than two ranks with arrivals, or no step on which they all arrived at one collective."""
     clocks = {c.node_rank: c for c in run.node_clocks}
-    ranks, rows, keys = [], [], []
+    ranks, rows, keys, without = [], [], [], []
     for r in window.ranks:
         identity = run.ranks[r].identity
         steps = window.steps[r]
         if identity is None or identity.start_unix_us is None:
+            continue
+        if all(v is None for v in steps["arrive_us"]):
+            without.append(r)
             continue
         ranks.append(r)
         rows.append([np.nan if v is None else float(v) for v in steps["arrive_us"]])
         keys.append(list(zip(steps["arrive_group"], steps["arrive_seq"], strict=True)))
     if len(ranks) < 2:
         return None
-    nodes = {node_of.get(r) for r in ranks}
-    known = [clocks[n] for n in nodes if n in clocks]
-    if len(nodes) == 1:
-        error_us: float | None = 0.0
-    elif len(known) == len(nodes):
-        error_us = float(max(c.error_us for c in known))
+    identities = {r: run.ranks[r].identity for r in ranks}
+    hosts: dict[int | None, set[str | None]] = {}
+    for r, identity in identities.items():
+        hosts.setdefault(node_of.get(r), set()).add(identity.hostname if identity else None)
+    known = [clocks[n] for n in hosts if n in clocks]
+    error_us: float | None = None
+    withheld = ""
+    if len(hosts) == 1 and len(next(iter(hosts.values()))) == 1:
+        error_us = 0.0
+    elif any(len(names) > 1 for names in hosts.values()):
+        withheld = "ranks of one node rank on different hosts: their clocks are unknown"
+    elif len(known) < len(hosts):
+        withheld = "a node's launcher sent no clock offset: the figures read its clock as sent"
     else:
-        error_us = None
-    start = min(run.ranks[r].identity.start_unix_us for r in ranks)  # type: ignore[union-attr]
+        error_us = float(max(c.error_us for c in known))
+    if any(identity and identity.backend == "nccl" for identity in identities.values()):
+        withheld = (
+            "NCCL: an arrival is when the host enqueued the collective, which a host running "
+            "ahead of its GPU makes early (its completion is not timed yet)"
+        )
+    starts = {r: identity.start_unix_us for r, identity in identities.items() if identity}
+    start = min(starts.values())
     base = np.empty(len(ranks), dtype=np.float64)
     for i, r in enumerate(ranks):
         node = node_of.get(r)
-        shift = clocks[node].offset_us if node in clocks and len(nodes) > 1 else 0
-        base[i] = run.ranks[r].identity.start_unix_us - start + shift  # type: ignore[union-attr]
+        shift = clocks[node].offset_us if error_us and node in clocks else 0
+        base[i] = starts[r] - start + shift
     us = np.array(rows, dtype=np.float64) + base[:, None]
     arrived = ~np.isnan(us).any(axis=0)  # every rank waited in a collective on the step
     same = np.array([len(set(column)) == 1 for column in zip(*keys, strict=True)], dtype=bool)
     keep = arrived & same
-    offsets = {str(c.node_rank): _ms(c.offset_us) for c in sorted(known, key=lambda c: c.node_rank)}
     if not keep.any():
         return None
-    return ranks, us[:, keep], int((arrived & ~same).sum()), error_us, offsets
+    return Arrivals(
+        ranks=ranks,
+        us=us[:, keep],
+        mismatched=int((arrived & ~same).sum()),
+        without=without,
+        error_us=error_us,
+        offsets_ms={str(c.node_rank): _ms(c.offset_us) for c in sorted(known, key=_node)},
+        withheld=withheld,
+    )
+
+
+def _node(c: NodeClock) -> int:
+    return c.node_rank
+
+
+@dataclass(frozen=True)
+class Late:
+    """Who arrived last at each compared collective (:func:`skew`).
+
+    Attributes:
+        found: the arrivals compared.
+        last: per collective, the index (into ``found.ranks``) of the rank that arrived last.
+        late: per collective, the last arrival after the others' median, µs.
+        waits: ranks x collectives: each rank's wait for the last arrival, µs.
+    """
+
+    found: Arrivals
+    last: np.ndarray
+    late: np.ndarray
+    waits: np.ndarray
 
 
 def skew(
     run: RunData, window: Window, node_of: dict[int, int | None]
-) -> tuple[ArrivalSkew | None, Arrivals | None]:
-    """``analysis.skew`` (see the module docstring), and the arrivals it came from for
+) -> tuple[ArrivalSkew | None, Late | None]:
+    """``analysis.skew`` (see the module docstring), and who arrived last for
     :func:`late_arrival`; ``(None, None)`` when nothing could be compared."""
     found = arrivals(run, window, node_of)
     if found is None:
         return None, None
-    ranks, us, mismatched, error_us, offsets = found
+    ranks, us = found.ranks, found.us
     last = us.argmax(axis=0)
     latest = us.max(axis=0)
     late = latest - np.median(np.sort(us, axis=0)[:-1], axis=0)  # after the others' median
@@ -114,58 +180,44 @@ def skew(
     doc = ArrivalSkew(
         statistic=MEDIAN,
         collectives=n,
-        mismatched=mismatched,
-        last_pct={str(r): round(100.0 * counts[i] / n, 1) for i, r in enumerate(ranks)},
+        mismatched=found.mismatched,
+        ranks_without=found.without,
+        last_pct={str(r): round(100.0 * float(counts[i]) / n, 1) for i, r in enumerate(ranks)},
         late_ms={str(r): _ms(np.median(late[last == i])) for i, r in enumerate(ranks) if counts[i]},
         wait_ms={str(r): _ms(np.median(waits[i])) for i, r in enumerate(ranks)},
-        clock_offsets_ms=offsets,
-        clock_error_ms=None if error_us is None else _ms(error_us),
+        clock_offsets_ms=found.offsets_ms,
+        clock_error_ms=None if found.error_us is None else _ms(found.error_us),
+        withheld=found.withheld or None,
     )
-    return doc, Arrivals(ranks, last, late, waits)
-
-
-@dataclass(frozen=True)
-class Arrivals:
-    """The compared collectives, as :func:`skew` found them.
-
-    Attributes:
-        ranks: the ranks compared, ascending.
-        last: per collective, the index (into ``ranks``) of the rank that arrived last.
-        late: per collective, the last arrival after the others' median, µs.
-        waits: ranks x collectives: each rank's wait for the last arrival, µs.
-    """
-
-    ranks: list[int]
-    last: np.ndarray
-    late: np.ndarray
-    waits: np.ndarray
+    return doc, Late(found, last, late, waits)
 
 
 def late_arrival(
     doc: ArrivalSkew | None,
-    found: Arrivals | None,
+    found: Late | None,
     step_ms: float | None,
     world_size: int,
     steps_per_index: float = 1.0,
 ) -> Finding | None:
     """LATE_ARRIVAL (see the module docstring) from :func:`skew`'s results, with the typical
     step ``step_ms`` (ms): the rank that held up the most collectives (arrived last by at least
-    the floor), when it held up at least LATE_ARRIVAL_PCT of them. ``impact_ms`` is the others'
-    median wait at those collectives times that share. None otherwise."""
-    if doc is None or found is None or not step_ms or doc.clock_error_ms is None:
+    the floor), when it held up at least LATE_ARRIVAL_PCT of them and at least twice as many
+    as any other rank. ``impact_ms`` is the others' median wait at those collectives times
+    that share. None otherwise, and whenever ``doc.withheld`` says why not."""
+    if doc is None or found is None or not step_ms or doc.withheld or doc.clock_error_ms is None:
         return None
     floor_ms = max(
         th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0, 2 * doc.clock_error_ms
     )
     held = found.late >= floor_ms * 1000.0
-    counts = np.bincount(found.last[held], minlength=len(found.ranks))
+    counts = np.bincount(found.last[held], minlength=len(found.found.ranks))
     worst = int(counts.argmax())
     n = len(found.late)
-    share = round(100.0 * counts[worst] / n, 1)
-    if share < th.LATE_ARRIVAL_PCT:
+    share = round(100.0 * float(counts[worst]) / n, 1)
+    if share < th.LATE_ARRIVAL_PCT or counts[worst] < 2 * np.sort(counts)[-2]:
         return None
-    rank, at = found.ranks[worst], held & (found.last == worst)
-    others = len(found.ranks) - 1
+    rank, at = found.found.ranks[worst], held & (found.last == worst)
+    others = len(found.found.ranks) - 1
     others_us = found.waits[:, at].sum(axis=0)  # the others' summed wait at each
     late = _ms(np.median(found.late[at]))
     wait_ms = _ms(np.median(others_us) / others)

@@ -21,6 +21,7 @@ queueing), and the launcher sends that estimate to node 0 as soon as it changes.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,27 +60,56 @@ def exchange(t0: int, t1: int, t2: int, t3: int) -> Offset:
     node's clock, ``t1`` read and ``t2`` answered on node 0's).
 
     Raises:
-        ValueError: the times are not an exchange (``t3 < t0`` or ``t2 < t1``).
+        ValueError: the times are not an exchange: an answer read before it was sent
+            (``t3 < t0``), answered before it was read (``t2 < t1``), or held by node 0 longer
+            than the round trip took (``t2 - t1 > t3 - t0``: a clock stepped during it, or the
+            answer is not the aggregator's).
     """
-    if t3 < t0 or t2 < t1:
-        raise ValueError(f"not an exchange: t0={t0} t1={t1} t2={t2} t3={t3}")
     low, high = t2 - t3, t1 - t0
+    if t3 < t0 or t2 < t1 or high < low:
+        raise ValueError(f"not an exchange: t0={t0} t1={t1} t2={t2} t3={t3}")
     return Offset(offset_us=(low + high) // 2000, error_us=-(-(high - low) // 2000))
 
 
 class OffsetEstimator:
-    """The best of the latest :data:`SAMPLES_KEPT` exchanges (the smallest error bound)."""
+    """The best of the latest :data:`SAMPLES_KEPT` exchanges (the smallest error bound).
+
+    Thread-safe: the launcher's session stamps and sends heartbeats on gRPC's request thread
+    and reads the answers on its own."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._samples: deque[Offset] = deque(maxlen=SAMPLES_KEPT)
+        #: t0 of the heartbeats sent and not answered yet (the latest SAMPLES_KEPT).
+        self._sent: deque[int] = deque(maxlen=SAMPLES_KEPT)
 
-    def add(self, t0: int, t1: int, t2: int, t3: int) -> None:
-        """Take one exchange (see :func:`exchange`); a malformed one is ignored."""
-        try:
-            self._samples.append(exchange(t0, t1, t2, t3))
-        except ValueError:
-            pass
+    def sent(self) -> int:
+        """Stamp a heartbeat's t0 (:func:`unix_ns`) as it is sent; returns it."""
+        t0 = unix_ns()
+        with self._lock:
+            self._sent.append(t0)
+        return t0
+
+    def add(self, t0: int, t1: int, t2: int, t3: int) -> bool:
+        """Take one exchange (see :func:`exchange`); True when it changed :meth:`best`. An
+        answer to no heartbeat this estimator sent (or one answered already) and a malformed
+        one are ignored."""
+        with self._lock:
+            if t0 not in self._sent:
+                return False
+            self._sent.remove(t0)
+            try:
+                offset = exchange(t0, t1, t2, t3)
+            except ValueError:
+                return False
+            before = self._best()
+            self._samples.append(offset)
+            return self._best() != before
 
     def best(self) -> Offset | None:
         """The estimate with the smallest bound of the latest exchanges; None before one."""
+        with self._lock:
+            return self._best()
+
+    def _best(self) -> Offset | None:
         return min(self._samples, key=lambda o: o.error_us, default=None)

@@ -100,6 +100,7 @@ class NodeSession:
         self.opened = 0
         #: This node's clock offset from node 0's, from the heartbeats' exchanges.
         self.clock = clock.OffsetEstimator()
+        self._clock_warned = False
         self._exit = None
         self._exit_stored = False
         self._finalize_request = None
@@ -205,15 +206,22 @@ class NodeSession:
 
     def _heartbeat(self, exchange: bool):
         """A heartbeat with the best clock estimate so far, and, with ``exchange``, its send
-        time (t0) for a new exchange."""
+        time (t0) for a new exchange; a plain heartbeat if either fails (fail-open: the session
+        never breaks on its clock)."""
         from traceml import wire
 
-        best = self.clock.best()
         beat = wire.NodeHeartbeat()
-        if best is not None:
-            beat.clock.offset_us, beat.clock.error_us = best.offset_us, best.error_us
-        if exchange:
-            beat.sent_unix_ns = clock.unix_ns()  # t0, last: as close to the send as can be
+        try:
+            best = self.clock.best()
+            if best is not None:
+                beat.clock.offset_us, beat.clock.error_us = best.offset_us, best.error_us
+            if exchange:
+                beat.sent_unix_ns = self.clock.sent()  # t0, last: as close to the send as can be
+        except Exception as exc:
+            beat.Clear()
+            if not self._clock_warned:
+                self._clock_warned = True
+                _log.warning(f"warning: this node's clock exchange failed ({exc}); going on")
         return self._up(heartbeat=beat)
 
     def _run(self) -> None:
@@ -301,11 +309,10 @@ class NodeSession:
             elif kind == "partial_summary":
                 self.partial_summary = down.partial_summary
             elif kind == "clock":
-                echo, before = down.clock, self.clock.best()
-                self.clock.add(
+                echo = down.clock
+                if self.clock.add(
                     echo.sent_unix_ns, echo.received_unix_ns, echo.answered_unix_ns, received_ns
-                )
-                if self.clock.best() != before:  # node 0 hears a better estimate at once
+                ):  # node 0 hears a better estimate at once
                     self._attempt.outbox.put(_ESTIMATE)
             self._cond.notify_all()
         return kind != "claim" or down.claim.accepted
