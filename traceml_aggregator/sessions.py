@@ -231,7 +231,7 @@ class NodeSessions:
             self._heard(session.node_rank)
             kind = up.WhichOneof("kind")
             if kind == "heartbeat":
-                await self._clock_exchange(session, up.heartbeat, received_ns)
+                self._clock_exchange(session, up.heartbeat, received_ns)
             elif kind == "goodbye":
                 session.goodbye = True
             elif kind == "exit":
@@ -252,7 +252,7 @@ class NodeSessions:
                     session.finalizing.cancel()  # the launcher asks again: now, with less
                 session.finalizing = asyncio.ensure_future(self._finalize_and_push(up.finalize))
 
-    async def _clock_exchange(self, session: _Session, heartbeat, received_ns: int) -> None:
+    def _clock_exchange(self, session: _Session, heartbeat, received_ns: int) -> None:
         """Answer ``heartbeat``'s clock exchange at once, and keep the estimate it carries
         (stored at once when :func:`clock_news` says it is news)."""
         if heartbeat.sent_unix_ns:
