@@ -298,6 +298,13 @@ def test_live_ranks_take_counts_and_clock_from_the_aggregates():
     rl.steps_stored, rl.last_step_unix_s = 1240, NOW + 2
     r0 = reply().ranks[0]
     assert (r0.steps_stored, r0.last_step_unix_s, r0.step_time_ms) == (1240, NOW + 2, 20.0)
+    # rank 1's identity and first steps arrive after the summary was built: its row names its
+    # node at once, as it counts its steps (CI once saw "node -: ranks 1 steps 1")
+    r1_live = live._rank(1)
+    r1_live.identity, r1_live.steps_stored = identity(1, node=2), 1
+    r1 = reply().ranks[1]
+    assert (r1.node_rank, r1.hostname, r1.steps_stored) == (2, "host2", 1)
+    assert not r1.HasField("step_time_ms")  # the summary's figures wait for the next one
     live.close()
 
 

@@ -64,7 +64,9 @@ class LiveRows:
     ``gpu_memory_bytes`` the CUDA allocator's peak allocated over the window, else its GPU's
     largest memory used (bytes); ``recent_step_ms`` the last :data:`SPARK_STEPS` step times of
     the window (ms, oldest first). From the aggregates, at each reply: ``steps_stored`` and
-    ``last_step_unix_s`` (the rank's clock). Unmeasured figures stay unset.
+    ``last_step_unix_s`` (the rank's clock), and ``node_rank`` and ``hostname`` when its identity
+    arrived after the summary was built (a row never shows a rank's steps without its node).
+    Unmeasured figures stay unset.
     """
 
     def __init__(self) -> None:
@@ -83,6 +85,10 @@ class LiveRows:
                 out.steps_stored = rl.steps_stored
                 if rl.last_step_unix_s is not None:
                     out.last_step_unix_s = rl.last_step_unix_s
+                identity = rl.identity
+                if identity is not None and identity.node_rank is not None:
+                    if not out.HasField("node_rank"):  # arrived after the summary was built
+                        out.node_rank, out.hostname = identity.node_rank, identity.hostname or ""
 
 
 def _summary_rows(summary: dict, live: LiveAggregates) -> list[wire.LiveRank]:
