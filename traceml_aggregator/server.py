@@ -230,8 +230,7 @@ class AggregatorService(wire.AggregatorServicer):
             NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes),
             store_exit=self._store_node_exit,
             finalize=self._finalize,
-            persist_losses=self._persist_losses,
-            persist_clocks=self._persist_clocks,
+            persist=self._persist_meta,
             foreign=self._foreign,
             refuse=rejections.refuse,
             losses=json.loads(store.meta().get(NODE_LOSSES_META_KEY) or "[]"),
@@ -355,11 +354,8 @@ class AggregatorService(wire.AggregatorServicer):
         self.live.on_node_exit(report)
         return ""
 
-    async def _persist_losses(self, losses: list[dict]) -> None:
-        await self.writer.call(self.writer.store.set_meta, NODE_LOSSES_META_KEY, json.dumps(losses))
-
-    async def _persist_clocks(self, clocks: list[dict]) -> None:
-        await self.writer.call(self.writer.store.set_meta, NODE_CLOCKS_META_KEY, json.dumps(clocks))
+    async def _persist_meta(self, key: str, value) -> None:
+        await self.writer.call(self.writer.store.set_meta, key, json.dumps(value))
 
     async def ReportNodeExit(self, request, context):
         reason = await self._store_node_exit(request)
@@ -563,7 +559,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     live.run_records = lambda: {
         "stall": hangs.record,
         "node_losses": list(service.sessions.losses),
-        "node_clocks": [service.sessions.clocks[n] for n in sorted(service.sessions.clocks)],
+        "node_clocks": service.sessions.clock_records(),
         "rejected": dict(rejections.counts),
         "rejected_reasons": dict(rejections.reasons),
         "aggregator_restarts": list(restarts),

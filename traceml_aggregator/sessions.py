@@ -38,6 +38,7 @@ from traceml.core import log
 from traceml.core.records import LostNode, NodeClock
 from traceml.core.transport import NODE_LOST_AFTER_S
 from traceml_aggregator.nodes import NodeRegistry
+from traceml_aggregator.store import NODE_CLOCKS_META_KEY, NODE_LOSSES_META_KEY
 
 _log = log.get("aggregator")
 
@@ -98,9 +99,8 @@ class NodeSessions:
         registry: the node-rank claims.
         store_exit: ``async fn(NodeExit) -> str``: stores a node's exit; the refusal, or "".
         finalize: ``async fn(FinalizeRequest) -> FinalizeReply``.
-        persist_losses: ``async fn(list[dict])``: stores every loss record so far.
-        persist_clocks: ``async fn(list[dict])``: stores every node's clock offset so far
-            (:class:`~traceml.core.records.NodeClock` records, by node rank).
+        persist: ``async fn(meta key, JSON value)``: stores a run record in the store's meta
+            (every loss record so far; every node's clock offset so far).
         foreign: ``fn(run_name) -> str``: why a run name is not this run's ("" when it is).
         refuse: ``fn(kind, detail) -> detail``: counts a refused claim or session message.
         losses: loss records an earlier aggregator of this run stored.
@@ -114,8 +114,7 @@ class NodeSessions:
         *,
         store_exit,
         finalize,
-        persist_losses,
-        persist_clocks,
+        persist,
         foreign,
         refuse,
         losses: list[dict] | None = None,
@@ -125,8 +124,7 @@ class NodeSessions:
         self.registry = registry
         self._store_exit = store_exit
         self._finalize = finalize
-        self._persist = persist_losses
-        self._persist_clocks = persist_clocks
+        self._persist = persist
         self._foreign = foreign
         self._refuse = refuse
         self.lost_after_s = lost_after_s
@@ -142,6 +140,10 @@ class NodeSessions:
         #: The latest published NodeDown of each kind (``stall``, ``partial_summary``), for
         #: the sessions that open later.
         self._published: dict[str, wire.NodeDown] = {}
+
+    def clock_records(self) -> list[dict]:
+        """Every node's clock offset as stored (NodeClock JSON), by node rank."""
+        return [self.clocks[n] for n in sorted(self.clocks)]
 
     def expect(self, node_ranks) -> None:
         """Expect a session from each of ``node_ranks`` from now on (a restarted aggregator:
@@ -285,9 +287,9 @@ class NodeSessions:
         node's first stored offset."""
         while self._clocks_dirty:
             self._clocks_dirty = False
-            clocks = [self.clocks[n] for n in sorted(self.clocks)]
+            clocks = self.clock_records()
             try:
-                await self._persist_clocks(clocks)
+                await self._persist(NODE_CLOCKS_META_KEY, clocks)
             except Exception as exc:  # the store refused (disk full...): the next news retries
                 self._clocks_dirty = True
                 _log.warning(f"warning: the nodes' clock offsets were not stored ({exc})")
@@ -335,7 +337,7 @@ class NodeSessions:
             node.lost["resumed_unix_s"] = round(time.time(), 3)
             lost_s = node.lost["resumed_unix_s"] - node.lost["lost_unix_s"]
             node.lost = None
-            await self._persist(self.losses)
+            await self._persist(NODE_LOSSES_META_KEY, self.losses)
             _log.info(
                 f"node {rank} ({claim.hostname}) is back: its session resumed {lost_s:.1f} s "
                 f"after it was marked lost"
@@ -385,7 +387,7 @@ class NodeSessions:
                 f"for {silent_s:.0f} s (its session stream broke and did not come back)"
             )
         if found:
-            await self._persist(self.losses)
+            await self._persist(NODE_LOSSES_META_KEY, self.losses)
         return found
 
     async def watch(self) -> None:

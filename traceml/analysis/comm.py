@@ -31,6 +31,7 @@ from traceml.analysis import thresholds as th
 from traceml.analysis.document import CommSplit
 from traceml.analysis.findings import MEDIAN, Finding
 from traceml.analysis.phases import Profile
+from traceml.analysis.stats import ms
 from traceml.analysis.step_time import severity
 
 COMM_BOUND = "COMM_BOUND"
@@ -61,14 +62,10 @@ def split(profiles: Mapping[int, Profile]) -> CommSplit | None:
     return CommSplit(
         statistic=MEDIAN,
         steps=int(us.shape[1]),
-        transfer_ms=_ms(np.median(least)),
-        comm_ms={str(r): _ms(np.median(row)) for r, row in zip(ranks, us, strict=True)},
-        wait_ms={str(r): _ms(np.median(row - least)) for r, row in zip(ranks, us, strict=True)},
+        transfer_ms=ms(np.median(least)),
+        comm_ms={str(r): ms(np.median(row)) for r, row in zip(ranks, us, strict=True)},
+        wait_ms={str(r): ms(np.median(row - least)) for r, row in zip(ranks, us, strict=True)},
     )
-
-
-def _ms(us: float) -> float:
-    return round(float(us) / 1000.0, 3)
 
 
 def bound(comm: CommSplit | None, step_ms: float | None) -> Finding | None:

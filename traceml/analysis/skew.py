@@ -42,16 +42,13 @@ from traceml.analysis import thresholds as th
 from traceml.analysis.document import ArrivalSkew
 from traceml.analysis.findings import MEDIAN, Finding
 from traceml.analysis.rundata import RunData
+from traceml.analysis.stats import ms
 from traceml.analysis.step_time import severity
 from traceml.analysis.window import Window
 from traceml.core.records import NodeClock
 
 LATE_ARRIVAL = "LATE_ARRIVAL"
 _US_PER_HOUR = 3_600_000_000
-
-
-def _ms(us: float) -> float:
-    return round(float(us) / 1000.0, 3)
 
 
 @dataclass(frozen=True)
@@ -136,7 +133,7 @@ def arrivals(run: RunData, window: Window, node_of: dict[int, int | None]) -> Ar
         mismatched=int((arrived & ~same).sum()),
         without=without,
         error_us=error_us,
-        offsets_ms={str(c.node_rank): _ms(c.offset_us) for c in sorted(known, key=_node)},
+        offsets_ms={str(c.node_rank): ms(c.offset_us) for c in sorted(known, key=_node)},
         withheld=withheld,
     )
 
@@ -183,10 +180,10 @@ def skew(
         mismatched=found.mismatched,
         ranks_without=found.without,
         last_pct={str(r): round(100.0 * float(counts[i]) / n, 1) for i, r in enumerate(ranks)},
-        late_ms={str(r): _ms(np.median(late[last == i])) for i, r in enumerate(ranks) if counts[i]},
-        wait_ms={str(r): _ms(np.median(waits[i])) for i, r in enumerate(ranks)},
+        late_ms={str(r): ms(np.median(late[last == i])) for i, r in enumerate(ranks) if counts[i]},
+        wait_ms={str(r): ms(np.median(waits[i])) for i, r in enumerate(ranks)},
         clock_offsets_ms=found.offsets_ms,
-        clock_error_ms=None if found.error_us is None else _ms(found.error_us),
+        clock_error_ms=None if found.error_us is None else ms(found.error_us),
         withheld=found.withheld or None,
     )
     return doc, Late(found, last, late, waits)
@@ -219,8 +216,8 @@ def late_arrival(
     rank, at = found.found.ranks[worst], held & (found.last == worst)
     others = len(found.found.ranks) - 1
     others_us = found.waits[:, at].sum(axis=0)  # the others' summed wait at each
-    late = _ms(np.median(found.late[at]))
-    wait_ms = _ms(np.median(others_us) / others)
+    late = ms(np.median(found.late[at]))
+    wait_ms = ms(np.median(others_us) / others)
     cost_steps = round(int(at.sum()) * steps_per_index)
     gpu_hours = round(float(others_us.sum()) * steps_per_index / _US_PER_HOUR, 6)
     clocks = (

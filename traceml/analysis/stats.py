@@ -65,6 +65,11 @@ def describe_sorted(present: Sequence[float]) -> Description | None:
     }
 
 
+def ms(us: float) -> float:
+    """``us`` µs as ms rounded to the µs (3 decimals): how the summary writes a duration."""
+    return round(float(us) / 1000.0, 3)
+
+
 def median_of(values: Sequence[float]) -> float:
     """The median of ``values``, none of them None: :func:`median`'s figure where there is one.
 
