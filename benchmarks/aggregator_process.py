@@ -199,8 +199,10 @@ def finish(steps: int) -> wire.RankFinish:
     return wire.RankFinish(steps_completed=steps, end_state=wire.EndState.END_STATE_COMPLETED)
 
 
-def make_client(target: str, run_name: str, warnings: list[str], **config) -> TelemetryClient:
-    """Rank 0's client, quick to flush (20 ms), its warnings appended to ``warnings``;
+def make_client(
+    target: str, run_name: str, warnings: list[str], rank: int = 0, **config
+) -> TelemetryClient:
+    """Rank ``rank``'s client, quick to flush (20 ms), its warnings appended to ``warnings``;
     ``config`` overrides :class:`ClientConfig` fields."""
     defaults = {
         "flush_interval_s": 0.02,
@@ -210,5 +212,5 @@ def make_client(target: str, run_name: str, warnings: list[str], **config) -> Te
     }
     defaults.update(config)
     return TelemetryClient(
-        target, run_name, rank=0, config=ClientConfig(**defaults), warn=warnings.append
+        target, run_name, rank=rank, config=ClientConfig(**defaults), warn=warnings.append
     )

@@ -101,8 +101,11 @@ _PEAK_LINE = re.compile(r"queue peak (\d+) bytes \(bound (\d+)\)")
 #: The line the benchmark writes into the aggregator's log before each start (a process logs
 #: its first peak as soon as batches come, which can be before its own "serving" line).
 _START_LINE = "soak: an aggregator process starts\n"
-#: A replacement's own account of its start (traceml_aggregator/server.py's ``seed``).
-_SEEDED_LINE = re.compile(r"live aggregates seeded in ([\d.]+) s: (\d+) stored steps after")
+#: A replacement's own account of its start (traceml_aggregator/server.py's ``restore``),
+#: and of the catch-up it does while serving (traceml_aggregator/live/windows.py's
+#: ``catch_up``).
+_RESTORED_LINE = re.compile(r"live aggregates restored in ([\d.]+) s: (\d+) stored steps after")
+_CAUGHT_UP_LINE = re.compile(r"caught up in ([\d.]+) s: (\d+) stored steps after the checkpoint")
 
 
 # --- the simulated ranks (a client process) -------------------------------------------------
@@ -303,14 +306,11 @@ class Soak:
                 started = time.perf_counter()
                 self.start()
                 fault["restart_s"] = time.perf_counter() - started
-                seeded = _SEEDED_LINE.search(
+                restored = _RESTORED_LINE.search(
                     self.agg.log_path.read_text(errors="replace").split(_START_LINE)[-1]
                 )
-                if seeded:
-                    fault["seeded_s"], fault["steps_after_checkpoint"] = (
-                        float(seeded.group(1)),
-                        int(seeded.group(2)),
-                    )
+                if restored:
+                    fault["restored_s"] = float(restored.group(1))
             elif kind == "stop":
                 pid = self.agg.process.pid
                 os.kill(pid, signal.SIGSTOP)
@@ -327,9 +327,8 @@ class Soak:
                 + (
                     f", SERVING again in {fault['restart_s']:.2f} s"
                     + (
-                        f" (seeded in {fault['seeded_s']:.2f} s: "
-                        f"{fault['steps_after_checkpoint']:,} steps after the checkpoint)"
-                        if "seeded_s" in fault
+                        f" (restored in {fault['restored_s']:.2f} s)"
+                        if "restored_s" in fault
                         else ""
                     )
                     if kind == "kill"
@@ -409,6 +408,12 @@ class Soak:
         assert agg.stop(timeout_s=600) == 0
         log = agg.log()
         processes = log.split(_START_LINE)[1:]  # each start's lines
+        kills = [fault for fault in self.faults if fault["kind"] == "kill"]
+        for fault, lines in zip(kills, processes[1:], strict=False):  # the replacements'
+            caught_up = _CAUGHT_UP_LINE.search(lines)
+            if caught_up:
+                fault["caught_up_s"] = float(caught_up.group(1))
+                fault["steps_after_checkpoint"] = int(caught_up.group(2))
         figures = {
             "load_before": self.load_before,
             "load_after": os.getloadavg(),
@@ -554,6 +559,14 @@ def report(f: dict) -> bool:
         for x in f["faults"]
         if x["kind"] != "kill"
     ]
+    catch_ups = [x for x in f["faults"] if "caught_up_s" in x]
+    if catch_ups:
+        print(
+            "catch-ups while serving (s, steps stored after the checkpoint): "
+            + ", ".join(
+                f"{x['caught_up_s']:.2f} ({x['steps_after_checkpoint']:,})" for x in catch_ups
+            )
+        )
     print(
         f"restarts: {len(restarts)}, median {median(restarts) if restarts else 0:.2f} s; "
         f"{'; '.join(others) or 'no stall, no stop'}; ranks done {f['sent_s']:.0f} s after "

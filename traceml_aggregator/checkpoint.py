@@ -288,7 +288,9 @@ class Checkpointer:
         self.last_bytes = 0
 
     async def _copy_ranks(self) -> tuple[int, dict[int, tuple[int, bytes]]]:
-        """``(steps_from, ranks)`` of a new checkpoint from the live aggregates, on the loop."""
+        """``(steps_from, ranks)`` of a new checkpoint from the live aggregates, on the loop,
+        once a replacement's catch-up is over (before, they lack steps below the mark)."""
+        await self.live.caught_up()
         steps_from = self.writer.steps_rowid_seen
         # A new dict (the writer thread may be pickling the last one), kept at once: a write
         # cancelled while it yields below leaves _ranks and _copied agreeing.

@@ -183,9 +183,10 @@ class Finalizer:
         write_reports: ``fn(store, missing, steps, deadline) -> Outcome`` run on the writer
             thread, ``deadline`` being the finalization's (``time.monotonic()``).
         budget_s: default finalization budget (the launcher's ``--finalize-timeout-sec``).
-        steps: ``fn() -> steps`` run on the event loop once the writer drained, whose result
-            is ``write_reports``'s ``steps`` (the live aggregates' snapshot:
-            :meth:`traceml_aggregator.live.LiveAggregates.final_steps`).
+        steps: ``async fn() -> steps`` awaited on the event loop once the writer drained,
+            whose result is ``write_reports``'s ``steps`` (the live aggregates' snapshot,
+            :meth:`traceml_aggregator.live.LiveAggregates.final_steps`, once a replacement's
+            catch-up is over).
     """
 
     def __init__(self, state: RunState, writer, write_reports, budget_s: float, steps) -> None:
@@ -222,8 +223,9 @@ class Finalizer:
             await self.writer.drain(max(0.5, deadline - time.monotonic()))
             try:
                 await self.writer.call(self.writer.store.checkpoint)
+                steps = await self._steps()
                 outcome = await self.writer.call(
-                    self._write_reports, self.writer.store, missing, self._steps(), deadline
+                    self._write_reports, self.writer.store, missing, steps, deadline
                 )
             except Exception as exc:
                 outcome = Outcome(missing, error=f"{type(exc).__name__}: {exc}")

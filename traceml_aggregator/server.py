@@ -45,7 +45,7 @@ from traceml_aggregator.checkpoint import Checkpoint, Checkpointer
 from traceml_aggregator.checkpoint import read as read_checkpoint
 from traceml_aggregator.finalize import Finalizer, Outcome, RunState
 from traceml_aggregator.hang import HangWatch
-from traceml_aggregator.live import LiveAggregates
+from traceml_aggregator.live import LiveAggregates, StepReplay
 from traceml_aggregator.live.rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Retention, sample_meta_keys
@@ -180,12 +180,13 @@ def record_loss(store: Store, reason: str, lost_unix_s: float) -> dict:
     return entry
 
 
-def seed(live: LiveAggregates, store: Store) -> Checkpoint:
-    """Seed ``live`` from what ``store`` holds, from its latest checkpoint on
-    (:meth:`LiveAggregates.seed`), and say how long it took (when the store held steps);
-    returns the checkpoint the next ones start from."""
+def restore(live: LiveAggregates, store: Store) -> tuple[Checkpoint, StepReplay]:
+    """Start seeding ``live`` from what ``store`` holds, from its latest checkpoint on
+    (:meth:`LiveAggregates.restore`), and say how long it took and how many stored steps are
+    left to fold in (when the store held steps); returns the checkpoint the next ones start
+    from and those steps."""
     started = time.monotonic()
-    checkpoint = live.seed(store, read_checkpoint(store))
+    checkpoint, replay = live.restore(store, read_checkpoint(store))
     meta = store.meta()
     marks = [PRUNED_META_KEY, *(sample_meta_keys(r.TABLE)[0] for r in SAMPLES)]
     if not checkpoint.steps_from and any(meta.get(key) for key in marks):
@@ -196,10 +197,10 @@ def seed(live: LiveAggregates, store: Store) -> Checkpoint:
         )
     if store.steps_rowid:
         _log.info(
-            f"live aggregates seeded in {time.monotonic() - started:.2f} s: "
-            f"{store.steps_rowid - checkpoint.steps_from} stored steps after the checkpoint"
+            f"live aggregates restored in {time.monotonic() - started:.2f} s: "
+            f"{replay.upto - replay.after} stored steps after the checkpoint to fold in"
         )
-    return checkpoint
+    return checkpoint, replay
 
 
 class AggregatorService(wire.AggregatorServicer):
@@ -473,7 +474,9 @@ async def serve(config: ServerConfig, ready=None) -> int:
     live = LiveAggregates(config.run_name, world_size)
     streams = StreamLedger()
     streams.restore(store.meta().get(STREAMS_META_KEY))
-    checkpoint = seed(live, store)  # after a restart: what the earlier aggregator stored
+    # After a restart, what the earlier aggregator stored: the checkpoint now, the steps
+    # stored after it once serving (catch_up, below).
+    checkpoint, replay = restore(live, store)
 
     def on_stored(batch) -> None:
         state.on_batch(batch)
@@ -539,7 +542,12 @@ async def serve(config: ServerConfig, ready=None) -> int:
             deadline=deadline,
         )
 
-    finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, live.final_steps)
+    async def final_steps() -> dict[int, tuple]:
+        """The final summary's steps, once every stored step is folded in."""
+        await live.caught_up()
+        return live.final_steps()
+
+    finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, final_steps)
     server = grpc_server(config.run_token, rejections, config.max_concurrent_rpcs)
     service = AggregatorService(
         config, writer, state, finalizer, rejections, live, streams, script_world
@@ -636,6 +644,19 @@ async def serve(config: ServerConfig, ready=None) -> int:
         )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    # The steps stored after the checkpoint, folded in while serving: a replacement serves
+    # in the same time whatever the run's length (the live views, the checkpoints, the
+    # retention and the final summary wait for it; batches that come meanwhile are held).
+    catching_up = asyncio.get_running_loop().create_task(live.catch_up(replay, writer))
+
+    def stop_if_failed(task: asyncio.Task) -> None:
+        """A catch-up that failed (the store cannot be read) stops the aggregator (exit 1: the
+        launcher starts another, as after a crash)."""
+        if not task.cancelled() and task.exception() is not None:
+            stop.set()
+
+    catching_up.add_done_callback(stop_if_failed)
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
     hang_watch = asyncio.get_running_loop().create_task(hangs.run(persist_stall, _log.warning))
     node_watch = asyncio.get_running_loop().create_task(service.sessions.watch())
@@ -657,7 +678,6 @@ async def serve(config: ServerConfig, ready=None) -> int:
     import traceml.report  # noqa: F401
 
     freeze_startup_objects()  # start-up is over: see traceml/core/heap.py
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if config.owned:
         _stop_at_stdin_eof(loop, stop)
@@ -683,6 +703,37 @@ async def serve(config: ServerConfig, ready=None) -> int:
     if dashboard is not None:
         await dashboard.cleanup()
     await writer.drain(5.0)
+    try:  # a stop during the catch-up waits for it: what follows needs every step folded in
+        await catching_up
+    except Exception as exc:  # the store cannot be read: nothing of the aggregates is kept
+        _log.error(f"error: cannot fold in the steps stored before this aggregator: {exc}")
+        exit_code = 1
+    else:
+        await _stop_with_aggregates(
+            config, checkpointer, finalizer, otlp_push, retention, pruning, live
+        )
+        exit_code = 0
+    await store_run_records()  # the latest, also without reports
+    await writer.close()
+    live.close()
+    _log.info(
+        f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
+        f"{writer.batches_duplicate} resent batches were already stored"
+    )
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(rejections.counts.items())) or "none"
+    _log.info(
+        f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (writer "
+        f"behind); queue peak {writer.peak_queued_bytes} bytes (bound {writer.max_queued_bytes})"
+    )
+    return exit_code
+
+
+async def _stop_with_aggregates(
+    config: ServerConfig, checkpointer, finalizer, otlp_push, retention, pruning, live
+) -> None:
+    """At a stop, what needs the live aggregates with every stored step: the checkpoint a
+    replacement (or ``--finalize-only``) starts from, the OTLP push's last figures, the
+    summary at stop, and the retention's last prune."""
     try:  # a replacement (or --finalize-only) starts from here
         await checkpointer.write()
     except Exception as exc:
@@ -701,19 +752,6 @@ async def serve(config: ServerConfig, ready=None) -> int:
             await retention.prune(checkpointer, live, final=True)
         except Exception as exc:
             _log.warning(f"retention: cannot prune the stored rows: {exc}")
-    await store_run_records()  # the latest, also without reports
-    await writer.close()
-    live.close()
-    _log.info(
-        f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
-        f"{writer.batches_duplicate} resent batches were already stored"
-    )
-    refused = ", ".join(f"{k} {v}" for k, v in sorted(rejections.counts.items())) or "none"
-    _log.info(
-        f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (writer "
-        f"behind); queue peak {writer.peak_queued_bytes} bytes (bound {writer.max_queued_bytes})"
-    )
-    return 0
 
 
 def _otlp_push(config: ServerConfig, live: LiveAggregates):
@@ -806,7 +844,13 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
         store.checkpoint()
         live = LiveAggregates(config.run_name, world_size)
         # the same aggregates and sample series, so the same summary, as the live aggregator's
-        checkpoint = seed(live, store)
+        started = time.monotonic()
+        checkpoint, replay = restore(live, store)
+        live.replay(store, replay)
+        _log.info(
+            f"live aggregates seeded in {time.monotonic() - started:.2f} s: {replay.steps} "
+            "stored steps after the checkpoint folded in"
+        )
         steps = live.final_steps()
         # What the summary does not read goes before it is built: at 1,024 ranks ~400 MiB of
         # objects (the ranks' windows and their checkpointed copies), so the finalization's

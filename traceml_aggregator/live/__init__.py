@@ -27,10 +27,11 @@ if TYPE_CHECKING:
         WINDOW_SAMPLES,
         WINDOW_STEPS,
         LiveAggregates,
+        StepReplay,
         with_steps,
     )
 
-__all__ = ["WINDOW_SAMPLES", "WINDOW_STEPS", "LiveAggregates", "with_steps"]
+__all__ = ["WINDOW_SAMPLES", "WINDOW_STEPS", "LiveAggregates", "StepReplay", "with_steps"]
 
 
 def __getattr__(name: str) -> Any:

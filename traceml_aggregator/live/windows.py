@@ -10,10 +10,13 @@ recent :data:`WINDOW_STEPS` steps as columns, the bounded series and digest of t
 summary), its step count, its latest step and the wall clock of its end (``last_step_unix_s``),
 its identity and finish marker, its latest :data:`WINDOW_SAMPLES` process samples; per node its
 latest :data:`WINDOW_SAMPLES` system samples and GPU samples; the nodes' torchrun exits. After an
-aggregator restart (or for ``--finalize-only``), :meth:`LiveAggregates.seed` folds in what the
-store already holds, so the aggregates are those of an aggregator that saw every batch: from the
-latest checkpoint of the aggregates on (:mod:`traceml_aggregator.checkpoint`), not from the
-run's first step.
+aggregator restart (or for ``--finalize-only``), what the store already holds is folded in, so
+the aggregates are those of an aggregator that saw every batch: from the latest checkpoint of
+the aggregates on (:mod:`traceml_aggregator.checkpoint`), not from the run's first step.
+:meth:`LiveAggregates.seed` does it at once (``--finalize-only``); a restarted aggregator
+restores the checkpoint (:meth:`LiveAggregates.restore`), serves, and folds in the steps stored
+after it while serving (:meth:`LiveAggregates.catch_up`), holding the batches stored meanwhile
+to fold them in after those steps; the views wait for it (:meth:`LiveAggregates.caught_up`).
 
 :meth:`LiveAggregates.summary` answers ``Summarize``: it runs the same
 :func:`~traceml.analysis.summary.build_summary` as the final summary over the windows, in a
@@ -38,6 +41,7 @@ that fraction of a core while a computation takes under 0.55 s.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import operator
@@ -79,6 +83,64 @@ DELTA_SLICE_RANKS = 32
 #: this share one computation (Prometheus's usual scrape interval is 15 s), so any number of
 #: scrapers cost the event loop one delta every this many seconds at most.
 METRICS_MAX_AGE_S = 5.0
+#: Stored step rows a replay reads at one call on the writer's thread (~10-40 ms of it, so
+#: batches are stored between two chunks while a replacement catches up).
+REPLAY_CHUNK_ROWS = 8192
+#: Held batches folded between two returns to the event loop at the end of a catch-up.
+HELD_SLICE = 256
+
+
+@dataclass
+class StepReplay:
+    """The stored steps a seed folds in after its checkpoint: the rows ``after < rowid <=
+    upto`` of the ``steps`` table, ``upto`` being the store's highest when the seed began
+    (the rows above it are this aggregator's own batches, folded as they commit).
+
+    Attributes:
+        after: the highest rowid read so far (the checkpoint's ``steps_from`` at first).
+        upto: the highest rowid to read.
+        marks: rank -> the rowid up to which its checkpointed state holds its steps.
+        steps: rows read so far.
+    """
+
+    after: int
+    upto: int
+    marks: dict[int, int]
+    steps: int = 0
+
+    def chunk(self, store) -> tuple[list[str], list[tuple]] | None:
+        """The next :data:`REPLAY_CHUNK_ROWS` rows or fewer, ``(names, rows)`` for
+        :meth:`LiveAggregates.fold_stored`, rows ``(rowid, *names, rank, restart)`` in rowid
+        order (the order they were stored; a range of the table's b-tree, no sort); None once
+        every row was read. ``names`` are
+        the step fields some row of the chunk carries: most are NULL on every row of a run
+        (no GPU, no collectives, ...), and turning rows into Python tuples is most of a
+        replay's time (one ``count()`` per column over the same rows, in SQLite, is a small
+        part). On the thread that owns ``store``."""
+        if self.after >= self.upto:
+            return None
+        ((last,),) = store.query(
+            "SELECT max(rowid) FROM (SELECT rowid FROM steps WHERE rowid > ? AND rowid <= ? "
+            "ORDER BY rowid LIMIT ?)",
+            (self.after, self.upto, REPLAY_CHUNK_ROWS),
+            by_name=False,
+        )
+        if last is None:
+            self.after = self.upto
+            return None
+        where = f" WHERE rowid > {int(self.after)} AND rowid <= {int(last)}"
+        (counts,) = store.query(
+            f"SELECT {', '.join(f'count({f})' for f in STEP_FIELDS)} FROM steps{where}",
+            by_name=False,
+        )
+        names = [name for name, count in zip(STEP_FIELDS, counts, strict=True) if count]
+        rows = store.query(
+            f"SELECT rowid, {', '.join(names)}, rank, restart FROM steps{where} ORDER BY rowid",
+            by_name=False,
+        )
+        self.after = last
+        self.steps += len(rows)
+        return names, rows
 
 
 @dataclass
@@ -244,6 +306,12 @@ class LiveAggregates:
         self.run_records: Callable[[], dict] | None = None
         #: The world size the first identity named (sizes the ranks' series without the flag).
         self._identity_world_size = 0
+        #: While a replacement catches up (:meth:`restore` to :meth:`catch_up`): the batches
+        #: and node exits stored meantime, (fold, its arguments) in the order they came.
+        self._pending: collections.deque | None = None
+        #: Set while nothing is held: the live views wait for it (:meth:`caught_up`).
+        self._caught_up = asyncio.Event()
+        self._caught_up.set()
 
     def _rank(self, rank: int) -> RankLive:
         rl = self.ranks.get(rank)
@@ -254,14 +322,26 @@ class LiveAggregates:
 
     # --- updates (O(the batch)) ------------------------------------------------------------------
     def on_batch(self, batch) -> None:
-        """Fold a committed batch (a wire Batch of this run) into the aggregates."""
+        """Fold a committed batch (a wire Batch of this run) into the aggregates; while a
+        replacement catches up (:meth:`catch_up`), hold it to fold in after the stored steps."""
+        self._fold_or_hold(self._fold_batch, batch)
+
+    def _fold_or_hold(self, fold: Callable[[object, int], None], item) -> None:
+        """``fold(item, received_unix_us)`` now, or after the catch-up (held in order)."""
+        args = (item, time.time_ns() // 1000)
+        if self._pending is not None:
+            self._pending.append((fold, args))
+        else:
+            fold(*args)
+
+    def _fold_batch(self, batch, received_unix_us: int) -> None:
         self.version += 1
         if not self._identity_world_size and batch.HasField("identity"):
             self._identity_world_size = batch.identity.world_size
         sender = batch.WhichOneof("sender") or "rank"
         restart = batch.restart_count
         if sender == "rank":
-            self._rank_data(batch, self._rank(batch.rank), restart)
+            self._rank_data(batch, self._rank(batch.rank), restart, received_unix_us)
             self._changed_ranks.add(batch.rank)
         for s in batch.process_samples:
             # A node sampler reports for its local workers; a rank for itself.
@@ -284,7 +364,7 @@ class LiveAggregates:
                 for g in s.gpus
             )
 
-    def _rank_data(self, batch, rl: RankLive, restart: int) -> None:
+    def _rank_data(self, batch, rl: RankLive, restart: int, received_unix_us: int) -> None:
         if not rl.attempt(restart):
             return
         limit = analysis_steps(self._world())
@@ -306,15 +386,19 @@ class LiveAggregates:
                 batch.finish,
                 rank=rl.rank,
                 restart=restart,
-                received_unix_us=time.time_ns() // 1000,
+                received_unix_us=received_unix_us,
             )
 
     def on_node_exit(self, report) -> None:
-        """Fold a node's torchrun exit (a wire NodeExit) in, as the store keeps it."""
+        """Fold a node's torchrun exit (a wire NodeExit) in, as the store keeps it (held like
+        a batch while a replacement catches up)."""
+        self._fold_or_hold(self._fold_node_exit, report)
+
+    def _fold_node_exit(self, report, received_unix_us: int) -> None:
         self.version += 1
         self._changed_exits.add(report.node_rank)
         self.node_exits[report.node_rank] = records.NodeExit.from_wire(
-            report, received_unix_us=time.time_ns() // 1000
+            report, received_unix_us=received_unix_us
         )
         for r in report.ranks:
             self._changed_ends.add(r.rank)
@@ -398,22 +482,41 @@ class LiveAggregates:
         return delta
 
     def seed(self, store, checkpoint: Checkpoint | None = None) -> Checkpoint:
-        """Fold in what is already stored for the run: an earlier aggregator of this run (a
-        restart on the same store), or the whole run for ``--finalize-only``. Afterwards the
-        aggregates are what they would be had this aggregator received every stored batch: the
-        identities, finish markers, node exits and latest samples, and every stored step folded
-        in arrival order.
+        """Fold in what is already stored for the run at one go: :meth:`restore`, then
+        :meth:`replay`. Returns the checkpoint as :meth:`restore` does."""
+        checkpoint, replay = self.restore(store, checkpoint)
+        self.replay(store, replay)
+        return checkpoint
+
+    def replay(self, store, replay: StepReplay) -> None:
+        """Fold in every step of ``replay`` (from :meth:`restore`) at once, on the thread that
+        owns ``store`` (``--finalize-only``: nothing comes meanwhile)."""
+        while (chunk := replay.chunk(store)) is not None:
+            self.fold_stored(replay, *chunk)
+        self._caught_up_now()
+
+    def restore(self, store, checkpoint: Checkpoint | None = None) -> tuple[Checkpoint, StepReplay]:
+        """Start folding in what is already stored for the run: an earlier aggregator of this
+        run (a restart on the same store), or the whole run for ``--finalize-only``. Once the
+        steps of the returned :class:`StepReplay` are folded in (:meth:`replay` at one go,
+        :meth:`catch_up` while serving), the aggregates are what they would be had this
+        aggregator received every stored batch: the identities, finish markers, node exits and
+        latest samples, and every stored step folded in arrival order.
 
         From ``checkpoint`` (:func:`traceml_aggregator.checkpoint.read`), only what was stored
-        after it is read: the ranks' and nodes' small tables, then the steps and samples above
-        its marks (O(ranks + nodes + what was stored since the checkpoint)). Without one, or
-        with an empty one, every stored step and sample is (O(stored steps)); both give the
-        same aggregates. Returns the checkpoint, its sample windows advanced to the store as it
-        is now (what the next one starts from: :class:`~traceml_aggregator.checkpoint.
-        Checkpointer`).
+        after it is read: here the ranks' and nodes' small tables and the samples above its
+        marks (O(ranks + nodes + samples stored since)), and in the replay the steps above its
+        mark (O(steps stored since)). Without one, or with an empty one, the replay is every
+        stored step; both give the same aggregates. Until the replay is folded in, batches and
+        node exits are held (:meth:`on_batch`) and the live views wait (:meth:`caught_up`).
+        Returns the checkpoint, its sample windows advanced to the store as it is now (what
+        the next one starts from: :class:`~traceml_aggregator.checkpoint.Checkpointer`), and
+        the replay.
         """
         self.version += 1
         self._ship_whole = True
+        self._pending = collections.deque()
+        self._caught_up.clear()
         checkpoint = checkpoint or Checkpoint()
         process = records.ProcessSample.TABLE
         try:
@@ -456,41 +559,73 @@ class LiveAggregates:
             for key in checkpoint.keys(record.TABLE):
                 tails[key[0]] = Tail(checkpoint.window(record.TABLE, key), maxlen=keep)
         self.node_exits.update(run.node_exits)
-        after = f" WHERE rowid > {int(checkpoint.steps_from)}"
-        # Only the step fields some row to fold carries: most are NULL on every row of a run
-        # (no GPU, no collectives, ...), and turning rows into Python tuples is most of the
-        # fold's time (one count() per column over the same rows, in SQLite, is a small part).
-        (counts,) = store.query(
-            f"SELECT {', '.join(f'count({f})' for f in STEP_FIELDS)} FROM steps{after}",
-            by_name=False,
-        )
-        names = [name for name, count in zip(STEP_FIELDS, counts, strict=True) if count]
-        if not names:
-            return checkpoint
-        # In the order they were stored (the table's own, rowid, order: no sort of millions of
-        # rows, which took most of 320 s at 10M steps), so every rank's steps are folded in
-        # their arrival order, as the aggregator that received them folded them; a rank's rows
-        # at or below its checkpoint's mark are in its checkpointed state already.
-        sql = f"SELECT rowid, {', '.join(names)}, rank, restart FROM steps{after} ORDER BY rowid"
-        for rows in store.stream(sql):
-            for (rank, restart), group in itertools.groupby(rows, _attempt):
-                mark = parts.get(rank, (0,))[0]
-                group = [row for row in group if row[0] > mark]
-                if not group:
-                    continue
-                rl = self._rank(rank)
-                if rl.attempt(restart):
-                    # the fields the rank measured, as its batches carried them (not NULL)
-                    columns = list(zip(*group, strict=True))[1 : len(names) + 1]
-                    carried = [
-                        (name, column)
-                        for name, column in zip(names, columns, strict=True)
-                        if column.count(None) != len(column)
-                    ]
-                    rl.fold_steps(*zip(*carried, strict=True))
-                else:
-                    rl.earlier_attempts[restart] = rl.earlier_attempts.get(restart, 0) + len(group)
-        return checkpoint
+        marks = {r: mark for r, (mark, _) in parts.items()}
+        return checkpoint, StepReplay(checkpoint.steps_from, store.steps_rowid, marks)
+
+    def fold_stored(self, replay: StepReplay, names: list[str], rows: list[tuple]) -> None:
+        """Fold in one chunk of :meth:`StepReplay.chunk`: stored step rows ``(rowid,
+        *names, rank, restart)`` in the order they were stored, so every rank's steps are
+        folded in their arrival order, as the aggregator that received them folded them; a
+        rank's rows at or below its checkpoint's mark are in its checkpointed state already."""
+        self.version += 1
+        for (rank, restart), group in itertools.groupby(rows, _attempt):
+            mark = replay.marks.get(rank, 0)
+            group = [row for row in group if row[0] > mark]
+            if not group:
+                continue
+            rl = self._rank(rank)
+            if rl.attempt(restart):
+                # the fields the rank measured, as its batches carried them (not NULL)
+                columns = list(zip(*group, strict=True))[1 : len(names) + 1]
+                carried = [
+                    (name, column)
+                    for name, column in zip(names, columns, strict=True)
+                    if column.count(None) != len(column)
+                ]
+                rl.fold_steps(*zip(*carried, strict=True))
+            else:
+                rl.earlier_attempts[restart] = rl.earlier_attempts.get(restart, 0) + len(group)
+
+    async def catch_up(self, replay: StepReplay, writer) -> None:
+        """Fold in ``replay``'s stored steps while the aggregator serves, then the batches and
+        node exits held meanwhile, in the order they were stored: the aggregates are then
+        those of :meth:`seed`, plus what came since. Each chunk is read on the thread of
+        ``writer`` (:class:`traceml_aggregator.writer.Writer`: the only one that touches the
+        store), between two of its transactions of batches, and folded on the event loop;
+        the held items are folded :data:`HELD_SLICE` at a time between two returns to the
+        loop. Logs how long it took.
+
+        Raises:
+            sqlite3.Error: a chunk could not be read (the aggregator cannot go on).
+        """
+        started = time.monotonic()
+        while (chunk := await writer.call(replay.chunk, writer.store)) is not None:
+            self.fold_stored(replay, *chunk)
+        held = len(self._pending or ())
+        while self._pending:
+            for _ in range(min(HELD_SLICE, len(self._pending))):
+                fold, args = self._pending.popleft()
+                try:
+                    fold(*args)
+                except Exception as exc:  # a bug: said, and the rest still folded in
+                    _log.warning(f"cannot fold a held batch into the live aggregates: {exc}")
+            await asyncio.sleep(0)
+        self._caught_up_now()
+        if replay.steps:
+            _log.info(
+                f"caught up in {time.monotonic() - started:.2f} s: {replay.steps} stored "
+                f"steps after the checkpoint, then {held} batches held meanwhile"
+            )
+
+    def _caught_up_now(self) -> None:
+        """Nothing is held any more: batches fold in as they come, and the views are open."""
+        self._pending = None
+        self._caught_up.set()
+
+    async def caught_up(self) -> None:
+        """Return once every stored step is folded in: at once, but while a replacement
+        catches up (:meth:`catch_up`)."""
+        await self._caught_up.wait()
 
     def final_steps(self) -> dict[int, tuple]:
         """Each rank's steps for the final summary (on the event loop, then read anywhere):
@@ -594,6 +729,7 @@ class LiveAggregates:
         last call, with the run's ``records``. Deltas reach the process in the order they were made
         (one process, calls queued in order). The process is started on first use, and again
         when it died (e.g. killed: that call fails, the next one works, sent the whole run)."""
+        await self.caught_up()  # a view of part of the run would be wrong, not late
         if self._ship_lock is None:
             self._ship_lock = asyncio.Lock()
         pool = None
