@@ -16,7 +16,7 @@ import time
 
 import pytest
 from helpers.aggregator import LiveAggregator, finish, make_client, query, step
-from helpers.waiting import LOADED_CALL_S
+from helpers.waiting import LOADED_CALL_S, wait_for
 from restart import build_store, drop_checkpoint, finalize_only  # benchmarks/ (on the path)
 
 from traceml import wire
@@ -109,13 +109,15 @@ def test_two_million_steps_restart_from_checkpoint_serves_in_bound_as_a_replay(t
 
 
 def test_a_replacement_serves_then_folds_in_the_stored_steps_and_what_came_meanwhile(tmp_path):
-    """A store of 1,000,000 steps of 64 ranks and no checkpoint: the replacement serves
-    first, folds the stored steps in while rank 0 sends its next ones, and a Summarize sent
-    meanwhile waits for the catch-up (a view of part of the run would be wrong). What it
-    then knows, and its summary at stop, are a full replay's of the store: nothing folded
-    twice, and rank 0's steps in the order they were stored (its new ones after its stored
-    ones, as the replay folds them)."""
+    """A store of 1,000,000 steps of 64 ranks and no checkpoint: a replacement serves first
+    and folds the stored steps in while rank 0 sends its next ones. SIGKILLed during that
+    catch-up, it leaves the store as it was plus what it acknowledged (no checkpoint of part of
+    the run); the next one does the same, and a Summarize sent meanwhile waits for its catch-up
+    (a view of part of the run would be wrong). What it then knows, and its summary at stop,
+    are a full replay's of the store: nothing lost, nothing folded twice, and rank 0's steps
+    in the order they were stored (its new ones after its stored ones)."""
     ranks, per_rank, extra = 64, 15_625, 300
+    half = extra // 2
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     build_store(run_dir, RUN, ranks, per_rank)
@@ -127,8 +129,14 @@ def test_a_replacement_serves_then_folds_in_the_stored_steps_and_what_came_meanw
     warnings: list[str] = []
     with agg:
         client = make_client(agg.target, RUN, warnings, batch_max_records=20)
-        for i in range(per_rank, per_rank + extra):
+        for i in range(per_rank, per_rank + half):
             client.submit(client_mod.STEPS, step(i))
+        wait_for(lambda: client.stats.acked == half)
+        assert "caught up" not in agg.log()  # still folding the stored steps in
+        assert agg.kill() == -9
+        for i in range(per_rank + half, per_rank + extra):
+            client.submit(client_mod.STEPS, step(i))
+        agg.start()
         request = wire.SummarizeRequest(run_name=RUN, with_ranks=True)
         reply = client.call("Summarize", request, LOADED_CALL_S)
         assert client.close(finish(per_rank + extra), timeout_s=60) is True
@@ -136,31 +144,67 @@ def test_a_replacement_serves_then_folds_in_the_stored_steps_and_what_came_meanw
             r for r in client.call("Summarize", request, LOADED_CALL_S).ranks if r.rank == 0
         ]
         assert agg.stop(timeout_s=120) == 0
-    # rank 0's window is its latest steps by arrival: the ones it sent during the catch-up
+    # rank 0's window is its latest steps by arrival: the ones it sent during the catch-ups
     # (1 ms each), not its stored ones (90-110 ms)
     assert set(rank_0.recent_step_ms) == {1.0}, rank_0
-    log = agg.log()
+    first, second = agg.log().split("serving run")[1:]
+    assert "caught up" not in first
     caught_up = re.search(
         r"caught up in [\d.]+ s: (\d+) stored steps after the checkpoint, then (\d+) batches "
         r"held meanwhile",
-        log,
+        second,
     )
-    assert caught_up, log
-    assert log.index("serving run") < caught_up.start()
-    assert int(caught_up.group(1)) == ranks * per_rank
-    assert int(caught_up.group(2)) > 0  # rank 0's batches came during the catch-up
+    assert caught_up, second
+    # no checkpoint from the first: the second folds in the whole store, the first's rows too
+    assert int(caught_up.group(1)) == ranks * per_rank + half
+    assert int(caught_up.group(2)) > 0  # rank 0's resent batches came during the catch-up
     assert reply.error == ""
     stored = {row.rank: row.steps_stored for row in reply.ranks}
     assert sorted(stored) == list(range(ranks))
     assert all(stored[r] == per_rank for r in range(1, ranks)), stored
-    assert per_rank <= stored[0] <= per_rank + extra
-    assert client.stats.acked == extra and warnings == []
+    assert per_rank + half <= stored[0] <= per_rank + extra
+    assert client.stats.acked == extra
+    assert warnings == [  # the kill, once
+        f"aggregator at {agg.target} unreachable (UNAVAILABLE); training continues, telemetry "
+        "is kept and resent"
+    ]
     summary = _summary(run_dir)
     received = [r["records_received"] for r in summary["ranks"]]
     assert received == [per_rank + extra] + [per_rank] * (ranks - 1)
     replay_dir = _replay_copy(run_dir, tmp_path)
     _finalize_only(replay_dir, ranks)
     assert _summary(replay_dir) == summary
+
+
+def test_a_catch_up_that_cannot_read_the_store_stops_the_aggregator_with_exit_1(tmp_path):
+    """A page of the steps table is damaged where only the catch-up reads: the replacement
+    serves, then stops with exit code 1 and the reason in one line (the launcher then starts
+    another, as after a crash), and writes no checkpoint of what it could not fold in."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    build_store(run_dir, RUN, 8, 20_000)
+    path = run_dir / "telemetry.sqlite"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        (page_size,) = db.execute("PRAGMA page_size").fetchone()
+        leaves = [
+            page
+            for (page,) in db.execute(
+                "SELECT pageno FROM dbstat WHERE name = 'steps' AND pagetype = 'leaf' "
+                "ORDER BY pageno"
+            )
+        ]
+    with open(path, "r+b") as f:  # a leaf in the middle: not the last, which a start reads
+        f.seek((leaves[len(leaves) // 2] - 1) * page_size)
+        f.write(b"\xff" * page_size)
+    agg = LiveAggregator(run_dir, RUN, world_size=8)
+    with agg:
+        assert agg.process.wait(60) == 1
+    log = agg.log()
+    assert log.index("serving run") < log.index(
+        "error: cannot fold in the steps stored before this aggregator: database disk image is "
+        "malformed"
+    ), log
+    assert query(run_dir, "SELECT count(*) FROM live_checkpoint") == [(0,)]
 
 
 def test_sigkill_mid_run_restart_loses_nothing_and_knows_what_a_replay_knows(tmp_path):

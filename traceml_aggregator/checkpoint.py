@@ -20,10 +20,10 @@ increasing rowids as they are inserted (nothing vacuums the store during a run, 
 retention's prune, :mod:`traceml_aggregator.retention`, deletes only rows at or below a
 committed checkpoint's mark, never the highest one), so "the rows stored after the
 checkpoint" is the rowid range above its mark: a range scan of the table's b-tree, O(those
-rows). :meth:`LiveAggregates.seed` loads the checkpoint and folds in only those rows; with
-no checkpoint (a new store, one an older TraceML wrote, or one this version cannot read) it
-folds in every row, which is the full replay, and the two give the same aggregates
-(tests/test_checkpoint.py).
+rows). A replacement loads the checkpoint (:meth:`LiveAggregates.restore`) and folds in only
+those rows, while it serves (:meth:`LiveAggregates.catch_up`); with no checkpoint (a new
+store, one an older TraceML wrote, or one this version cannot read) it folds in every row,
+which is the full replay, and the two give the same aggregates (tests/test_checkpoint.py).
 
 Where it is kept: one row of the store's ``live_checkpoint`` table, replaced in a transaction
 of its own (:meth:`~traceml_aggregator.store.Store.write_live_checkpoint`), so a SIGKILL at any
