@@ -33,8 +33,10 @@ no progress, so the hang watch never runs on them.
 
 Reported per simulated hour: the aggregator's RSS at the end of the hour and its peak in the
 hour (``/proc``, sampled every second), the store's size (the database and its WAL) at the
-end of the hour, each restart's time to SERVING, the writer queue's peak (the aggregator logs
-each new peak of a process, at most every 5 s, and at a clean stop: the most of the
+end of the hour, each restart's time to SERVING (and, at the end, each replacement's catch-up
+while serving: its seconds and the steps stored after its checkpoint), the writer queue's
+peak (the aggregator logs each new peak of a process, at most every 5 s, and at a clean
+stop: the most of the
 processes that served in the hour, each counted from its start), and records lost: steps
 acknowledged within the hour (each rank's acknowledged steps at the hour's end, less at its
 start) that are not in the store, exact (every step of every rank is looked up in the store
@@ -104,7 +106,7 @@ _START_LINE = "soak: an aggregator process starts\n"
 #: A replacement's own account of its start (traceml_aggregator/server.py's ``restore``),
 #: and of the catch-up it does while serving (traceml_aggregator/live/windows.py's
 #: ``catch_up``).
-_RESTORED_LINE = re.compile(r"live aggregates restored in ([\d.]+) s: (\d+) stored steps after")
+_RESTORED_LINE = re.compile(r"live aggregates restored in ([\d.]+) s")
 _CAUGHT_UP_LINE = re.compile(r"caught up in ([\d.]+) s: (\d+) stored steps after the checkpoint")
 
 
