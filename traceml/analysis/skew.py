@@ -147,26 +147,27 @@ class Late:
     """Who arrived last at each compared collective (:func:`skew`).
 
     Attributes:
-        found: the arrivals compared.
-        last: per collective, the index (into ``found.ranks``) of the rank that arrived last.
-        late: per collective, the last arrival after the others' median, µs.
+        doc: ``analysis.skew``, the summary's account of these figures.
+        ranks: the ranks compared, ascending.
+        last: per collective, the index (into ``ranks``) of the rank that arrived last.
+        late_us: per collective, the last arrival after the others' median, µs.
         waits: ranks x collectives: each rank's wait for the last arrival, µs.
     """
 
-    found: Arrivals
+    doc: ArrivalSkew
+    ranks: list[int]
     last: np.ndarray
-    late: np.ndarray
+    late_us: np.ndarray
     waits: np.ndarray
 
 
-def skew(
-    run: RunData, window: Window, node_of: dict[int, int | None]
-) -> tuple[ArrivalSkew | None, Late | None]:
-    """``analysis.skew`` (see the module docstring), and who arrived last for
-    :func:`late_arrival`; ``(None, None)`` when nothing could be compared."""
+def skew(run: RunData, window: Window, node_of: dict[int, int | None]) -> Late | None:
+    """Who arrived last at the window's collectives, with ``analysis.skew`` (see the module
+    docstring) for the summary and :func:`late_arrival`; None when nothing could be
+    compared."""
     found = arrivals(run, window, node_of)
     if found is None:
-        return None, None
+        return None
     ranks, us = found.ranks, found.us
     last = us.argmax(axis=0)
     latest = us.max(axis=0)
@@ -186,37 +187,39 @@ def skew(
         clock_error_ms=None if found.error_us is None else ms(found.error_us),
         withheld=found.withheld or None,
     )
-    return doc, Late(found, last, late, waits)
+    return Late(doc, ranks, last, late, waits)
 
 
 def late_arrival(
-    doc: ArrivalSkew | None,
     found: Late | None,
     step_ms: float | None,
     world_size: int,
     steps_per_index: float = 1.0,
 ) -> Finding | None:
-    """LATE_ARRIVAL (see the module docstring) from :func:`skew`'s results, with the typical
+    """LATE_ARRIVAL (see the module docstring) from :func:`skew`'s result, with the typical
     step ``step_ms`` (ms): the rank that held up the most collectives (arrived last by at least
     the floor), when it held up at least LATE_ARRIVAL_PCT of them and at least twice as many
     as any other rank. ``impact_ms`` is the others' median wait at those collectives times
-    that share. None otherwise, and whenever ``doc.withheld`` says why not."""
-    if doc is None or found is None or not step_ms or doc.withheld or doc.clock_error_ms is None:
+    that share. None otherwise, and whenever ``analysis.skew`` says why not (``withheld``)."""
+    if found is None or not step_ms:
+        return None
+    doc = found.doc
+    if doc.withheld or doc.clock_error_ms is None:
         return None
     floor_ms = max(
         th.STRAGGLER_MIN_GAP_MS, step_ms * th.STRAGGLER_GAP_PCT / 100.0, 2 * doc.clock_error_ms
     )
-    held = found.late >= floor_ms * 1000.0
-    counts = np.bincount(found.last[held], minlength=len(found.found.ranks))
+    held = found.late_us >= floor_ms * 1000.0
+    counts = np.bincount(found.last[held], minlength=len(found.ranks))
     worst = int(counts.argmax())
-    n = len(found.late)
+    n = len(found.late_us)
     share = round(100.0 * float(counts[worst]) / n, 1)
     if share < th.LATE_ARRIVAL_PCT or counts[worst] < 2 * np.sort(counts)[-2]:
         return None
-    rank, at = found.found.ranks[worst], held & (found.last == worst)
-    others = len(found.found.ranks) - 1
+    rank, at = found.ranks[worst], held & (found.last == worst)
+    others = len(found.ranks) - 1
     others_us = found.waits[:, at].sum(axis=0)  # the others' summed wait at each
-    late = ms(np.median(found.late[at]))
+    late = ms(np.median(found.late_us[at]))
     wait_ms = ms(np.median(others_us) / others)
     cost_steps = round(int(at.sum()) * steps_per_index)
     gpu_hours = round(float(others_us.sum()) * steps_per_index / _US_PER_HOUR, 6)

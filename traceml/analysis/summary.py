@@ -393,10 +393,8 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
         primary, step_findings = _onsets_and_costs(
             run, window, clock, profs, in_step, primary, step_findings, synchronized
         )
-    arrival_skew, arrivals = skew.skew(run, window, node_of)
-    late = skew.late_arrival(
-        arrival_skew, arrivals, typ.step_time_ms, run.world_size, window.steps_per_index
-    )
+    arrivals = skew.skew(run, window, node_of)
+    late = skew.late_arrival(arrivals, typ.step_time_ms, run.world_size, window.steps_per_index)
     if late is not None:  # never the primary diagnosis: it names who, the phases say why
         step_findings.append(late)
     scores = cost.relative_scores(profs)
@@ -480,7 +478,7 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
             window=_window_info(window),
             typical=typ,
             comm=comm_split,
-            skew=arrival_skew,
+            skew=arrivals.doc if arrivals is not None else None,
             throughput=throughput.job_throughput(work),
             thresholds=thresholds.as_dict(),
         ),

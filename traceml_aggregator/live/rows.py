@@ -85,10 +85,9 @@ class LiveRows:
                 out.steps_stored = rl.steps_stored
                 if rl.last_step_unix_s is not None:
                     out.last_step_unix_s = rl.last_step_unix_s
-                identity = rl.identity
-                if identity is not None and identity.node_rank is not None:
-                    if not out.HasField("node_rank"):  # arrived after the summary was built
-                        out.node_rank, out.hostname = identity.node_rank, identity.hostname or ""
+                identity = rl.identity  # arrived after the summary was built: its node now
+                if not out.HasField("node_rank") and identity and identity.node_rank is not None:
+                    out.node_rank, out.hostname = identity.node_rank, identity.hostname or ""
 
 
 def _summary_rows(summary: dict, live: LiveAggregates) -> list[wire.LiveRank]:
