@@ -270,9 +270,11 @@ class TorchrunProcess:
 
         Failed ranks come from torchrun's own failure record, which lists every local rank
         that ended with a non-zero code or a signal. When one local rank failed, torchrun
-        stopped the others with SIGTERM: those are ``terminated`` (signal 15 kept), not a
-        failure of their own; a SIGTERM is the rank's own end only when every failed rank got
-        one. A rank the record does not list exited 0 (``completed``). Without a record
+        stopped the others (SIGTERM): those the record marks ``stopped`` are ``terminated``
+        (their signal or exit code kept), not a failure of their own; a rank that had ended
+        before the stop began is ``signaled`` or ``failed`` as it ended, even by a SIGTERM
+        and even when a neighbour then failed too. A rank the record does not list exited 0
+        (``completed``). Without a record
         (torchrun itself was stopped, or failed before its workers ended) a non-zero exit
         leaves every rank ``terminated``.
 
@@ -286,7 +288,6 @@ class TorchrunProcess:
         failed = _read_failures(self.run_dir.rank_ends)
         unlisted_completed = returncode == 0 or failed is not None
         failed = failed or {}
-        other_cause = any(f.get("signal") != signal.SIGTERM for f in failed.values())
         config = self.config
         report = wire.NodeExit(
             run_name=str(config.run_name),
@@ -308,9 +309,12 @@ class TorchrunProcess:
                     end.exit_code = 0
                 else:
                     end.end_state = wire.EndState.END_STATE_TERMINATED
-            elif info.get("signal") == signal.SIGTERM and other_cause:
+            elif info.get("stopped"):
                 end.end_state = wire.EndState.END_STATE_TERMINATED
-                end.signal = signal.SIGTERM
+                if info.get("signal") is not None:
+                    end.signal = info["signal"]
+                else:
+                    end.exit_code = info["exit_code"]
                 end.reason = "stopped by torchrun after another local rank failed"
             elif info.get("signal") is not None:
                 end.end_state = wire.EndState.END_STATE_SIGNALED

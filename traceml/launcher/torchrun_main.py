@@ -106,7 +106,41 @@ def _reason(failure) -> str:
     return str(message or "")[:1000]
 
 
+#: Attribute set on each of torchrun's failure records that existed when it began stopping
+#: the other ranks (see :func:`note_failures_before_stop`).
+_BEFORE_STOP = "traceml_before_stop"
+
+
+def note_failures_before_stop() -> None:
+    """Mark which failed ranks ended on their own and which torchrun stopped.
+
+    torchrun polls its ranks; once one has failed it stops the rest (SIGTERM, SIGKILL after
+    its shutdown timeout) and records their ends in the same failure map, so the map alone
+    cannot tell a rank that got SIGTERM from a user, a scheduler or itself from one torchrun
+    stopped. Its process context's ``close()`` is where the stop begins: every failure it
+    holds then is marked (once per context; the agent closes it again at shutdown). Where a
+    torch release lacks the private ``_failures`` map nothing is marked, and every failure
+    counts as the rank's own.
+    """
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+
+    def close_marking_failures(self, *args, **kwargs):
+        if not getattr(self, _BEFORE_STOP, False):
+            setattr(self, _BEFORE_STOP, True)
+            for failure in getattr(self, "_failures", {}).values():
+                setattr(failure, _BEFORE_STOP, True)
+        return close(self, *args, **kwargs)
+
+    PContext.close = close_marking_failures  # type: ignore[method-assign]
+
+
 def _write_failures(path: str, failures: dict) -> None:
+    """``{"failed": [...]}`` to ``path``, one entry per failed global rank: its exit code or
+    signal, torchrun's reason, and ``stopped`` (true: torchrun stopped it after another rank
+    had failed, :func:`note_failures_before_stop`)."""
+    marked = any(getattr(f, _BEFORE_STOP, False) for f in failures.values())
     ranks = []
     for rank, failure in sorted(failures.items()):
         code = failure.exitcode
@@ -117,6 +151,7 @@ def _write_failures(path: str, failures: dict) -> None:
                 "exit_code": code if code >= 0 else None,
                 "signal": -code if code < 0 else None,
                 "reason": _reason(failure),
+                "stopped": marked and not getattr(failure, _BEFORE_STOP, False),
             }
         )
     tmp = f"{path}.tmp"
@@ -156,6 +191,7 @@ def main() -> None:
             name="traceml-orphan-reaper",
             daemon=True,
         ).start()
+    note_failures_before_stop()
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:

@@ -1,0 +1,128 @@
+"""How each local rank ended, as the launcher reports it from torchrun's failure record.
+
+A rank that ended on its own (a signal from a user, a scheduler or itself; a non-zero exit) is
+``signaled`` or ``failed``; a rank torchrun stopped after that is ``terminated``, whatever
+signal it died of. The real torchrun (``traceml.launcher.torchrun_main``) runs a plain script
+whose one local rank ends on its own while the other sleeps until torchrun stops it; no
+TraceML in the ranks, no aggregator.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+
+import pytest
+
+from traceml import wire
+from traceml.core.rundir import RunDir
+from traceml.launcher.config import LaunchConfig
+from traceml.launcher.torchrun import TorchrunProcess
+
+pytestmark = [pytest.mark.torchrun]
+
+#: The ranks' script: ``OWN_RANK HOW``. Local rank OWN_RANK ends on its own once the other
+#: rank has started (HOW: "sigterm" sends itself SIGTERM, "exit3" exits 3); the other sleeps
+#: until torchrun stops it.
+SCRIPT = """\
+import os, signal, sys, time
+own, how, ready = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank = int(os.environ["LOCAL_RANK"])
+if rank != own:
+    open(ready, "w").close()
+    time.sleep(120)
+    sys.exit(0)
+while not os.path.exists(ready):
+    time.sleep(0.01)
+if how == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(120)
+sys.exit(3)
+"""
+
+TERMINATED = wire.EndState.END_STATE_TERMINATED
+SIGNALED = wire.EndState.END_STATE_SIGNALED
+FAILED = wire.EndState.END_STATE_FAILED
+STOPPED_REASON = "stopped by torchrun after another local rank failed"
+
+
+def ends(report: wire.NodeExit) -> dict[int, tuple]:
+    """Rank -> (end state, exit code or None, signal or None, reason)."""
+    return {
+        e.rank: (
+            e.end_state,
+            e.exit_code if e.HasField("exit_code") else None,
+            e.signal if e.HasField("signal") else None,
+            e.reason,
+        )
+        for e in report.ranks
+    }
+
+
+def run_torchrun(tmp_path, own: int, how: str) -> tuple[int, wire.NodeExit, list]:
+    """Two local ranks under the real torchrun; (its return code, the node's exit report,
+    the failure record's entries)."""
+    script = tmp_path / "ends.py"
+    script.write_text(SCRIPT)
+    config = LaunchConfig(
+        script=str(script),
+        script_args=[str(own), how, str(tmp_path / "ready")],
+        nproc_per_node=2,
+        auto_instrument=False,
+        run_name="ends",
+    )
+    torchrun = TorchrunProcess(config, RunDir(tmp_path / "run", 0))
+    torchrun.run_dir.node_dir.mkdir(parents=True)
+    torchrun.start()
+    code = torchrun.wait(120)
+    assert code is not None
+    record = json.loads(torchrun.run_dir.rank_ends.read_text())["failed"]
+    return code, torchrun.node_exit(code), record
+
+
+def test_a_rank_that_sigterms_itself_is_signaled_and_its_neighbour_terminated(tmp_path):
+    code, report, record = run_torchrun(tmp_path, own=1, how="sigterm")
+    assert code == 1
+    assert [(r["rank"], r["signal"], r["stopped"]) for r in record] == [
+        (0, signal.SIGTERM, True),
+        (1, signal.SIGTERM, False),
+    ]
+    assert re.fullmatch(r"Signal 15 \(SIGTERM\) received by PID \d+", record[1]["reason"])
+    assert ends(report) == {
+        0: (TERMINATED, None, signal.SIGTERM, STOPPED_REASON),
+        1: (SIGNALED, None, signal.SIGTERM, record[1]["reason"]),
+    }
+
+
+def test_a_rank_that_exits_3_failed_and_its_neighbour_was_terminated(tmp_path):
+    code, report, record = run_torchrun(tmp_path, own=0, how="exit3")
+    assert code == 1
+    assert [(r["rank"], r["exit_code"], r["signal"], r["stopped"]) for r in record] == [
+        (0, 3, None, False),
+        (1, None, signal.SIGTERM, True),
+    ]
+    assert ends(report) == {
+        0: (FAILED, 3, None, ""),
+        1: (TERMINATED, None, signal.SIGTERM, STOPPED_REASON),
+    }
+
+
+def test_ranks_that_both_ended_before_the_stop_keep_their_own_ends(tmp_path):
+    """The race CI met: rank 1 got SIGTERM, rank 0's collective then failed, and torchrun's
+    poll saw both ended at once: rank 1 died of its SIGTERM, not of torchrun's stop."""
+    torchrun = TorchrunProcess(
+        LaunchConfig(script="x.py", nproc_per_node=2, run_name="ends"),
+        RunDir(tmp_path / "run", 0),
+    )
+    torchrun.run_dir.node_dir.mkdir(parents=True)
+    own = {"exit_code": None, "reason": "", "stopped": False}
+    failed = [
+        {**own, "rank": 0, "local_rank": 0, "exit_code": 1},
+        {**own, "rank": 1, "local_rank": 1, "signal": signal.SIGTERM},
+    ]
+    torchrun.run_dir.rank_ends.write_text(json.dumps({"failed": failed}))
+    assert ends(torchrun.node_exit(1)) == {
+        0: (FAILED, 1, None, ""),
+        1: (SIGNALED, None, signal.SIGTERM, ""),
+    }
