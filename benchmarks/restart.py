@@ -196,10 +196,38 @@ def build_store(
         db.close()
 
 
+#: The store's tables that hold the live aggregates' checkpoint (the ranks' rows since its
+#: layout 3; a store an older tree made has only the first).
+CHECKPOINT_TABLES = ("live_checkpoint", "live_checkpoint_ranks")
+
+
+def _checkpoint_tables(db: sqlite3.Connection) -> list[str]:
+    names = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    return [t for t in CHECKPOINT_TABLES if t in names]
+
+
 def drop_checkpoint(run_dir: Path) -> None:
     """Remove the store's checkpoint (the store as an older TraceML left it)."""
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        db.execute("DELETE FROM live_checkpoint")
+        for table in _checkpoint_tables(db):
+            db.execute(f"DELETE FROM {table}")
+        db.commit()
+
+
+def save_checkpoint(run_dir: Path, path: Path) -> None:
+    """Copy the rows of the store's checkpoint to the file ``path``."""
+    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+        rows = {t: db.execute(f"SELECT * FROM {t}").fetchall() for t in _checkpoint_tables(db)}
+    path.write_bytes(pickle.dumps(rows, 5))
+
+
+def restore_checkpoint(run_dir: Path, path: Path) -> None:
+    """Make the store's checkpoint the one :func:`save_checkpoint` copied to ``path``."""
+    rows = pickle.loads(path.read_bytes())
+    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
+        for table in _checkpoint_tables(db):
+            db.execute(f"DELETE FROM {table}")
+            db.executemany(f"INSERT INTO {table} VALUES (?, ?, ?)", rows.get(table, []))
         db.commit()
 
 
@@ -333,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = build_store(run_dir, run_name, args.ranks, per_rank - args.after)
             (run_dir / "built").write_text(str(rows))
             print(f"built {rows:,} steps in {time.monotonic() - t:.0f} s", flush=True)
-        blobs = {name: run_dir / f"checkpoint-{name.replace(' ', '-')}.blob" for name in trees}
+        saved = {name: run_dir / f"checkpoint-{name.replace(' ', '-')}.pickle" for name in trees}
         for name, tree in trees.items():  # each tree's checkpoint (layouts differ)
-            if blobs[name].exists():
+            if saved[name].exists():
                 continue
             if (run_dir / "appended").exists():
                 raise SystemExit(f"{run_dir} has no checkpoint of {name}: use a new --dir")
@@ -346,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             else:  # one start replays the store and writes the checkpoint at its stop
                 took = time_to_serving(run_dir, run_name, args.ranks, args.timeout_s, tree)
                 print(f"{name}: first start (replay, checkpoint at stop): {took:.1f} s", flush=True)
-            with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-                (data,) = db.execute("SELECT state FROM live_checkpoint").fetchone()
-            blobs[name].write_bytes(data)
+            save_checkpoint(run_dir, saved[name])
         if not (run_dir / "appended").exists():
             build_store(
                 run_dir, run_name, args.ranks, args.after, first_step=per_rank - args.after, seed=1
@@ -363,14 +389,14 @@ def main(argv: list[str] | None = None) -> int:
         finalize: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in trees}
         for _ in range(args.repeat):  # each start from the same checkpoint
             for name, tree in trees.items():
-                _restore_checkpoint(run_dir, blobs[name])
+                restore_checkpoint(run_dir, saved[name])
                 serving[name].append(
                     time_to_serving(run_dir, run_name, args.ranks, args.timeout_s, tree)
                 )
                 print(f"  {name}: checkpoint: {serving[name][-1]:.2f} s", flush=True)
         for _ in range(args.repeat):
             for name, tree in trees.items():
-                _restore_checkpoint(run_dir, blobs[name])
+                restore_checkpoint(run_dir, saved[name])
                 finalize[name].append(finalize_only(run_dir, run_name, args.ranks, tree))
                 took, seeding, peak, imported = finalize[name][-1]
                 print(
@@ -383,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             drop_checkpoint(run_dir)
             replay.append(time_to_serving(run_dir, run_name, args.ranks, args.timeout_s))
             print(f"  replay: {replay[-1]:.2f} s", flush=True)
-        _restore_checkpoint(run_dir, blobs["this tree"])
+        restore_checkpoint(run_dir, saved["this tree"])
         print(
             f"{stored:,} stored steps, {args.ranks} ranks, {args.ranks * args.after:,} after "
             "the checkpoint:"
@@ -391,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in trees:
             times, runs = serving[name], finalize[name]
             print(
-                f"  {name} (checkpoint {blobs[name].stat().st_size / 2**20:.1f} MiB): time to "
+                f"  {name} (checkpoint {saved[name].stat().st_size / 2**20:.1f} MiB): time to "
                 f"serving median {median(times):.2f} s of {len(times)} "
                 f"({', '.join(f'{t:.2f}' for t in times)}); --finalize-only median "
                 f"{median(r[0] for r in runs):.2f} s "
@@ -431,6 +457,11 @@ def simulate_checkpoint(
     time_to_serving(scratch, run_name, ranks, 600.0, tree)  # writes its checkpoint at the stop
     with contextlib.closing(sqlite3.connect(scratch / "telemetry.sqlite")) as db:
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
+        rank_rows = (
+            db.execute("SELECT rank, state FROM live_checkpoint_ranks").fetchall()
+            if "live_checkpoint_ranks" in _checkpoint_tables(db)
+            else []
+        )
     state = checkpoint.loads(data)
     current = state.version == checkpoint.CHECKPOINT_VERSION
     if current:  # the long run's own sample windows and series, marks at its last rows
@@ -444,19 +475,18 @@ def simulate_checkpoint(
             for t in ("steps", "process_samples", "system_samples", "gpu_samples")
         }
         state.steps_from = top["steps"]
-        state.ranks = {r: (top["steps"], part) for r, (_, part) in state.ranks.items()}
+        if hasattr(state, "ranks"):  # layouts before 3: the ranks' states in the one row
+            state.ranks = {r: (top["steps"], part) for r, (_, part) in state.ranks.items()}
+        db.executemany(
+            "INSERT OR REPLACE INTO live_checkpoint_ranks VALUES (?, ?, ?)",
+            [(r, top["steps"], part) for r, part in rank_rows],
+        )
         if not current:
             state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
         db.execute(
             "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)",
             (written, pickle.dumps(state, 5)),
         )
-        db.commit()
-
-
-def _restore_checkpoint(run_dir: Path, blob: Path) -> None:
-    with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        db.execute("INSERT OR REPLACE INTO live_checkpoint VALUES (0, 0, ?)", (blob.read_bytes(),))
         db.commit()
 
 

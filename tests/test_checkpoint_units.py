@@ -155,7 +155,7 @@ def test_seed_from_checkpoint_equals_full_replay(tmp_path, after):
     store = Store(path)
     checkpoint = ckpt.read(store)
     assert checkpoint.steps_from == covered == sum(1300 + 100 * r for r in range(RANKS - 1))
-    assert sorted(checkpoint.ranks) == [0, 1, 2, RANKS + 1]
+    assert sorted(ckpt.read_ranks(store)) == [0, 1, 2, RANKS + 1]
     restarted, replayed = _seeded(store, checkpoint), _seeded(store)
     assert state_of(restarted) == state_of(replayed)
     # and the full replay is what the store holds: steps and the windows load() reads
@@ -210,7 +210,7 @@ def test_a_cancelled_checkpoint_leaves_the_next_one_whole(tmp_path, monkeypatch,
     store = Store(path)
     checkpoint = ckpt.read(store)
     assert checkpoint.steps_from == RANKS * 900
-    assert {r: mark for r, (mark, _) in checkpoint.ranks.items()} == {
+    assert {r: mark for r, (mark, _) in ckpt.read_ranks(store).items()} == {
         r: RANKS * 900 for r in range(RANKS)
     }
     full = state_of(_seeded(store))
@@ -219,6 +219,61 @@ def test_a_cancelled_checkpoint_leaves_the_next_one_whole(tmp_path, monkeypatch,
         db.execute("DELETE FROM steps WHERE rowid <= ?", (checkpoint.steps_from,))
     store = Store(path)
     assert state_of(_seeded(store, ckpt.read(store))) == full
+    store.close()
+
+
+def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row_keeps_it_exact(
+    tmp_path, monkeypatch
+):
+    """The ranks' rows are written a slice at a time (one rank a slice here), only for ranks
+    whose steps moved since their rows; a checkpoint whose own row then fails (as a kill
+    between the two) leaves the previous ``steps_from`` with newer ranks' rows, and seeding
+    from that is still exactly a full replay."""
+    monkeypatch.setattr(ckpt, "SNAPSHOT_SLICE_RANKS", 1)
+    path = tmp_path / "telemetry.sqlite"
+    slices: list[list[tuple[int, int]]] = []
+
+    async def feed() -> None:
+        run = _Run(path)
+        write_ranks = run.store.write_live_checkpoint_ranks
+
+        def recording(rows):
+            slices.append([(rank, mark) for rank, mark, _ in rows])
+            write_ranks(rows)
+
+        monkeypatch.setattr(run.store, "write_live_checkpoint_ranks", recording)
+        run.writer.start()
+        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
+        for r in range(RANKS):
+            await run.steps(r, range(0, 100))
+        await checkpointer.write()
+        await run.steps(2, range(100, 150))
+        await checkpointer.write()
+        await run.steps(1, range(100, 120))
+
+        def full_disk(*args):
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(run.store, "write_live_checkpoint", full_disk)
+        with pytest.raises(sqlite3.OperationalError):
+            await checkpointer.write()
+        await run.steps(0, range(100, 130))
+        await run.writer.close()
+
+    asyncio.run(feed())
+    first = RANKS * 100
+    assert slices == [[(r, first)] for r in range(RANKS)] + [[(2, first + 50)], [(1, first + 70)]]
+    store = Store(path)
+    assert ckpt.read(store).steps_from == first + 50
+    assert {r: mark for r, (mark, _) in ckpt.read_ranks(store).items()} == {
+        0: first,
+        1: first + 70,
+        2: first + 50,
+        3: first,
+    }
+    restarted = _seeded(store, ckpt.read(store))
+    assert state_of(restarted) == state_of(_seeded(store))
+    assert [restarted.ranks[r].steps_stored for r in range(RANKS)] == [130, 120, 150, 100]
     store.close()
 
 
@@ -238,17 +293,22 @@ def test_unreadable_or_foreign_checkpoint_falls_back_to_a_full_replay(tmp_path):
     assert good.steps_from == 600
     full = state_of(_seeded(store))
     # a pickle that names a class no checkpoint holds is refused, never run
-    evil = pickle.dumps(ckpt.Checkpoint(ranks={0: (600, pickle.dumps(print))}))
-    for data in (b"not a pickle", pickle.dumps(print), pickle.dumps({"version": 1}), evil):
+    for data in (b"not a pickle", pickle.dumps(print), pickle.dumps({"version": 1})):
         store.write_live_checkpoint(data, 0)
         checkpoint = ckpt.read(store)
+        assert checkpoint == ckpt.Checkpoint()
         assert state_of(_seeded(store, checkpoint)) == full
+    # ... in a rank's row too: the whole checkpoint is set aside
+    store.write_live_checkpoint(pickle.dumps(good, 5), 0)
+    for data in (b"not a pickle", pickle.dumps(print)):
+        store.write_live_checkpoint_ranks([(0, 600, data)])
+        assert state_of(_seeded(store, ckpt.read(store))) == full
     store.close()
 
 
 def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
-    """A store an older TraceML wrote has no ``live_checkpoint`` table: it is added on open,
-    the checkpoint is empty, and seeding replays every step."""
+    """A store an older TraceML wrote has no ``live_checkpoint`` table, nor the ranks' rows'
+    table: they are added on open, the checkpoint is empty, and seeding replays every step."""
     path = tmp_path / "telemetry.sqlite"
 
     async def feed() -> None:
@@ -260,25 +320,27 @@ def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
     asyncio.run(feed())
     db = sqlite3.connect(path)
     db.execute("DROP TABLE live_checkpoint")
+    db.execute("DROP TABLE live_checkpoint_ranks")
     db.commit()
     db.close()
     store = Store(path)
-    assert ckpt.read(store) == ckpt.Checkpoint()
+    assert ckpt.read(store) == ckpt.Checkpoint() and ckpt.read_ranks(store) == {}
     assert _seeded(store, ckpt.read(store)).ranks[0].steps_stored == 100
     store.close()
 
 
 #: A checkpoint written by ee76ee0's code, before issue 22.4's renames (the pickle names
 #: ``traceml_aggregator.aggregates``, ``traceml_aggregator.checkpoint`` and
-#: ``traceml.analysis.digest``): run "r", rank 0's 1,100 steps and rank 1's 60 (0, 1, ...),
-#: 50 a batch, written by :class:`~traceml_aggregator.checkpoint.Checkpointer` after them.
+#: ``traceml.analysis.digest``), of layout 1 (the ranks' states in the one row): run "r",
+#: rank 0's 1,100 steps and rank 1's 60 (0, 1, ...), 50 a batch, written by
+#: :class:`~traceml_aggregator.checkpoint.Checkpointer` after them.
 OLD_CHECKPOINT = Path(__file__).parent / "data" / "checkpoint_ee76ee0.pickle"
 
 
-def test_a_checkpoint_written_before_the_renames_seeds_as_a_full_replay(tmp_path):
+def test_a_checkpoint_of_an_earlier_layout_loads_and_seeds_as_a_full_replay(tmp_path):
     """Existing stores hold checkpoints naming the modules of their day: one written by
-    ee76ee0's code still loads, and seeding from it over the same steps gives the aggregates
-    of a full replay."""
+    ee76ee0's code still loads (its ranks' states too, which name the classes a rank's row
+    names now), and, being of layout 1, is not read: seeding replays every step."""
     path = tmp_path / "telemetry.sqlite"
 
     async def feed() -> None:  # the steps the old checkpoint was written after
@@ -299,7 +361,9 @@ def test_a_checkpoint_written_before_the_renames_seeds_as_a_full_replay(tmp_path
     parts = [ckpt.loads(old.ranks[r][1]) for r in (0, 1)]
     assert [(type(p[1]).__name__, p[2]) for p in parts] == [("StepState", 1100), ("StepState", 60)]
     store = Store(path)
-    restarted, replayed = _seeded(store, old), _seeded(store)
+    store.write_live_checkpoint(OLD_CHECKPOINT.read_bytes(), 0)
+    assert old.version == 1 and ckpt.read(store) == ckpt.Checkpoint()
+    restarted, replayed = _seeded(store, ckpt.read(store)), _seeded(store)
     assert state_of(restarted) == state_of(replayed)
     assert [restarted.ranks[r].steps_stored for r in (0, 1)] == [1100, 60]
     store.close()

@@ -14,41 +14,49 @@ is of two kinds:
   samples (:class:`~traceml_aggregator.sample_series.SampleSeries`: what the final summary's
   sample figures are taken from, so a finalization reads no sample row the checkpoint covers).
 
-A :class:`Checkpoint` holds the second kind with, for each part, the store's rowid up to which
-it covers its table. The rows of an SQLite table without an ``INTEGER PRIMARY KEY`` get
-increasing rowids as they are inserted (nothing vacuums the store during a run, and the
-retention's prune, :mod:`traceml_aggregator.retention`, deletes only rows at or below a
-committed checkpoint's mark, never the highest one), so "the rows stored after the
-checkpoint" is the rowid range above its mark: a range scan of the table's b-tree, O(those
-rows). A replacement loads the checkpoint (:meth:`LiveAggregates.restore`) and folds in only
-those rows, while it serves (:meth:`LiveAggregates.catch_up`); with no checkpoint (a new
-store, one an older TraceML wrote, or one this version cannot read) it folds in every row,
-which is the full replay, and the two give the same aggregates (tests/test_checkpoint.py).
+A checkpoint holds the second kind with, for each part, the store's rowid up to which it covers
+its table: each rank's steps in a row of its own (``live_checkpoint_ranks``: its mark and its
+state), the sample windows and series, with the mark below which every rank's steps are in its
+row, in one :class:`Checkpoint` (the ``live_checkpoint`` row). The rows of an SQLite table
+without an ``INTEGER PRIMARY KEY`` get increasing rowids as they are inserted (nothing vacuums
+the store during a run, and the retention's prune, :mod:`traceml_aggregator.retention`, deletes
+only rows at or below a committed checkpoint's mark, never the highest one), so "the rows stored
+after the checkpoint" is the rowid range above its mark: a range scan of the table's b-tree,
+O(those rows). A replacement loads the checkpoint (:meth:`LiveAggregates.restore`) and folds in
+only those rows, while it serves (:meth:`LiveAggregates.catch_up`); with no checkpoint (a new
+store, one an older TraceML wrote, or one this version cannot read) it folds in every row, which
+is the full replay, and the two give the same aggregates (tests/test_checkpoint.py).
 
-Where it is kept: one row of the store's ``live_checkpoint`` table, replaced in a transaction
-of its own (:meth:`~traceml_aggregator.store.Store.write_live_checkpoint`), so a SIGKILL at any
-moment leaves the previous checkpoint or the new one, whole, in the same file as the rows it
-covers; a checkpoint names rowids of rows that were committed before it, so it is never ahead
-of the store. An atomic file beside the store would need its own fsync ordering against the
-WAL and could outlive a store that was replaced; a row cannot.
+Where it is kept: rows of the store, each replaced in a transaction of its own, so a SIGKILL
+at any moment leaves each one old or new, whole, in the same file as the rows it covers; a
+checkpoint names rowids of rows that were committed before it, so it is never ahead of the
+store. The ranks' rows go first (:meth:`~traceml_aggregator.store.Store.
+write_live_checkpoint_ranks`, a slice of ranks at a time), then the ``live_checkpoint`` row
+(:meth:`~traceml_aggregator.store.Store.write_live_checkpoint`) whose ``steps_from`` says that
+they are all in: a kill between them leaves the previous ``steps_from`` with some ranks' rows
+newer, each still exact up to its own mark, which is all a restart reads of it. An atomic file
+beside the store would need its own fsync ordering against the WAL and could outlive a store
+that was replaced; a row cannot.
 
 How it is taken (:meth:`Checkpointer.write`), every ``TRACEML_AGGREGATOR_CHECKPOINT_SEC`` and
 at a clean stop:
 
-* the ranks' steps come from the live aggregates, on the event loop,
-  :data:`SNAPSHOT_SLICE_RANKS` ranks between two returns to the loop. The writer folds each
-  transaction's batches into the live aggregates at one go after its commit and notes the
-  transaction's highest ``steps`` rowid (:attr:`Writer.steps_rowid_seen`), so a rank's copy
-  covers exactly the step rows at or below the mark noted when it was copied. A rank whose
-  step count and attempt did not move since the previous checkpoint keeps its copy (a
-  finished rank costs nothing);
+* the ranks' steps come from the live aggregates, pickled on the event loop and written on
+  the writer thread :data:`SNAPSHOT_SLICE_RANKS` ranks at a time, so what is held at once is
+  one slice's copies (~4 MB), not every rank's (~120 MB at 1,024 ranks), and nothing of them
+  is kept between checkpoints. The writer folds each transaction's batches into the live
+  aggregates at one go after its commit and notes the transaction's highest ``steps`` rowid
+  (:attr:`Writer.steps_rowid_seen`), so a rank's copy covers exactly the step rows at or below
+  the mark noted when it was copied. A rank whose step count and attempt did not move since
+  its row was written is not written again (a finished rank costs nothing);
 * the sample windows and series are kept here, from the store: each checkpoint reads the
   sample rows stored since the previous one (on the writer thread, O(those rows)) into them,
   the same way a restart and a finalization do.
 
 Cost (``benchmarks/restart.py``, the 2-core machine): the copy is ~0.6 ms of the event loop
 per rank that moved when the machine is quiet (4-20 ms under a load average of 7-11) and
-~120 KB of the store per rank; a restart unpickles it at about the same cost per rank and folds
+~120 KB of the store per rank; a restart unpickles the rows, one at a time, at about the same
+cost per rank and folds
 the steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
 a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
 (against 273-381 s of replay); at 1,024 ranks 2.39 s at 10 M and 3.06 s at 100 M stored steps
@@ -79,10 +87,11 @@ from traceml_aggregator.sample_series import SampleSeries, pack, unpack
 
 _log = log.get("aggregator")
 
-#: Layout of :class:`Checkpoint`; a checkpoint of another version is not read (full replay).
-CHECKPOINT_VERSION = 2
-#: Ranks copied between two returns to the event loop while a checkpoint is taken (at ~0.5 ms
-#: a rank, ~16 ms of the loop at a time).
+#: Layout of :class:`Checkpoint` and the ranks' rows; a checkpoint of another version is not
+#: read (full replay). 3: the ranks' states in rows of their own (2 held them in the one row).
+CHECKPOINT_VERSION = 3
+#: Ranks copied between two returns to the event loop while a checkpoint is taken, and written
+#: in one transaction (at ~0.5 ms and ~120 KB a rank, ~16 ms of the loop and ~4 MB at a time).
 SNAPSHOT_SLICE_RANKS = 32
 #: The sample windows: the sample record (:mod:`traceml.core.records`: its table, grouped and
 #: ordered as :func:`~traceml_aggregator.load.sample_groups` reads it), and the latest samples
@@ -133,15 +142,14 @@ def loads(data: bytes):
 
 @dataclass
 class Checkpoint:
-    """The live aggregates' part that grows with the run, and the rowids it covers (see the
-    module docstring). An empty one (the default) covers nothing: seeding from it replays the
-    whole store.
+    """The live aggregates' part that grows with the run but the ranks' steps (those are rows
+    of their own: :func:`read_ranks`), and the rowids it covers (see the module docstring). An
+    empty one (the default) covers nothing: seeding from it replays the whole store.
 
     Attributes:
-        steps_from: every rank with a ``steps`` row at or below this rowid has an entry in
-            ``ranks``; rows above it are folded at a restart, each rank's from its own mark.
-        ranks: rank -> (the ``steps`` rowid its state covers, the state pickled: see
-            :meth:`~traceml_aggregator.live.windows.RankLive.steps_part`).
+        steps_from: every rank with a ``steps`` row at or below this rowid has a row in
+            ``live_checkpoint_ranks``; rows above it are folded at a restart, each rank's from
+            its own row's mark. 0: no rank's row is read (a full replay).
         windows: sample table -> (the rowid its windows cover, key -> the latest samples as
             row dicts, in time order); keys are the values of the record's ``GROUP`` columns
             (``(rank, restart)`` or ``(node_rank,)``).
@@ -150,7 +158,6 @@ class Checkpoint:
     """
 
     steps_from: int = 0
-    ranks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     windows: dict[str, tuple[int, dict[tuple, list[dict]]]] = field(default_factory=dict)
     series: dict[str, dict[tuple, SampleSeries]] = field(default_factory=dict)
     version: int = CHECKPOINT_VERSION
@@ -238,6 +245,17 @@ class Checkpoint:
         return run
 
 
+def read_ranks(store) -> dict[int, tuple[int, tuple]]:
+    """Each checkpointed rank's ``(mark, state)``: the ``steps`` rowid its state covers, and
+    the state (:meth:`~traceml_aggregator.live.windows.RankLive.steps_part`), unpickled one row
+    at a time.
+
+    Raises:
+        Exception: what :func:`loads` raises for a row that cannot be read.
+    """
+    return {rank: (mark, loads(state)) for rank, mark, state in store.live_checkpoint_ranks()}
+
+
 def read(store) -> Checkpoint:
     """The store's latest checkpoint; an empty one (a full replay) when there is none, or
     when it cannot be read (another version of TraceML wrote it, it is corrupt: said)."""
@@ -271,14 +289,10 @@ class Checkpointer:
         self.checkpoint = checkpoint
         self.live = live
         self.writer = writer
-        #: rank -> (its mark, its pickled steps part): the latest copies, made on the loop,
-        #: whether or not the checkpoint that took them committed yet; and rank -> (attempt,
-        #: steps stored) when its copy was made. Both change together, on the loop: a write
-        #: cancelled on the writer thread (a stop) has not yet set ``checkpoint.ranks`` when
-        #: the next write copies, and a copy kept from there would be older than its mark says.
-        self._ranks: dict[int, tuple[int, bytes]] = dict(checkpoint.ranks)
-        self._copied: dict[int, tuple[int, int]] = {}
-        #: Checkpoints written, and the size of the last one (bytes).
+        #: rank -> (attempt, steps stored) when its row was written, set once that row
+        #: committed: a write cancelled (a stop) before then leaves the rank to the next one.
+        self._written: dict[int, tuple[int, int]] = {}
+        #: Checkpoints written, and the bytes the last one wrote (its ranks' rows and its row).
         self.written = 0
         #: The ``steps_from`` of the latest checkpoint committed (0: none yet).
         self.committed_from = 0
@@ -287,46 +301,55 @@ class Checkpointer:
         self.committed_samples: dict[str, tuple[int, dict[tuple, np.ndarray]]] = {}
         self.last_bytes = 0
 
-    async def _copy_ranks(self) -> tuple[int, dict[int, tuple[int, bytes]]]:
-        """``(steps_from, ranks)`` of a new checkpoint from the live aggregates, on the loop,
-        once a replacement's catch-up is over (before, they lack steps below the mark)."""
+    async def _write_ranks(self) -> tuple[int, int]:
+        """Write the rows of the ranks that moved since their rows were written, a slice at a
+        time (pickled on the loop, written on the writer thread), once a replacement's
+        catch-up is over (before, the aggregates lack steps below the mark); returns (the mark
+        every rank's row now covers its steps up to, bytes written)."""
         await self.live.caught_up()
         steps_from = self.writer.steps_rowid_seen
-        # A new dict (the writer thread may be pickling the last one), kept at once: a write
-        # cancelled while it yields below leaves _ranks and _copied agreeing.
-        ranks = self._ranks = dict(self._ranks)
-        for i, (r, rl) in enumerate(list(self.live.ranks.items())):
-            if i and not i % SNAPSHOT_SLICE_RANKS:
+        ranks = list(self.live.ranks.items())
+        written = 0
+        for first in range(0, len(ranks), SNAPSHOT_SLICE_RANKS):
+            rows, moved = [], {}
+            for r, rl in ranks[first : first + SNAPSHOT_SLICE_RANKS]:
+                moved[r] = (rl.restart, rl.steps_stored)
+                if self._written.get(r) == moved[r]:
+                    del moved[r]  # no step of it stored since: its row still holds
+                else:
+                    rows.append((r, self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5)))
+            if rows:
+                await self.writer.call(self.writer.store.write_live_checkpoint_ranks, rows)
+                self._written.update(moved)
+                written += sum(len(row[2]) for row in rows)
+            else:
                 await asyncio.sleep(0)
-            moved = (rl.restart, rl.steps_stored)
-            if r in ranks and self._copied.get(r) == moved:
-                continue  # no step of it stored since: its copy and its mark still hold
-            ranks[r] = (self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5))
-            self._copied[r] = moved
-        return steps_from, ranks
+        return steps_from, written
 
     async def write(self) -> None:
-        """Take a checkpoint and store it (the sample windows advanced and the row replaced on
-        the writer thread, in one call: no transaction of batches in between).
+        """Take a checkpoint and store it: the ranks' rows, then the sample windows advanced
+        and the checkpoint's row replaced on the writer thread, in one call (no transaction
+        of batches in between).
 
         Raises:
-            sqlite3.Error: the store could not take it (the previous checkpoint stays).
+            sqlite3.Error: the store could not take it (the previous ``steps_from`` stays).
         """
-        steps_from, ranks = await self._copy_ranks()
-        self.last_bytes, samples = await self.writer.call(self._store, steps_from, ranks)
+        steps_from, rank_bytes = await self._write_ranks()
+        row_bytes, samples = await self.writer.call(self._store, steps_from)
+        self.last_bytes = rank_bytes + row_bytes
         self.written += 1
         first_with_steps = steps_from > 0 and self.committed_from == 0
         self.committed_from, self.committed_samples = steps_from, samples
         if self.written == 1 or first_with_steps:  # then silent: one every interval
             _log.info(
-                f"live aggregates checkpointed ({self.last_bytes} bytes, {len(ranks)} ranks, "
-                f"the steps stored up to row {steps_from})"
+                f"live aggregates checkpointed ({self.last_bytes} bytes, "
+                f"{len(self._written)} ranks, the steps stored up to row {steps_from})"
             )
 
-    def _store(self, steps_from: int, ranks: dict) -> tuple[int, dict]:
+    def _store(self, steps_from: int) -> tuple[int, dict]:
         checkpoint = self.checkpoint
         checkpoint.advance_windows(self.writer.store)
-        checkpoint.steps_from, checkpoint.ranks = steps_from, ranks
+        checkpoint.steps_from = steps_from
         data = pickle.dumps(checkpoint, 5)
         self.writer.store.write_live_checkpoint(data, time.time_ns() // 1000)
         return len(data), checkpoint.series_times()  # as committed

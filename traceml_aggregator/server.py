@@ -853,11 +853,9 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
         )
         steps = live.final_steps()
         # What the summary does not read goes before it is built: at 1,024 ranks ~400 MiB of
-        # objects (the ranks' windows and their checkpointed copies), so the finalization's
-        # peak is lower (benchmarks/restart.py: 1,081 -> 947 MiB with the vectorised growth
-        # test) and its garbage collections traverse less.
+        # objects (the ranks' windows), so the finalization's peak is lower and its garbage
+        # collections traverse less.
         del live
-        checkpoint.ranks.clear()
         outcome = write_reports(
             store,
             config.run_dir,

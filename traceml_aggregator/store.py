@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,8 @@ _SCHEMA = "\n".join(
         *(records.create_table(r) for r in records.RECORDS if r is not records.Identity),
         "CREATE TABLE IF NOT EXISTS live_checkpoint (id INTEGER PRIMARY KEY CHECK (id = 0),"
         " written_unix_us INTEGER NOT NULL, state BLOB NOT NULL);",
+        "CREATE TABLE IF NOT EXISTS live_checkpoint_ranks (rank INTEGER PRIMARY KEY,"
+        " mark INTEGER NOT NULL, state BLOB NOT NULL);",
     ]
 )
 #: The INSERT of one row of each record (:func:`traceml.core.records.insert`).
@@ -575,6 +578,28 @@ class Store:
         except BaseException:
             self._rollback()
             raise
+
+    def write_live_checkpoint_ranks(self, rows: list[tuple[int, int, bytes]]) -> None:
+        """Replace the checkpointed states of some ranks (:mod:`traceml_aggregator.checkpoint`),
+        ``(rank, mark, state)`` each, in one transaction of its own; each row names the
+        ``steps`` rowid its state covers, so it is whole on its own, whatever the other rows.
+
+        Raises:
+            sqlite3.Error: the disk (full, I/O error); the previous rows stay.
+        """
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            db.executemany("INSERT OR REPLACE INTO live_checkpoint_ranks VALUES (?, ?, ?)", rows)
+            db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    def live_checkpoint_ranks(self) -> Iterator[tuple[int, int, bytes]]:
+        """Each checkpointed rank's ``(rank, mark, state)`` (see
+        :meth:`write_live_checkpoint_ranks`), read one row at a time, by rank."""
+        yield from self._db.execute("SELECT rank, mark, state FROM live_checkpoint_ranks")
 
     def live_checkpoint(self) -> bytes | None:
         """The live aggregates' latest checkpoint (see :meth:`write_live_checkpoint`), None

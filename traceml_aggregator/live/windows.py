@@ -55,8 +55,7 @@ from traceml.core import log, records
 from traceml.core.phases import STEP_FIELDS
 from traceml.core.records import step_group_columns
 from traceml_aggregator.aggregates import SERIES_STEPS, StepState, series_steps
-from traceml_aggregator.checkpoint import SAMPLE_WINDOWS, Checkpoint
-from traceml_aggregator.checkpoint import loads as checkpoint_loads
+from traceml_aggregator.checkpoint import SAMPLE_WINDOWS, Checkpoint, read_ranks
 from traceml_aggregator.live import analysis_process
 from traceml_aggregator.live.analysis_process import (
     WINDOW_GPU_SAMPLES,
@@ -503,12 +502,13 @@ class LiveAggregates:
         aggregator received every stored batch: the identities, finish markers, node exits and
         latest samples, and every stored step folded in arrival order.
 
-        From ``checkpoint`` (:func:`traceml_aggregator.checkpoint.read`), only what was stored
-        after it is read: here the ranks' and nodes' small tables and the samples above its
-        marks (O(ranks + nodes + samples stored since)), and in the replay the steps above its
-        mark (O(steps stored since)). Without one, or with an empty one, the replay is every
-        stored step; both give the same aggregates. Until the replay is folded in, batches and
-        node exits are held (:meth:`on_batch`) and the live views wait (:meth:`caught_up`).
+        From ``checkpoint`` (:func:`traceml_aggregator.checkpoint.read`) and the ranks' rows
+        (:func:`~traceml_aggregator.checkpoint.read_ranks`, read when it covers steps), only what
+        was stored after it is read: here the ranks' and nodes' small tables and the samples above
+        its marks (O(ranks + nodes + samples stored since)), and in the replay the steps above its
+        mark (O(steps stored since)). Without one, or with an empty one, the replay is every stored
+        step; both give the same aggregates. Until the replay is folded in, batches and node exits
+        are held (:meth:`on_batch`) and the live views wait (:meth:`caught_up`).
         Returns the checkpoint, its sample windows advanced to the store as it is now (what
         the next one starts from: :class:`~traceml_aggregator.checkpoint.Checkpointer`), and
         the replay.
@@ -520,9 +520,7 @@ class LiveAggregates:
         checkpoint = checkpoint or Checkpoint()
         process = records.ProcessSample.TABLE
         try:
-            parts = {
-                r: (mark, checkpoint_loads(data)) for r, (mark, data) in checkpoint.ranks.items()
-            }
+            parts = read_ranks(store) if checkpoint.steps_from else {}
             run = _small_tables(store, checkpoint)
             if any(
                 part[0] > run.ranks[r].restart and not part[2]
