@@ -313,10 +313,9 @@ class Checkpointer:
         for first in range(0, len(ranks), SNAPSHOT_SLICE_RANKS):
             rows, moved = [], {}
             for r, rl in ranks[first : first + SNAPSHOT_SLICE_RANKS]:
-                moved[r] = (rl.restart, rl.steps_stored)
-                if self._written.get(r) == moved[r]:
-                    del moved[r]  # no step of it stored since: its row still holds
-                else:
+                state = (rl.restart, rl.steps_stored)
+                if self._written.get(r) != state:  # else no step stored since: its row holds
+                    moved[r] = state
                     rows.append((r, self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5)))
             if rows:
                 await self.writer.call(self.writer.store.write_live_checkpoint_ranks, rows)
