@@ -118,6 +118,7 @@ def test_residual_heavy(run):
     assert not any(k.endswith("STRAGGLER") for k in _step_kinds(s))
 
 
+@pytest.mark.serial  # its ranks wait for each other little only when no other job slows one
 def test_a_step_held_by_the_gradient_all_reduce_is_comm_bound(run):
     s = run("comm").summary
     _common_checks(s)
