@@ -201,3 +201,48 @@ def test_without_collectives_comm_is_never_measured(traced):
     _run_steps(tracer, 10, {})
     assert [m.comm_ns for m in steps] == [None] * 10
     assert not any("comm_us" in m.fields() for m in steps)
+
+
+#: A DDP bucket's hook future: the transfer, and a callback its hook added before TraceML's
+#: (callbacks run in order, on the completing thread, after the future has woken its waiters).
+TRANSFER_S, EARLIER_CALLBACK_S = 0.02, 0.3
+
+
+def test_a_ddp_buckets_wait_is_comm_even_when_its_completion_runs_late(traced):
+    """The completing thread runs the bucket future's callbacks after DDP's wait has returned:
+    here a callback the user's hook added first holds it 0.3 s (as a starved gloo thread
+    would). DDP waits on the future TraceML's hook returns, chained to the user's, so its
+    backward returns once the bucket's completion is recorded, and the step's ``comm`` holds
+    the wait (before: the callback ran after the step had closed, ``comm`` 0)."""
+    import threading
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tracer, steps = traced
+
+    def user_hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.add_done_callback(lambda _fut: time.sleep(EARLIER_CALLBACK_S))
+        buffer = bucket.buffer()
+
+        def transfer():
+            time.sleep(TRANSFER_S)
+            fut.set_result(buffer)
+
+        threading.Thread(target=transfer, daemon=True).start()
+        return fut
+
+    model = DDP(torch.nn.Linear(4, 2))
+    model.register_comm_hook(None, user_hook)
+    before = [p.detach().clone() for p in model.parameters()]
+    tracer.begin()
+    model(torch.ones(3, 4)).sum().backward()
+    tracer.end()
+    (step,) = steps
+    assert step.comm_ns >= (TRANSFER_S + EARLIER_CALLBACK_S) * 1e9
+    (bucket,) = [ev for ev in collectives._recorder.events if ev.op == collectives.DDP_BUCKET]
+    assert bucket.done_ns is not None and not collectives._recorder.open
+    # the gradients are the hook's value, passed on unchanged (world size 1: the sum)
+    grads = [p.grad for p in model.parameters()]
+    assert [g.shape for g in grads] == [b.shape for b in before]
+    assert torch.equal(grads[1], torch.full((2,), 3.0))

@@ -20,8 +20,9 @@ the ranks of a group issue its collectives in the same order), the bytes the ran
 (its input tensor(s)), and ``perf_counter_ns`` on entry and at completion. Completion of a
 sync call is its return; of an async call or a DDP bucket, the moment its ``Work``'s future
 completes, seen by a callback on the thread that completes it (never a wait on the training
-thread). On NCCL that future completes when the work is enqueued, not when it ran: CUDA-event
-completion is not measured yet (``docs/telemetry.md``).
+thread); a bucket's callback is chained to the future DDP waits on, so it has run when
+backward returns. On NCCL that future completes when the work is enqueued, not when it ran:
+CUDA-event completion is not measured yet (``docs/telemetry.md``).
 
 The step's ``comm`` phase (:data:`traceml.core.phases.PHASES`) is the time the training
 thread had nothing to do but wait for collectives, so that it is a part of the step like the
@@ -349,15 +350,32 @@ def _bucket_hook(cell: list):
         finally:
             if rec is not None:
                 rec._local.suppress = False
-        if ev is not None:
-            try:
-                fut.add_done_callback(lambda _fut: rec.done(ev))
-            except Exception as exc:
-                rec.failed(ev)
-                _warn_once(exc)
-        return fut
+        if ev is None:
+            return fut
+        try:
+            return fut.then(functools.partial(_bucket_done, rec, ev))
+        except Exception as exc:
+            rec.failed(ev)
+            _warn_once(exc)
+            return fut
 
     return traceml_comm_hook
+
+
+def _bucket_done(rec: Recorder, ev: Collective, fut):
+    """The bucket's completion, recorded by the future DDP waits on: its hook's future chained
+    (``then``), whose value it passes on (or whose error it raises), so that DDP's backward
+    returns only once the completion is recorded. A callback merely added to the hook's future
+    could run after DDP's wait had returned (the future wakes its waiters first, then runs its
+    callbacks on the completing thread): a starved gloo thread then left the step closed with
+    the bucket not done, its wait counted in backward and ``comm`` 0."""
+    try:
+        value = fut.value()
+    except BaseException:
+        rec.failed(ev)
+        raise
+    rec.done(ev)
+    return value
 
 
 def watch_ddp(model) -> None:
