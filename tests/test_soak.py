@@ -47,7 +47,11 @@ def test_the_short_soak_loses_nothing_and_has_the_faults_it_claims(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     f = json.loads(out.read_text())
-    assert f["records"] == [{"acked": STEPS_AN_HOUR, "lost": 0}] * 2
+    # Every step acknowledged by the end, none lost; how they split between the hours depends
+    # on when the hour's mark was read against the batch due at the same instant (CI once saw
+    # 14,080 in the first hour: 11 batches a rank).
+    assert sum(h["acked"] for h in f["records"]) == 2 * STEPS_AN_HOUR
+    assert [h["lost"] for h in f["records"]] == [0, 0]
     assert (f["stored_twice"], f["stored_unacked"]) == (0, 0)
     assert f["queue_bound"] == settings.MAX_QUEUED_BYTES.value
     assert 0 < f["queue_peak"] <= settings.MAX_QUEUED_BYTES.value
