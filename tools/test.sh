@@ -34,7 +34,9 @@ python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test]"
+# --no-compile: pip would compile every installed module (all of torch) on one core before any
+# test runs; the suite's processes compile the ones they import, once (docs/testing.md).
+.venv/bin/pip install -q --no-compile --disable-pip-version-check torch==2.13.0 -e ".[test]"
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
