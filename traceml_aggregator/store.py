@@ -28,6 +28,7 @@ and the job's rendezvous as well (docs/distributed-training.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sqlite3
@@ -452,6 +453,19 @@ class Store:
             raise
         return results
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """``BEGIN``, then the block's statements on the yielded connection, then ``COMMIT``;
+        an exception in the block or the commit rolls back (:meth:`_rollback`) and is raised."""
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
     def _rollback(self) -> None:
         """End a failed transaction. SQLite rolls back by itself on some errors (disk full,
         I/O error: https://sqlite.org/lang_transaction.html, "Response To Errors Within A
@@ -508,17 +522,11 @@ class Store:
         """Store a node's torchrun exit and its ranks' end states (a later report replaces)."""
         # Built first: an unknown end state raises before the transaction.
         rank_ends = [RankEnd.wire_row(r, node_rank=report.node_rank) for r in report.ranks]
-        db = self._db
-        db.execute("BEGIN")
-        try:
+        with self._transaction() as db:
             db.execute(
                 _INSERT[NodeExit], NodeExit.wire_row(report, received_unix_us=received_unix_us)
             )
             db.executemany(_INSERT[RankEnd], rank_ends)
-            db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
 
     # --- reads -----------------------------------------------------------------------------------
     def query(self, sql: str, params: tuple = (), *, by_name: bool = True) -> list:
@@ -550,15 +558,9 @@ class Store:
         Raises:
             sqlite3.Error: the disk (full, I/O error); nothing was deleted.
         """
-        db = self._db
-        db.execute("BEGIN")
-        try:
+        with self._transaction() as db:
             db.executemany(f"DELETE FROM {table} WHERE rowid = ?", ((r,) for r in rowids))
             db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
-            db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
 
     def write_live_checkpoint(self, state: bytes, written_unix_us: int) -> None:
         """Replace the live aggregates' checkpoint (:mod:`traceml_aggregator.checkpoint`) by
@@ -568,16 +570,10 @@ class Store:
         Raises:
             sqlite3.Error: the disk (full, I/O error); the previous checkpoint stays.
         """
-        db = self._db
-        db.execute("BEGIN")
-        try:
+        with self._transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)", (written_unix_us, state)
             )
-            db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
 
     def write_live_checkpoint_ranks(self, rows: list[tuple[int, int, bytes]]) -> None:
         """Replace the checkpointed states of some ranks (:mod:`traceml_aggregator.checkpoint`),
@@ -587,14 +583,8 @@ class Store:
         Raises:
             sqlite3.Error: the disk (full, I/O error); the previous rows stay.
         """
-        db = self._db
-        db.execute("BEGIN")
-        try:
+        with self._transaction() as db:
             db.executemany("INSERT OR REPLACE INTO live_checkpoint_ranks VALUES (?, ?, ?)", rows)
-            db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
 
     def live_checkpoint_ranks(self) -> Iterator[tuple[int, int, bytes]]:
         """Each checkpointed rank's ``(rank, mark, state)`` (see
