@@ -43,7 +43,7 @@ at a clean stop:
 
 * the ranks' steps come from the live aggregates, pickled on the event loop and written on
   the writer thread :data:`SNAPSHOT_SLICE_RANKS` ranks at a time, so what is held at once is
-  one slice's copies (~4 MB), not every rank's (~120 MB at 1,024 ranks), and nothing of them
+  one slice's copies (~2 MB), not every rank's (~56 MB at 1,024 ranks), and nothing of them
   is kept between checkpoints. The writer folds each transaction's batches into the live
   aggregates at one go after its commit and notes the transaction's highest ``steps`` rowid
   (:attr:`Writer.steps_rowid_seen`), so a rank's copy covers exactly the step rows at or below
@@ -55,9 +55,9 @@ at a clean stop:
 
 Cost (``benchmarks/restart.py``, the 2-core machine): the copy is ~0.6 ms of the event loop
 per rank that moved when the machine is quiet (4-20 ms under a load average of 7-11) and
-~120 KB of the store per rank; a restart unpickles the rows, one at a time, at about the same
-cost per rank and folds
-the steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
+~55 KB of the store per rank (56.3 MiB in all at 1,024 ranks, the series included); a
+restart unpickles the rows, one at a time, at about the same cost per rank and folds the
+steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
 a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
 (against 273-381 s of replay); at 1,024 ranks 2.39 s at 10 M and 3.06 s at 100 M stored steps
 (medians, load average 1.4-3, ``--simulate``), most of it unpickling the ranks' windows and
@@ -91,7 +91,7 @@ _log = log.get("aggregator")
 #: read (full replay). 3: the ranks' states in rows of their own (2 held them in the one row).
 CHECKPOINT_VERSION = 3
 #: Ranks copied between two returns to the event loop while a checkpoint is taken, and written
-#: in one transaction (at ~0.5 ms and ~120 KB a rank, ~16 ms of the loop and ~4 MB at a time).
+#: in one transaction (at ~0.5 ms and ~55 KB a rank, ~16 ms of the loop and ~2 MB at a time).
 SNAPSHOT_SLICE_RANKS = 32
 #: The sample windows: the sample record (:mod:`traceml.core.records`: its table, grouped and
 #: ordered as :func:`~traceml_aggregator.load.sample_groups` reads it), and the latest samples
