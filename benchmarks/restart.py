@@ -197,19 +197,14 @@ def build_store(
 
 
 #: The store's tables that hold the live aggregates' checkpoint (the ranks' rows since its
-#: layout 3; a store an older tree made has only the first).
+#: layout 3; :func:`build_store` makes both, with this tree's schema, whatever tree is timed).
 CHECKPOINT_TABLES = ("live_checkpoint", "live_checkpoint_ranks")
-
-
-def _checkpoint_tables(db: sqlite3.Connection) -> list[str]:
-    names = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    return [t for t in CHECKPOINT_TABLES if t in names]
 
 
 def drop_checkpoint(run_dir: Path) -> None:
     """Remove the store's checkpoint (the store as an older TraceML left it)."""
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        for table in _checkpoint_tables(db):
+        for table in CHECKPOINT_TABLES:
             db.execute(f"DELETE FROM {table}")
         db.commit()
 
@@ -217,7 +212,7 @@ def drop_checkpoint(run_dir: Path) -> None:
 def save_checkpoint(run_dir: Path, path: Path) -> None:
     """Copy the rows of the store's checkpoint to the file ``path``."""
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        rows = {t: db.execute(f"SELECT * FROM {t}").fetchall() for t in _checkpoint_tables(db)}
+        rows = {t: db.execute(f"SELECT * FROM {t}").fetchall() for t in CHECKPOINT_TABLES}
     path.write_bytes(pickle.dumps(rows, 5))
 
 
@@ -225,7 +220,7 @@ def restore_checkpoint(run_dir: Path, path: Path) -> None:
     """Make the store's checkpoint the one :func:`save_checkpoint` copied to ``path``."""
     rows = pickle.loads(path.read_bytes())
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
-        for table in _checkpoint_tables(db):
+        for table in CHECKPOINT_TABLES:
             db.execute(f"DELETE FROM {table}")
             db.executemany(f"INSERT INTO {table} VALUES (?, ?, ?)", rows.get(table, []))
         db.commit()
@@ -457,11 +452,7 @@ def simulate_checkpoint(
     time_to_serving(scratch, run_name, ranks, 600.0, tree)  # writes its checkpoint at the stop
     with contextlib.closing(sqlite3.connect(scratch / "telemetry.sqlite")) as db:
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
-        rank_rows = (
-            db.execute("SELECT rank, state FROM live_checkpoint_ranks").fetchall()
-            if "live_checkpoint_ranks" in _checkpoint_tables(db)
-            else []
-        )
+        rank_rows = db.execute("SELECT rank, state FROM live_checkpoint_ranks").fetchall()
     state = checkpoint.loads(data)
     current = state.version == checkpoint.CHECKPOINT_VERSION
     if current:  # the long run's own sample windows and series, marks at its last rows

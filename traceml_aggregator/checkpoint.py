@@ -291,7 +291,7 @@ class Checkpointer:
         self.writer = writer
         #: rank -> (attempt, steps stored) when its row was written, set once that row
         #: committed: a write cancelled (a stop) before then leaves the rank to the next one.
-        self._written: dict[int, tuple[int, int]] = {}
+        self._row_of: dict[int, tuple[int, int]] = {}
         #: Checkpoints written, and the bytes the last one wrote (its ranks' rows and its row).
         self.written = 0
         #: The ``steps_from`` of the latest checkpoint committed (0: none yet).
@@ -314,12 +314,12 @@ class Checkpointer:
             rows, moved = [], {}
             for r, rl in ranks[first : first + SNAPSHOT_SLICE_RANKS]:
                 state = (rl.restart, rl.steps_stored)
-                if self._written.get(r) != state:  # else no step stored since: its row holds
+                if self._row_of.get(r) != state:  # else no step stored since: its row holds
                     moved[r] = state
                     rows.append((r, self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5)))
             if rows:
                 await self.writer.call(self.writer.store.write_live_checkpoint_ranks, rows)
-                self._written.update(moved)
+                self._row_of.update(moved)
                 written += sum(len(row[2]) for row in rows)
             else:
                 await asyncio.sleep(0)
@@ -342,7 +342,7 @@ class Checkpointer:
         if self.written == 1 or first_with_steps:  # then silent: one every interval
             _log.info(
                 f"live aggregates checkpointed ({self.last_bytes} bytes, "
-                f"{len(self._written)} ranks, the steps stored up to row {steps_from})"
+                f"{len(self._row_of)} ranks, the steps stored up to row {steps_from})"
             )
 
     def _store(self, steps_from: int) -> tuple[int, dict]:

@@ -191,7 +191,8 @@ def main() -> None:
             name="traceml-orphan-reaper",
             daemon=True,
         ).start()
-    note_failures_before_stop()
+    if path:  # the record this marking is for
+        note_failures_before_stop()
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
