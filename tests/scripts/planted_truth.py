@@ -22,7 +22,6 @@ Each rank writes what it timed with its own clock (ms) to ``--clock-out``/rank<r
 import argparse
 import json
 import os
-import tempfile
 import time
 
 import torch
@@ -100,7 +99,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.MSELoss()
     clock = {"eval_ms": [], "checkpoint_ms": [], "fetch_ms": [], "step_ms": [], "steps": 0}
-    ckpt_dir = tempfile.mkdtemp(prefix="traceml-ckpt-")
+    # under the test's directory, removed with it
+    ckpt_path = os.path.join(args.clock_out, f"ckpt{rank}.pt")
     it = iter(loader)
     for step in range(args.steps):
         base = args.forward_ms
@@ -128,7 +128,7 @@ def main() -> None:
             optimizer.step()
             if sc == "checkpoint" and rank == 0 and step % CKPT_EVERY == CKPT_EVERY - 1:
                 t0 = time.perf_counter()
-                torch.save(net.state_dict(), os.path.join(ckpt_dir, "ckpt.pt"))
+                torch.save(net.state_dict(), ckpt_path)
                 time.sleep(CKPT_MS / 1000.0)
                 clock["checkpoint_ms"].append((time.perf_counter() - t0) * 1000.0)
             if extra_ms:
