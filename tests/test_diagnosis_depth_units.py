@@ -293,3 +293,19 @@ def test_allocator_creep_gives_the_time_until_the_gpu_is_full():
     free = m["gpu_total_bytes"] - m["peak_reserved_bytes"]
     assert f["evidence"]["hours_to_exhaust"] == {"0": round(free / g["bytes_per_hour"], 2)}
     assert f"its GPU is full in {memory.hours_text(free / g['bytes_per_hour'])}" in f["summary"]
+
+
+@pytest.mark.parametrize("extra_us", [20_050, 20_450, 61_950])
+@pytest.mark.parametrize("onset", [0, 60])
+def test_a_gap_on_a_half_tenth_of_a_ms_reads_the_same_in_the_text_and_the_evidence(extra_us, onset):
+    """A gap computed in floats a hair off a twentieth of a ms (20.0500000001 ms) was written
+    rounded once in the text and twice from the evidence (20.05, then 20.0 or 20.1): CI once
+    found a straggler's text and evidence disagree so. The text is written from the evidence's
+    rounded figure, for a stretch's finding and a whole window's."""
+    ranks = [
+        rank(r, [step(i, forward=10_000 + extra_us * (r == 2 and i >= onset)) for i in range(100)])
+        for r in range(3)
+    ]
+    (f,) = _stragglers(_consistent(build_summary(run_of(ranks))))  # the text's gap included
+    assert f["ranks"] == [2] and f["evidence"]["gap_ms"] == extra_us / 1000
+    assert (f"from step {onset} " in f["summary"]) == (onset > 0)  # a stretch, or the window

@@ -268,8 +268,11 @@ def _finding(
 ) -> Finding:
     worst = max(found, key=lambda s: s["cost_ms"])
     inside = [i for i, s in enumerate(steps) if worst["onset_step"] <= s <= worst["last_step"]]
-    own = median(values[rank][i] for i in inside)
-    assert own is not None, "a stretch's steps have gaps, so values"
+    own_ms = median(values[rank][i] for i in inside)
+    assert own_ms is not None, "a stretch's steps have gaps, so values"
+    # the text says what the evidence carries: rounded once, to the evidence's µs (a gap of
+    # 20.0500000001 ms would read 20.1 in the text, 20.0 from the evidence's 20.05)
+    own = round(own_ms, 3)
     before = median(
         g for s, g in zip(steps, gaps, strict=True) if g is not None and s < worst["onset_step"]
     )
@@ -278,9 +281,9 @@ def _finding(
         for s, g in zip(steps, gaps, strict=True)
         if g is not None and not any(x["onset_step"] <= s <= x["last_step"] for x in found)
     )
-    gap = worst["gap_ms"]
+    gap = round(worst["gap_ms"], 3)
     cost_steps = round(worst["steps"] * steps_per_index)
-    cost_ms = round(gap, 3) * cost_steps
+    cost_ms = gap * cost_steps
     gpu_hours = round(world_size * cost_ms / _MS_PER_HOUR, 6)
     until = (
         f"to step {worst['end_step']} (then it recovered)"
@@ -304,8 +307,8 @@ def _finding(
             "statistic": MEDIAN,
             "part": part.name,
             "slow_rank": rank,
-            "slow_ms": round(own, 3),
-            "gap_ms": round(gap, 3),
+            "slow_ms": own,
+            "gap_ms": gap,
             "gap_pct_of_step": round(100.0 * gap / step_ms, 1),
             "step_time_ms": round(step_ms, 3),
             "onset_step": worst["onset_step"],
@@ -313,8 +316,8 @@ def _finding(
             "last_step": worst["last_step"],
             "before_ms": None if before is None else round(before, 3),
             "outside_ms": None if outside is None else round(outside, 3),
-            "after_ms": round(gap, 3),
-            "wait_ms_per_step": round(gap, 3),
+            "after_ms": gap,
+            "wait_ms_per_step": gap,
             "cost_steps": cost_steps,
             "cost_ms": round(cost_ms, 3),
             "world_size": world_size,

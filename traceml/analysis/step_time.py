@@ -312,7 +312,7 @@ def _straggler_finding(
     """The finding for ``slow`` (rank -> gap over the typical rank, ms) in ``part``: a
     NODE_STRAGGLER when they are exactly the ranks of whole nodes, else the part's kind."""
     worst = max(slow, key=lambda r: slow[r])
-    gap = slow[worst]
+    gap = round(slow[worst], 3)  # as the evidence carries it, so that the text says the same
     evidence = {
         "statistic": MEDIAN,
         "part": part.name,
