@@ -68,7 +68,7 @@ def _finalize_only(run_dir, world: int) -> tuple[float, float]:
     return took, peak - imported
 
 
-@pytest.mark.serial
+@pytest.mark.alone
 def test_two_million_steps_restart_from_checkpoint_serves_in_bound_as_a_replay(tmp_path):
     ranks, per_rank, after = 64, 31_250, 50  # 2,000,000 steps, 3,200 after the checkpoint
     run_dir = tmp_path / "run"

@@ -86,7 +86,7 @@ def test_every_batch_carries_the_running_counts_and_the_store_keeps_the_latest(a
     assert aggregator.query("SELECT COUNT(*) FROM steps") == [(11,)]
 
 
-@pytest.mark.serial
+@pytest.mark.alone
 def test_a_bounded_close_counts_what_it_had_no_time_to_send_in_the_finish_marker(aggregator):
     """3000 records, one per batch, and 1 s to close: past the cutoff (half the time) the rest
     is given up, counted, and the finish marker still arrives; stored + unsent = produced."""
@@ -126,7 +126,7 @@ def test_a_rank_client_sends_its_first_record_at_once_and_the_rest_at_the_interv
     assert aggregator.query("SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
 
 
-@pytest.mark.serial
+@pytest.mark.alone
 def test_a_buffered_cpu_step_takes_less_than_the_documented_bound():
     """BUFFERED_RECORD_MAX_BYTES (docs/telemetry.md) against tracemalloc: 20,000 steps of the
     real tracer buffered by a client that never sends."""
@@ -265,7 +265,7 @@ def test_push_from_another_run_is_answered_rejected(aggregator):
     assert aggregator.query("SELECT rank, step FROM steps") == [(0, 0)]
 
 
-@pytest.mark.serial
+@pytest.mark.alone
 def test_close_delivers_everything_once_and_closes_for_good(aggregator):
     warnings: list[str] = []
     client = make_client(aggregator.target, "mine", warnings, batch_max_records=7)

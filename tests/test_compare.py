@@ -40,7 +40,7 @@ def _compare(a, b, out_dir, fail_on_regression: float):
 
 # The two runs' step times are compared: they are made with the machine to itself (a run made
 # while four workers load two cores stretches its compute by as much as the planted 20 ms).
-@pytest.mark.serial
+@pytest.mark.alone
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_input_bound_vs_fixed_is_an_improvement(runs, tmp_path):
@@ -64,7 +64,7 @@ def test_input_bound_vs_fixed_is_an_improvement(runs, tmp_path):
     assert max(len(line) for line in proc.stdout.splitlines()) <= 80
 
 
-@pytest.mark.serial
+@pytest.mark.alone
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_fail_on_regression_exit_code(runs, tmp_path):

@@ -43,7 +43,7 @@ def _common_checks(summary: dict) -> None:
         assert r["phase_median_ms"]["h2d"] is None  # no CUDA: not measured, never 0
 
 
-@pytest.mark.serial  # other tests' jobs slow one rank of the balanced run: a straggler, once
+@pytest.mark.alone  # other tests' jobs slow one rank of the balanced run: a straggler, once
 def test_balanced_control_raises_no_bottleneck(run):
     s = run("balanced").summary
     _common_checks(s)
@@ -118,7 +118,7 @@ def test_residual_heavy(run):
     assert not any(k.endswith("STRAGGLER") for k in _step_kinds(s))
 
 
-@pytest.mark.serial  # its ranks wait for each other little only when no other job slows one
+@pytest.mark.alone  # its ranks wait for each other little only when no other job slows one
 def test_a_step_held_by_the_gradient_all_reduce_is_comm_bound(run):
     s = run("comm").summary
     _common_checks(s)

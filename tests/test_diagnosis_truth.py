@@ -24,7 +24,7 @@ from planted import side_by_side
 # serial: "no false secondary finding" needs the machine to itself; among the parallel tests'
 # jobs, one rank of the evaluation run was slowed enough by other jobs to be a compute
 # straggler (a true finding about a shared machine, not about the plant).
-pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.alone]
 
 #: name -> script arguments (tests/scripts/planted_truth.py)
 #: The three runs of the compare gate come first: they run side by side, under the same load

@@ -82,7 +82,7 @@ def test_batches_stay_below_the_bound_and_an_oversized_record_is_dropped_with_a_
     assert agg.query("SELECT stored_seq FROM streams") == [(3,)]
 
 
-@pytest.mark.serial  # the first call must still be in flight 1 s later: not on a loaded machine
+@pytest.mark.alone  # the first call must still be in flight 1 s later: not on a loaded machine
 def test_calls_beyond_the_bound_in_flight_are_answered_resource_exhausted(tmp_path):
     """--max-concurrent-rpcs 1: while a Finalize waits (3 s) for a rank that never finishes,
     a second call is refused at once; once the first is over, calls are served again."""

@@ -291,7 +291,7 @@ def batches_at_scale(steps: int, first: int = 0) -> list[wire.Batch]:
     return out
 
 
-@pytest.mark.serial  # a bound of ms on the event loop: other tests' jobs held it 641 ms
+@pytest.mark.alone  # a bound of ms on the event loop: other tests' jobs held it 641 ms
 def test_a_scrape_at_1024_ranks_never_holds_the_event_loop_past_its_bound():
     """8 concurrent scrapes of 1,024 ranks' full windows (512 steps each): the loop's longest
     hold (the loop thread's CPU time between two turns of a 1 ms ticker) stays under

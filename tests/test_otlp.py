@@ -315,7 +315,7 @@ def test_without_the_otlp_extra_one_line_says_so_and_training_goes_on(tmp_path, 
     assert receiver.count() == 0
 
 
-@pytest.mark.serial  # a bound of ms on the event loop (see test_metrics.py's twin)
+@pytest.mark.alone  # a bound of ms on the event loop (see test_metrics.py's twin)
 def test_a_push_at_1024_ranks_never_holds_the_event_loop_past_the_scrape_bound(receiver):
     """The push of 1,024 ranks' full windows (512 steps each) to a real receiver: the loop's
     longest hold (its thread's CPU time between two turns of a 1 ms ticker) stays under the

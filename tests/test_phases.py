@@ -19,7 +19,7 @@ import statistics
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, query, run_traceml
 
-pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.alone]
 
 STEPS = 25
 NOMINAL_US = {"input": 30_000, "forward": 20_000, "optimizer": 5_000}

@@ -133,7 +133,7 @@ def test_without_session_returns_empty_dict_after_one_warning():
     ]
 
 
-@pytest.mark.serial
+@pytest.mark.alone
 def test_unreachable_aggregator_returns_empty_dict_fast():
     env = {"TRACEML_AGGREGATOR": f"127.0.0.1:{free_port()}", "TRACEML_RUN_NAME": "x", "RANK": "0"}
     code = (

@@ -2,9 +2,9 @@
 
     python tools/slowest_tests.py N FILE.xml [FILE.xml ...]
 
-tools/test.sh runs the suite in two invocations (the parallel one, then the ``serial`` tests
-alone) and prints, at the end, the N slowest tests of both together: setup, call and teardown
-(JUnit's ``time``), in seconds; skipped tests count too.
+tools/test.sh runs the suite in three invocations (the parallel one, the ``serial`` tests beside
+it or after it, then the ``alone`` tests) and prints, at the end, the N slowest tests of all
+together: setup, call and teardown (JUnit's ``time``), in seconds; skipped tests count too.
 """
 
 from __future__ import annotations

@@ -15,11 +15,13 @@
 # - Python's bytecode cache on (PYTHONDONTWRITEBYTECODE unset: docs/testing.md);
 # - pytest on TRACEML_TEST_WORKERS xdist workers (default 4, measured: docs/testing.md),
 #   tests that share one real job kept on one worker (--dist loadgroup, tests/conftest.py);
-#   then, in the full run, the `serial` tests (timing benchmarks, whole-machine faults) alone,
-#   without xdist; at the end the 25 slowest tests of both;
-# - "no tests collected" (exit 5) is a failure: of either invocation of the full run without
-#   arguments (both always have tests), and with arguments of both together (a selection may
-#   hold no serial test, or only serial ones). Your own -m: run pytest itself.
+#   in the full run, beside them, the `serial` tests (faults with a bound of seconds, mostly
+#   waiting) one at a time, their output after the parallel one's; then the `alone` tests
+#   (timing benchmarks, planted figures) one at a time, with nothing beside them
+#   (docs/testing.md); at the end the 25 slowest tests of all three;
+# - "no tests collected" (exit 5) is a failure: of any invocation of the full run without
+#   arguments (each always has tests), and with arguments of all three together (a selection
+#   may hold no serial test, or only serial ones). Your own -m: run pytest itself.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -69,7 +71,8 @@ unset PYTHONDONTWRITEBYTECODE
 workers="${TRACEML_TEST_WORKERS:-4}"
 parallel=(-n "$workers" --dist loadgroup)
 reports="$(mktemp -d)"
-trap 'rm -rf "$reports"' EXIT
+serial_pid=""
+trap 'if [ -n "$serial_pid" ]; then kill "$serial_pid" 2>/dev/null || true; fi; rm -rf "$reports"' EXIT
 
 # pytest ARGS...: runs it; its exit code in $rc.
 run_pytest() {
@@ -80,7 +83,7 @@ run_pytest() {
 }
 
 if [ "$quick" = 1 ]; then
-  run_pytest "${parallel[@]}" -m "(not slow and not serial) or smoke" "$@"
+  run_pytest "${parallel[@]}" -m "(not slow and not serial and not alone) or smoke" "$@"
   if [ "$rc" -eq 5 ]; then
     echo "tools/test.sh: pytest collected no tests: that is a failure" >&2
     exit 1
@@ -88,23 +91,41 @@ if [ "$quick" = 1 ]; then
   exit "$rc"
 fi
 
-run_pytest "${parallel[@]}" -m "not serial" --junitxml="$reports/parallel.xml" "$@"
+# The serial tests beside the parallel ones: most of the time a serial test waits on its
+# fault, and the CPU it leaves goes to the parallel tests (docs/testing.md).
+.venv/bin/python -m pytest -q -ra -m "serial and not alone" --junitxml="$reports/serial.xml" "$@" \
+  >"$reports/serial.out" 2>&1 &
+serial_pid=$!
+run_pytest "${parallel[@]}" -m "not serial and not alone" --junitxml="$reports/parallel.xml" "$@"
 rc_parallel=$rc
-run_pytest -m serial --junitxml="$reports/serial.xml" "$@"
-rc_serial=$rc
-.venv/bin/python tools/slowest_tests.py 25 "$reports/parallel.xml" "$reports/serial.xml"
+set +e
+wait "$serial_pid"
+rc_serial=$?
+set -e
+serial_pid=""
+echo "=== the serial tests (run beside the parallel ones, one at a time) ==="
+cat "$reports/serial.out"
+run_pytest -m alone --junitxml="$reports/alone.xml" "$@"
+rc_alone=$rc
+.venv/bin/python tools/slowest_tests.py 25 "$reports/parallel.xml" "$reports/serial.xml" \
+  "$reports/alone.xml"
 
 status=0
-for rc in "$rc_parallel" "$rc_serial"; do
+codes=("$rc_parallel" "$rc_serial" "$rc_alone")
+for rc in "${codes[@]}"; do
   if [ "$status" -eq 0 ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
     status=$rc  # the first failure's code
   fi
 done
 if [ "$status" -eq 0 ]; then
-  if [ $# -eq 0 ] && { [ "$rc_parallel" -eq 5 ] || [ "$rc_serial" -eq 5 ]; }; then
+  empty=0
+  for rc in "${codes[@]}"; do
+    if [ "$rc" -eq 5 ]; then empty=$((empty + 1)); fi
+  done
+  if [ $# -eq 0 ] && [ "$empty" -gt 0 ]; then
     echo "tools/test.sh: a part of the full run collected no tests: that is a failure" >&2
     status=1
-  elif [ "$rc_parallel" -eq 5 ] && [ "$rc_serial" -eq 5 ]; then
+  elif [ "$empty" -eq "${#codes[@]}" ]; then
     echo "tools/test.sh: pytest collected no tests: that is a failure" >&2
     status=1
   fi

@@ -11,7 +11,7 @@ T = TypeVar("T")
 #: Deadline of a call whose answer waits on the aggregator's live analysis (a Summarize, a
 #: dashboard frame) or on a loaded aggregator, s: the analysis process runs at nice 19
 #: (traceml_aggregator/live/analysis_process.py), so on a saturated machine it starts, and answers,
-#: late. A test asserts the answer, never how soon it came, unless it is ``serial``.
+#: late. A test asserts the answer, never how soon it came, unless it is ``serial`` or ``alone``.
 LOADED_CALL_S = 120.0
 
 
