@@ -93,7 +93,7 @@ fi
 # failed a parallel live-view test under their load (docs/testing.md).
 run_pytest "${parallel[@]}" -m "not serial and not alone" --junitxml="$reports/parallel.xml" "$@"
 rc_parallel=$rc
-run_pytest -m "serial and not alone" --junitxml="$reports/serial.xml" "$@"
+run_pytest -m serial --junitxml="$reports/serial.xml" "$@"
 rc_serial=$rc
 run_pytest -m alone --junitxml="$reports/alone.xml" "$@"
 rc_alone=$rc
