@@ -1,5 +1,6 @@
-"""The aggregator's gRPC server (``grpc.aio``): Stream, Push, ReportNodeExit, Finalize,
-Summarize, NodeSession (:mod:`traceml_aggregator.sessions`), health.
+"""The aggregator's gRPC server (``grpc.aio``): Stream, Relay (a node relay's senders' streams
+on one call), Push, ReportNodeExit, Finalize, Summarize, NodeSession
+(:mod:`traceml_aggregator.sessions`), health.
 
 One event loop serves every rank's calls (thousands of concurrent streams cost coroutines, not
 threads); the single :class:`~traceml_aggregator.writer.Writer` stores what they bring. The
@@ -67,7 +68,7 @@ from traceml_aggregator.store import (
     open_run_store,
     unreadable,
 )
-from traceml_aggregator.streams import CLOSED, LOST, STREAMS_META_KEY, StreamLedger
+from traceml_aggregator.streams import STREAMS_META_KEY, SenderStream, StreamLedger
 from traceml_aggregator.writer import QueueFull, Writer
 
 _log = log.get("aggregator")
@@ -226,6 +227,8 @@ class AggregatorService(wire.AggregatorServicer):
         self.state = state
         self.finalizer = finalizer
         self.rejections = rejections
+        #: Node relays' ``Relay`` calls opened, and the ``RelayUp`` messages they carried.
+        self.relay_calls = self.relay_messages = 0
         store = writer.store
         self.sessions = NodeSessions(
             NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes),
@@ -310,23 +313,61 @@ class AggregatorService(wire.AggregatorServicer):
         ended goes to :attr:`streams` (see :mod:`traceml_aggregator.streams`): closed after
         the sender's ``closing`` message, lost otherwise (a dead peer's connection also ends
         the request stream, so only that message tells a clean end)."""
-        key, state = None, LOST
+        stream = SenderStream(self.streams)
         try:
             async for batch in request_iterator:
-                if batch.closing:
-                    state = CLOSED
-                    continue
-                ack = await self._ingest(batch, context, on_stream=True)
-                taken = not ack.rejected and not ack.retry_after_ms  # stored, or stored before
-                if key is None and taken and batch.WhichOneof("sender") is not None:
-                    key = StreamLedger.key(batch)  # a sender the checks let in, no other
-                    self.streams.opened(key)
-                if key is not None and batch.HasField("finish") and ack.stored_seq >= batch.seq:
-                    self.streams.finished(key)
-                yield ack
+                ack = await self._stream_batch(stream, batch, context)
+                if ack is not None:
+                    yield ack
         finally:  # also when cancelled: by the sender, a reset, or a keepalive timeout
-            if key is not None:
-                self.streams.ended(key, state)
+            stream.end()
+
+    async def _stream_batch(self, stream: SenderStream, batch, context):
+        """What a sender's stream answers ``batch``: its Ack, or None for a ``closing``."""
+        if batch.closing:
+            stream.closing()
+            return None
+        ack = await self._ingest(batch, context, on_stream=True)
+        stream.answered(batch, ack)
+        return ack
+
+    async def Relay(self, request_iterator, context):
+        """A node relay's call: its local senders' streams as channels (``RelayFrame``), each
+        stored and acknowledged as :meth:`Stream` does. The batches of one ``RelayUp`` are
+        queued together (the writer stores them in one transaction); its one ``RelayDown``
+        carries their Acks once all are answered. A channel whose ``ended`` frame came, or
+        every channel when the call ends (the relay's node lost, or its launcher gone), leaves
+        the ledger as a stream would: closed after its ``closing``, lost otherwise."""
+        channels: dict[int, SenderStream] = {}
+        self.relay_calls += 1
+        try:
+            async for up in request_iterator:
+                self.relay_messages += 1
+                frames: dict[int, list] = {}
+                for frame in up.frames:
+                    frames.setdefault(frame.channel, []).append(frame)
+                answers = await asyncio.gather(
+                    *(self._relay_channel(channels, n, f, context) for n, f in frames.items())
+                )
+                yield wire.RelayDown(acks=[ack for acks in answers for ack in acks])
+        finally:
+            for stream in channels.values():
+                stream.end()
+
+    async def _relay_channel(self, channels: dict, channel: int, frames: list, context) -> list:
+        """The RelayAcks of one channel's ``frames`` (a RelayUp's, in order)."""
+        acks = []
+        for frame in frames:
+            stream = channels.get(channel)
+            if stream is None:
+                stream = channels[channel] = SenderStream(self.streams)
+            if frame.ended:
+                channels.pop(channel).end()
+                continue
+            ack = await self._stream_batch(stream, frame.batch, context)
+            if ack is not None:
+                acks.append(wire.RelayAck(channel=channel, ack=ack))
+        return acks
 
     def _node_exit_refusal(self, report) -> str:
         """Why ``report`` (a NodeExit) cannot be this run's, counted; "" when it can."""
@@ -720,6 +761,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
         f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
         f"{writer.batches_duplicate} resent batches were already stored"
     )
+    _log.info(f"node relays: {service.relay_calls} calls carried {service.relay_messages} messages")
     refused = ", ".join(f"{k} {v}" for k, v in sorted(rejections.counts.items())) or "none"
     _log.info(
         f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (writer "

@@ -89,3 +89,35 @@ class StreamLedger:
     def to_json(self) -> str:
         """:meth:`entries` as the JSON text stored under :data:`STREAMS_META_KEY`."""
         return json.dumps(self.entries(), sort_keys=True)
+
+
+class SenderStream:
+    """One open stream of one sender as the ledger sees it: a ``Stream`` call, or one channel
+    of a node relay's ``Relay`` call. It enters :class:`StreamLedger` with its first batch the
+    checks let in, and leaves it, closed or lost, at :meth:`end`. Used on the event loop only.
+    """
+
+    def __init__(self, ledger: StreamLedger) -> None:
+        self.ledger = ledger
+        self.key: tuple[str, int, int] | None = None
+        self.state = LOST  # until the sender's closing message says otherwise
+
+    def closing(self) -> None:
+        """The sender's ``closing`` message: the stream is ending on purpose."""
+        self.state = CLOSED
+
+    def answered(self, batch, ack) -> None:
+        """``batch`` was answered ``ack``: the sender enters the ledger with its first batch
+        taken (stored, or stored before), and is ``finished`` once its finish marker is."""
+        taken = not ack.rejected and not ack.retry_after_ms
+        if self.key is None and taken and batch.WhichOneof("sender") is not None:
+            self.key = StreamLedger.key(batch)
+            self.ledger.opened(self.key)
+        if self.key is not None and batch.HasField("finish") and ack.stored_seq >= batch.seq:
+            self.ledger.finished(self.key)
+
+    def end(self) -> None:
+        """The stream ended (also when cancelled: by the sender, a reset, a keepalive
+        timeout, or its relay's call ending)."""
+        if self.key is not None:
+            self.ledger.ended(self.key, self.state)

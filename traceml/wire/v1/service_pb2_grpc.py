@@ -45,6 +45,11 @@ class AggregatorStub(object):
                 request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.SerializeToString,
                 response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.FromString,
                 )
+        self.Relay = channel.stream_stream(
+                '/traceml.wire.v1.Aggregator/Relay',
+                request_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.RelayUp.SerializeToString,
+                response_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.RelayDown.FromString,
+                )
 
 
 class AggregatorServicer(object):
@@ -95,6 +100,14 @@ class AggregatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """A node relay's one call: its local senders' Streams, multiplexed (see RelayFrame). Node 0
+        stores each batch as a Stream would, exactly once, and acknowledges it after its commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.NodeSession,
                     request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.FromString,
                     response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=traceml_dot_wire_dot_v1_dot_service__pb2.RelayUp.FromString,
+                    response_serializer=traceml_dot_wire_dot_v1_dot_service__pb2.RelayDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -237,5 +255,22 @@ class Aggregator(object):
         return grpc.experimental.stream_stream(request_iterator, target, '/traceml.wire.v1.Aggregator/NodeSession',
             traceml_dot_wire_dot_v1_dot_service__pb2.NodeUp.SerializeToString,
             traceml_dot_wire_dot_v1_dot_service__pb2.NodeDown.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/traceml.wire.v1.Aggregator/Relay',
+            traceml_dot_wire_dot_v1_dot_service__pb2.RelayUp.SerializeToString,
+            traceml_dot_wire_dot_v1_dot_service__pb2.RelayDown.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
