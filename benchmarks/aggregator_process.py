@@ -200,10 +200,11 @@ def finish(steps: int) -> wire.RankFinish:
 
 
 def make_client(
-    target: str, run_name: str, warnings: list[str], rank: int = 0, **config
+    target: str, run_name: str, warnings: list[str], rank: int = 0, relay: str = "", **config
 ) -> TelemetryClient:
-    """Rank ``rank``'s client, quick to flush (20 ms), its warnings appended to ``warnings``;
-    ``config`` overrides :class:`ClientConfig` fields."""
+    """Rank ``rank``'s client, quick to flush (20 ms), its warnings appended to ``warnings``,
+    streaming through the node relay at ``relay`` ("": straight to ``target``); ``config``
+    overrides :class:`ClientConfig` fields."""
     defaults = {
         "flush_interval_s": 0.02,
         "batch_max_records": 512,
@@ -212,5 +213,10 @@ def make_client(
     }
     defaults.update(config)
     return TelemetryClient(
-        target, run_name, rank=rank, config=ClientConfig(**defaults), warn=warnings.append
+        target,
+        run_name,
+        rank=rank,
+        config=ClientConfig(**defaults),
+        warn=warnings.append,
+        relay=relay,
     )

@@ -13,9 +13,9 @@ Commands refuse a bad value before anything starts (:func:`resolve`); a rank rea
 with :func:`read`, which falls back to the default with one warning instead of crashing
 training.
 
-The launcher exports ``TRACEML_RUN_NAME``/``TRACEML_AGGREGATOR``/``TRACEML_LAUNCHED``, the
-run token (``TRACEML_RUN_TOKEN``) and the TLS CA (``TRACEML_TLS_CA``) to its torchrun;
-everything else is a knob a user may set.
+The launcher exports ``TRACEML_RUN_NAME``/``TRACEML_AGGREGATOR``/``TRACEML_RELAY``/
+``TRACEML_LAUNCHED``, the run token (``TRACEML_RUN_TOKEN``) and the TLS CA (``TRACEML_TLS_CA``)
+to its torchrun; everything else is a knob a user may set.
 """
 
 from __future__ import annotations
@@ -176,6 +176,14 @@ AGGREGATOR = Setting(
     kind=TEXT,
     readers=(_R,),
 )
+RELAY = Setting(
+    "TRACEML_RELAY",
+    "",
+    "The node relay's local address (unix-abstract:NAME) the rank's stream goes to; unset: "
+    "straight to TRACEML_AGGREGATOR.",
+    kind=TEXT,
+    readers=(_R,),
+)
 LAUNCHED = Setting(
     "TRACEML_LAUNCHED",
     "0",
@@ -309,6 +317,15 @@ SAVE_TRAINING_OUTPUT = Setting(
     kind=BOOL,
     readers=(_L,),
     flag="--save-training-output",
+)
+NODE_RELAY = Setting(
+    "TRACEML_NODE_RELAY",
+    "1",
+    "Each node's launcher relays its ranks' and sampler's streams to node 0 on one call; off: "
+    "each streams straight to node 0.",
+    kind=BOOL,
+    readers=(_L,),
+    flag="--node-relay",
 )
 AGGREGATOR_MAX_RESTARTS = Setting(
     "TRACEML_AGGREGATOR_MAX_RESTARTS",
@@ -599,10 +616,11 @@ HEARTBEAT_SEC = Setting(
 RPC_TIMEOUT_SEC = Setting(
     "TRACEML_RPC_TIMEOUT_SEC",
     "5",
-    "Longest wait for a batch's acknowledgement on the stream, s.",
+    "Longest wait for a batch's acknowledgement on the stream (a node relay's, for node 0's "
+    "answer to its message), s.",
     kind=POSITIVE,
     unit="s",
-    readers=(_R,),
+    readers=(_L, _R),
 )
 FINISH_TIMEOUT_SEC = Setting(
     "TRACEML_FINISH_TIMEOUT_SEC",

@@ -324,6 +324,30 @@ def open_channel(
     return grpc.intercept_channel(channel, _metadata_interceptor(creds.token))
 
 
+def open_aio_channel(
+    target: str, credentials: Credentials, options: list[tuple[str, int | str]] | None = None
+) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to the aggregator at ``target`` with :func:`channel_options`
+    and ``options`` after them, over TLS when ``credentials`` carry a CA. Its calls pass
+    :func:`call_metadata` themselves (an aio channel takes no synchronous interceptor)."""
+    import grpc
+
+    opts = channel_options() + list(options or [])
+    if credentials.tls_ca is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=credentials.tls_ca)
+        return grpc.aio.secure_channel(target, creds, options=opts)
+    return grpc.aio.insecure_channel(target, options=opts)
+
+
+def call_metadata(token: str) -> list[tuple[str, str]]:
+    """The metadata every call to the aggregator carries: the wire version and the run token
+    (when not "")."""
+    entries = [(VERSION_METADATA_KEY, str(WIRE_VERSION))]
+    if token:
+        entries.append((TOKEN_METADATA_KEY, token))
+    return entries
+
+
 def _metadata_interceptor(
     token: str,
 ) -> grpc.UnaryUnaryClientInterceptor | grpc.StreamStreamClientInterceptor:
@@ -331,9 +355,7 @@ def _metadata_interceptor(
     every call's metadata, unary and streaming."""
     import grpc
 
-    entries = [(VERSION_METADATA_KEY, str(WIRE_VERSION))]
-    if token:
-        entries.append((TOKEN_METADATA_KEY, token))
+    entries = call_metadata(token)
 
     # grpc ships no type stubs: its classes are Any to mypy, and subclassing Any is refused.
     class _Details(grpc.ClientCallDetails):  # type: ignore[misc]

@@ -58,6 +58,8 @@ class LaunchConfig:
     max_restarts: int = settings.MAX_RESTARTS.value
     aggregator_max_restarts: int | None = None
     save_training_output: bool | None = None
+    #: ``--node-relay``: this node's ranks and sampler stream through its launcher's relay.
+    node_relay: bool | None = None
     #: ``--keep-all-steps``: node 0's store keeps every step and sample row (no retention).
     keep_all_steps: bool = settings.KEEP_ALL_STEPS.value
     #: Zero-code steps: ranks start as ``python -m traceml.sdk.autorun SCRIPT``.

@@ -1,12 +1,12 @@
-"""One node's part of a launch: its torchrun, its sampler and its session with node 0.
+"""One node's part of a launch: its torchrun, its relay, its sampler and its session with node 0.
 
 :class:`NodeLaunch` is what every node does, node 0 included: node r > 0 first waits for node
 0's aggregator and the run token and claims its rank (:meth:`NodeLaunch.join`); node 0 opens
-its session once its own aggregator serves (:meth:`NodeLaunch.open_session`). Then torchrun
-and the node sampler run, the session brings what the aggregator pushes (the run's failure,
-node 0's stalls and partial summaries: :mod:`traceml.launcher.session`), and at the end the
-node reports its torchrun's exit up the session and closes it. Fail-open throughout: the
-sampler and the session cost a warning at most, never the training.
+its session once its own aggregator serves (:meth:`NodeLaunch.open_session`). Then the node
+relay, torchrun and the node sampler run, the session brings what the aggregator pushes (the
+run's failure, node 0's stalls and partial summaries: :mod:`traceml.launcher.session`), and at
+the end the node reports its torchrun's exit up the session and closes it. Fail-open
+throughout: the relay, the sampler and the session cost a warning at most, never the training.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class NodeLaunch:
         self.run_dir = run_dir
         self.torchrun = TorchrunProcess(config, run_dir)
         self.sampler = None
+        #: This node's relay (:class:`~traceml.launcher.relay.NodeRelay`; None: off or failed).
+        self.relay = None
         #: This node's session with node 0's aggregator (None until opened).
         self.session = None
         #: Why the run cannot rendezvous, once node 0's aggregator says so ("" until then).
@@ -102,22 +104,47 @@ class NodeLaunch:
         self.session = claim.open_session(self.config)
 
     # --- training --------------------------------------------------------------------------
+    def start_relay(self) -> None:
+        """With ``--node-relay`` (the default), start this node's relay before its torchrun,
+        whose ranks then stream through it (:mod:`traceml.launcher.relay`); fail-open: a relay
+        that cannot start costs a warning, and the ranks stream straight to node 0."""
+        from traceml.core.transport import Credentials
+        from traceml.launcher.relay import NodeRelay
+
+        if not self.config.node_relay:
+            return
+        try:
+            relay = NodeRelay(
+                self.config.launcher_target,
+                Credentials.from_env(),
+                settings.read(settings.RPC_TIMEOUT_SEC),
+            )
+            relay.start()
+        except Exception as exc:
+            _log.warning(f"warning: node relay not started ({exc}); ranks stream to node 0")
+            return
+        self.relay = self.torchrun.relay = relay
+
     def start_sampler(self) -> None:
         """Start this node's system and process sampler (fail-open: a warning at most)."""
         from traceml.sdk.samplers import start_node_sampler
 
+        relay = self.relay.address if self.relay is not None else ""
         try:
-            self.sampler = start_node_sampler(self.config, self.torchrun.process.pid)
+            self.sampler = start_node_sampler(self.config, self.torchrun.process.pid, relay)
         except Exception as exc:
             _log.warning(f"warning: node sampler not started ({exc})")
 
-    def stop_sampler(self) -> None:
-        """Stop the sampler (a warning if it does not stop cleanly)."""
+    def stop_senders(self) -> None:
+        """Stop the sampler, then the relay (a warning if the sampler does not stop cleanly).
+        The ranks are gone by then: what they sent is acknowledged, or theirs to resend."""
         if self.sampler is not None:
             try:
                 self.sampler.close()
             except Exception as exc:
                 _log.warning(f"warning: node sampler did not stop cleanly ({exc})")
+        if self.relay is not None:
+            self.relay.close()
 
     def watch_claims(self, manifest: Manifest) -> None:
         """Stop torchrun (once) when the session brought the run's failure.
@@ -140,7 +167,7 @@ class NodeLaunch:
     def end_training(self, returncode: int, interrupted: int | None):
         """Stop the sampler and say what training output was not saved; this node's
         :class:`~traceml.wire.NodeExit` (``interrupted``: the launcher's first signal)."""
-        self.stop_sampler()
+        self.stop_senders()
         report = self.torchrun.node_exit(returncode, interrupted)
         for tee in self.torchrun.tees:
             if tee.bytes_not_saved:

@@ -242,6 +242,7 @@ class Launch:
         """Phase training begins: torchrun, then (node 0) its aggregator serving and its
         session, then the node sampler (node 0's needs its own aggregator)."""
         node, supervisor = self.node, self.supervisor
+        node.start_relay()
         node.torchrun.start(self.terminal_view.consoles() if self.terminal_view else None)
         if self.interrupted:  # signalled while torchrun was starting
             node.torchrun.forward_signal(self.interrupted)
@@ -353,7 +354,7 @@ class Launch:
             torchrun.kill()
             torchrun.wait(5.0)
         code = exit_code(returncode) if returncode is not None else 128 + signum
-        self.node.stop_sampler()
+        self.node.stop_senders()
         self.node.close_session(0.5)
         if self.supervisor is not None and self.supervisor.process is not None:
             self.supervisor.abandon()

@@ -63,13 +63,17 @@ def torchrun_argv(config: LaunchConfig) -> list[str]:
     return argv
 
 
-def worker_env(config: LaunchConfig, run_dir: RunDir) -> dict[str, str]:
-    """The environment for torchrun and its ranks: the caller's, plus the TraceML endpoint, the
-    knobs the ranks read that a flag set, and gRPC's fork handlers off
+def worker_env(config: LaunchConfig, run_dir: RunDir, relay: str = "") -> dict[str, str]:
+    """The environment for torchrun and its ranks: the caller's, plus the TraceML endpoint and
+    the node relay's address (``relay``, "" for none), the knobs the ranks read that a flag
+    set, and gRPC's fork handlers off
     (:func:`~traceml.core.transport.disable_grpc_fork_handlers`)."""
     env = dict(os.environ)
     env[settings.RUN_NAME.name] = str(config.run_name)
     env[settings.AGGREGATOR.name] = config.aggregator_target
+    env.pop(settings.RELAY.name, None)  # an outer launcher's relay is not this one
+    if relay:
+        env[settings.RELAY.name] = relay
     env[settings.LAUNCHED.name] = "1"
     env[RANK_ENDS_FILE_ENV] = str(run_dir.rank_ends)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
@@ -195,6 +199,8 @@ class TorchrunProcess:
         self.run_dir = run_dir
         self.process: subprocess.Popen | None = None
         self.tees: list[Tee] = []
+        #: The node relay its ranks stream through (a NodeRelay; None: straight to node 0).
+        self.relay = None
 
     def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
@@ -215,7 +221,7 @@ class TorchrunProcess:
         self.run_dir.rank_ends.unlink(missing_ok=True)
         self.process = subprocess.Popen(
             torchrun_argv(self.config),
-            env=worker_env(self.config, self.run_dir),
+            env=worker_env(self.config, self.run_dir, self.relay.address if self.relay else ""),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

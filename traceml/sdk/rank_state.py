@@ -59,6 +59,7 @@ class RankState:
             progress=self._progress,
             progress_detail=self._progress_detail,
             config=client_mod.ClientConfig(first_record_at_once=True),
+            relay=settings.read(settings.RELAY),
         )
         self.tracer = StepTracer(functools.partial(self.client.submit, client_mod.STEPS), origin_ns)
         self.stall = StallDetail(self.tracer, settings.read(settings.HANG_TIMEOUT_SEC))

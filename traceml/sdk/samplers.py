@@ -310,13 +310,18 @@ def _interval_s() -> float:
     return settings.read(settings.SAMPLE_INTERVAL_SEC)
 
 
-def start_node_sampler(config, torchrun_pid: int) -> SamplerThread:
+def start_node_sampler(config, torchrun_pid: int, relay: str = "") -> SamplerThread:
     """The node sampler of a ``traceml run`` launcher (a :class:`LaunchConfig`): its workers
-    are the processes that torchrun (``torchrun_pid``, the launcher's child) started."""
+    are the processes that torchrun (``torchrun_pid``, the launcher's child) started; it
+    streams through the node relay at ``relay`` ("": straight to node 0)."""
     import psutil
 
     client = client_mod.TelemetryClient(
-        config.launcher_target, str(config.run_name), rank=None, node_rank=config.node_rank
+        config.launcher_target,
+        str(config.run_name),
+        rank=None,
+        node_rank=config.node_rank,
+        relay=relay,
     )
     torchrun = psutil.Process(torchrun_pid)
     workers = Workers(lambda known: _children(torchrun, recursive=True, prune=known))

@@ -1,0 +1,379 @@
+"""The node relay: this node's senders' streams, carried to node 0's aggregator on one call.
+
+Every rank's SDK and the node sampler hold one ``Stream`` each (docs/wire.md). Under
+``traceml run`` they hold it with their own launcher instead of node 0: :class:`NodeRelay`
+serves ``Stream`` on an abstract Unix socket (``unix-abstract:traceml-relay-PID-RANDOM``,
+exported to the ranks as ``TRACEML_RELAY``) and carries every local stream as a channel of one
+``Relay`` call to node 0 (``RelayFrame``, service.proto). So node 0 holds one call per node,
+not one per rank, and pays gRPC's per-message cost once per relay message, not once per batch.
+
+Exactly once, end to end. The relay never acknowledges anything itself: node 0 answers each
+batch after its commit, and the relay passes that Ack down to the rank that sent it. A rank
+keeps every batch until it has its Ack (:mod:`traceml.sdk.client`), so the relay never holds
+the only copy of anything: when the upstream call fails (node 0 restarted, partitioned, or
+silent for ``TRACEML_RPC_TIMEOUT_SEC``), every local stream is failed with the upstream's
+status, the ranks reopen theirs (their own backoff) and resend what was not acknowledged, and
+node 0 stores it once (its (sender, attempt, seq) check). The relay tries node 0 again with the
+first frame they send, on a new channel: it adds no wait to theirs.
+
+Flow: one ``RelayUp`` is in flight at a time; what the local senders write meanwhile goes in
+the next one, so a burst of the node's ranks (they flush together) crosses as one message, and
+the writer stores it in one transaction. Node 0 answers each ``RelayUp`` with one
+``RelayDown``.
+
+Liveness: a local stream that ends is told to node 0 (``ended``): closed after its ``closing``
+message, lost otherwise (the rank died: its socket is reset at once). When the relay's call
+ends without that (the launcher was killed: torchrun and its ranks die with it), node 0 counts
+every channel of it lost, as it counts a rank's own stream, and the node session
+(:mod:`traceml.launcher.session`) reports the node lost as before.
+
+Who may connect: an abstract socket has no file mode, so every local call must carry the run
+token (compared in constant time); anything else is refused ``UNAUTHENTICATED``. The socket
+disappears with the process: nothing is left behind by a SIGKILL.
+
+Threads: one, running the relay's event loop (its ``grpc.aio`` server and the upstream call);
+the launcher only starts and closes it. Fail-open: a relay that cannot start costs a warning,
+and the ranks stream straight to node 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from traceml import wire
+from traceml.core import log
+from traceml.core.threads import name_os_thread
+from traceml.core.transport import (
+    MAX_MESSAGE_BYTES,
+    TOKEN_METADATA_KEY,
+    Credentials,
+    call_metadata,
+    open_aio_channel,
+    server_options,
+)
+
+_log = log.get("launcher")
+
+#: The gRPC service the relay serves locally (the aggregator's, its ``Stream`` method only).
+SERVICE = "traceml.wire.v1.Aggregator"
+#: The upstream channel's own connection to node 0: gRPC shares one per target in a process
+#: by default, and the launcher's session holds one to node 0 whose reconnect backoff (gRPC's,
+#: up to minutes) would then also delay the relay's new channel after an outage.
+OWN_POOL = [("grpc.use_local_subchannel_pool", 1)]
+#: Bound of one RelayUp's frames, bytes: what a backlog of frames (a node of many ranks, an
+#: outage's resends) would add up to is sent over several messages, each within the wire's
+#: message bound (:data:`~traceml.core.transport.MAX_MESSAGE_BYTES`, which a frame of the
+#: largest batch, half of it, fits too).
+RELAY_UP_MAX_BYTES = MAX_MESSAGE_BYTES // 2
+#: A frame's encoding beyond its fields: its tag and length prefix in the RelayUp, bytes.
+FRAME_OVERHEAD_BYTES = 8
+#: Longest wait at :meth:`NodeRelay.close` for the local streams' last frames to reach node 0, s.
+CLOSE_FLUSH_S = 1.0
+_DONE = object()  # a local stream's last answer: it half-closed and every Ack was passed down
+
+
+@dataclass
+class RelayStats:
+    """What the relay carried (counts since it started)."""
+
+    messages_up: int = 0  # RelayUp messages node 0 answered
+    frames_up: int = 0  # frames in them
+    largest_up_bytes: int = 0  # the largest of them, serialized
+    upstream_failures: int = 0  # upstream calls that failed (each failed its local streams)
+
+
+class _Local:
+    """One local sender's stream: its channel number, what it is owed, and its answers."""
+
+    def __init__(self, channel: int) -> None:
+        self.channel = channel
+        self.answers: asyncio.Queue = asyncio.Queue()
+        self.due = 0  # batches sent up whose Ack has not come down yet
+        self.half_closed = False
+        self.framed = False  # a frame of it was queued for node 0
+
+    def deliver(self, ack) -> None:
+        self.due -= 1
+        self.answers.put_nowait(ack)
+        self.done_if_owed_nothing()
+
+    def done_if_owed_nothing(self) -> None:
+        if self.half_closed and self.due <= 0:
+            self.answers.put_nowait(_DONE)
+
+
+class NodeRelay:
+    """This node's relay (see the module docstring).
+
+    Args:
+        upstream: node 0's aggregator, ``host:port``.
+        credentials: the run token (required: local calls must carry it) and TLS CA of the
+            upstream channel.
+        rpc_timeout_s: longest wait for node 0's answer to a ``RelayUp``, s; then the upstream
+            call is cancelled and every local stream failed (``TRACEML_RPC_TIMEOUT_SEC``).
+
+    Attributes:
+        address: the local address ranks connect to (``unix-abstract:...``).
+        stats: a :class:`RelayStats`, updated on the relay's thread.
+    """
+
+    def __init__(self, upstream: str, credentials: Credentials, rpc_timeout_s: float) -> None:
+        if not credentials.token:
+            raise ValueError("the node relay needs the run token")
+        self.upstream = upstream
+        self.address = f"unix-abstract:traceml-relay-{os.getpid()}-{secrets.token_hex(4)}"
+        self.stats = RelayStats()
+        self._credentials = credentials
+        self._token = credentials.token.encode("utf-8")
+        self._timeout_s = rpc_timeout_s
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._start_error = ""
+        self._stop: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._locals: dict[int, _Local] = {}
+        self._pending: list = []  # RelayFrames for the next RelayUp
+        self._in_flight = False  # a RelayUp waits for its RelayDown
+        self._next_channel = 1
+
+    # --- the launcher's thread -------------------------------------------------------------
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Serve the local socket (returns once it listens).
+
+        Raises:
+            RuntimeError: it could not listen within ``timeout_s`` (the reason in the text).
+        """
+        self._thread = threading.Thread(target=self._main, name="traceml-relay", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"the node relay did not start within {timeout_s:g} s")
+        if self._start_error:
+            raise RuntimeError(self._start_error)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop serving (local streams end; their senders keep what was not acknowledged)
+        and end the upstream call; returns within about ``timeout_s``."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # --- the relay's thread ----------------------------------------------------------------
+    def _main(self) -> None:
+        name_os_thread()  # its CPU told apart in top -H (grpc.aio's poller thread inherits it)
+        try:
+            asyncio.run(self._serve())
+        except Exception as exc:  # fail-open: the ranks' streams fail, training goes on
+            self._start_error = self._start_error or f"{type(exc).__name__}: {exc}"
+            _log.warning(f"warning: the node relay stopped ({self._start_error})")
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop, self._wake = asyncio.Event(), asyncio.Event()
+        server = grpc.aio.server(options=server_options())
+        stream = grpc.stream_stream_rpc_method_handler(
+            self._local_stream,
+            request_deserializer=wire.Batch.FromString,
+            response_serializer=wire.Ack.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"Stream": stream}),)
+        )
+        try:
+            server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            self._start_error = f"cannot listen on {self.address}: {exc}"
+            raise
+        await server.start()
+        pump = asyncio.ensure_future(self._pump())
+        pump.add_done_callback(_said_if_failed)
+        self._ready.set()
+        try:
+            await self._stop.wait()
+            await server.stop(grace=0.2)  # the local streams end (their senders are done)
+            # What they wrote last (the sampler's closing, the channels' ends) goes up first.
+            await asyncio.wait_for(self._flushed(), CLOSE_FLUSH_S)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            pump.cancel()
+            await server.stop(None)
+
+    async def _local_stream(self, requests, context):
+        """One local sender's ``Stream``: its batches go up as frames of its channel, node 0's
+        Acks come down in order; failed with the upstream's status when the upstream fails."""
+        metadata = dict(context.invocation_metadata() or ())
+        given = str(metadata.get(TOKEN_METADATA_KEY, "")).encode("utf-8")
+        if not hmac.compare_digest(given, self._token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+        local = _Local(self._next_channel)
+        self._next_channel += 1
+        self._locals[local.channel] = local
+        reader = asyncio.ensure_future(self._read_local(local, requests))
+        try:
+            while (answer := await local.answers.get()) is not _DONE:
+                if isinstance(answer, tuple):  # the upstream failed: (code, details)
+                    await context.abort(*answer)
+                yield answer
+        finally:  # also when cancelled: the sender cancelled, or its process died
+            reader.cancel()
+            if self._locals.pop(local.channel, None) is not None and local.framed:
+                self._queue(wire.RelayFrame(channel=local.channel, ended=True))
+
+    async def _read_local(self, local: _Local, requests) -> None:
+        async for batch in requests:
+            if not batch.closing:
+                local.due += 1
+            local.framed = True
+            self._queue(wire.RelayFrame(channel=local.channel, batch=batch))
+        local.half_closed = True
+        local.done_if_owed_nothing()
+
+    async def _flushed(self) -> None:
+        """Return once nothing is queued and no RelayUp is in flight."""
+        while self._pending or self._in_flight:
+            await asyncio.sleep(0.01)
+
+    def _queue(self, frame) -> None:
+        self._pending.append(frame)
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _pump(self) -> None:
+        """Send what the local senders wrote, one ``RelayUp`` at a time, and pass node 0's
+        Acks down. On any failure of the upstream call: fail every local stream and close the
+        channel. The next attempt, on a new channel (one kept would wait out gRPC's own
+        reconnect backoff, up to minutes, after node 0 is back), is made with the next frame:
+        the senders back off before they reopen their streams (:mod:`traceml.sdk.client`), so
+        the relay adds no wait of its own, which would stack on theirs."""
+        assert self._wake is not None
+        metadata = call_metadata(self._credentials.token)
+        channel = call = None
+        reached = True  # said once per outage
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if not self._pending:
+                    continue
+                frames = self._take_frames()
+                self._in_flight = True
+                try:
+                    if call is None:
+                        channel = open_aio_channel(self.upstream, self._credentials, OWN_POOL)
+                        call = wire.AggregatorStub(channel).Relay(metadata=metadata)
+                    up = wire.RelayUp(frames=frames)
+                    up_bytes = up.ByteSize()
+                    down = await self._exchange(call, up)
+                except Exception as exc:  # RpcError, TimeoutError, or the call's own end
+                    failure = await _failure(exc, call, self._timeout_s)
+                    if call is not None:
+                        call.cancel()
+                    if channel is not None:
+                        await channel.close()
+                    channel = call = None
+                    if reached:
+                        _log.warning(
+                            "warning: the node relay lost node 0's aggregator at "
+                            f"{self.upstream} ({failure[1]}); the ranks keep their telemetry "
+                            "and resend it"
+                        )
+                    reached = False
+                    self._fail_locals((failure[0], f"through the node relay: {failure[1]}"))
+                    self._in_flight = False
+                    continue
+                self._in_flight = False
+                if not reached:
+                    _log.info(
+                        f"the node relay reached node 0's aggregator at {self.upstream} again"
+                    )
+                reached = True
+                self.stats.messages_up += 1
+                self.stats.frames_up += len(frames)
+                self.stats.largest_up_bytes = max(self.stats.largest_up_bytes, up_bytes)
+                for relay_ack in down.acks:
+                    local = self._locals.get(relay_ack.channel)
+                    if local is not None:
+                        local.deliver(relay_ack.ack)
+                if self._pending:
+                    self._wake.set()
+        finally:
+            if channel is not None:
+                await channel.close()
+
+    async def _exchange(self, call, up):
+        """Write ``up`` (a RelayUp) on ``call`` and return node 0's RelayDown.
+
+        Raises:
+            grpc.RpcError: the call failed, or node 0 ended it (``UNAVAILABLE``).
+            asyncio.TimeoutError: no answer within the relay's deadline.
+            asyncio.InvalidStateError: the call had ended before the write.
+        """
+        await asyncio.wait_for(call.write(up), self._timeout_s)
+        down = await asyncio.wait_for(call.read(), self._timeout_s)
+        if down is grpc.aio.EOF:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "node 0's aggregator ended the relay call",
+            )
+        return down
+
+    def _take_frames(self) -> list:
+        """The oldest pending frames, in order, that fit :data:`RELAY_UP_MAX_BYTES` (at least
+        one: a frame holds at most one batch, whose bound is half the wire's message bound);
+        the rest wait for the next RelayUp."""
+        pending, taken, size = self._pending, 0, 0
+        while taken < len(pending):
+            size += pending[taken].ByteSize() + FRAME_OVERHEAD_BYTES
+            if taken and size > RELAY_UP_MAX_BYTES:
+                break
+            taken += 1
+        frames, self._pending = pending[:taken], pending[taken:]
+        return frames
+
+    def _fail_locals(self, failure: tuple) -> None:
+        """The upstream call failed: every local stream ends with ``failure`` (its senders
+        reopen one and resend), and nothing queued is sent (they resend it)."""
+        self.stats.upstream_failures += 1
+        for local in self._locals.values():
+            local.answers.put_nowait(failure)
+        self._locals.clear()
+        self._pending.clear()
+
+
+async def _failure(exc: BaseException, call, timeout_s: float) -> tuple[grpc.StatusCode, str]:
+    """The status of the failed upstream ``call`` (None: not opened): ``(code, details)``."""
+    if isinstance(exc, asyncio.InvalidStateError) and call is not None:  # it had ended first
+        return await call.code(), await call.details()
+    if isinstance(exc, grpc.RpcError):
+        code, details = exc.code(), exc.details() or ""
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            details = "node 0's aggregator does not serve Relay (use one TraceML version)"
+        return code, details
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, f"no answer within {timeout_s:g} s"
+    return grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}"
+
+
+def _said_if_failed(pump: asyncio.Task) -> None:
+    """The pump ended: on a bug (never by design before the relay closes), one warning line;
+    the ranks' streams then time out, and they keep their telemetry."""
+    if not pump.cancelled() and pump.exception() is not None:
+        exc = pump.exception()
+        _log.warning(f"warning: the node relay stopped relaying ({type(exc).__name__}: {exc})")
