@@ -17,9 +17,10 @@ RUN = "e2e-main"
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.smoke]
 
 
-@pytest.fixture(scope="module")
-def main_job(tmp_path_factory):
-    """One run of the main job, shared by the tests below."""
+@pytest.fixture(scope="module", params=["--node-relay", "--no-node-relay"])
+def main_job(request, tmp_path_factory):
+    """One run of the main job, shared by the tests below: its ranks and sampler stream
+    through the node relay (the default), then straight to node 0."""
     cwd = tmp_path_factory.mktemp("main-job")
     result = run_traceml(
         [
@@ -30,12 +31,28 @@ def main_job(tmp_path_factory):
             RUN,
             "--aggregator-port",
             str(free_port()),
+            request.param,
             "--steps",
             str(STEPS),
         ],
         cwd,
     )
     return result, cwd / "logs" / RUN
+
+
+def test_the_streams_took_the_path_asked_for_and_ended_closed(main_job):
+    result, run_dir = main_job
+    relayed = "--node-relay" in result.args
+    log = (run_dir / "aggregator" / "process.stderr.log").read_text()
+    assert f"node relays: {int(relayed)} calls carried " in log
+    manifest = json.loads((run_dir / "nodes" / "node_0" / "manifest.json").read_text())
+    assert manifest["launch"]["node_relay"] is relayed
+    streams = load_summary(run_dir)["run"]["telemetry_health"]["sender_streams"]
+    assert [(s["sender"], s["id"], s["state"], s["streams"]) for s in streams] == [
+        ("rank", 0, "closed", 1),
+        ("rank", 1, "closed", 1),
+        ("node", 0, "closed", 1),
+    ]
 
 
 def test_exit_code_zero_and_artifacts(main_job):

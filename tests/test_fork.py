@@ -9,7 +9,8 @@ such runs killed workers or broke the parent's stream in several of 30. Required
 worker death, every step stored exactly once, and not one gRPC log line on stderr.
 
 The first run is in ``tools/test.sh --quick``; the other four, repeats of the same race
-(~12 CPU s each: a torch start-up and 48 forks), are ``slow``: the full run has all five.
+(~12 CPU s each: a torch start-up and 48 forks), are ``slow``: the full run has all five. One
+more run streams through a node relay (as ``traceml run``'s ranks do) for 200 forks.
 """
 
 from __future__ import annotations
@@ -22,17 +23,38 @@ import pytest
 from conftest import GRPC_LINE, SCRIPTS, traceml_env
 from live_aggregator import LiveAggregator
 
+from traceml import settings
+from traceml.core.transport import Credentials
+from traceml.launcher.relay import NodeRelay
+
 pytestmark = [pytest.mark.aggregator]
 
 EPOCHS, BATCHES = 12, 8
-STEPS = EPOCHS * BATCHES
+#: Epochs of the relay's run: 4 workers forked each, 200 forks.
+RELAY_EPOCHS = 50
 
 
 @pytest.mark.parametrize(
     "attempt", [0] + [pytest.param(a, marks=pytest.mark.slow) for a in range(1, 5)]
 )
 def test_forking_dataloader_while_streaming(tmp_path, attempt):
-    agg = LiveAggregator(tmp_path / "run", f"fork-{attempt}", world_size=1).start()
+    fork_storm(tmp_path, f"fork-{attempt}", EPOCHS)
+
+
+@pytest.mark.slow
+def test_forking_dataloader_while_streaming_through_the_node_relay(tmp_path):
+    """The same race with the rank streaming to a node relay (traceml/launcher/relay.py, as
+    under ``traceml run``), in one run of RELAY_EPOCHS epochs: 200 forks."""
+    fork_storm(tmp_path, "fork-relay", RELAY_EPOCHS, relay=True)
+
+
+def fork_storm(tmp_path, run_name: str, epochs: int, relay: bool = False) -> None:
+    """Train ``epochs`` epochs of BATCHES steps with 4 fork()ed loader workers each, the rank
+    streaming to a live aggregator (through a :class:`NodeRelay` in this process with
+    ``relay``); assert the outcome above."""
+    steps = epochs * BATCHES
+    agg = LiveAggregator(tmp_path / "run", run_name, world_size=1).start()
+    node_relay = None
     env = traceml_env(
         {
             "TRACEML_AGGREGATOR": agg.target,
@@ -41,6 +63,10 @@ def test_forking_dataloader_while_streaming(tmp_path, attempt):
             "TRACEML_BATCH_MAX_RECORDS": "1",
         }
     )
+    if relay:
+        node_relay = NodeRelay(agg.target, Credentials.from_env(), 5.0)
+        node_relay.start()
+        env[settings.RELAY.name] = node_relay.address
     for name in ("GRPC_VERBOSITY", "GRPC_TRACE", "GRPC_ENABLE_FORK_SUPPORT"):
         env.pop(name, None)  # gRPC's defaults, as a user has them
     try:
@@ -49,7 +75,7 @@ def test_forking_dataloader_while_streaming(tmp_path, attempt):
                 sys.executable,
                 str(SCRIPTS / "fork_loader.py"),
                 "--epochs",
-                str(EPOCHS),
+                str(epochs),
                 "--batches",
                 str(BATCHES),
                 "--workers",
@@ -63,24 +89,29 @@ def test_forking_dataloader_while_streaming(tmp_path, attempt):
             check=False,
         )
     finally:
+        if node_relay is not None:
+            node_relay.close()
         assert agg.stop() == 0
 
     assert result.returncode == 0, result.stderr[-3000:]  # a dead worker raises in the loader
-    assert f"trained {STEPS} steps in {EPOCHS} epochs" in result.stdout
+    assert f"trained {steps} steps in {epochs} epochs" in result.stdout
     grpc_lines = [line for line in result.stderr.splitlines() if GRPC_LINE.search(line)]
     assert grpc_lines == []
     assert "traceml:" not in result.stderr  # no lost connection, no sender error
 
-    assert agg.query("SELECT COUNT(*), MIN(step), MAX(step) FROM steps") == [(STEPS, 0, STEPS - 1)]
+    assert agg.query("SELECT COUNT(*), MIN(step), MAX(step) FROM steps") == [(steps, 0, steps - 1)]
     assert agg.query("SELECT steps_completed, records_dropped, end_state FROM rank_finish") == [
-        (STEPS, 0, "completed")
+        (steps, 0, "completed")
     ]
     # The stream was busy all along: about one batch per step, not a few big ones at exit.
     (stored_seq,) = agg.query("SELECT stored_seq FROM streams WHERE sender = 'rank'")[0]
-    assert stored_seq >= STEPS // 2
+    assert stored_seq >= steps // 2
     # The fork hook ended the stream cleanly at each epoch's forks, and the next batch opened
     # another: at least one stream per epoch, the last one closed after the finish marker.
     (ledger,) = agg.query("SELECT value FROM meta WHERE key = 'sender_streams'")[0]
     (rank_stream,) = [s for s in json.loads(ledger) if s["sender"] == "rank"]
     assert (rank_stream["state"], rank_stream["finished"]) == ("closed", True)
-    assert rank_stream["streams"] >= EPOCHS
+    assert rank_stream["streams"] >= epochs
+    if relay:  # every one of those streams went through the relay's one call
+        assert "node relays: 1 calls carried " in agg.log()
+        assert node_relay.stats.upstream_failures == 0

@@ -10,18 +10,33 @@ and ``NODE_LOST_AFTER_S`` + heartbeat + 1 s after the cut, ``NODE_LOST_AFTER_S``
 :data:`LOST_AFTER_S` through its setting so the cut is short; asserted from the time the
 aggregator itself recorded in its store, whose lock keeps readers out while it serves), and
 once the link is back, the session resumes and nothing is lost: every rank's exact step count
-reaches the summary.
+reaches the summary. The ranks stream through their node's relay (traceml/launcher/relay.py,
+the default): the cut also breaks node 1's relay call, which comes back with the session.
+
+And node 1's launcher SIGKILLed mid-run: its relay dies with it (and its torchrun and rank), node
+1 is reported lost with its rank, node 0's summary is written, and nothing of node 0 is lost.
 Needs root and ``ip`` (iproute2); skipped otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 
 import pytest
-from conftest import SCRIPTS, load_summary, query, start_traceml, wait_training_started
+from conftest import (
+    SCRIPTS,
+    assert_all_gone,
+    load_summary,
+    process_family,
+    query,
+    start_traceml,
+    wait_for,
+    wait_training_started,
+)
 from helpers.netns import two_hosts
 
 from traceml import settings
@@ -54,9 +69,11 @@ def hosts():
         yield two
 
 
-def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hosts, tmp_path):
+def start_nodes(hosts, tmp_path, name: str, script_args: list[str], extra: list[str]) -> dict:
+    """Node 1's launcher, then node 0's, on their hosts: ``SCRIPT`` with ``script_args``,
+    run ``name``, the aggregator on node 0's telemetry address, ``extra`` flags."""
     procs = {}
-    for node in (0, 1):
+    for node in (1, 0):
         args = [
             "run",
             SCRIPT,
@@ -64,19 +81,17 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
             "--nproc-per-node=1",
             f"--node-rank={node}",
             f"--master-addr={TRAIN[0]}",
-            "--run-name=cut",
+            f"--run-name={name}",
             f"--logs-dir={tmp_path / f'host{node}'}",
             f"--aggregator-host={TELEMETRY[0]}",
-            "--steps",
-            str(STEPS),
-            "--step-sleep",
-            str(STEP_SLEEP_S),
+            *extra,
+            *script_args,
         ]
         if node == 0:
             args.append(f"--aggregator-bind-host={TELEMETRY[0]}")
         env = {
             "GLOO_SOCKET_IFNAME": hosts.links["train"][node],
-            "TRACEML_RUN_TOKEN": "cut-token",
+            "TRACEML_RUN_TOKEN": f"{name}-token",
             settings.NODE_LOST_AFTER_SEC.name: f"{LOST_AFTER_S:g}",
             settings.GRPC_KEEPALIVE_TIMEOUT_MS.name: str(KEEPALIVE_TIMEOUT_MS),
         }
@@ -87,6 +102,19 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
             prefix=hosts.prefix(node),
             env=env,
         )
+    return procs
+
+
+def relay_calls(run_dir) -> int:
+    """``Relay`` calls node 0's aggregator served (its last line at a clean stop)."""
+    log = (run_dir / "aggregator" / "process.stderr.log").read_text()
+    return int(log.rsplit("node relays: ", 1)[1].split(" calls", 1)[0])
+
+
+def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hosts, tmp_path):
+    procs = start_nodes(
+        hosts, tmp_path, "cut", ["--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP_S)], []
+    )
     run_dir = tmp_path / "host0" / "cut"
     try:
         wait_training_started(run_dir, procs[0], tmp_path / "node0.err", 180)
@@ -136,3 +164,81 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
     )
     err1 = (tmp_path / "node1.err").read_text()
     assert "could not report" not in err1
+    # Each node's ranks and sampler went through its relay: node 0's one call, node 1's first
+    # and the one it opened again after the cut (or more: each failure of it is one more).
+    assert relay_calls(run_dir) >= 3
+    assert "the node relay lost node 0's aggregator" in err1
+    streams = {
+        (e["sender"], e["id"]): e for e in summary["run"]["telemetry_health"]["sender_streams"]
+    }
+    assert streams[("rank", 1)]["streams"] >= 2 and streams[("rank", 0)]["streams"] == 1
+    assert {k: (e["state"], e["finished"]) for k, e in streams.items() if k[0] == "rank"} == {
+        ("rank", 0): ("closed", True),
+        ("rank", 1): ("closed", True),
+    }
+
+
+#: Steps and step time of the killed-launcher run: long enough that node 1 is killed mid-run.
+KILL_STEPS, KILL_STEP_SLEEP_S = 400, 0.05
+
+
+def test_a_killed_launcher_on_node_1_is_lost_with_its_rank_and_node_0_loses_nothing(
+    hosts, tmp_path
+):
+    step_log = tmp_path / "steps"
+    step_log.mkdir()
+    script_args = ["--steps", str(KILL_STEPS), "--step-sleep", str(KILL_STEP_SLEEP_S)]
+    procs = start_nodes(
+        hosts,
+        tmp_path,
+        "kill",
+        [*script_args, "--step-log", str(step_log)],
+        [f"--finalize-timeout-sec={LOST_AFTER_S + 3 * NODE_HEARTBEAT_INTERVAL_S:g}"],
+    )
+    run_dir = tmp_path / "host0" / "kill"
+    try:
+        wait_training_started(run_dir, procs[0], tmp_path / "node0.err", 180)
+        rank1_log = step_log / "rank1.log"
+        wait_for(lambda: rank1_log.exists() and len(rank1_log.read_text().splitlines()) >= 40, 60)
+        node1 = process_family(procs[1].pid)  # the launcher (ip netns exec execs it), torchrun,
+        assert "run" in node1[0].cmdline() and len(node1) >= 3  # its rank
+        os.kill(procs[1].pid, signal.SIGKILL)
+        killed_at = time.time()
+        assert procs[1].wait(30) == -signal.SIGKILL
+        assert_all_gone(node1)  # torchrun and its rank die with their launcher
+        code0 = procs[0].wait(180)  # rank 0 fails in gloo as its peer vanished
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert code0 != 0, (tmp_path / "node0.err").read_text()[-3000:]
+
+    summary = load_summary(run_dir)
+    run = summary["run"]
+    assert run["complete"] is False and run["missing_ranks"] == [1]
+    (loss,) = run["telemetry_health"]["node_losses"]
+    assert loss["node_rank"] == 1 and loss["resumed_unix_s"] is None
+    assert killed_at < loss["lost_unix_s"] <= killed_at + LOST_AFTER_S + 2 * LOST_CHECK_S + 1
+    findings = {f["kind"]: f for f in summary["findings"]["health"]}
+    assert (findings["NODE_LOST"]["severity"], findings["NODE_LOST"]["nodes"]) == ("critical", [1])
+    # Rank 1 is given up on with its node ("running": no end known at finalization).
+    assert "rank 1 never finished" in findings["RANK_MISSING"]["summary"]
+    assert "Node 1 was lost at " in findings["RANK_MISSING"]["summary"]
+    assert {r["rank"]: r["end"]["state"] for r in summary["ranks"]} == {0: "failed", 1: "running"}
+    streams = {
+        (e["sender"], e["id"]): e["state"] for e in run["telemetry_health"]["sender_streams"]
+    }
+    # Node 1's rank and sampler were lost with its relay's call; node 0's closed.
+    assert streams == {
+        ("rank", 0): "closed",
+        ("rank", 1): "lost",
+        ("node", 0): "closed",
+        ("node", 1): "lost",
+    }
+    # Nothing of node 0 is lost: every step rank 0 logged is stored, none dropped.
+    produced = len((step_log / "rank0.log").read_text().splitlines())
+    health = {r["rank"]: r for r in run["telemetry_health"]["ranks"]}[0]
+    assert (health["steps_produced"], health["steps_received"]) == (produced, produced)
+    assert health["steps_dropped"] == 0 and health["final"] is True
+    assert query(run_dir, "SELECT COUNT(*) FROM steps WHERE rank = 0") == [(produced,)]
+    assert relay_calls(run_dir) == 2

@@ -1,0 +1,294 @@
+"""The node relay (traceml/launcher/relay.py) in front of a real aggregator process, over real
+gRPC: ranks' clients stream to the relay's abstract Unix socket, the relay carries them to node
+0 on one ``Relay`` call.
+
+Exactly once end to end: the relay never acknowledges anything itself, so when its upstream is
+dropped mid-batch, goes silent (acknowledgements withheld past the relay's deadline), or the
+aggregator is killed and restarted mid-stream, the ranks resend what was not acknowledged and
+every step is stored once. The aggregator's own counters (records stored, resent batches found
+already stored) must add up to that: the ``steps`` table alone could not show a duplicate (its
+primary key would hide it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from conftest import free_port, wait_for
+from live_aggregator import LiveAggregator, finish, make_client, step
+
+from traceml import wire
+from traceml.core.transport import Credentials, open_channel
+from traceml.launcher import relay as relay_mod
+from traceml.launcher.relay import NodeRelay
+from traceml.sdk import client as client_mod
+
+pytestmark = [pytest.mark.aggregator]
+
+RANKS = 8
+#: The relay's deadline for node 0's answer in these tests, s (TRACEML_RPC_TIMEOUT_SEC).
+RELAY_TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def agg(tmp_path):
+    """A live aggregator of run "relay" (killed at the end if a test left it running)."""
+    with LiveAggregator(tmp_path / "run", "relay") as aggregator:
+        yield aggregator
+
+
+def start_relay(upstream: str) -> NodeRelay:
+    relay = NodeRelay(upstream, Credentials.from_env(), RELAY_TIMEOUT_S)
+    relay.start()
+    return relay
+
+
+def send_steps(relay: NodeRelay, target: str, steps: int, **config) -> tuple[list, list[str]]:
+    """RANKS clients through ``relay``, each submitting ``steps`` steps then closing; returns
+    the clients (closed, each asserted delivered) and their warnings."""
+    warnings: list[str] = []
+    clients = [
+        make_client(target, "relay", warnings, rank=r, relay=relay.address, **config)
+        for r in range(RANKS)
+    ]
+    for i in range(steps):
+        for client in clients:
+            client.submit(client_mod.STEPS, step(i))
+    for client in clients:
+        assert client.close(finish(steps), timeout_s=60) is True
+    return clients, warnings
+
+
+def steps_by_rank(agg: LiveAggregator) -> list[tuple]:
+    return agg.query("SELECT rank, COUNT(*), MIN(step), MAX(step) FROM steps GROUP BY rank")
+
+
+def ledger(agg: LiveAggregator) -> list[dict]:
+    (text,) = agg.query("SELECT value FROM meta WHERE key = 'sender_streams'")[0]
+    return json.loads(text)
+
+
+def test_eight_ranks_through_one_relay_call_are_stored_once_and_closed(agg):
+    relay = start_relay(agg.target)
+    try:
+        clients, warnings = send_steps(relay, agg.target, 60, batch_max_records=7)
+    finally:
+        relay.close()
+    assert agg.stop() == 0
+
+    assert warnings == []
+    assert steps_by_rank(agg) == [(r, 60, 0, 59) for r in range(RANKS)]
+    batches = sum(c.stats.batches_acked for c in clients)
+    assert agg.counters() == [{"records": 8 * 60, "batches": batches, "duplicates": 0}]
+    assert "node relays: 1 calls carried " in agg.log()
+    assert relay.stats.upstream_failures == 0
+    # Each rank's batches and closing went up as frames of its channel, several in a message.
+    assert relay.stats.messages_up < relay.stats.frames_up
+    entries = [(e["sender"], e["id"], e["state"], e["finished"], e["streams"]) for e in ledger(agg)]
+    assert entries == [("rank", r, "closed", True, 1) for r in range(RANKS)]
+
+
+def test_pending_frames_are_taken_in_order_up_to_the_bound_and_at_least_one(monkeypatch):
+    monkeypatch.setattr(relay_mod, "RELAY_UP_MAX_BYTES", 1_000)
+    relay = NodeRelay("127.0.0.1:1", Credentials(token="t"), 1.0)  # not started
+    frames = [
+        wire.RelayFrame(channel=n, batch=wire.Batch(run_name="x" * size))
+        for n, size in enumerate((300, 300, 300, 2_000, 100), 1)
+    ]
+    relay._pending = list(frames)
+    sizes = [f.ByteSize() + relay_mod.FRAME_OVERHEAD_BYTES for f in frames]
+    assert sum(sizes[:3]) <= 1_000 < sum(sizes[:4])
+    assert relay._take_frames() == frames[:3]
+    assert relay._take_frames() == frames[3:4]  # alone past the bound: still sent
+    assert relay._take_frames() == frames[4:]
+    assert relay._pending == []
+
+
+def test_a_backlog_of_frames_crosses_in_relay_messages_within_the_bound(agg, monkeypatch):
+    bound = 1_000  # bytes: two of these small batches a message
+    monkeypatch.setattr(relay_mod, "RELAY_UP_MAX_BYTES", bound)
+    relay = NodeRelay(agg.target, Credentials.from_env(), 10.0)
+    relay.start()
+    warnings: list[str] = []
+    clients = [
+        make_client(agg.target, "relay", warnings, rank=r, relay=relay.address, rpc_timeout_s=10)
+        for r in range(RANKS)
+    ]
+    try:
+        os.kill(agg.process.pid, signal.SIGSTOP)  # node 0 answers nothing: frames pile up
+        try:
+            for i in range(30):
+                for client in clients:
+                    client.submit(client_mod.STEPS, step(i))
+            # The first message took what fits the bound; the other ranks' batches wait.
+            wait_for(lambda: len(relay._pending) >= RANKS // 2, 10, "a backlog at the relay")
+        finally:
+            os.kill(agg.process.pid, signal.SIGCONT)
+        for client in clients:
+            assert client.close(finish(30), timeout_s=60) is True
+    finally:
+        relay.close()
+    assert agg.stop() == 0
+
+    assert warnings == []
+    assert steps_by_rank(agg) == [(r, 30, 0, 29) for r in range(RANKS)]
+    batches = sum(c.stats.batches_acked for c in clients)
+    assert agg.counters() == [{"records": 8 * 30, "batches": batches, "duplicates": 0}]
+    # A batch here is ~0.5 KB: a message holds at most the bound plus one frame.
+    assert relay.stats.largest_up_bytes <= bound + 600
+    assert relay.stats.upstream_failures == 0
+
+
+def test_a_rank_that_vanishes_behind_the_relay_is_lost_and_one_that_closed_is_closed(agg):
+    relay = start_relay(agg.target)
+    try:
+        for rank, clean in ((0, True), (1, False)):
+            with open_channel(relay.address, credentials=Credentials.from_env()) as channel:
+                requests: queue.SimpleQueue = queue.SimpleQueue()
+                call = wire.AggregatorStub(channel).Stream(iter(requests.get, None))
+                batch = wire.Batch(run_name="relay", rank=rank, seq=1)
+                batch.step_groups.add()  # an empty group: a batch that carries nothing
+                requests.put(batch)
+                assert next(call).stored_seq == 1
+                if clean:
+                    requests.put(wire.Batch(closing=True))
+                    requests.put(None)
+                    assert list(call) == []
+                else:
+                    call.cancel()
+    finally:
+        relay.close()
+    assert agg.stop() == 0
+    assert [(e["id"], e["state"]) for e in ledger(agg)] == [(0, "closed"), (1, "lost")]
+
+
+def test_a_call_without_the_run_token_is_refused_by_the_relay(agg):
+    relay = start_relay(agg.target)
+    try:
+        with open_channel(relay.address, credentials=Credentials(token="not-the-token")) as ch:
+            call = wire.AggregatorStub(ch).Stream(iter([wire.Batch(run_name="relay", seq=1)]))
+            with pytest.raises(grpc.RpcError) as refused:
+                next(call)
+    finally:
+        relay.close()
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert agg.stop() == 0
+    assert agg.counters() == [{"records": 0, "batches": 0, "duplicates": 0}]
+
+
+class MisbehavingUpstream(wire.AggregatorServicer):
+    """Node 0 as the relay sees it, misbehaving: passes each RelayUp to the real aggregator's
+    ``Relay`` and, after the aggregator stored it, fails the call (``drop``: the message
+    numbers, counted over all calls) or answers nothing for ``silent_s`` (``silent``)."""
+
+    def __init__(self, upstream: str, *, drop: set[int], silent: set[int], silent_s: float):
+        self._channel = open_channel(upstream)
+        self._stub = wire.AggregatorStub(self._channel)
+        self._drop, self._silent, self._silent_s = drop, silent, silent_s
+        self.messages = 0
+        self.calls = 0
+        self.misbehaved: list[tuple[str, int]] = []
+
+    def Relay(self, request_iterator, context):
+        self.calls += 1
+        ups: queue.SimpleQueue = queue.SimpleQueue()
+        downs = self._stub.Relay(iter(ups.get, None))
+        try:
+            for up in request_iterator:
+                ups.put(up)
+                down = next(downs)  # the aggregator stored every batch in it
+                self.messages += 1
+                if self.messages in self._drop:
+                    self.misbehaved.append(("drop", self.messages))
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the upstream dropped mid-batch")
+                if self.messages in self._silent:
+                    self.misbehaved.append(("silent", self.messages))
+                    time.sleep(self._silent_s)
+                    return
+                yield down
+        finally:
+            ups.put(None)
+            downs.cancel()
+
+
+def test_an_upstream_dropped_mid_batch_or_silent_costs_resends_that_are_not_stored_again(agg):
+    upstream = MisbehavingUpstream(
+        agg.target, drop={3, 9}, silent={6}, silent_s=RELAY_TIMEOUT_S + 1.0
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    wire.add_AggregatorServicer_to_server(upstream, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    relay = start_relay(f"127.0.0.1:{port}")
+    try:
+        clients, warnings = send_steps(
+            relay, agg.target, 40, batch_max_records=5, rpc_timeout_s=RELAY_TIMEOUT_S + 3.0
+        )
+    finally:
+        relay.close()
+        server.stop(None)
+    assert agg.stop() == 0
+
+    assert upstream.misbehaved == [("drop", 3), ("silent", 6), ("drop", 9)]
+    assert upstream.calls == 4 and relay.stats.upstream_failures == 3
+    assert steps_by_rank(agg) == [(r, 40, 0, 39) for r in range(RANKS)]
+    resends = sum(c.stats.resends for c in clients)
+    assert resends >= 1
+    (counters,) = agg.counters()
+    # Every record once; each resend of a batch the aggregator had stored was found stored.
+    assert counters["records"] == RANKS * 40
+    assert counters["batches"] == sum(c.stats.batches_acked for c in clients)
+    assert 1 <= counters["duplicates"] <= resends
+    # The ranks' client says it once per process; the relay said why (the launcher's stderr).
+    assert len(warnings) == 1 and "unreachable (UNAVAILABLE)" in warnings[0]
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+def test_an_aggregator_restarted_mid_stream_behind_the_relay_stores_each_step_once(agg, stop):
+    relay = start_relay(agg.target)
+    warnings: list[str] = []
+    clients = [
+        make_client(agg.target, "relay", warnings, rank=r, relay=relay.address, rpc_timeout_s=2.0)
+        for r in range(RANKS)
+    ]
+    total = 200
+
+    def feed(steps: range) -> None:  # the training loops: a step every millisecond or so
+        for i in steps:
+            for client in clients:
+                client.submit(client_mod.STEPS, step(i))
+            time.sleep(0.001)
+
+    try:
+        feed(range(total // 2))
+        deadline = time.monotonic() + 30
+        while min(c.stats.acked for c in clients) < 20:  # some stored; the rest on its way
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert (agg.stop() if stop == "sigterm" else agg.kill()) in (0, -9)
+        feed(range(total // 2, total))  # node 0 is gone: the relay fails, records wait
+        stored_before = agg.query("SELECT COUNT(*) FROM steps")[0][0]
+        agg.start()  # same port, same run directory
+        for client in clients:
+            assert client.close(finish(total), timeout_s=60) is True
+    finally:
+        relay.close()
+    assert agg.stop() == 0
+
+    assert steps_by_rank(agg) == [(r, total, 0, total - 1) for r in range(RANKS)]
+    assert all(c.stats.acked == total and c.stats.dropped == 0 for c in clients)
+    assert relay.stats.upstream_failures >= 1
+    counters = agg.counters()
+    second = counters[-1]
+    if stop == "sigterm":
+        assert counters[0]["records"] == stored_before
+    assert RANKS * 20 <= stored_before <= RANKS * total // 2
+    assert second["records"] == RANKS * total - stored_before
