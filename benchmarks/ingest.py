@@ -5,22 +5,34 @@ rank with its own gRPC channel (its own TCP connection, as a rank in its own pro
 ``grpc.aio``, so a few processes hold a thousand connections. A rank behaves like the SDK's
 client: its first batch carries its identity, then one batch in flight at a time, the next one
 sent when the previous one is acknowledged (a failed call is sent again, and counted). Each
-rank count runs both wires side by side in the same run (``--wire``): ``stream``, the SDK's
+rank count runs the wires side by side in the same run (``--wire``): ``stream``, the SDK's
 (one bidirectional ``Stream`` per rank, a batch up and its Ack down, ended with the
 ``closing`` message), and ``unary`` (one ``Push`` call per batch, the wire before it).
+``--relay`` (or ``--wire ... relay``) adds ``relay``: the same ranks as R/8 simulated nodes, each
+node one ``Relay`` call (one channel, one TCP connection), as the launcher's node relay
+(``traceml/launcher/relay.py``) carries its 8 local ranks' streams and its node sampler's to node
+0: each interval one ``RelayUp`` whose frames are the 8 ranks' batches (channels 1..8, each rank's
+own seq; the first carries its identity, as on the stream wire) and the node sampler's batch
+(channel 9: two system samples), one ``RelayUp`` in flight, the next once its ``RelayDown`` came
+(one per ``RelayUp``, a ``RelayAck`` per batch); a failed call is reopened and what was not
+acknowledged sent again (counted), and each channel is ended (``closing``, then ``ended``). The
+node session's heartbeats are a separate ``NodeSession`` stream in the product and are not
+simulated here (on any wire).
 ``--interval-sec 1`` paces each rank to one batch a second (ack latency and aggregator CPU at
 a realistic load), all ranks at the same instants, as the SDK's senders of ranks that start
 and step together (``--spread``: each at a random phase of the interval, an alternative measured
 in docs/scale.md); 0 sends as fast as acknowledgements come (records/s). ``--short`` is the CI smoke
-run: 8 ranks, a few small batches, both wires,
-both pacings; it must finish, not reach the targets. Batches
-are encoded before the clock starts (the per-batch header is joined to a pre-encoded block of
-records: protobuf allows that), so the clients spend their CPU on gRPC, not on protobuf.
+run: 8 ranks, a few small batches, the three wires (the relay's: one node), both pacings; it must
+finish, not reach the targets. Batches are encoded before the clock starts (the per-batch header
+is joined to a pre-encoded block of records, a relay's frames to each other: protobuf allows
+that), so the clients spend their CPU on gRPC, not on protobuf.
 
 Reported per rank count: time until every channel is connected (READY) and every rank's first
-batch acknowledged; records stored per second while all ranks stream (target >= 200k/s), and
-the aggregator's CPU per record (what a busy machine does not distort); aggregator RSS (peak,
-from /proc). Every record is checked in the store afterwards.
+batch acknowledged (on the relay: every node's first ``RelayUp``); records stored per second
+while all ranks stream (target >= 200k/s), and the aggregator's CPU per record, per batch and per
+message (a batch, or a ``RelayUp``: what a busy machine does not distort); ack latency (a
+batch's, or a ``RelayUp``'s); aggregator RSS (peak, from /proc). Every record is checked in the
+store afterwards (the relay's system samples too).
 
 Every call carries the run token (``TRACEML_RUN_TOKEN``, set by ``_common``), as the SDK's do.
 To see what the token check costs, run this same file against the tree before it and after it,
@@ -39,8 +51,8 @@ aggregator serves ``--metrics-port`` in every run of that comparison) (target: a
 10 %).
 
 Usage: ``python benchmarks/ingest.py [--ranks 1024 4096] [--batches 20] [--records 100]
-[--interval-sec 0 1] [--wire stream unary] [--viewers 0 4] [--scrapers 0 8] [--trials 3]
-[--short]``.
+[--interval-sec 0 1] [--wire stream unary relay] [--relay] [--viewers 0 4] [--scrapers 0 8]
+[--trials 3] [--transport-floor] [--short]``.
 """
 
 from __future__ import annotations
@@ -66,7 +78,12 @@ from transport_floor import TransportFloor
 RUN = "ingest-bench"
 PUSH = "/traceml.wire.v1.Aggregator/Push"
 STREAM = "/traceml.wire.v1.Aggregator/Stream"
-WIRES = ("stream", "unary")
+RELAY = "/traceml.wire.v1.Aggregator/Relay"
+WIRES = ("stream", "unary", "relay")
+#: Ranks of a simulated node on the relay wire (its channels 1..8; its sampler's is the next).
+NODE_RANKS = 8
+#: System samples in a node sampler's batch (a sample a second, a batch every 2 s).
+NODE_SAMPLES = 2
 #: The run token's metadata key (traceml.core.transport.TOKEN_METADATA_KEY), spelled out so the
 #: file also runs against a tree from before the token.
 TOKEN_METADATA = (("traceml-run-token", os.environ.get("TRACEML_RUN_TOKEN", "")),)
@@ -116,8 +133,6 @@ async def rank_task(
     rank sends at the same instants, as the SDK's senders of ranks that start and step together
     do; ``spread``, each rank's first batch comes a random fraction of the interval later (an
     alternative the SDK does not take: docs/scale.md)."""
-    from traceml import wire
-
     send = (StreamSender if wire_kind == "stream" else _PushSender)(channel)
     await channel.channel_ready()
     t["ready"] = max(t["ready"], time.time())
@@ -128,10 +143,133 @@ async def rank_task(
     for seq, block in enumerate(blocks, start=2):
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         next_at += interval_s
-        header = wire.Batch(run_name=RUN, rank=rank, seq=seq).SerializeToString()
-        await until_acked(send, header + block, seq, t, t["ack_s"])
+        await until_acked(send, rank_batch(rank, seq, block), seq, t, t["ack_s"])
     await send.close()
     t["done"] = max(t["done"], time.time())
+
+
+async def node_task(
+    channel,
+    node: int,
+    ups: list[dict],
+    closing: bytes,
+    go: asyncio.Event,
+    t: dict,
+    interval_s: float,
+    spread: bool,
+) -> None:
+    """One simulated node's relay (the relay wire): connect, then ``ups`` (its pre-encoded
+    messages: :func:`node_messages`) one by one on one ``Relay`` call, the first (the ranks'
+    identities) before ``go``, the others paced as :func:`rank_task`'s batches; ``closing``
+    at the end."""
+    send = RelaySender(channel, closing)
+    await channel.channel_ready()
+    t["ready"] = max(t["ready"], time.time())
+    await until_relayed(send, ups[0], t, None)
+    t["first_acked"] = max(t["first_acked"], time.time())
+    await go.wait()
+    next_at = time.perf_counter() + (random.Random(node).uniform(0, interval_s) if spread else 0.0)
+    for frames in ups[1:]:
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        next_at += interval_s
+        await until_relayed(send, frames, t, t["ack_s"])
+    await send.close()
+    t["done"] = max(t["done"], time.time())
+
+
+def node_messages(node: int, world: int, blocks: list[bytes]) -> tuple[list[dict], bytes]:
+    """Node ``node``'s ``RelayUp`` messages, pre-encoded: one per seq (1: each rank's identity
+    batch, as on the stream wire; then a batch of each of ``blocks``), each a dict channel ->
+    ``(seq, its frame)`` (:func:`relay_frame`); ranks ``node * 8 ..`` on channels 1..8, the node
+    sampler on 9, a batch of :data:`NODE_SAMPLES` system samples at every seq. And the last
+    message: every channel's ``closing``, then its ``ended``."""
+    from traceml import wire
+
+    ranks = range(node * NODE_RANKS, (node + 1) * NODE_RANKS)
+    sampler = NODE_RANKS + 1
+    ups = [{c: (1, relay_frame(c, identity_batch(RUN, r, world))) for c, r in enumerate(ranks, 1)}]
+    for seq, block in enumerate(blocks, start=2):
+        ups.append(
+            {c: (seq, relay_frame(c, rank_batch(r, seq, block))) for c, r in enumerate(ranks, 1)}
+        )
+    for seq, frames in enumerate(ups, start=1):
+        frames[sampler] = (seq, relay_frame(sampler, sampler_batch(node, seq)))
+    channels = range(1, sampler + 1)
+    closing = b"".join(
+        relay_frame(c, wire.Batch(closing=True).SerializeToString()) for c in channels
+    )
+    ended = [wire.RelayFrame(channel=c, ended=True) for c in channels]
+    return ups, closing + wire.RelayUp(frames=ended).SerializeToString()
+
+
+def relay_frame(channel: int, batch: bytes) -> bytes:
+    """A ``RelayUp`` of one frame: ``batch`` (encoded) on ``channel``. Encoded ``RelayUp``s
+    joined are one ``RelayUp`` of all their frames (protobuf appends repeated fields), so a
+    message is its frames joined, and a resend the frames not acknowledged."""
+    from traceml import wire
+
+    frame = wire.RelayFrame(channel=channel)
+    frame.batch.MergeFromString(batch)
+    return wire.RelayUp(frames=[frame]).SerializeToString()
+
+
+def sampler_batch(node: int, seq: int) -> bytes:
+    """Batch ``seq`` of node ``node``'s sampler: :data:`NODE_SAMPLES` system samples, a second
+    apart."""
+    from traceml import wire
+
+    samples = [
+        wire.SystemSample(
+            unix_us=1_000_000 * (NODE_SAMPLES * seq + i),
+            node_rank=node,
+            hostname="sim",
+            cpu_percent=40.0 + i,
+            ram_used_bytes=64 << 30,
+            ram_total_bytes=512 << 30,
+        )
+        for i in range(NODE_SAMPLES)
+    ]
+    return wire.Batch(
+        run_name=RUN, node_rank=node, seq=seq, system_samples=samples
+    ).SerializeToString()
+
+
+async def until_relayed(send: RelaySender, frames: dict, t: dict, ack_s: list | None) -> None:
+    """As the node relay's ranks do, through it: send ``frames`` (channel -> ``(seq, frame)``)
+    as one ``RelayUp``, then again those whose ``RelayAck`` did not cover them (pushed back:
+    after the longest ``retry_after_ms``; the call failed: at once, on a new call) until every
+    one is acknowledged; failures and pushbacks counted in ``t["errors"]``, each
+    ``RelayDown``'s seconds in ``ack_s``."""
+    import grpc
+
+    pending = dict(frames)
+    while pending:
+        try:
+            sent = time.perf_counter()
+            down = await send(b"".join(frame for _, frame in pending.values()))
+            if ack_s is not None:
+                ack_s.append(time.perf_counter() - sent)
+        except (grpc.RpcError, RuntimeError) as exc:
+            failed(t, exc)
+            continue
+        wait_ms = 0
+        for relay_ack in down.acks:
+            ack, (seq, _) = relay_ack.ack, pending.get(relay_ack.channel, (None, b""))
+            if ack.retry_after_ms:
+                count(t, "PUSHED_BACK")
+                wait_ms = max(wait_ms, ack.retry_after_ms)
+            elif seq is not None and ack.stored_seq >= seq:
+                del pending[relay_ack.channel]
+        if pending and wait_ms:
+            await asyncio.sleep(wait_ms / 1000)
+
+
+def rank_batch(rank: int, seq: int, block: bytes) -> bytes:
+    """Batch ``seq`` of ``rank``, encoded: its header joined to ``block`` (its records,
+    encoded: :func:`step_blocks`)."""
+    from traceml import wire
+
+    return wire.Batch(run_name=RUN, rank=rank, seq=seq).SerializeToString() + block
 
 
 def identity_batch(run: str, rank: int, world: int) -> bytes:
@@ -162,18 +300,29 @@ async def until_acked(
             if ack_s is not None:
                 ack_s.append(time.perf_counter() - sent)
         except (grpc.RpcError, RuntimeError) as exc:
-            code = exc.code().name if isinstance(exc, grpc.RpcError) else str(exc)
-            t["errors"][code] = t["errors"].get(code, 0) + 1
+            failed(t, exc)
             if backoff is not None:
                 await asyncio.sleep(backoff.next())
             continue
         if backoff is not None:
             backoff.reset()
         if ack.retry_after_ms:
-            t["errors"]["PUSHED_BACK"] = t["errors"].get("PUSHED_BACK", 0) + 1
+            count(t, "PUSHED_BACK")
             await asyncio.sleep(ack.retry_after_ms / 1000)
         elif ack.stored_seq >= seq:
             return
+
+
+def failed(t: dict, exc: Exception) -> None:
+    """Count the failed call ``exc`` (a ``grpc.RpcError``, or a sender's ``RuntimeError``)."""
+    import grpc
+
+    count(t, exc.code().name if isinstance(exc, grpc.RpcError) else str(exc))
+
+
+def count(t: dict, code: str) -> None:
+    """One more failure or pushback ``code`` in ``t["errors"]``."""
+    t["errors"][code] = t["errors"].get(code, 0) + 1
 
 
 class _PushSender:
@@ -197,10 +346,14 @@ class StreamSender:
     SDK's ``TRACEML_RPC_TIMEOUT_SEC``: an Ack that does not come within it cancels the stream
     (``RuntimeError("NO_ACK")``; the batch goes again on a new one)."""
 
-    def __init__(self, channel, ack_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, channel, ack_timeout_s: float | None = None, method: str = STREAM, reply=None
+    ) -> None:
         from traceml import wire
 
-        self._open = channel.stream_stream(STREAM, response_deserializer=wire.Ack.FromString)
+        self._open = channel.stream_stream(
+            method, response_deserializer=(reply or wire.Ack).FromString
+        )
         self._call = None
         self._closing = wire.Batch(closing=True).SerializeToString()
         self._ack_timeout_s = ack_timeout_s
@@ -233,9 +386,32 @@ class StreamSender:
     async def close(self) -> None:
         if self._call is not None:
             await self._call.write(self._closing)
-            await self._call.done_writing()
-            assert await self._call.read() is grpc_aio_eof()  # the aggregator ended it
-            await self._call.code()
+            await self._half_close()
+
+    async def _half_close(self) -> None:
+        await self._call.done_writing()
+        assert await self._call.read() is grpc_aio_eof()  # the aggregator ended it
+        await self._call.code()
+
+
+class RelaySender(StreamSender):
+    """A simulated node's relay: a ``RelayUp`` (encoded) up and its ``RelayDown`` down on one
+    ``Relay`` call, reopened after a failure; ended with ``closing`` (a ``RelayUp`` that closes
+    and ends every channel: nothing in it is acknowledged, but it has its ``RelayDown``, empty)
+    and a half-close."""
+
+    def __init__(self, channel, closing: bytes) -> None:
+        from traceml import wire
+
+        super().__init__(channel, method=RELAY, reply=wire.RelayDown)
+        self._closing = closing
+
+    async def close(self) -> None:
+        if self._call is not None:
+            await self._call.write(self._closing)
+            down = await self._call.read()
+            assert down is not grpc_aio_eof() and not down.acks, down
+            await self._half_close()
 
 
 async def _exchange(call, data: bytes):
@@ -253,7 +429,7 @@ def grpc_aio_eof():
 
 async def client_main(
     target: str,
-    ranks: list[int],
+    senders: list[int],
     world: int,
     batches: int,
     records: int,
@@ -261,11 +437,14 @@ async def client_main(
     interval_s: float,
     spread: bool,
 ) -> dict:
-    """A client process: its ranks' channels and tasks; the times it saw (Unix s)."""
+    """A client process: its senders' channels and tasks (ranks, or nodes on the relay wire);
+    the times it saw (Unix s)."""
     import grpc
 
     blocks = step_blocks(batches, records)
-    options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per rank
+    if wire_kind == "relay":
+        messages = {node: node_messages(node, world, blocks) for node in senders}
+    options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per sender
     print("ready", flush=True)
     sys.stdin.readline()  # the parent's "connect"
     t = {
@@ -277,11 +456,15 @@ async def client_main(
         "ack_s": [],
     }
     go = asyncio.Event()
-    channels = [grpc.aio.insecure_channel(target, options=options) for _ in ranks]
+    channels = [grpc.aio.insecure_channel(target, options=options) for _ in senders]
     t["created"] = time.time()
     tasks = [
-        asyncio.create_task(rank_task(ch, r, world, blocks, go, t, wire_kind, interval_s, spread))
-        for ch, r in zip(channels, ranks, strict=True)
+        asyncio.create_task(
+            node_task(ch, s, *messages[s], go, t, interval_s, spread)
+            if wire_kind == "relay"
+            else rank_task(ch, s, world, blocks, go, t, wire_kind, interval_s, spread)
+        )
+        for ch, s in zip(channels, senders, strict=True)
     ]
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
     t["go"] = time.time()
@@ -331,10 +514,11 @@ def scraper(url: str, stop: threading.Event, calls: list[float]) -> None:
 
 
 def start_clients(
-    script: str, target: str, world: int, procs: int, *args: str
+    script: str, target: str, senders: int, procs: int, *args: str
 ) -> list[subprocess.Popen]:
-    """``procs`` client processes ``script --client TARGET RANKS *args`` (process p's ranks:
-    p, p + procs, ... below ``world``, as JSON), pipes both ways, once each said ``ready``."""
+    """``procs`` client processes ``script --client TARGET SENDERS *args`` (process p's senders,
+    ranks or nodes: p, p + procs, ... below ``senders``, as JSON), pipes both ways, once each
+    said ``ready``."""
     clients = [
         subprocess.Popen(
             [
@@ -342,7 +526,7 @@ def start_clients(
                 script,
                 "--client",
                 target,
-                json.dumps(list(range(p, world, procs))),
+                json.dumps(list(range(p, senders, procs))),
                 *args,
             ],
             stdin=subprocess.PIPE,
@@ -377,13 +561,18 @@ def run_world(
     scrapers: int = 0,
     metrics: bool = False,
 ) -> dict:
-    """One run of ``world`` ranks on ``wire_kind`` (``stream`` or ``unary``), each sending at
-    most a batch every ``interval_s`` (all at the same instants unless ``spread``: see
-    :func:`rank_task`), with ``viewers`` live viewers and ``scrapers`` Prometheus scrapers
-    (``metrics``: the aggregator serves ``/metrics``, scraped or not), against ``server``
-    (``aggregator``, or ``transport``: :mod:`transport_floor`, gRPC alone); prints and returns
-    its figures (records/s, ack median and p99 in s, connect s, server CPU % of a core, RSS
-    bytes). Without ``summary_at_stop`` the aggregator writes no summary when stopped."""
+    """One run of ``world`` ranks on ``wire_kind`` (``stream``, ``unary``, or ``relay``: as
+    ``world / 8`` nodes, :func:`node_task`), each sending at most a batch every ``interval_s``
+    (all at the same instants unless ``spread``: see :func:`rank_task`), with ``viewers`` live
+    viewers and ``scrapers`` Prometheus scrapers (``metrics``: the aggregator serves
+    ``/metrics``, scraped or not), against ``server`` (``aggregator``, or ``transport``:
+    :mod:`transport_floor`, gRPC alone); prints and returns its figures (records/s, ack median
+    and p99 in s, connect s, server CPU % of a core and µs a batch and a message, RSS bytes).
+    Without ``summary_at_stop`` the aggregator writes no summary when stopped."""
+    nodes = world // NODE_RANKS
+    if wire_kind == "relay" and nodes * NODE_RANKS != world:
+        raise SystemExit(f"the relay wire simulates nodes of {NODE_RANKS} ranks: not {world}")
+    senders = nodes if wire_kind == "relay" else world
     metrics_port = free_port()
     # Every step stays (the store's count is checked below); the retention's prune is timed by
     # benchmarks/retention.py.
@@ -401,8 +590,8 @@ def run_world(
         clients = start_clients(
             __file__,
             agg.target,
-            world,
-            procs,
+            senders,
+            min(procs, senders),
             str(world),
             str(batches),
             str(records),
@@ -442,6 +631,9 @@ def run_world(
         if server == "aggregator":  # gRPC alone stores nothing (every client ended: all acked)
             stored = agg.query("SELECT COUNT(*) FROM steps")[0][0]
             assert stored == total, (stored, total)
+            if wire_kind == "relay":  # the node samplers' (the identity message's and each)
+                samples = agg.query("SELECT COUNT(*) FROM system_samples")[0][0]
+                assert samples == nodes * (batches + 1) * NODE_SAMPLES, (samples, nodes)
 
     created = max(t["created"] for t in times) - start
     connected = max(t["ready"] for t in times) - start
@@ -460,6 +652,8 @@ def run_world(
         "identified_s": identified,
         "cpu_pct": 100 * cpu_s / streaming,
         "cpu_batch_us": 1e6 * cpu_s / (world * batches),
+        "cpu_message_us": 1e6 * cpu_s / (senders * batches),  # a batch, or a RelayUp
+        "connected_s": connected,
         "rss_peak": rss_peak,
     }
     view = (
@@ -476,18 +670,29 @@ def run_world(
         )
     pacing = " (spread)" if spread and interval_s else ""
     alone = ", gRPC transport alone" if server == "transport" else ""
+    relayed, message, sampled = "", "", ""
+    if wire_kind == "relay":
+        relayed = (
+            f"{nodes} node{'s' if nodes > 1 else ''}, one Relay call each, a RelayUp of "
+            f"{NODE_RANKS} ranks' batches and the node sampler's every {interval_s:g} s "
+            "(heartbeats not carried); "
+        )
+        message = f"{figures['cpu_message_us']:.0f} µs a RelayUp, "
+        sampled = f" (and {nodes * (batches + 1) * NODE_SAMPLES} system samples)"
     print(
         f"  {wire_kind:>6} {world:>5} ranks, a batch every {interval_s:g} s{pacing}, "
-        f"{view}{alone}: "
+        f"{view}{alone}: {relayed}"
         f"channels created {created:.2f} s, all connected {connected:.2f} s, "
         f"all identified {identified:.2f} s; "
-        f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s "
-        f"(server CPU {cpu_s / total * 1e6:.1f} µs a record, "
+        f"{total} records in {streaming:.2f} s = {total / streaming / 1000:.0f}k records/s"
+        f"{sampled} "
+        f"(server CPU {cpu_s / total * 1e6:.1f} µs a record, {message}"
         f"{figures['cpu_batch_us']:.0f} µs a batch, "
         f"{cpu_s / streaming:.0%} of a core); "
         f"server RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak; "
         f"failed calls sent again: {errors or 0}; server stop (SIGTERM to exit) {stop_s:.1f} s; "
-        f"ack median {figures['ack_median'] * 1000:.1f} ms, p99 {figures['ack_p99'] * 1000:.1f} ms"
+        f"ack{' (a RelayUp)' if relayed else ''} median {figures['ack_median'] * 1000:.1f} ms, "
+        f"p99 {figures['ack_p99'] * 1000:.1f} ms"
     )
     return figures
 
@@ -500,11 +705,11 @@ def ratio(a: float, b: float) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--client"]:
-        target, ranks, world, batches, records, wire_kind, interval_s, spread = sys.argv[2:]
+        target, senders, world, batches, records, wire_kind, interval_s, spread = sys.argv[2:]
         t = asyncio.run(
             client_main(
                 target,
-                json.loads(ranks),
+                json.loads(senders),
                 int(world),
                 int(batches),
                 int(records),
@@ -544,8 +749,11 @@ def main() -> None:
         "--wire",
         nargs="+",
         choices=WIRES,
-        default=list(WIRES),
-        help="the wires to run side by side, in this order",
+        help="the wires to run side by side, in this order (default: stream unary; relay: "
+        "each rank count as nodes of 8 ranks and a sampler, a Relay call each)",
+    )
+    parser.add_argument(
+        "--relay", action="store_true", help="also the relay wire (after those of --wire)"
     )
     parser.add_argument(
         "--interval-sec",
@@ -572,22 +780,33 @@ def main() -> None:
     parser.add_argument(
         "--short",
         action="store_true",
-        help="the CI smoke run: 8 ranks, 3 batches of 10 records, 0 and 0.2 s",
+        help="the CI smoke run: 8 ranks, 3 batches of 10 records, 0 and 0.2 s, the three wires "
+        "unless --wire says",
     )
     args = parser.parse_args()
     if args.short:
         args.ranks, args.batches, args.records, args.interval_sec = [8], 3, 10, [0.0, 0.2]
         args.transport_floor = True
+        args.relay = args.relay or args.wire is None
+    args.wire = args.wire or ["stream", "unary"]
+    args.wire += ["relay"] if args.relay and "relay" not in args.wire else []
     print(
         f"(d) ingest on loopback, {args.batches} batches x {args.records} records per rank, "
         f"{args.procs} client processes, wires {' and '.join(args.wire)} side by side "
         "(targets, streaming: >= 400k records/s at 4,096 ranks, 4,096 connected and identified "
         "<= 2 s; at a batch a second: ack p99 <= 200 ms and aggregator CPU <= 20 % of a core "
         "at 1,024 ranks)"
+        + (
+            "; relay: each 8 ranks one simulated node relay, one Relay call carrying its ranks' "
+            "and its node sampler's batches (not the node session's heartbeats: a NodeSession "
+            "stream of their own in the product, simulated on no wire here)"
+            if "relay" in args.wire
+            else ""
+        )
     )
     for world in args.ranks:
         for interval_s in args.interval_sec:
-            side = {}
+            side, floor = {}, {}
             for wire_kind in args.wire:
                 # The aggregator with each viewer count, then gRPC alone (no viewers: it serves
                 # no Summarize), alternating: a busy machine slows each alike.
@@ -620,12 +839,13 @@ def main() -> None:
                 first = ("aggregator", args.viewers[0], args.scrapers[0])
                 base = side[wire_kind] = medians[first]
                 if args.transport_floor:
-                    alone = medians["transport", 0, 0]
+                    alone = floor[wire_kind] = medians["transport", 0, 0]
+                    message = "a RelayUp" if wire_kind == "relay" else "a batch"
                     print(
                         f"        {wire_kind}, the aggregator against gRPC alone (medians of "
-                        f"{args.trials}): CPU {base['cpu_batch_us']:.0f} against "
-                        f"{alone['cpu_batch_us']:.0f} µs a batch "
-                        f"({ratio(base['cpu_batch_us'], alone['cpu_batch_us'])}), "
+                        f"{args.trials}): CPU {base['cpu_message_us']:.0f} against "
+                        f"{alone['cpu_message_us']:.0f} µs {message} "
+                        f"({ratio(base['cpu_message_us'], alone['cpu_message_us'])}), "
                         f"{base['cpu_pct']:.0f} % against {alone['cpu_pct']:.0f} % of a core, "
                         f"ack p99 {base['ack_p99'] * 1000:.0f} against "
                         f"{alone['ack_p99'] * 1000:.0f} ms, records/s "
@@ -649,15 +869,34 @@ def main() -> None:
                         f"x{paired['rate']:.3f}, ack p99 x{paired['ack_p99']:.3f} "
                         f"(target: {target})"
                     )
-            if len(side) == 2:
-                st, un = side["stream"], side["unary"]
-                print(
-                    f"        stream against unary, {world} ranks, a batch every {interval_s:g} s: "
-                    f"records/s x{st['rate'] / un['rate']:.2f}, ack p99 "
-                    f"x{st['ack_p99'] / un['ack_p99']:.2f}, aggregator CPU "
-                    f"{ratio(st['cpu_pct'], un['cpu_pct'])}, identified in "
-                    f"{st['identified_s']:.2f} s against {un['identified_s']:.2f} s"
-                )
+            for new, old in (("stream", "unary"), ("relay", "stream")):
+                if new in side and old in side:
+                    against(new, old, world, interval_s, side, floor)
+
+
+def against(new: str, old: str, world: int, interval_s: float, side: dict, floor: dict) -> None:
+    """Print wire ``new``'s figures against wire ``old``'s (medians, in ``side``; gRPC alone's
+    in ``floor``, when it ran) as ratios, side by side."""
+    a, b = side[new], side[old]
+    acks = " (a RelayUp's against a batch's)" if new == "relay" else ""
+    line = (
+        f"        {new} against {old}, {world} ranks, a batch every {interval_s:g} s: "
+        f"records/s x{a['rate'] / b['rate']:.2f}, ack p99{acks} "
+        f"x{a['ack_p99'] / b['ack_p99']:.2f}, aggregator CPU "
+        f"{ratio(a['cpu_pct'], b['cpu_pct'])} ({a['cpu_batch_us']:.0f} against "
+        f"{b['cpu_batch_us']:.0f} µs a rank's batch), RSS peak "
+        f"x{a['rss_peak'] / b['rss_peak']:.2f}, connected in {a['connected_s']:.2f} s against "
+        f"{b['connected_s']:.2f} s, identified in "
+        f"{a['identified_s']:.2f} s against {b['identified_s']:.2f} s"
+    )
+    if new in floor and old in floor:
+        fa, fb = floor[new], floor[old]
+        line += (
+            f"; gRPC alone: CPU {ratio(fa['cpu_pct'], fb['cpu_pct'])} ({fa['cpu_batch_us']:.0f} "
+            f"against {fb['cpu_batch_us']:.0f} µs a rank's batch), ack p99 "
+            f"x{fa['ack_p99'] / fb['ack_p99']:.2f}"
+        )
+    print(line)
 
 
 if __name__ == "__main__":

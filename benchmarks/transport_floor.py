@@ -3,10 +3,12 @@ under the aggregator's cost.
 
 The aggregator's own ``grpc.aio`` server (:func:`traceml_aggregator.server.grpc_server`: its
 options, bound of calls in flight and token interceptor) and the aggregator's service, whose
-``Stream`` and ``Push`` only parse each batch and acknowledge its sequence number: nothing is
-checked, stored or folded into live aggregates. What this process spends per batch is what
-any Python aggregator on ``grpc.aio`` pays before it does anything with a batch, so the
-aggregator's figures read against it split into the transport's share and the aggregator's own.
+``Stream``, ``Push`` and ``Relay`` only parse each batch (each ``RelayUp``) and acknowledge its
+sequence number (each of its batches', in one ``RelayDown``, as node 0 answers a node relay):
+nothing is checked, stored or folded into live aggregates. What this process spends per
+message is what any Python aggregator on ``grpc.aio`` pays before it does anything with it, so
+the aggregator's figures read against it split into the transport's share and the
+aggregator's own.
 
 Usage (``ingest.py`` starts it): ``python benchmarks/transport_floor.py PORT``; prints
 ``listening PORT`` once it serves; SIGTERM or SIGKILL ends it (it holds no state).
@@ -35,6 +37,16 @@ class TransportOnly(wire.AggregatorServicer):
         async for batch in request_iterator:  # the aggregator's own way of reading a stream
             if not batch.closing:
                 yield wire.Ack(stored_seq=batch.seq)
+
+    async def Relay(self, request_iterator, context):
+        async for up in request_iterator:  # one RelayDown a RelayUp, a RelayAck a batch frame
+            yield wire.RelayDown(
+                acks=[
+                    wire.RelayAck(channel=f.channel, ack=wire.Ack(stored_seq=f.batch.seq))
+                    for f in up.frames
+                    if f.HasField("batch") and not f.batch.closing
+                ]
+            )
 
 
 async def serve(port: int) -> None:

@@ -1,9 +1,10 @@
-"""The ingest benchmark's CI run (``benchmarks/ingest.py --short``): both wires, both pacings,
-each against the aggregator (every record checked in the store by the benchmark itself) and
-against gRPC alone (``benchmarks/transport_floor.py``). It must finish; the targets are for
-the full run (docs/scale.md), not for this one. No figure is asserted, so neither test is
-``serial``: the first is mostly waiting (68 s of wall time, 18 s of CPU, alone on the
-development machine), which the parallel stage overlaps."""
+"""The ingest benchmark's CI run (``benchmarks/ingest.py --short``): the three wires (the rank's
+stream, unary ``Push``, and the node relay's ``Relay`` call: 8 ranks as one simulated node),
+both pacings, each against the aggregator (every record checked in the store by the benchmark
+itself) and against gRPC alone (``benchmarks/transport_floor.py``). It must finish; the targets
+are for the full run (docs/scale.md), not for this one. No figure is asserted, so neither test
+is ``serial``: the first is mostly waiting (55 s of wall time, 12 s of CPU, alone on the
+development machine; 38 s and 9 s before the relay wire), which the parallel stage overlaps."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ USER_ENV = {k: v for k, v in os.environ.items() if k != "TRACEML_RUN_TOKEN"}
 
 @pytest.mark.aggregator
 @pytest.mark.slow
-def test_the_short_ingest_benchmark_runs_both_wires_and_the_transport_floor_side_by_side():
+def test_the_short_ingest_benchmark_runs_the_three_wires_and_the_transport_floor_side_by_side():
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "ingest.py"), "--short"],
         cwd=BENCHMARKS,
@@ -35,7 +36,7 @@ def test_the_short_ingest_benchmark_runs_both_wires_and_the_transport_floor_side
     )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = re.findall(
-        r"^\s+(stream|unary)\s+8 ranks, a batch every ([\d.]+) s, 0 viewers"
+        r"^\s+(stream|unary|relay)\s+8 ranks, a batch every ([\d.]+) s, 0 viewers"
         r"(, gRPC transport alone)?:",
         result.stdout,
         re.MULTILINE,
@@ -44,13 +45,18 @@ def test_the_short_ingest_benchmark_runs_both_wires_and_the_transport_floor_side
     assert runs == [
         (wire, pace, server)
         for pace in ("0", "0.2")
-        for wire in ("stream", "unary")
+        for wire in ("stream", "unary", "relay")
         for server in ("", alone)
     ]
-    # 8 ranks x 3 batches x 10 records each time, every one found in the aggregator's store.
-    assert result.stdout.count("240 records in") == 8
-    assert result.stdout.count("the aggregator against gRPC alone") == 4
+    # 8 ranks x 3 batches x 10 records each time, every one found in the aggregator's store;
+    # on the relay also its node sampler's 2 system samples at each of 4 seqs (the identity's
+    # message's and the 3 batches').
+    assert result.stdout.count("240 records in") == 12
+    assert result.stdout.count("(and 8 system samples)") == 4
+    assert result.stdout.count("1 node, one Relay call each") == 4
+    assert result.stdout.count("the aggregator against gRPC alone") == 6
     assert result.stdout.count("stream against unary, 8 ranks") == 2
+    assert result.stdout.count("relay against stream, 8 ranks") == 2
 
 
 @pytest.mark.slow
