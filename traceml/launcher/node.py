@@ -123,7 +123,7 @@ class NodeLaunch:
         except Exception as exc:
             _log.warning(f"warning: node relay not started ({exc}); ranks stream to node 0")
             return
-        self.relay = self.torchrun.relay = relay
+        self.relay, self.torchrun.relay_address = relay, relay.address
 
     def start_sampler(self) -> None:
         """Start this node's system and process sampler (fail-open: a warning at most)."""

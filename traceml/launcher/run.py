@@ -239,8 +239,8 @@ class Launch:
         return exit_code(returncode)
 
     def _start_training(self, node_manifest: Manifest, run_manifest: Manifest | None) -> None:
-        """Phase training begins: torchrun, then (node 0) its aggregator serving and its
-        session, then the node sampler (node 0's needs its own aggregator)."""
+        """Phase training begins: the node relay and torchrun, then (node 0) its aggregator
+        serving and its session, then the node sampler (node 0's needs its own aggregator)."""
         node, supervisor = self.node, self.supervisor
         node.start_relay()
         node.torchrun.start(self.terminal_view.consoles() if self.terminal_view else None)

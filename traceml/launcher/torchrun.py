@@ -199,8 +199,8 @@ class TorchrunProcess:
         self.run_dir = run_dir
         self.process: subprocess.Popen | None = None
         self.tees: list[Tee] = []
-        #: The node relay its ranks stream through (a NodeRelay; None: straight to node 0).
-        self.relay = None
+        #: The node relay's address its ranks stream to ("": straight to node 0).
+        self.relay_address = ""
 
     def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
@@ -221,7 +221,7 @@ class TorchrunProcess:
         self.run_dir.rank_ends.unlink(missing_ok=True)
         self.process = subprocess.Popen(
             torchrun_argv(self.config),
-            env=worker_env(self.config, self.run_dir, self.relay.address if self.relay else ""),
+            env=worker_env(self.config, self.run_dir, self.relay_address),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
