@@ -25,7 +25,7 @@ from conftest import free_port, wait_for
 from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
-from traceml.core.transport import Credentials, open_channel
+from traceml.core.transport import MAX_MESSAGE_BYTES, Credentials, open_channel
 from traceml.launcher import relay as relay_mod
 from traceml.launcher.relay import NodeRelay
 from traceml.sdk import client as client_mod
@@ -167,6 +167,37 @@ def test_a_rank_that_vanishes_behind_the_relay_is_lost_and_one_that_closed_is_cl
         relay.close()
     assert agg.stop() == 0
     assert [(e["id"], e["state"]) for e in ledger(agg)] == [(0, "closed"), (1, "lost")]
+
+
+def test_an_unreadable_or_oversized_message_ends_its_own_stream_and_no_other(agg):
+    relay = start_relay(agg.target)
+    warnings: list[str] = []
+    rank = make_client(agg.target, "relay", warnings, rank=0, relay=relay.address)
+    try:
+        with open_channel(relay.address, credentials=Credentials.from_env()) as channel:
+            raw = channel.stream_stream("/traceml.wire.v1.Aggregator/Stream")  # bytes as they are
+            garbage = raw(iter([b"\xff\xfe\x00garbage" * 100]), timeout=10)
+            with pytest.raises(grpc.RpcError) as unreadable:
+                next(garbage)
+            big = wire.Batch(run_name="relay", rank=1, seq=1, identity=wire.RankIdentity())
+            big.identity.hostname = "x" * (MAX_MESSAGE_BYTES - 30)
+            data = big.SerializeToString()
+            # Within the wire's bound alone, past it as a RelayUp's frame.
+            assert MAX_MESSAGE_BYTES - 16 < len(data) <= MAX_MESSAGE_BYTES
+            too_big = raw(iter([data]), timeout=10)
+            with pytest.raises(grpc.RpcError) as oversized:
+                next(too_big)
+        for i in range(20):  # the real rank's stream goes on through the relay meanwhile
+            rank.submit(client_mod.STEPS, step(i))
+        assert rank.close(finish(20), timeout_s=30) is True
+    finally:
+        relay.close()
+    assert agg.stop() == 0
+    assert unreadable.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "unreadable message" in unreadable.value.details()
+    assert oversized.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert relay.stats.upstream_failures == 0 and warnings == []
+    assert steps_by_rank(agg) == [(0, 20, 0, 19)]
 
 
 def test_a_call_without_the_run_token_is_refused_by_the_relay(agg):

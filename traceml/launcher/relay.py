@@ -69,11 +69,19 @@ SERVICE = "traceml.wire.v1.Aggregator"
 OWN_POOL = [("grpc.use_local_subchannel_pool", 1)]
 #: Bound of one RelayUp's frames, bytes: what a backlog of frames (a node of many ranks, an
 #: outage's resends) would add up to is sent over several messages, each within the wire's
-#: message bound (:data:`~traceml.core.transport.MAX_MESSAGE_BYTES`, which a frame of the
-#: largest batch, half of it, fits too).
+#: message bound (:data:`~traceml.core.transport.MAX_MESSAGE_BYTES`); a frame larger than
+#: this goes alone.
 RELAY_UP_MAX_BYTES = MAX_MESSAGE_BYTES // 2
 #: A frame's encoding beyond its fields: its tag and length prefix in the RelayUp, bytes.
 FRAME_OVERHEAD_BYTES = 8
+#: The local server takes messages of at most the wire's bound less this, bytes, so that the
+#: largest one still fits the bound as a RelayUp's only frame: a larger one is refused
+#: (``RESOURCE_EXHAUSTED``) to its sender alone, as node 0 would, never failing the relay's
+#: call and with it every stream of the node.
+FRAME_HEADROOM_BYTES = 1024
+LOCAL_MESSAGE_BOUND = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES)
+]
 #: Longest wait at :meth:`NodeRelay.close` for the local streams' last frames to reach node 0, s.
 CLOSE_FLUSH_S = 1.0
 _DONE = object()  # a local stream's last answer: it half-closed and every Ack was passed down
@@ -184,7 +192,9 @@ class NodeRelay:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop, self._wake = asyncio.Event(), asyncio.Event()
-        server = grpc.aio.server(options=server_options())
+        bounded = dict(LOCAL_MESSAGE_BOUND)
+        options = [o for o in server_options() if o[0] not in bounded] + LOCAL_MESSAGE_BOUND
+        server = grpc.aio.server(options=options)
         stream = grpc.stream_stream_rpc_method_handler(
             self._local_stream,
             request_deserializer=wire.Batch.FromString,
@@ -235,11 +245,18 @@ class NodeRelay:
                 self._queue(wire.RelayFrame(channel=local.channel, ended=True))
 
     async def _read_local(self, local: _Local, requests) -> None:
-        async for batch in requests:
-            if not batch.closing:
-                local.due += 1
-            local.framed = True
-            self._queue(wire.RelayFrame(channel=local.channel, batch=batch))
+        """Queue the local stream's messages as frames of its channel; a message that cannot
+        be read ends the stream (``INVALID_ARGUMENT``), as node 0 would end its own."""
+        try:
+            async for batch in requests:
+                if not batch.closing:
+                    local.due += 1
+                local.framed = True
+                self._queue(wire.RelayFrame(channel=local.channel, batch=batch))
+        except Exception as exc:  # a message that is no Batch (gRPC's decode failed)
+            reason = f"through the node relay: unreadable message ({type(exc).__name__})"
+            local.answers.put_nowait((grpc.StatusCode.INVALID_ARGUMENT, reason))
+            return
         local.half_closed = True
         local.done_if_owed_nothing()
 
