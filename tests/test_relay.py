@@ -70,6 +70,14 @@ def steps_by_rank(agg: LiveAggregator) -> list[tuple]:
     return agg.query("SELECT rank, COUNT(*), MIN(step), MAX(step) FROM steps GROUP BY rank")
 
 
+def assert_each_step_stored_once(agg: LiveAggregator, clients: list, steps: int) -> None:
+    """Every rank's ``steps`` steps are in the store, and the aggregator's one life stored each
+    acknowledged batch once, none found stored already (nothing was resent)."""
+    assert steps_by_rank(agg) == [(r, steps, 0, steps - 1) for r in range(RANKS)]
+    batches = sum(c.stats.batches_acked for c in clients)
+    assert agg.counters() == [{"records": RANKS * steps, "batches": batches, "duplicates": 0}]
+
+
 def ledger(agg: LiveAggregator) -> list[dict]:
     (text,) = agg.query("SELECT value FROM meta WHERE key = 'sender_streams'")[0]
     return json.loads(text)
@@ -84,9 +92,7 @@ def test_eight_ranks_through_one_relay_call_are_stored_once_and_closed(agg):
     assert agg.stop() == 0
 
     assert warnings == []
-    assert steps_by_rank(agg) == [(r, 60, 0, 59) for r in range(RANKS)]
-    batches = sum(c.stats.batches_acked for c in clients)
-    assert agg.counters() == [{"records": 8 * 60, "batches": batches, "duplicates": 0}]
+    assert_each_step_stored_once(agg, clients, 60)
     assert "node relays: 1 calls carried " in agg.log()
     assert relay.stats.upstream_failures == 0
     # Each rank's batches and closing went up as frames of its channel, several in a message.
@@ -138,9 +144,7 @@ def test_a_backlog_of_frames_crosses_in_relay_messages_within_the_bound(agg, mon
     assert agg.stop() == 0
 
     assert warnings == []
-    assert steps_by_rank(agg) == [(r, 30, 0, 29) for r in range(RANKS)]
-    batches = sum(c.stats.batches_acked for c in clients)
-    assert agg.counters() == [{"records": 8 * 30, "batches": batches, "duplicates": 0}]
+    assert_each_step_stored_once(agg, clients, 30)
     # A batch here is ~0.5 KB: a message holds at most the bound plus one frame.
     assert relay.stats.largest_up_bytes <= bound + 600
     assert relay.stats.upstream_failures == 0
