@@ -18,7 +18,6 @@ to), and generic probes (``grpc_health_probe``, a cluster's liveness check) have
 
 from __future__ import annotations
 
-import hmac
 import ssl
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from traceml.core.transport import (
     TOKEN_METADATA_KEY,
     VERSION_METADATA_KEY,
     WIRE_VERSION,
+    same_token,
     version_mismatch,
 )
 from traceml_aggregator.senders import Rejections
@@ -51,7 +51,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     ) -> None:
         if not token:
             raise ValueError("the run token must not be empty")
-        self._token = token.encode("utf-8")
+        self._token = token
         self._rejections = rejections
         self._version = wire_version
 
@@ -71,11 +71,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                 ((VERSION_METADATA_KEY, str(self._version)),),
             )
         handler = await continuation(handler_call_details)
-        given = metadata.get(TOKEN_METADATA_KEY)
-        if given is not None:
-            given = given if isinstance(given, bytes) else given.encode("utf-8", "replace")
-            if hmac.compare_digest(given, self._token):
-                return handler
+        if same_token(metadata.get(TOKEN_METADATA_KEY), self._token):
+            return handler
         self._rejections.refuse("unauthenticated", f"a call of {method} without this run's token")
         return refusal(
             handler,
@@ -108,13 +105,6 @@ def server_credentials(cert: Path, key: Path):
         OSError: a file cannot be read.
     """
     return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
-
-
-def same_token(given: str | None, token: str) -> bool:
-    """Whether ``given`` (None: none given) is the run's ``token``, compared in constant time."""
-    if given is None:
-        return False
-    return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8"))
 
 
 def bearer(header: str | None) -> str | None:

@@ -62,8 +62,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from traceml.analysis.phases import PHASES
+from traceml.core.transport import same_token
 from traceml_aggregator.aggregates import last
-from traceml_aggregator.auth import bearer, same_token, server_ssl_context
+from traceml_aggregator.auth import bearer, server_ssl_context
 
 
 class MetricsSource(Protocol):

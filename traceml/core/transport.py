@@ -21,6 +21,7 @@ need it, never by this module.
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 import stat
@@ -279,11 +280,12 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def server_options() -> list[tuple[str, int]]:
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """The aggregator's message size bounds and keepalive policy (see
-    :data:`CLIENT_KEEPALIVE_MS`)."""
+    :data:`CLIENT_KEEPALIVE_MS`); a server that forwards what it receives (the node relay)
+    takes messages of at most ``max_receive_bytes``."""
     return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
@@ -337,6 +339,15 @@ def open_aio_channel(
         creds = grpc.ssl_channel_credentials(root_certificates=credentials.tls_ca)
         return grpc.aio.secure_channel(target, creds, options=opts)
     return grpc.aio.insecure_channel(target, options=opts)
+
+
+def same_token(given: str | bytes | None, token: str) -> bool:
+    """Whether ``given`` (a call's metadata value or a bearer; None: none given) is the run's
+    ``token``, compared in constant time."""
+    if given is None:
+        return False
+    given = given if isinstance(given, bytes) else given.encode("utf-8", "replace")
+    return hmac.compare_digest(given, token.encode("utf-8"))
 
 
 def call_metadata(token: str) -> list[tuple[str, str]]:

@@ -39,7 +39,6 @@ and the ranks stream straight to node 0.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import secrets
 import threading
@@ -56,6 +55,7 @@ from traceml.core.transport import (
     Credentials,
     call_metadata,
     open_aio_channel,
+    same_token,
     server_options,
 )
 
@@ -79,9 +79,6 @@ FRAME_OVERHEAD_BYTES = 8
 #: (``RESOURCE_EXHAUSTED``) to its sender alone, as node 0 would, never failing the relay's
 #: call and with it every stream of the node.
 FRAME_HEADROOM_BYTES = 1024
-LOCAL_MESSAGE_BOUND = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES)
-]
 #: Longest wait at :meth:`NodeRelay.close` for the local streams' last frames to reach node 0, s.
 CLOSE_FLUSH_S = 1.0
 _DONE = object()  # a local stream's last answer: it half-closed and every Ack was passed down
@@ -139,7 +136,6 @@ class NodeRelay:
         self.address = f"unix-abstract:traceml-relay-{os.getpid()}-{secrets.token_hex(4)}"
         self.stats = RelayStats()
         self._credentials = credentials
-        self._token = credentials.token.encode("utf-8")
         self._timeout_s = rpc_timeout_s
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -192,9 +188,9 @@ class NodeRelay:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop, self._wake = asyncio.Event(), asyncio.Event()
-        bounded = dict(LOCAL_MESSAGE_BOUND)
-        options = [o for o in server_options() if o[0] not in bounded] + LOCAL_MESSAGE_BOUND
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(
+            options=server_options(max_receive_bytes=MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES)
+        )
         stream = grpc.stream_stream_rpc_method_handler(
             self._local_stream,
             request_deserializer=wire.Batch.FromString,
@@ -227,8 +223,7 @@ class NodeRelay:
         """One local sender's ``Stream``: its batches go up as frames of its channel, node 0's
         Acks come down in order; failed with the upstream's status when the upstream fails."""
         metadata = dict(context.invocation_metadata() or ())
-        given = str(metadata.get(TOKEN_METADATA_KEY, "")).encode("utf-8")
-        if not hmac.compare_digest(given, self._token):
+        if not same_token(metadata.get(TOKEN_METADATA_KEY), self._credentials.token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
         local = _Local(self._next_channel)
         self._next_channel += 1
@@ -311,9 +306,9 @@ class NodeRelay:
                         )
                     reached = False
                     self._fail_locals((failure[0], f"through the node relay: {failure[1]}"))
-                    self._in_flight = False
                     continue
-                self._in_flight = False
+                finally:
+                    self._in_flight = False
                 if not reached:
                     _log.info(
                         f"the node relay reached node 0's aggregator at {self.upstream} again"

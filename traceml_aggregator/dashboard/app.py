@@ -40,7 +40,8 @@ from aiohttp import web
 
 from traceml.core import endpoint, transport
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME
-from traceml_aggregator.auth import bearer, same_token
+from traceml.core.transport import same_token
+from traceml_aggregator.auth import bearer
 from traceml_aggregator.dashboard.frames import Cursor, Snapshot
 
 STATIC_DIR = Path(__file__).with_name("static")
