@@ -37,6 +37,7 @@ from conftest import (
     wait_for,
     wait_training_started,
 )
+from helpers.aggregator import relay_calls
 from helpers.netns import two_hosts
 
 from traceml import settings
@@ -105,12 +106,6 @@ def start_nodes(hosts, tmp_path, name: str, script_args: list[str], extra: list[
     return procs
 
 
-def relay_calls(run_dir) -> int:
-    """``Relay`` calls node 0's aggregator served (its last line at a clean stop)."""
-    log = (run_dir / "aggregator" / "process.stderr.log").read_text()
-    return int(log.rsplit("node relays: ", 1)[1].split(" calls", 1)[0])
-
-
 def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hosts, tmp_path):
     procs = start_nodes(
         hosts, tmp_path, "cut", ["--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP_S)], []
@@ -166,7 +161,7 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
     assert "could not report" not in err1
     # Each node's ranks and sampler went through its relay: node 0's one call, node 1's first
     # and the one it opened again after the cut (or more: each failure of it is one more).
-    assert relay_calls(run_dir) >= 3
+    assert relay_calls((run_dir / "aggregator" / "process.stderr.log").read_text()) >= 3
     assert "the node relay lost node 0's aggregator" in err1
     streams = {
         (e["sender"], e["id"]): e for e in summary["run"]["telemetry_health"]["sender_streams"]
@@ -241,4 +236,4 @@ def test_a_killed_launcher_on_node_1_is_lost_with_its_rank_and_node_0_loses_noth
     assert (health["steps_produced"], health["steps_received"]) == (produced, produced)
     assert health["steps_dropped"] == 0 and health["final"] is True
     assert query(run_dir, "SELECT COUNT(*) FROM steps WHERE rank = 0") == [(produced,)]
-    assert relay_calls(run_dir) == 2
+    assert relay_calls((run_dir / "aggregator" / "process.stderr.log").read_text()) == 2

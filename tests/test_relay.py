@@ -22,6 +22,7 @@ from concurrent import futures
 import grpc
 import pytest
 from conftest import free_port, wait_for
+from helpers.aggregator import relay_calls
 from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import wire
@@ -93,7 +94,7 @@ def test_eight_ranks_through_one_relay_call_are_stored_once_and_closed(agg):
 
     assert warnings == []
     assert_each_step_stored_once(agg, clients, 60)
-    assert "node relays: 1 calls carried " in agg.log()
+    assert relay_calls(agg.log()) == 1
     assert relay.stats.upstream_failures == 0
     # Each rank's batches and closing went up as frames of its channel, several in a message.
     assert relay.stats.messages_up < relay.stats.frames_up

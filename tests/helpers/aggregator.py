@@ -22,4 +22,14 @@ from aggregator_process import (  # noqa: E402
     step,
 )
 
-__all__ = ["LiveAggregator", "finish", "free_port", "make_client", "query", "step"]
+__all__ = ["LiveAggregator", "finish", "free_port", "make_client", "query", "relay_calls", "step"]
+
+
+def relay_calls(log: str) -> int:
+    """The ``Relay`` calls an aggregator served, from its ``log`` (its stderr): the last
+    ``node relays: N calls carried M messages`` line, which it writes at a clean stop.
+
+    Raises:
+        IndexError: the log has no such line (the aggregator did not stop cleanly).
+    """
+    return int(log.rsplit("node relays: ", 1)[1].split(" calls", 1)[0])
