@@ -21,7 +21,7 @@ from conftest import load_summary, run_traceml
 from consistency import all_findings, check_consistent
 from planted import side_by_side
 
-# serial: "no false secondary finding" needs the machine to itself; among the parallel tests'
+# alone: "no false secondary finding" needs the machine to itself; among the parallel tests'
 # jobs, one rank of the evaluation run was slowed enough by other jobs to be a compute
 # straggler (a true finding about a shared machine, not about the plant).
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.alone]

@@ -172,10 +172,10 @@ AHEAD_MS, LATE_MS = 5000, 50.0
 PLANTED_STEPS = 30
 
 
-# serial: the waits it checks are ±20 % of a 50 ms plant per rank (docs/testing.md, "The
-# serial tests alone"); among the parallel tests' jobs, CI once saw rank 3's wait land in its
-# backward (52 ms) with its comm 0 ms, a race in the DDP bucket's completion since fixed
-# (tests/test_collectives.py).
+# alone: the waits it checks are ±20 % of a 50 ms plant per rank (docs/testing.md, "Timing
+# benchmarks and planted figures alone"); among the parallel tests' jobs, CI once saw rank 3's
+# wait land in its backward (52 ms) with its comm 0 ms, a race in the DDP bucket's completion
+# since fixed (tests/test_collectives.py).
 @pytest.mark.alone
 def test_a_late_rank_on_a_node_whose_clock_is_off(hosts, tmp_path):
     """Four DDP ranks on two hosts; node 1's clock is 5 s ahead and its rank 2 computes 50 ms
