@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from helpers.batches import node_batch, node_exit, rank_end
+from helpers.batches import node_batch, node_exit, rank_end, tiny_step
 from helpers.batches import rank_batch as batch
 
 from traceml import wire
@@ -88,6 +88,25 @@ def test_every_step_of_a_group_is_stored_once_whatever_its_size(tmp_path, n):
     assert results(store, batch(1, range(n), rank=5, restart=2)) == [(1, False)]
     assert rows(store, "SELECT rank, restart, step, end_us, step_us FROM steps ORDER BY step") == [
         (5, 2, i, i + 1, 1) for i in range(n)
+    ]
+
+
+def test_one_step_batches_of_many_ranks_share_statements_and_keep_their_order(tmp_path):
+    """A relay message's batches, one step of each of 10 ranks, rank 5's with its forward
+    measured: each run of groups with the same fields is bound together (ranks 0-4, rank 5,
+    ranks 6-9: statements of 4 + 1, 1 and 4 rows, where one per batch would be 10), and the
+    rows keep the order the batches came in, each with its own fields."""
+    store = Store(tmp_path / "t.sqlite")
+    timed = {5: lambda i: {**tiny_step(i), "forward_us": 7}}
+    batches = [batch(1, [0], rank=r, row=timed.get(r, tiny_step)) for r in range(10)]
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)  # each statement as it runs
+    assert [r.duplicate for r in store.write_batches(batches, 0)] == [False] * 10
+    store._db.set_trace_callback(None)
+    inserts = [sql.count("), (") + 1 for sql in statements if sql.startswith("INSERT INTO steps")]
+    assert inserts == [4, 1, 1, 4], statements
+    assert rows(store, "SELECT rank, forward_us FROM steps ORDER BY rowid") == [
+        (r, 7 if r == 5 else None) for r in range(10)
     ]
 
 

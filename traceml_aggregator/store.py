@@ -189,25 +189,38 @@ def _step_insert(names: tuple[str, ...], rows: int) -> str:
     return f"INSERT INTO steps ({columns}) VALUES {', '.join([row] * rows)}"
 
 
-def _insert_steps(db: sqlite3.Connection, rank: int, restart: int, group) -> None:
-    """Insert the steps of ``group`` (a StepColumns) as rows of ``rank``'s attempt ``restart``.
+def _insert_steps(db: sqlite3.Connection, groups: list[tuple]) -> None:
+    """Insert the steps of ``groups`` (``(rank, restart, StepColumns)``, in arrival order) as
+    rows of their ranks' attempts, in that order.
 
-    The rows' values are laid out flat in C (``zip`` over the packed columns, ``chain``) and
-    bound :data:`MAX_ROWS_PER_INSERT` rows a statement, then in halving statements for the
-    rest (at most 5 more), so no step is decoded one by one in Python.
+    Consecutive groups that measured the same fields (the common case: every rank's batch of
+    a node's relay message, or of a burst, alike) are bound together, so a transaction of
+    many one-step batches costs a few statements, not one per batch. The rows' values are laid
+    out flat in C (``zip`` over the packed columns, ``chain``) and bound
+    :data:`MAX_ROWS_PER_INSERT` rows a statement, then in halving statements for the rest (at
+    most 5 more), so no step is decoded one by one in Python.
 
     Raises:
-        ValueError: the group is malformed (see :func:`step_group_columns`).
+        ValueError: a group is malformed (see :func:`step_group_columns`).
     """
-    names, columns = step_group_columns(group)
-    if not names:  # an empty group: no row (zip over the two repeats alone would never end)
-        return
-    width = 2 + len(names)
-    values = list(
-        itertools.chain.from_iterable(
+    names: tuple[str, ...] = ()
+    values: list[int | None] = []
+    for rank, restart, group in groups:
+        group_names, columns = step_group_columns(group)
+        if not group_names:  # an empty group: no row (zip over the repeats would never end)
+            continue
+        if group_names != names:
+            _insert_rows(db, names, values)
+            names, values = group_names, []
+        values += itertools.chain.from_iterable(
             zip(itertools.repeat(rank), itertools.repeat(restart), *columns)
         )
-    )
+    _insert_rows(db, names, values)
+
+
+def _insert_rows(db: sqlite3.Connection, names: tuple[str, ...], values: list) -> None:
+    """Insert step rows ``(rank, restart, *values of names)`` laid out flat in ``values``."""
+    width = 2 + len(names)
     start, rows_left, rows = 0, len(values) // width, MAX_ROWS_PER_INSERT
     while rows_left:
         while rows > rows_left:
@@ -425,8 +438,7 @@ class Store:
                     counts[batch.rank, restart] = SenderCounts.wire_row(
                         batch.counts, rank=batch.rank, restart=restart, seq=batch.seq
                     )
-            for rank, restart, group in steps:
-                _insert_steps(db, rank, restart, group)
+            _insert_steps(db, steps)
             for record, values in rows.items():
                 if values:  # in the batches' order: a later FLOPs count or finish replaces
                     db.executemany(_INSERT[record], values)
