@@ -23,6 +23,7 @@ def main_job(request, tmp_path_factory):
     """One run of the main job, shared by the tests below: its ranks and sampler stream
     through the node relay (the default), then straight to node 0."""
     cwd = tmp_path_factory.mktemp("main-job")
+    (cwd / "tmp").mkdir()  # the job's TMPDIR: what it leaves there is checked below
     result = run_traceml(
         [
             "run",
@@ -37,8 +38,21 @@ def main_job(request, tmp_path_factory):
             str(STEPS),
         ],
         cwd,
+        env={"TMPDIR": str(cwd / "tmp")},
     )
     return result, cwd / "logs" / RUN
+
+
+def test_torchrun_logs_into_the_run_directory_and_leaves_nothing_in_tmp(main_job):
+    _, run_dir = main_job
+    # torch's compile cache (torchinductor_<user>) is one per user, reused by every run
+    left = [p.name for p in (run_dir.parent.parent / "tmp").iterdir()]
+    assert [name for name in left if not name.startswith("torchinductor_")] == []
+    logs = run_dir / "nodes" / "node_0" / "torchelastic"
+    assert sorted(p.relative_to(logs).parts[1:] for p in logs.glob("*/*/*")) == [
+        ("attempt_0", "0"),
+        ("attempt_0", "1"),
+    ]
 
 
 def test_the_streams_took_the_path_asked_for_and_ended_closed(main_job):

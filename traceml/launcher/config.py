@@ -64,7 +64,6 @@ class LaunchConfig:
     keep_all_steps: bool = settings.KEEP_ALL_STEPS.value
     #: Zero-code steps: ranks start as ``python -m traceml.sdk.autorun SCRIPT``.
     auto_instrument: bool | None = None
-    torchrun_args: list[str] = field(default_factory=list)
     #: The run token (None after resolve(): node 0 makes one, the others read node 0's token
     #: file). Never in the manifest, never on a command line.
     run_token: str | None = field(default=None, repr=False)

@@ -31,14 +31,22 @@ from traceml.launcher.torchrun_main import AUTORUN_MODULE, LAUNCHER_PID_ENV, RAN
 _log = log.get("launcher")
 
 
-def torchrun_argv(config: LaunchConfig) -> list[str]:
+#: torchrun's own environment variable for its ``--log-dir`` (its flags' ``PET_`` defaults).
+TORCHRUN_LOG_DIR_ENV = "PET_LOG_DIR"
+
+
+def torchrun_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
     """The command line: torchrun flags, then the script and its arguments, as torchrun takes them.
 
     A single-node run without an explicit ``--master-port`` lets torchrun pick a free port
     (as plain ``torchrun --nproc-per-node N`` does); otherwise static rendezvous on
-    ``--master-addr:--master-port`` with ``--node-rank``. With zero-code steps on (the
-    default) torchrun starts ``python -u -m traceml.sdk.autorun SCRIPT ARGS`` in each rank
-    (torchrun's ``--module``), which instruments the rank and runs the script as ``__main__``.
+    ``--master-addr:--master-port`` with ``--node-rank``. torchrun's log directory is the
+    node's ``torchelastic/`` in the run directory (:attr:`RunDir.torchrun_logs`) unless the
+    caller's environment names one (:data:`TORCHRUN_LOG_DIR_ENV`): without ``--log-dir``
+    torchrun makes a ``/tmp/torchelastic_*`` directory for every run and never removes it.
+    With zero-code steps on (the default) torchrun starts ``python -u -m
+    traceml.sdk.autorun SCRIPT ARGS`` in each rank (torchrun's ``--module``), which
+    instruments the rank and runs the script as ``__main__``.
     """
     argv = [
         sys.executable,
@@ -55,7 +63,8 @@ def torchrun_argv(config: LaunchConfig) -> list[str]:
         ]
     if config.max_restarts:
         argv.append(f"--max-restarts={config.max_restarts}")
-    argv += list(config.torchrun_args)
+    if not os.environ.get(TORCHRUN_LOG_DIR_ENV):
+        argv.append(f"--log-dir={run_dir.torchrun_logs}")
     if config.auto_instrument:
         argv += ["--module", AUTORUN_MODULE]
     argv.append(config.script)
@@ -220,7 +229,7 @@ class TorchrunProcess:
         """
         self.run_dir.rank_ends.unlink(missing_ok=True)
         self.process = subprocess.Popen(
-            torchrun_argv(self.config),
+            torchrun_argv(self.config, self.run_dir),
             env=worker_env(self.config, self.run_dir, self.relay_address),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
