@@ -43,16 +43,13 @@ def main_job(request, tmp_path_factory):
     return result, cwd / "logs" / RUN
 
 
-def test_torchrun_logs_into_the_run_directory_and_leaves_nothing_in_tmp(main_job):
+def test_the_run_leaves_nothing_in_tmp(main_job):
+    """Plain torchrun leaves a ``torchelastic_*`` directory a run; the launcher's own log
+    directory for it goes with it (tests/test_torchrun_command.py)."""
     _, run_dir = main_job
     # torch's compile cache (torchinductor_<user>) is one per user, reused by every run
     left = [p.name for p in (run_dir.parent.parent / "tmp").iterdir()]
     assert [name for name in left if not name.startswith("torchinductor_")] == []
-    logs = run_dir / "nodes" / "node_0" / "torchelastic"
-    assert sorted(p.relative_to(logs).parts[1:] for p in logs.glob("*/*/*")) == [
-        ("attempt_0", "0"),
-        ("attempt_0", "1"),
-    ]
 
 
 def test_the_streams_took_the_path_asked_for_and_ended_closed(main_job):

@@ -1,29 +1,50 @@
-"""The torchrun command line a node's launcher runs (``traceml.launcher.torchrun``)."""
+"""torchrun's log directory under a node's launcher (``traceml.launcher.torchrun``)."""
 
 from __future__ import annotations
+
+import tempfile
 
 import pytest
 
 from traceml.core.rundir import RunDir
 from traceml.launcher.config import LaunchConfig
-from traceml.launcher.torchrun import TORCHRUN_LOG_DIR_ENV, torchrun_argv
+from traceml.launcher.torchrun import TORCHRUN_LOG_DIR_ENV, TorchrunProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 
-@pytest.mark.parametrize("users", [None, "", "/scratch/elastic"])
-def test_torchruns_log_dir_is_the_nodes_in_the_run_directory_unless_pet_log_dir_names_one(
+@pytest.mark.parametrize("users", [None, "", "elastic"])
+def test_torchruns_log_dir_is_the_launchers_own_and_goes_with_torchrun(
     tmp_path, monkeypatch, users
 ):
     """Without ``--log-dir`` torchrun makes a ``/tmp/torchelastic_*`` directory for every run
-    and leaves it (tests/test_e2e.py checks a real run's TMPDIR); a user's ``PET_LOG_DIR``
-    (torchrun's own variable for the flag) stands."""
+    and leaves it (tests/test_e2e.py checks a whole run's TMPDIR): the launcher gives it a
+    directory of its own in TMPDIR and removes it once torchrun exited; a user's
+    ``PET_LOG_DIR`` (torchrun's own variable for the flag) stands, and stays."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # torchrun's
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # this process's (read once, cached)
     if users is None:
         monkeypatch.delenv(TORCHRUN_LOG_DIR_ENV, raising=False)
     else:
-        monkeypatch.setenv(TORCHRUN_LOG_DIR_ENV, users)
-    argv = torchrun_argv(LaunchConfig(script="train.py"), RunDir(tmp_path / "run", 3))
-    given = [a for a in argv if a.startswith("--log-dir")]
-    if users:
-        assert given == []
-    else:  # a torchrun flag: before the script
-        assert given == [f"--log-dir={tmp_path / 'run' / 'nodes' / 'node_3' / 'torchelastic'}"]
-        assert argv.index(given[0]) < argv.index("train.py")
+        monkeypatch.setenv(TORCHRUN_LOG_DIR_ENV, users and str(tmp_path / users))
+    script = tmp_path / "train.py"
+    script.write_text("print('trained')\n")
+    run_dir = RunDir(tmp_path / "run", 0)
+    run_dir.create(owner=False)
+    torchrun = TorchrunProcess(LaunchConfig(script=str(script), auto_instrument=False), run_dir)
+    with open(tmp_path / "out", "wb") as out:
+        torchrun.start(consoles=(out, out))
+        given = [a for a in torchrun.process.args if a.startswith("--log-dir")]
+        if users:
+            assert (given, torchrun.log_dir) == ([], None)
+        else:
+            (made,) = temp.iterdir()
+            assert made.name.startswith("traceml-torchrun-")
+            assert (given, torchrun.log_dir) == ([f"--log-dir={made}"], str(made))
+        assert torchrun.wait(120) == 0, (tmp_path / "out").read_text()
+    assert list(temp.iterdir()) == []
+    if users:  # the user's, kept as torchrun left it
+        assert (tmp_path / users).is_dir()
+    assert b"trained" in (tmp_path / "out").read_bytes()

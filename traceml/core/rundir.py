@@ -7,9 +7,6 @@ other)::
                                       aggregator health)
     nodes/node_<r>/manifest.json      node r: its launch, status, torchrun and rank exit codes
     nodes/node_<r>/training.stdout.log, training.stderr.log   node r's torchrun output
-    nodes/node_<r>/torchelastic/      node r's torchrun log directory (its ``--log-dir``):
-                                      per restart attempt and local rank, a failed rank's
-                                      ``error.json`` (torch's layout)
     aggregator/process.stderr.log     node 0: the aggregator's own log
     aggregator/stall.json             node 0's aggregator: the current hang, while there is one
     telemetry.sqlite                  node 0's aggregator: the telemetry store
@@ -74,7 +71,6 @@ class RunDir:
         self.training_stderr = self.node_dir / "training.stderr.log"
         self.node_manifest = self.node_dir / "manifest.json"
         self.rank_ends = self.node_dir / "rank_ends.json"
-        self.torchrun_logs = self.node_dir / "torchelastic"
         self.run_manifest = self.root / "manifest.json"
         self.aggregator_dir = self.root / "aggregator"
         self.aggregator_stderr = self.aggregator_dir / "process.stderr.log"

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -35,18 +37,15 @@ _log = log.get("launcher")
 TORCHRUN_LOG_DIR_ENV = "PET_LOG_DIR"
 
 
-def torchrun_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
+def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]:
     """The command line: torchrun flags, then the script and its arguments, as torchrun takes them.
 
     A single-node run without an explicit ``--master-port`` lets torchrun pick a free port
     (as plain ``torchrun --nproc-per-node N`` does); otherwise static rendezvous on
-    ``--master-addr:--master-port`` with ``--node-rank``. torchrun's log directory is the
-    node's ``torchelastic/`` in the run directory (:attr:`RunDir.torchrun_logs`) unless the
-    caller's environment names one (:data:`TORCHRUN_LOG_DIR_ENV`): without ``--log-dir``
-    torchrun makes a ``/tmp/torchelastic_*`` directory for every run and never removes it.
-    With zero-code steps on (the default) torchrun starts ``python -u -m
-    traceml.sdk.autorun SCRIPT ARGS`` in each rank (torchrun's ``--module``), which
-    instruments the rank and runs the script as ``__main__``.
+    ``--master-addr:--master-port`` with ``--node-rank``. ``log_dir`` is torchrun's
+    ``--log-dir`` (None: none given). With zero-code steps on (the default) torchrun starts
+    ``python -u -m traceml.sdk.autorun SCRIPT ARGS`` in each rank (torchrun's ``--module``),
+    which instruments the rank and runs the script as ``__main__``.
     """
     argv = [
         sys.executable,
@@ -63,8 +62,8 @@ def torchrun_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
         ]
     if config.max_restarts:
         argv.append(f"--max-restarts={config.max_restarts}")
-    if not os.environ.get(TORCHRUN_LOG_DIR_ENV):
-        argv.append(f"--log-dir={run_dir.torchrun_logs}")
+    if log_dir is not None:
+        argv.append(f"--log-dir={log_dir}")
     if config.auto_instrument:
         argv += ["--module", AUTORUN_MODULE]
     argv.append(config.script)
@@ -210,6 +209,8 @@ class TorchrunProcess:
         self.tees: list[Tee] = []
         #: The node relay's address its ranks stream to ("": straight to node 0).
         self.relay_address = ""
+        #: torchrun's log directory (see :meth:`start`), until :meth:`wait` removes it.
+        self.log_dir: str | None = None
 
     def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
@@ -221,6 +222,14 @@ class TorchrunProcess:
         (EBADF). Without one, Python starts the child through ``vfork()``, which runs no fork
         handlers and copies no threads.
 
+        torchrun's log directory (``--log-dir``: per restart attempt and local rank, where a
+        failed rank writes its error file, which ``torchrun_main`` reads) is a private
+        temporary directory of this launcher, on the node's own disk (``TMPDIR``), removed
+        once torchrun has exited (:meth:`wait`), unless the caller's environment names one
+        (:data:`TORCHRUN_LOG_DIR_ENV`). Without ``--log-dir`` torchrun makes a
+        ``/tmp/torchelastic_*`` directory for every run and leaves it; in the run directory it
+        would put torchrun's start on a shared filesystem that may stall.
+
         Args:
             consoles: the binary streams its stdout and stderr are copied to (the launcher's
                 ``sys.stdout.buffer`` and ``sys.stderr.buffer`` when None; node 0's live table
@@ -228,8 +237,10 @@ class TorchrunProcess:
                 :meth:`traceml.launcher.terminal_view.TerminalView.consoles`).
         """
         self.run_dir.rank_ends.unlink(missing_ok=True)
+        if not os.environ.get(TORCHRUN_LOG_DIR_ENV):
+            self.log_dir = tempfile.mkdtemp(prefix="traceml-torchrun-")
         self.process = subprocess.Popen(
-            torchrun_argv(self.config, self.run_dir),
+            torchrun_argv(self.config, self.log_dir),
             env=worker_env(self.config, self.run_dir, self.relay_address),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -270,7 +281,8 @@ class TorchrunProcess:
                 pass
 
     def wait(self, timeout_s: float | None = None) -> int | None:
-        """torchrun's return code (negative: killed by that signal); None if still running."""
+        """torchrun's return code (negative: killed by that signal); None if still running.
+        Once it has exited, its log directory is removed (:meth:`start`)."""
         assert self.process is not None
         try:
             code = self.process.wait(timeout_s)
@@ -278,6 +290,9 @@ class TorchrunProcess:
             return None
         for tee in self.tees:
             tee.join(5.0)
+        if self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.log_dir = None
         return code
 
     def node_exit(self, returncode: int, interrupted: int | None = None):
