@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import tempfile
 
 import pytest
@@ -13,18 +14,27 @@ from traceml.launcher.torchrun import TORCHRUN_LOG_DIR_ENV, TorchrunProcess
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 
-@pytest.mark.parametrize("users", [None, "", "elastic"])
+@pytest.mark.parametrize("users", [None, "", "elastic", "full"])
 def test_torchruns_log_dir_is_the_launchers_own_and_goes_with_torchrun(
     tmp_path, monkeypatch, users
 ):
     """Without ``--log-dir`` torchrun makes a ``/tmp/torchelastic_*`` directory for every run
     and leaves it (tests/test_e2e.py checks a whole run's TMPDIR): the launcher gives it a
     directory of its own in TMPDIR and removes it once torchrun exited; a user's
-    ``PET_LOG_DIR`` (torchrun's own variable for the flag) stands, and stays."""
+    ``PET_LOG_DIR`` (torchrun's own variable for the flag) stands, and stays. When the
+    launcher cannot make one (``full``: ENOSPC), torchrun runs as plain torchrun does."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))  # torchrun's
     monkeypatch.setattr(tempfile, "tempdir", str(temp))  # this process's (read once, cached)
+    full = users == "full"
+    if full:
+
+        def no_space(**_):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(tempfile, "mkdtemp", no_space)
+        users = None
     if users is None:
         monkeypatch.delenv(TORCHRUN_LOG_DIR_ENV, raising=False)
     else:
@@ -37,14 +47,15 @@ def test_torchruns_log_dir_is_the_launchers_own_and_goes_with_torchrun(
     with open(tmp_path / "out", "wb") as out:
         torchrun.start(consoles=(out, out))
         given = [a for a in torchrun.process.args if a.startswith("--log-dir")]
-        if users:
+        if users or full:
             assert (given, torchrun.log_dir) == ([], None)
         else:
             (made,) = temp.iterdir()
             assert made.name.startswith("traceml-torchrun-")
             assert (given, torchrun.log_dir) == ([f"--log-dir={made}"], str(made))
         assert torchrun.wait(120) == 0, (tmp_path / "out").read_text()
-    assert list(temp.iterdir()) == []
+    left = [p.name.split("_")[0] for p in temp.iterdir()]
+    assert left == (["torchelastic"] if full else [])  # plain torchrun's own, when it picked
     if users:  # the user's, kept as torchrun left it
         assert (tmp_path / users).is_dir()
     assert b"trained" in (tmp_path / "out").read_bytes()

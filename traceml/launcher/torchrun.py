@@ -226,7 +226,8 @@ class TorchrunProcess:
         failed rank writes its error file, which ``torchrun_main`` reads) is a private
         temporary directory of this launcher, on the node's own disk (``TMPDIR``), removed
         once torchrun has exited (:meth:`wait`), unless the caller's environment names one
-        (:data:`TORCHRUN_LOG_DIR_ENV`). Without ``--log-dir`` torchrun makes a
+        (:data:`TORCHRUN_LOG_DIR_ENV`) or none can be made (then torchrun picks its own, as
+        plain torchrun does). Without ``--log-dir`` torchrun makes a
         ``/tmp/torchelastic_*`` directory for every run and leaves it; in the run directory it
         would put torchrun's start on a shared filesystem that may stall.
 
@@ -238,7 +239,10 @@ class TorchrunProcess:
         """
         self.run_dir.rank_ends.unlink(missing_ok=True)
         if not os.environ.get(TORCHRUN_LOG_DIR_ENV):
-            self.log_dir = tempfile.mkdtemp(prefix="traceml-torchrun-")
+            try:
+                self.log_dir = tempfile.mkdtemp(prefix="traceml-torchrun-")
+            except OSError as exc:  # no temporary directory writable: torchrun's own default
+                _log.warning(f"cannot make torchrun's log directory ({exc}): torchrun picks one")
         self.process = subprocess.Popen(
             torchrun_argv(self.config, self.log_dir),
             env=worker_env(self.config, self.run_dir, self.relay_address),
