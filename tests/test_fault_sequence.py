@@ -177,8 +177,6 @@ def test_3_sigterm_to_every_process(tmp_path, shared_port):
     assert_all_gone(processes)
     err = (tmp_path / "scancel.err").read_text()
     assert code == plain_code, err
-    # torchrun's stop in one line, not its SignalException's traceback (plain torchrun's)
-    assert "torchrun: stopped by SIGTERM" in err and "Traceback" not in err, err
 
     run_dir = tmp_path / "logs" / "scancel"
     assert (run_dir / "final_summary.json").stat().st_mtime - signalled_at < SUMMARY_BOUND_S

@@ -136,30 +136,6 @@ def note_failures_before_stop() -> None:
     PContext.close = close_marking_failures  # type: ignore[method-assign]
 
 
-def stop_once() -> None:
-    """Let a SIGINT, SIGTERM, SIGHUP or SIGQUIT stop torchrun once. Its handler raises
-    ``SignalException`` into the agent's monitor loop, which then shuts the ranks down (SIGTERM,
-    its grace period, SIGKILL); a second signal raised it again inside that shutdown: a
-    "Logging error" traceback when it hit a log call, a shutdown cut short otherwise. Under
-    Slurm that is every scancel: it signals every process of the step, and the launcher
-    passes its own signal on. Later signals are ignored here; a second signal to the launcher
-    ends everything at once by itself (SIGKILL). Where a torch release lacks the private
-    handler nothing changes."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    handler = getattr(api, "_terminate_process_handler", None)
-    if handler is None:
-        return
-    stopping = threading.Event()
-
-    def raise_once(signum, frame) -> None:
-        if not stopping.is_set():
-            stopping.set()
-            handler(signum, frame)
-
-    api._terminate_process_handler = raise_once
-
-
 def _write_failures(path: str, failures: dict) -> None:
     """``{"failed": [...]}`` to ``path``, one entry per failed global rank: its exit code or
     signal, torchrun's reason, and ``stopped`` (true: torchrun stopped it after another rank
@@ -196,16 +172,8 @@ def _autorun_script(argv: list[str]) -> str:
     return ""
 
 
-#: torchrun's exit code when a signal stopped it: an uncaught exception's, as plain torchrun's.
-SIGNAL_EXIT_CODE = 1
-
-
 def main() -> None:
-    """Run torchrun with ``sys.argv[1:]``; record failed ranks; re-raise like torchrun. A stop
-    by SIGINT or SIGTERM (the launcher forwards them, and says so) exits with torchrun's code
-    (:data:`SIGNAL_EXIT_CODE`) and one line instead of torch's ~25-line traceback of its
-    ``SignalException``."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    """Run torchrun with ``sys.argv[1:]``; record failed ranks; re-raise like torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -225,7 +193,6 @@ def main() -> None:
         ).start()
     if path:  # the record this marking is for
         note_failures_before_stop()
-    stop_once()
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
@@ -239,9 +206,6 @@ def main() -> None:
             except OSError as err:
                 log.get("launcher").warning(f"cannot record rank failures: {err}")
         raise
-    except SignalException as exc:
-        print(f"torchrun: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr)
-        sys.exit(SIGNAL_EXIT_CODE)
 
 
 if __name__ == "__main__":
