@@ -14,27 +14,27 @@ from traceml.launcher.torchrun import TORCHRUN_LOG_DIR_ENV, TorchrunProcess
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 
-@pytest.mark.parametrize("users", [None, "", "elastic", "full"])
+@pytest.mark.parametrize(
+    ("users", "full"), [(None, False), ("", False), ("elastic", False), (None, True)]
+)
 def test_torchruns_log_dir_is_the_launchers_own_and_goes_with_torchrun(
-    tmp_path, monkeypatch, users
+    tmp_path, monkeypatch, users, full
 ):
     """Without ``--log-dir`` torchrun makes a ``/tmp/torchelastic_*`` directory for every run
     and leaves it (tests/test_e2e.py checks a whole run's TMPDIR): the launcher gives it a
     directory of its own in TMPDIR and removes it once torchrun exited; a user's
-    ``PET_LOG_DIR`` (torchrun's own variable for the flag) stands, and stays. When the
-    launcher cannot make one (``full``: ENOSPC), torchrun runs as plain torchrun does."""
+    ``PET_LOG_DIR`` (``users``, torchrun's own variable for the flag) stands, and stays. When
+    the launcher cannot make one (``full``: ENOSPC), torchrun runs as plain torchrun does."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))  # torchrun's
     monkeypatch.setattr(tempfile, "tempdir", str(temp))  # this process's (read once, cached)
-    full = users == "full"
     if full:
 
         def no_space(**_):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(tempfile, "mkdtemp", no_space)
-        users = None
     if users is None:
         monkeypatch.delenv(TORCHRUN_LOG_DIR_ENV, raising=False)
     else:
