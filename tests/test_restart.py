@@ -3,6 +3,9 @@
 tests/scripts/fail_once.py: in attempt 0 both ranks trace 3 steps, then rank 1 raises and
 torchrun restarts the worker group; in attempt 1 both trace 5 steps and exit 0. Every table
 keys its rows by (rank, restart), so nothing of attempt 0 is overwritten or counted twice.
+Each attempt joins a gloo process group, rank 1 late in attempt 1: under torchrun's shared
+rendezvous store rank 0 would read attempt 0's address of rank 1 and fail (or hang) in
+``init_process_group`` (``traceml.launcher.torchrun.UNSHARED_RDZV_STORE_ENV``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""torchrun's log directory under a node's launcher (``traceml.launcher.torchrun``)."""
+"""torchrun's log directory and rendezvous store under a node's launcher
+(``traceml.launcher.torchrun``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import pytest
 
 from traceml.core.rundir import RunDir
 from traceml.launcher.config import LaunchConfig
-from traceml.launcher.torchrun import TORCHRUN_LOG_DIR_ENV, TorchrunProcess
+from traceml.launcher.torchrun import (
+    TORCHRUN_LOG_DIR_ENV,
+    UNSHARED_RDZV_STORE_ENV,
+    TorchrunProcess,
+    worker_env,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -59,3 +65,34 @@ def test_torchruns_log_dir_is_the_launchers_own_and_goes_with_torchrun(
     if users:  # the user's, kept as torchrun left it
         assert (tmp_path / users).is_dir()
     assert b"trained" in (tmp_path / "out").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "master_port", "max_restarts", "users", "expected"),
+    [
+        (1, None, 1, None, "1"),  # one node that restarts: a store per attempt
+        (1, None, 0, None, None),  # no restart: torchrun's default
+        (1, 29500, 1, None, None),  # static rendezvous: torch's switch does not apply to it
+        (2, 29500, 1, None, None),
+        (1, None, 1, "0", "0"),  # the user's own setting stands
+    ],
+)
+def test_a_single_node_that_restarts_gets_a_rendezvous_store_per_attempt(
+    tmp_path, monkeypatch, nnodes, master_port, max_restarts, users, expected
+):
+    """torch 2.13's c10d rendezvous keeps one store for every attempt, and a restarted rank
+    that joins its process group before its peer reads the peer's old address
+    (tests/test_restart.py restarts a gloo job that fails so without the switch)."""
+    if users is None:
+        monkeypatch.delenv(UNSHARED_RDZV_STORE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(UNSHARED_RDZV_STORE_ENV, users)
+    config = LaunchConfig(
+        script="train.py",
+        nnodes=nnodes,
+        master_port=master_port,
+        max_restarts=max_restarts,
+        run_name="r",
+    )
+    env = worker_env(config, RunDir(tmp_path / "run", 0))
+    assert env.get(UNSHARED_RDZV_STORE_ENV) == expected

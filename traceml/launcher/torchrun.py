@@ -35,6 +35,15 @@ _log = log.get("launcher")
 
 #: torchrun's own environment variable for its ``--log-dir`` (its flags' ``PET_`` defaults).
 TORCHRUN_LOG_DIR_ENV = "PET_LOG_DIR"
+#: torch's switch that makes the single-node (c10d) rendezvous give each attempt a store of its
+#: own, hosted by that attempt's rank 0, instead of one store torchrun keeps for every attempt.
+UNSHARED_RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def static_rendezvous(config: LaunchConfig) -> bool:
+    """Whether torchrun rendezvouses statically on ``--master-addr:--master-port`` (several
+    nodes, or a port given); False: a single node's c10d rendezvous on a free port."""
+    return config.nnodes > 1 or config.master_port is not None
 
 
 def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]:
@@ -54,7 +63,7 @@ def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]
         f"--nnodes={config.nnodes}",
         f"--nproc-per-node={config.nproc_per_node}",
     ]
-    if config.nnodes > 1 or config.master_port is not None:
+    if static_rendezvous(config):
         argv += [
             f"--node-rank={config.node_rank}",
             f"--master-addr={config.master_addr}",
@@ -74,8 +83,10 @@ def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]
 def worker_env(config: LaunchConfig, run_dir: RunDir, relay: str = "") -> dict[str, str]:
     """The environment for torchrun and its ranks: the caller's, plus the TraceML endpoint and
     the node relay's address (``relay``, "" for none), the knobs the ranks read that a flag
-    set, and gRPC's fork handlers off
-    (:func:`~traceml.core.transport.disable_grpc_fork_handlers`)."""
+    set, gRPC's fork handlers off
+    (:func:`~traceml.core.transport.disable_grpc_fork_handlers`), and, for a single node that
+    may restart, a rendezvous store per attempt (:data:`UNSHARED_RDZV_STORE_ENV`; a user's own
+    setting stands)."""
     env = dict(os.environ)
     env[settings.RUN_NAME.name] = str(config.run_name)
     env[settings.AGGREGATOR.name] = config.aggregator_target
@@ -89,6 +100,11 @@ def worker_env(config: LaunchConfig, run_dir: RunDir, relay: str = "") -> dict[s
         env[settings.PEAK_TFLOPS.name] = repr(config.peak_tflops)
     if config.hang_timeout_sec is not None:  # the ranks report a stalled step from a share of it
         env[settings.HANG_TIMEOUT_SEC.name] = repr(config.hang_timeout_sec)
+    if config.max_restarts and not static_rendezvous(config):
+        # torch 2.13's shared store keeps the previous attempt's keys: a restarted rank that
+        # reaches init_process_group before its peer reads the peer's old address and fails
+        # or waits out the process group's timeout (pytorch/pytorch#135712)
+        env.setdefault(UNSHARED_RDZV_STORE_ENV, "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     disable_grpc_fork_handlers(env)  # also for a script that imports grpc before traceml
     return env
