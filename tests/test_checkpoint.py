@@ -13,6 +13,7 @@ import re
 import shutil
 import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers.aggregator import LiveAggregator, finish, make_client, query, step
@@ -74,20 +75,27 @@ def test_two_million_steps_restart_from_checkpoint_serves_in_bound_as_a_replay(t
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     build_store(run_dir, RUN, ranks, per_rank - after)
+    # the whole run's store as an older TraceML left it (no checkpoint), for the full replay
+    # that the checkpoint's summary is compared with: that replay runs beside the first one
+    # below, on the other core (the two take ~15 s each; nothing timed runs beside them)
+    replay_dir = _replay_copy(run_dir, tmp_path, drop=False)
+    build_store(replay_dir, RUN, ranks, after, first_step=per_rank - after, seed=1)
     # Every step kept (the store is counted, and replayed, below): retention would prune the
     # rows a checkpoint covers at the stop (tests/test_retention.py is about that).
     keep_all = ("--keep-all-steps",)
     first = LiveAggregator(run_dir, RUN, world_size=ranks, extra_args=keep_all)
-    started = time.monotonic()
-    first.start(timeout_s=600)  # no checkpoint yet: a full replay, done while serving
-    took = [time.monotonic() - started]
-    assert first.stop(timeout_s=120) == 0  # waits for the replay, writes the checkpoint
+    with ThreadPoolExecutor(1) as pool:
+        full_replay = pool.submit(_finalize_only, replay_dir, ranks)
+        started = time.monotonic()
+        first.start(timeout_s=600)  # no checkpoint yet: a full replay, done while serving
+        took = [time.monotonic() - started]
+        assert first.stop(timeout_s=120) == 0  # waits for the replay, writes the checkpoint
+        full_replay.result()
     replayed = re.search(r"caught up in [\d.]+ s: (\d+) stored steps", first.log())
     assert replayed and int(replayed.group(1)) == ranks * (per_rank - after), first.log()
     assert query(run_dir, "SELECT count(*) FROM live_checkpoint") == [(1,)]
     build_store(run_dir, RUN, ranks, after, first_step=per_rank - after, seed=1)
     assert query(run_dir, "SELECT count(*) FROM steps") == [(ranks * per_rank,)]
-    replay_dir = _replay_copy(run_dir, tmp_path)
 
     saved = tmp_path / "checkpoint.pickle"
     save_checkpoint(run_dir, saved)
@@ -106,8 +114,7 @@ def test_two_million_steps_restart_from_checkpoint_serves_in_bound_as_a_replay(t
     took, extra_rss = _finalize_only(run_dir, ranks)
     assert took <= FINALIZE_BOUND_S and 0 <= extra_rss <= FINALIZE_EXTRA_RSS_MIB, (took, extra_rss)
     assert _summary(run_dir) == live_summary
-    # ... and a full replay's, of the same store without the checkpoint
-    _finalize_only(replay_dir, ranks)
+    # ... and a full replay's, of the same store without the checkpoint (above)
     replayed = _summary(replay_dir)
     assert replayed == live_summary
     assert [r["records_received"] for r in replayed["ranks"]] == [per_rank] * ranks
