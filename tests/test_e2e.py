@@ -11,6 +11,7 @@ import json
 import pytest
 from conftest import EXAMPLES, free_port, load_summary, query, run_traceml
 from helpers.aggregator import relay_calls
+from helpers.jobs import tmp_leftovers
 
 STEPS = 70  # crosses an epoch: the example's DataLoader has 64 batches per rank
 RUN = "e2e-main"
@@ -47,9 +48,7 @@ def test_the_run_leaves_nothing_in_tmp(main_job):
     """Plain torchrun leaves a ``torchelastic_*`` directory a run; the launcher's own log
     directory for it goes with it (tests/test_torchrun_command.py)."""
     _, run_dir = main_job
-    # torch's compile cache (torchinductor_<user>) is one per user, reused by every run
-    left = [p.name for p in (run_dir.parent.parent / "tmp").iterdir()]
-    assert [name for name in left if not name.startswith("torchinductor_")] == []
+    assert tmp_leftovers(run_dir.parent.parent / "tmp") == []
 
 
 def test_the_streams_took_the_path_asked_for_and_ended_closed(main_job):

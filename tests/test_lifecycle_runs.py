@@ -27,6 +27,7 @@ from conftest import (
 from conftest import (
     process_family as family,
 )
+from helpers.jobs import tmp_leftovers
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
@@ -59,15 +60,21 @@ def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):
         "--step-sleep",
         "0.05",
     ]
-    launcher = start_traceml(args, tmp_path, tmp_path / "orphans", env=ENV)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**ENV, "TMPDIR": str(temp)}
+    launcher = start_traceml(args, tmp_path, tmp_path / "orphans", env=env)
     wait_training(tmp_path, "orphans", launcher)
     processes = family(launcher.pid)
     names = " ".join(" ".join(p.cmdline()) for p in processes)
     assert "traceml_aggregator" in names and "torchrun_main" in names
     assert len(processes) >= 4  # launcher, aggregator, torchrun, its rank
+    assert [name[:17] for name in tmp_leftovers(temp)] == ["traceml-torchrun-"]
     launcher.kill()
     launcher.wait()
     assert_all_gone(processes[1:])
+    # the launcher's torchrun log directory, which it could not remove, went with torchrun
+    assert tmp_leftovers(temp) == []
 
 
 def test_a_sigkilled_torchrun_takes_its_ranks_with_it(tmp_path, port):

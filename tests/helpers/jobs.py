@@ -206,6 +206,12 @@ def process_family(pid: int) -> list[psutil.Process]:
     return [root] + root.children(recursive=True)
 
 
+def tmp_leftovers(tmpdir: Path) -> list[str]:
+    """What a run left in its ``TMPDIR``: the names of its entries, torch's compile cache
+    (``torchinductor_<user>``, one per user, reused by every run) left out."""
+    return sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+
+
 def assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> None:
     """Every one of ``processes`` exits within ``timeout_s``."""
     _, alive = psutil.wait_procs(processes, timeout=timeout_s)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,13 @@ from traceml.core.ends import interrupted_reason
 from traceml.core.rundir import RunDir
 from traceml.core.transport import disable_grpc_fork_handlers
 from traceml.launcher.config import LaunchConfig
-from traceml.launcher.torchrun_main import AUTORUN_MODULE, LAUNCHER_PID_ENV, RANK_ENDS_FILE_ENV
+from traceml.launcher.torchrun_main import (
+    AUTORUN_MODULE,
+    LAUNCHER_PID_ENV,
+    LOG_DIR_FLAG,
+    RANK_ENDS_FILE_ENV,
+    remove_log_dir,
+)
 
 _log = log.get("launcher")
 
@@ -72,7 +77,7 @@ def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]
     if config.max_restarts:
         argv.append(f"--max-restarts={config.max_restarts}")
     if log_dir is not None:
-        argv.append(f"--log-dir={log_dir}")
+        argv.append(f"{LOG_DIR_FLAG}{log_dir}")
     if config.auto_instrument:
         argv += ["--module", AUTORUN_MODULE]
     argv.append(config.script)
@@ -311,7 +316,7 @@ class TorchrunProcess:
         for tee in self.tees:
             tee.join(5.0)
         if self.log_dir is not None:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+            remove_log_dir(self.log_dir)
             self.log_dir = None
         return code
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -48,7 +49,7 @@ def _wait_gone(pid: int) -> None:
         os.close(fd)
 
 
-def reap_when_orphaned(launcher_pid: int) -> None:
+def reap_when_orphaned(launcher_pid: int, log_dir: str = "") -> None:
     """Bound how long torchrun and its ranks outlive the launcher. Once the launcher has died
     (SIGKILLed: the OOM killer, a scheduler), torchrun gets SIGTERM from ``PR_SET_PDEATHSIG``
     and stops its ranks as on any SIGTERM (within its ``--shutdown-timeout``). Two ways that
@@ -57,7 +58,9 @@ def reap_when_orphaned(launcher_pid: int) -> None:
     stayed in its own teardown long after its ranks ended. So ranks still running
     :data:`ORPHAN_EXIT_GRACE_S` after the launcher died get SIGTERM from here (their process
     groups, as torchrun signals them), and a torchrun still running that long after they all
-    ended is SIGKILLed. Blocks; run it on a daemon thread."""
+    ended is SIGKILLed. Once they ended, ``log_dir`` (the launcher's torchrun log directory,
+    which the dead launcher cannot remove; "": none) is removed. Blocks; run it on a daemon
+    thread."""
     import psutil
 
     def running_ranks() -> list[psutil.Process]:  # ended, not reaped yet: not running
@@ -78,8 +81,16 @@ def reap_when_orphaned(launcher_pid: int) -> None:
         _signal_group(rank.pid, signal.SIGTERM)
     while running_ranks():
         time.sleep(0.2)
+    remove_log_dir(log_dir)
     time.sleep(ORPHAN_EXIT_GRACE_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def remove_log_dir(log_dir: str) -> None:
+    """Remove torchrun's log directory ``log_dir`` ("" or gone already: nothing); never raises
+    (the reaper and torchrun's own exit may both get here)."""
+    if log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _signal_group(pid: int, signum: int) -> None:
@@ -172,6 +183,20 @@ def _autorun_script(argv: list[str]) -> str:
     return ""
 
 
+#: How the launcher passes torchrun the log directory it made (``torchrun_argv``).
+LOG_DIR_FLAG = "--log-dir="
+
+
+def _log_dir(argv: list[str]) -> str:
+    """The log directory ``argv`` gives torchrun before the script, or "" (none given)."""
+    for arg in argv:
+        if not arg.startswith("-"):  # the script: its own arguments follow
+            break
+        if arg.startswith(LOG_DIR_FLAG):
+            return arg[len(LOG_DIR_FLAG) :]
+    return ""
+
+
 def main() -> None:
     """Run torchrun with ``sys.argv[1:]``; record failed ranks; re-raise like torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -181,13 +206,15 @@ def main() -> None:
     path = os.environ.pop(RANK_ENDS_FILE_ENV, "")
     argv = sys.argv[1:]
     os.environ[orphans.TORCHRUN_PID_ENV] = str(os.getpid())  # each rank dies with this process
+    log_dir = ""
     if launcher.isdigit():
+        log_dir = _log_dir(argv)
         # here, not in a preexec_fn, which would make the launcher fork() (see
         # traceml.launcher.torchrun.TorchrunProcess.start)
         orphans.die_with_parent(int(launcher))
         threading.Thread(
             target=reap_when_orphaned,
-            args=(int(launcher),),
+            args=(int(launcher), log_dir),
             name="traceml-orphan-reaper",
             daemon=True,
         ).start()
@@ -206,6 +233,9 @@ def main() -> None:
             except OSError as err:
                 log.get("launcher").warning(f"cannot record rank failures: {err}")
         raise
+    finally:
+        if launcher.isdigit() and os.getppid() != int(launcher):  # the launcher died
+            remove_log_dir(log_dir)
 
 
 if __name__ == "__main__":
