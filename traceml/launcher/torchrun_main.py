@@ -2,7 +2,8 @@
 ended.
 
 This is ``torch.distributed.run.main`` itself (same argument parsing, same rendezvous, same
-exit codes), bound first to die with the launcher that started it, then wrapped to catch
+exit codes), bound first to die with the launcher that started it (and then to remove the log
+directory the launcher made for it), then wrapped to catch
 torchrun's typed failure, :class:`ChildFailedError`, whose ``failures`` map each failed global
 rank to its exit code, signal and error-file message. They
 are written as JSON to ``$TRACEML_RANK_ENDS_FILE`` for the launcher, which reports them to the
