@@ -29,23 +29,34 @@ from traceml.core import log, orphans
 RANK_ENDS_FILE_ENV = "TRACEML_RANK_ENDS_FILE"
 #: Environment variable with the launcher's process id (set by the launcher).
 LAUNCHER_PID_ENV = "TRACEML_LAUNCHER_PID"
+#: How long torchrun, stopped by a signal, waits to see whether that was its launcher's death
+#: (``PR_SET_PDEATHSIG`` comes while the launcher is still exiting), s: then it removes the log
+#: directory the launcher cannot. A live launcher that passed its own signal on costs torchrun's
+#: stop this much.
+LAUNCHER_DEATH_WAIT_S = 0.5
+#: The signals torchrun stops on (torch's ``SignalException``).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: Once the launcher is gone: how long torchrun's own stop may take to end the ranks before
 #: the reaper sends them SIGTERM itself, and how long torchrun may take to exit on its own
 #: once they ended before it is SIGKILLed, s (its normal exit takes ~1 s).
 ORPHAN_EXIT_GRACE_S = 5.0
 
 
-def _wait_gone(pid: int) -> None:
-    """Return once process ``pid`` has exited (a pidfd where the kernel has them, else the
-    parent-pid change of this process, polled every 0.5 s)."""
+def _wait_gone(pid: int, timeout_s: float | None = None) -> bool:
+    """Wait until process ``pid``, this process's parent, has exited, at most ``timeout_s``
+    (None: for as long as it takes); True once it has. A pidfd where the kernel has them, else
+    the parent-pid change of this process, polled every 0.1 s."""
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # no pidfd (Linux < 5.3), or ``pid`` is gone already
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while os.getppid() == pid:
-            time.sleep(0.5)
-        return
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
     try:
-        select.select([fd], [], [])
+        return bool(select.select([fd], [], [], timeout_s)[0])
     finally:
         os.close(fd)
 
@@ -200,6 +211,7 @@ def _log_dir(argv: list[str]) -> str:
 
 def main() -> None:
     """Run torchrun with ``sys.argv[1:]``; record failed ranks; re-raise like torchrun."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -234,9 +246,16 @@ def main() -> None:
             except OSError as err:
                 log.get("launcher").warning(f"cannot record rank failures: {err}")
         raise
-    finally:
-        if launcher.isdigit() and os.getppid() != int(launcher):  # the launcher died
-            remove_log_dir(log_dir)
+    except SignalException:
+        if launcher.isdigit():
+            # a launcher SIGKILLed sends one SIGTERM per thread of it that exits
+            # (PR_SET_PDEATHSIG follows each reparenting): torch's handler would raise the next
+            # one here, so torchrun, stopping already, ignores them
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+            if _wait_gone(int(launcher), LAUNCHER_DEATH_WAIT_S):
+                remove_log_dir(log_dir)  # the launcher's death stopped torchrun
+        raise
 
 
 if __name__ == "__main__":
