@@ -215,19 +215,20 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    launcher_env = os.environ.pop(LAUNCHER_PID_ENV, "")
+    launcher = int(launcher_env) if launcher_env.isdigit() else None
     path = os.environ.pop(RANK_ENDS_FILE_ENV, "")
     argv = sys.argv[1:]
     os.environ[orphans.TORCHRUN_PID_ENV] = str(os.getpid())  # each rank dies with this process
     log_dir = ""
-    if launcher.isdigit():
+    if launcher is not None:
         log_dir = _log_dir(argv)
         # here, not in a preexec_fn, which would make the launcher fork() (see
         # traceml.launcher.torchrun.TorchrunProcess.start)
-        orphans.die_with_parent(int(launcher))
+        orphans.die_with_parent(launcher)
         threading.Thread(
             target=reap_when_orphaned,
-            args=(int(launcher), log_dir),
+            args=(launcher, log_dir),
             name="traceml-orphan-reaper",
             daemon=True,
         ).start()
@@ -247,13 +248,13 @@ def main() -> None:
                 log.get("launcher").warning(f"cannot record rank failures: {err}")
         raise
     except SignalException:
-        if launcher.isdigit():
+        if launcher is not None:
             # a launcher SIGKILLed sends one SIGTERM per thread of it that exits
             # (PR_SET_PDEATHSIG follows each reparenting): torch's handler would raise the next
             # one here, so torchrun, stopping already, ignores them
             for signum in STOP_SIGNALS:
                 signal.signal(signum, signal.SIG_IGN)
-            if _wait_gone(int(launcher), LAUNCHER_DEATH_WAIT_S):
+            if _wait_gone(launcher, LAUNCHER_DEATH_WAIT_S):
                 remove_log_dir(log_dir)  # the launcher's death stopped torchrun
         raise
 
