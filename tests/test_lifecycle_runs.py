@@ -77,6 +77,30 @@ def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):
     assert tmp_leftovers(temp) == []
 
 
+def test_a_launcher_sigkilled_as_torchrun_starts_leaves_nothing_in_tmp(tmp_path, port):
+    """Killed while torchrun is still importing torch (its first second or so): torchrun gets
+    the parent-death SIGTERM before torch's handlers exist, and still removes the log
+    directory the launcher made for it."""
+    args = run_args(tmp_path, "early", port, nproc=1) + ["--", "--steps", "100000"]
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    launcher = start_traceml(args, tmp_path, tmp_path / "early", env={**ENV, "TMPDIR": str(temp)})
+
+    def torchrun_started() -> list[psutil.Process] | None:
+        try:
+            processes = family(launcher.pid)
+            names = " ".join(" ".join(p.cmdline()) for p in processes)
+        except psutil.NoSuchProcess:  # a short-lived child of the start-up
+            return None
+        return processes if "torchrun_main" in names else None
+
+    processes = wait_for(torchrun_started, 60, "torchrun to start", poll_s=0.01)
+    launcher.kill()
+    launcher.wait()
+    assert_all_gone(processes[1:])
+    assert tmp_leftovers(temp) == []
+
+
 def test_a_sigkilled_torchrun_takes_its_ranks_with_it(tmp_path, port):
     """torchrun SIGKILLed cannot stop its rank: the kernel sends the rank SIGTERM
     (``PR_SET_PDEATHSIG``, set by the rank's ``traceml.init()``), which ends it as torchrun's

@@ -75,6 +75,7 @@ def test_torchruns_log_dir_is_the_launchers_own_and_goes_with_torchrun(
         (1, 29500, 1, None, None),  # static rendezvous: torch's switch does not apply to it
         (2, 29500, 1, None, None),
         (1, None, 1, "0", "0"),  # the user's own setting stands
+        (1, None, 1, "", "1"),  # an empty one is torch's default: shared
     ],
 )
 def test_a_single_node_that_restarts_gets_a_rendezvous_store_per_attempt(

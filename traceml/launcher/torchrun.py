@@ -109,7 +109,8 @@ def worker_env(config: LaunchConfig, run_dir: RunDir, relay: str = "") -> dict[s
         # torch 2.13's shared store keeps the previous attempt's keys: a restarted rank that
         # reaches init_process_group before its peer reads the peer's old address and fails
         # or waits out the process group's timeout (pytorch/pytorch#135712)
-        env.setdefault(UNSHARED_RDZV_STORE_ENV, "1")
+        if not env.get(UNSHARED_RDZV_STORE_ENV):  # torch reads an empty value as unset
+            env[UNSHARED_RDZV_STORE_ENV] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     disable_grpc_fork_handlers(env)  # also for a script that imports grpc before traceml
     return env

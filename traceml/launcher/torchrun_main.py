@@ -209,12 +209,21 @@ def _log_dir(argv: list[str]) -> str:
     return ""
 
 
+def _removing_log_dir(log_dir: str):
+    """A signal handler for torchrun's start-up, before torch has installed its own: remove
+    ``log_dir`` (a launcher SIGKILLed then sends ``PR_SET_PDEATHSIG`` SIGTERM while torch is
+    still importing), then die of the signal as without a handler."""
+
+    def handle(signum, _frame) -> None:
+        remove_log_dir(log_dir)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return handle
+
+
 def main() -> None:
     """Run torchrun with ``sys.argv[1:]``; record failed ranks; re-raise like torchrun."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
     launcher_env = os.environ.pop(LAUNCHER_PID_ENV, "")
     launcher = int(launcher_env) if launcher_env.isdigit() else None
     path = os.environ.pop(RANK_ENDS_FILE_ENV, "")
@@ -223,6 +232,8 @@ def main() -> None:
     log_dir = ""
     if launcher is not None:
         log_dir = _log_dir(argv)
+        for signum in STOP_SIGNALS:  # until torch's own handlers replace it
+            signal.signal(signum, _removing_log_dir(log_dir))
         # here, not in a preexec_fn, which would make the launcher fork() (see
         # traceml.launcher.torchrun.TorchrunProcess.start)
         orphans.die_with_parent(launcher)
@@ -232,6 +243,11 @@ def main() -> None:
             name="traceml-orphan-reaper",
             daemon=True,
         ).start()
+    # imported once the launcher's death is covered: importing torch takes about a second
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
     if path:  # the record this marking is for
         note_failures_before_stop()
     try:
