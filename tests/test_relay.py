@@ -283,8 +283,15 @@ def test_an_upstream_dropped_mid_batch_or_silent_costs_resends_that_are_not_stor
     assert counters["records"] == RANKS * 40
     assert counters["batches"] == sum(c.stats.batches_acked for c in clients)
     assert 1 <= counters["duplicates"] <= resends
-    # The ranks' client says it once per process; the relay said why (the launcher's stderr).
-    assert len(warnings) == 1 and "unreachable (UNAVAILABLE)" in warnings[0]
+    # The ranks' client says it once per process until node 0 is reached again (the relay said
+    # why, on the launcher's stderr). These 8 clients share this process: one not acked yet
+    # when an outage began says "reached" once it is, and a later outage is said again; so
+    # the process's messages alternate, never the same one twice in a row.
+    said = [
+        "down" if "unreachable (UNAVAILABLE)" in w else "up" if "telemetry flowing" in w else w
+        for w in warnings
+    ]
+    assert said and said == ["down", "up"] * (len(said) // 2) + ["down"] * (len(said) % 2)
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
