@@ -27,7 +27,7 @@ from conftest import (
 from conftest import (
     process_family as family,
 )
-from helpers.jobs import tmp_leftovers
+from helpers.jobs import descendant_of, tmp_leftovers
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
@@ -86,15 +86,8 @@ def test_a_launcher_sigkilled_as_torchrun_starts_leaves_nothing_in_tmp(tmp_path,
     temp.mkdir()
     launcher = start_traceml(args, tmp_path, tmp_path / "early", env={**ENV, "TMPDIR": str(temp)})
 
-    def torchrun_started() -> list[psutil.Process] | None:
-        try:
-            processes = family(launcher.pid)
-            names = " ".join(" ".join(p.cmdline()) for p in processes)
-        except psutil.NoSuchProcess:  # a short-lived child of the start-up
-            return None
-        return processes if "torchrun_main" in names else None
-
-    processes = wait_for(torchrun_started, 60, "torchrun to start", poll_s=0.01)
+    descendant_of(launcher, "torchrun_main", poll_s=0.01)
+    processes = family(launcher.pid)
     launcher.kill()
     launcher.wait()
     assert_all_gone(processes[1:])

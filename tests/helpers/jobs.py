@@ -188,16 +188,25 @@ def signal_and_wait(process: subprocess.Popen, signum: int, timeout_s: float) ->
     return code, time.monotonic() - sent
 
 
-def aggregator_of(launcher: subprocess.Popen) -> psutil.Process:
-    """Node 0's aggregator process under ``launcher`` (waits up to 60 s for it)."""
+def descendant_of(launcher: subprocess.Popen, marker: str, poll_s: float = 0.2) -> psutil.Process:
+    """The first process under ``launcher`` whose command line holds ``marker`` (waits up to
+    60 s for it, looking every ``poll_s`` s)."""
 
     def found() -> psutil.Process | None:
         for child in psutil.Process(launcher.pid).children(recursive=True):
-            if "traceml_aggregator" in " ".join(child.cmdline()):
-                return child
+            try:
+                if marker in " ".join(child.cmdline()):
+                    return child
+            except psutil.NoSuchProcess:  # a short-lived child of the start-up
+                pass
         return None
 
-    return wait_for(found, 60, "an aggregator process", poll_s=0.2)
+    return wait_for(found, 60, f"a process running {marker}", poll_s=poll_s)
+
+
+def aggregator_of(launcher: subprocess.Popen) -> psutil.Process:
+    """Node 0's aggregator process under ``launcher`` (waits up to 60 s for it)."""
+    return descendant_of(launcher, "traceml_aggregator")
 
 
 def process_family(pid: int) -> list[psutil.Process]:

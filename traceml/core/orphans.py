@@ -6,7 +6,8 @@ with it (docs/distributed-training.md, "The aggregator dies", its last paragraph
 does the signalling (``PR_SET_PDEATHSIG``), so it holds however the parent dies: torchrun gets
 SIGTERM when its launcher dies, and each rank gets SIGTERM when its torchrun dies, which a
 torchrun that stopped its ranks first does only after they ended. Linux only; elsewhere
-nothing is set.
+nothing is set. :func:`die_of` ends a process as a signal's default action does, for the
+handlers (the SDK's SIGTERM flush, torchrun's start-up) that must act first.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 
 #: Environment variable with torchrun's process id, for its ranks (set by
 #: ``traceml.launcher.torchrun_main``; read by :func:`die_with_torchrun` in each rank).
@@ -50,3 +53,20 @@ def die_with_torchrun() -> bool:
     if not torchrun.isdigit() or os.getppid() != int(torchrun):
         return False
     return die_with_parent(int(torchrun))
+
+
+def die_of(signum: int = signal.SIGTERM) -> None:
+    """End this process as ``signum``'s default action does (killed by it, as its parent
+    sees), from any thread: the disposition back to ``SIG_DFL``, then the signal to itself.
+    Where the signal stays blocked in every thread, exit ``128 + signum`` after 5 s (what a
+    shell reports for it). Never returns."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, signal.SIG_DFL)
+    else:  # signal.signal() is main-thread only; the C library's is not
+        libc = ctypes.CDLL(None)
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(signum, 0)  # 0: SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(5.0)
+    os._exit(128 + signum)

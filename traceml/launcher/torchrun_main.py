@@ -209,6 +209,12 @@ def _log_dir(argv: list[str]) -> str:
     return ""
 
 
+def _on_stop_signals(handler) -> None:
+    """``handler`` (a function, or ``signal.SIG_IGN``) for every one of :data:`STOP_SIGNALS`."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handler)
+
+
 def _removing_log_dir(log_dir: str):
     """A signal handler for torchrun's start-up, before torch has installed its own: remove
     ``log_dir`` (a launcher SIGKILLed then sends ``PR_SET_PDEATHSIG`` SIGTERM while torch is
@@ -216,8 +222,7 @@ def _removing_log_dir(log_dir: str):
 
     def handle(signum, _frame) -> None:
         remove_log_dir(log_dir)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        orphans.die_of(signum)
 
     return handle
 
@@ -232,8 +237,7 @@ def main() -> None:
     log_dir = ""
     if launcher is not None:
         log_dir = _log_dir(argv)
-        for signum in STOP_SIGNALS:  # until torch's own handlers replace it
-            signal.signal(signum, _removing_log_dir(log_dir))
+        _on_stop_signals(_removing_log_dir(log_dir))  # until torch's own handlers replace it
         # here, not in a preexec_fn, which would make the launcher fork() (see
         # traceml.launcher.torchrun.TorchrunProcess.start)
         orphans.die_with_parent(launcher)
@@ -268,8 +272,7 @@ def main() -> None:
             # a launcher SIGKILLed sends one SIGTERM per thread of it that exits
             # (PR_SET_PDEATHSIG follows each reparenting): torch's handler would raise the next
             # one here, so torchrun, stopping already, ignores them
-            for signum in STOP_SIGNALS:
-                signal.signal(signum, signal.SIG_IGN)
+            _on_stop_signals(signal.SIG_IGN)
             if _wait_gone(launcher, LAUNCHER_DEATH_WAIT_S):
                 remove_log_dir(log_dir)  # the launcher's death stopped torchrun
         raise

@@ -40,13 +40,13 @@ the default action at once, and it stops writing to the parent's pipe.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
 import time
 
 from traceml import settings
+from traceml.core import orphans
 from traceml.sdk import client as client_mod
 
 #: Longest wait for the step in progress to end before the flush starts anyway, s.
@@ -90,7 +90,7 @@ class _Terminator:
     def on_signal(self, signum, frame) -> None:
         """Python-level handler (main thread): flush now, or once the open step ends."""
         if client_mod.in_forked_child():
-            _die()
+            orphans.die_of(signal.SIGTERM)
         self._note_arrival()
         tracer = self.state.tracer
         if tracer.in_step:
@@ -163,7 +163,7 @@ class _Terminator:
             else:
                 self.state.close(timeout_s=remaining, signal_name="SIGTERM")
         finally:
-            _die()
+            orphans.die_of(signal.SIGTERM)
 
     def after_fork_in_child(self) -> None:
         """In a forked child: no rank state here, and the pipe is the parent's."""
@@ -178,20 +178,6 @@ class _Terminator:
                 except OSError:
                     pass
             self._pipe = None
-
-
-def _die() -> None:
-    """SIGTERM's default action: terminate the process, killed by SIGTERM."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    else:  # signal.signal() is main-thread only; the C library's is not
-        libc = ctypes.CDLL(None)
-        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-        libc.signal.restype = ctypes.c_void_p
-        libc.signal(signal.SIGTERM, 0)  # 0: SIG_DFL
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(5.0)  # SIGTERM blocked in every thread: end as a shell reports it instead
-    os._exit(128 + signal.SIGTERM)
 
 
 def _after_fork_in_child() -> None:
