@@ -252,10 +252,18 @@ class AggregatorService(wire.AggregatorServicer):
         return ""
 
     async def _ingest(self, request, context, on_stream: bool):
-        """Check ``request`` (a Batch), store it, and return its Ack. A full writer queue is
-        answered on a stream with an Ack carrying ``retry_after_ms``, on a Push with
-        ``RESOURCE_EXHAUSTED`` and the retry-after in trailing metadata; a failed store aborts
-        the call (``UNAVAILABLE``)."""
+        """Check ``request`` (a Batch), store it, and return its Ack (:meth:`_admit`, then
+        :meth:`_answer`)."""
+        admitted = await self._admit(request, context, on_stream)
+        if isinstance(admitted, wire.Ack):
+            return admitted
+        return await self._answer(request, admitted, context, on_stream)
+
+    async def _admit(self, request, context, on_stream: bool):
+        """Check ``request`` (a Batch) and queue it with the writer: the writer's future of its
+        :class:`~traceml_aggregator.writer.WriteResult`, or its Ack now (refused; on a stream,
+        pushed back by a full queue). It suspends only to adopt the script's own world (once
+        a run) and to abort a Push pushed back (see :meth:`_pushed_back`)."""
         reason = self._foreign(request.run_name)
         if reason:
             return wire.Ack(rejected=True, reason=reason)
@@ -269,15 +277,28 @@ class AggregatorService(wire.AggregatorServicer):
         if refusal is not None:
             return wire.Ack(rejected=True, reason=self.rejections.refuse(*refusal))
         try:
-            result = await self.writer.store_batch(request)
+            return self.writer.queue_batch(request)
         except QueueFull as exc:
-            if on_stream:
-                return wire.Ack(retry_after_ms=RETRY_AFTER_MS)
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the aggregator is behind: {exc}; send again later",
-                trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(RETRY_AFTER_MS)),),
-            )
+            return await self._pushed_back(exc, context, on_stream)
+
+    async def _pushed_back(self, exc: QueueFull, context, on_stream: bool):
+        """A full writer queue's answer: on a stream an Ack carrying ``retry_after_ms``; a Push
+        is aborted with ``RESOURCE_EXHAUSTED`` and the retry-after in trailing metadata."""
+        if on_stream:
+            return wire.Ack(retry_after_ms=RETRY_AFTER_MS)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the aggregator is behind: {exc}; send again later",
+            trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(RETRY_AFTER_MS)),),
+        )
+
+    async def _answer(self, request, stored: asyncio.Future, context, on_stream: bool):
+        """The Ack of ``request`` once the writer's future ``stored`` is done; a failed store
+        aborts the call (``UNAVAILABLE``)."""
+        try:
+            result = await stored
+        except QueueFull as exc:
+            return await self._pushed_back(exc, context, on_stream)
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
         if result.rejected:  # a refusal of this batch alone names the batch's own seq
@@ -334,39 +355,48 @@ class AggregatorService(wire.AggregatorServicer):
     async def Relay(self, request_iterator, context):
         """A node relay's call: its local senders' streams as channels (``RelayFrame``), each
         stored and acknowledged as :meth:`Stream` does. The batches of one ``RelayUp`` are
-        queued together (the writer stores them in one transaction); its one ``RelayDown``
-        carries their Acks once all are answered. A channel whose ``ended`` frame came, or
-        every channel when the call ends (the relay's node lost, or its launcher gone), leaves
-        the ledger as a stream would: closed after its ``closing``, lost otherwise."""
+        checked and queued in one pass, in order (the writer stores them in one transaction);
+        its one ``RelayDown`` carries their Acks once all are answered. A channel whose
+        ``ended`` frame came, or every channel when the call ends (the relay's node lost, or
+        its launcher gone), leaves the ledger as a stream would: closed after its ``closing``,
+        lost otherwise."""
         channels: dict[int, SenderStream] = {}
         self.relay_calls += 1
         try:
             async for up in request_iterator:
                 self.relay_messages += 1
-                frames: dict[int, list] = {}
-                for frame in up.frames:
-                    frames.setdefault(frame.channel, []).append(frame)
-                answers = await asyncio.gather(
-                    *(self._relay_channel(channels, n, f, context) for n, f in frames.items())
-                )
-                yield wire.RelayDown(acks=[ack for acks in answers for ack in acks])
+                yield wire.RelayDown(acks=await self._relay_up(channels, up.frames, context))
         finally:
             for stream in channels.values():
                 stream.end()
 
-    async def _relay_channel(self, channels: dict, channel: int, frames: list, context) -> list:
-        """The RelayAcks of one channel's ``frames`` (a RelayUp's, in order)."""
+    async def _relay_up(self, channels: dict[int, SenderStream], frames, context) -> list:
+        """The RelayAcks of one ``RelayUp``'s ``frames``: every batch admitted first (no task
+        per channel: a ``RelayUp`` carries a node's every sender), then each channel's frames
+        answered in order once the writer is done with them."""
+        admitted = [
+            None
+            if frame.ended or frame.batch.closing
+            else await self._admit(frame.batch, context, on_stream=True)
+            for frame in frames
+        ]
+        queued = [a for a in admitted if isinstance(a, asyncio.Future)]
+        if queued:  # cancelled with the call: each future then is, as a Stream's would be
+            await asyncio.gather(*queued, return_exceptions=True)
         acks = []
-        for frame in frames:
-            stream = channels.get(channel)
+        for frame, answer in zip(frames, admitted, strict=True):
+            stream = channels.get(frame.channel)
             if stream is None:
-                stream = channels[channel] = SenderStream(self.streams)
+                stream = channels[frame.channel] = SenderStream(self.streams)
             if frame.ended:
-                channels.pop(channel).end()
-                continue
-            ack = await self._stream_batch(stream, frame.batch, context)
-            if ack is not None:
-                acks.append(wire.RelayAck(channel=channel, ack=ack))
+                channels.pop(frame.channel).end()
+            elif frame.batch.closing:
+                stream.closing()
+            else:
+                if isinstance(answer, asyncio.Future):
+                    answer = await self._answer(frame.batch, answer, context, on_stream=True)
+                stream.answered(frame.batch, answer)
+                acks.append(wire.RelayAck(channel=frame.channel, ack=answer))
         return acks
 
     def _node_exit_refusal(self, report) -> str:

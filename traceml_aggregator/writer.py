@@ -148,9 +148,8 @@ class Writer:
         self._sweeper = loop.create_task(self._push_back_waiting())
 
     async def store_batch(self, batch) -> WriteResult:
-        """Queue ``batch`` and wait until it is durably stored, found to be a duplicate, or
-        refused. Its serialized size counts against the queue's bound until its transaction is
-        over, whether or not this call is still waiting then.
+        """Queue ``batch`` (:meth:`queue_batch`) and wait until it is durably stored, found to
+        be a duplicate, or refused.
 
         Raises:
             QueueFull: the sender must send the batch again later: the queue holds
@@ -159,6 +158,19 @@ class Writer:
                 :attr:`pushback_after_s` (it stays queued).
             sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
                 was stored.
+        """
+        return await self.queue_batch(batch)  # a cancelled call cancels the future
+
+    def queue_batch(self, batch) -> asyncio.Future:
+        """Queue ``batch``; the future is set to its :class:`WriteResult` once it is durably
+        stored, found to be a duplicate, or refused, or to the exception that
+        :meth:`store_batch` raises. Its serialized size counts against the queue's bound until
+        its transaction is over, whether or not anyone still waits on the future then (a
+        cancelled future leaves the batch queued and counted).
+
+        Raises:
+            QueueFull: nothing was queued: the queue holds :attr:`max_queued_bytes` already,
+                or a copy of the batch is still queued.
         """
         key = batch_key(batch)
         if key in self._queued:
@@ -179,7 +191,7 @@ class Writer:
         self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
         self._queued_total += 1
         self._queue.put_nowait((batch, future))
-        return await future  # a cancelled call cancels it: the batch stays queued and counted
+        return future
 
     async def _push_back_waiting(self) -> None:
         """Every :data:`PUSHBACK_SWEEP_S`, answer the calls whose batches have waited
