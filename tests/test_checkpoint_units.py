@@ -306,6 +306,44 @@ def test_unreadable_or_foreign_checkpoint_falls_back_to_a_full_replay(tmp_path):
     store.close()
 
 
+def test_checkpoints_are_spaced_out_where_they_would_take_more_than_their_share():
+    """At 8,000 ranks a checkpoint takes seconds (O(ranks)): the next one then waits so that
+    checkpoints take at most CHECKPOINT_MAX_PCT of the time; a quick one keeps the interval."""
+    assert ckpt.CHECKPOINT_MAX_PCT == 5.0
+    assert ckpt.next_checkpoint_in(30.0, 0.5) == 30.0
+    assert ckpt.next_checkpoint_in(30.0, 1.5) == 30.0  # exactly 5 % of 30 s
+    assert ckpt.next_checkpoint_in(30.0, 4.0) == 76.0  # 4 s of 80 s
+    assert ckpt.next_checkpoint_in(1.0, 2.0) == 38.0
+
+
+def test_the_periodic_checkpointer_waits_as_its_last_checkpoint_took(tmp_path, monkeypatch):
+    """Checkpointer.run spaces its checkpoints by next_checkpoint_in of the one it wrote: with
+    a share of a millionth of the time, a checkpoint of a real store (well over 0.1 ms) sends
+    the next one more than 100 s away, not the 10 ms interval."""
+    monkeypatch.setattr(ckpt, "CHECKPOINT_MAX_PCT", 1e-4)
+
+    async def feed() -> ckpt.Checkpointer:
+        run = _Run(tmp_path / "telemetry.sqlite")
+        run.writer.start()
+        await run.steps(0, range(0, 100))
+        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
+        periodic = asyncio.ensure_future(checkpointer.run(0.01))
+
+        async def first_written() -> None:
+            while not checkpointer.written:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(first_written(), 30)
+        await asyncio.sleep(0.2)  # twenty intervals: no second checkpoint in them
+        periodic.cancel()
+        await run.writer.close()
+        return checkpointer
+
+    checkpointer = asyncio.run(feed())
+    assert checkpointer.written == 1
+    assert checkpointer.next_in_s > 100
+
+
 def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
     """A store an older TraceML wrote has no ``live_checkpoint`` table, nor the ranks' rows'
     table: they are added on open, the checkpoint is empty, and seeding replays every step."""
