@@ -30,6 +30,7 @@ from traceml.core.transport import MAX_MESSAGE_BYTES, Credentials, open_channel
 from traceml.launcher import relay as relay_mod
 from traceml.launcher.relay import NodeRelay
 from traceml.sdk import client as client_mod
+from traceml_aggregator.writer import COMMIT_STALL_FILE_ENV
 
 pytestmark = [pytest.mark.aggregator]
 
@@ -172,6 +173,58 @@ def test_a_rank_that_vanishes_behind_the_relay_is_lost_and_one_that_closed_is_cl
         relay.close()
     assert agg.stop() == 0
     assert [(e["id"], e["state"]) for e in ledger(agg)] == [(0, "closed"), (1, "lost")]
+
+
+def test_a_clean_end_is_taken_at_once_though_another_channel_waits_on_a_stalled_writer(tmp_path):
+    """One ``RelayUp`` carries rank 0's next batch and rank 1's ``closing`` and ``ended`` while
+    every commit stalls; the relay's call is then cancelled (its deadline, or its close). Rank 1
+    had nothing queued: its clean end is in the ledger (``closed``), not lost behind rank 0's
+    batch; rank 0's stream, cancelled unclosed, is ``lost``, and its queued batch is still
+    stored once the stall ends."""
+    stall = tmp_path / "stall"
+
+    def batch(rank: int, seq: int) -> wire.Batch:
+        b = wire.Batch(run_name="relay", rank=rank, seq=seq)
+        b.step_groups.add()  # an empty group: a batch that carries nothing
+        return b
+
+    def up(*frames: wire.RelayFrame) -> wire.RelayUp:
+        return wire.RelayUp(frames=list(frames))
+
+    with LiveAggregator(tmp_path / "run", "relay", env={COMMIT_STALL_FILE_ENV: str(stall)}) as agg:
+        with open_channel(agg.target, credentials=Credentials.from_env()) as channel:
+            stub = wire.AggregatorStub(channel)
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            call = stub.Relay(iter(requests.get, None))
+            requests.put(up(*(wire.RelayFrame(channel=r + 1, batch=batch(r, 1)) for r in (0, 1))))
+            down = next(call)
+            assert [(a.channel, a.ack.stored_seq) for a in down.acks] == [(1, 1), (2, 1)]
+            stall.touch()
+            requests.put(
+                up(
+                    wire.RelayFrame(channel=1, batch=batch(0, 2)),
+                    wire.RelayFrame(channel=2, batch=wire.Batch(closing=True)),
+                    wire.RelayFrame(channel=2, ended=True),
+                )
+            )
+
+            def queued() -> bool:  # a copy of rank 0's batch 2 waits: the RelayUp was read
+                try:
+                    stub.Push(batch(0, 2), timeout=10)
+                except grpc.RpcError as exc:
+                    return "a copy of this batch waits" in (exc.details() or "")
+                return False
+
+            wait_for(queued, 30, "rank 0's batch queued behind the stall")
+            call.cancel()
+        stall.unlink()
+        assert agg.stop() == 0
+        assert [(e["id"], e["state"]) for e in ledger(agg)] == [(0, "lost"), (1, "closed")]
+        assert steps_by_rank(agg) == []  # empty groups: no step rows
+        assert agg.query("SELECT sender_id, stored_seq FROM streams ORDER BY sender_id") == [
+            (0, 2),
+            (1, 1),
+        ]
 
 
 def test_an_unreadable_or_oversized_message_ends_its_own_stream_and_no_other(agg):

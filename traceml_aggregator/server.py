@@ -371,33 +371,53 @@ class AggregatorService(wire.AggregatorServicer):
                 stream.end()
 
     async def _relay_up(self, channels: dict[int, SenderStream], frames, context) -> list:
-        """The RelayAcks of one ``RelayUp``'s ``frames``: every batch admitted first (no task
-        per channel: a ``RelayUp`` carries a node's every sender), then each channel's frames
-        answered in order once the writer is done with them."""
-        admitted = [
-            None
-            if frame.ended or frame.batch.closing
-            else await self._admit(frame.batch, context, on_stream=True)
-            for frame in frames
-        ]
-        queued = [a for a in admitted if isinstance(a, asyncio.Future)]
-        if queued:  # cancelled with the call: each future then is, as a Stream's would be
-            await asyncio.gather(*queued, return_exceptions=True)
-        acks = []
-        for frame, answer in zip(frames, admitted, strict=True):
-            stream = channels.get(frame.channel)
-            if stream is None:
-                stream = channels[frame.channel] = SenderStream(self.streams)
-            if frame.ended:
-                channels.pop(frame.channel).end()
-            elif frame.batch.closing:
-                stream.closing()
-            else:
+        """The RelayAcks of one ``RelayUp``'s ``frames``, in one pass (no task per channel: a
+        ``RelayUp`` carries a node's every sender): each batch is checked and queued in frame
+        order; a channel's frames after a batch still queued wait for the writer and are then
+        answered in order, its other frames (a refusal, a ``closing``, an ``ended``) at once,
+        so a call cancelled while the writer is behind loses no stream's clean end. Futures
+        queued when the pass fails (an aborted call, a cancellation) are cancelled: their
+        batches stay queued, unanswered, as a Stream's would."""
+        acks: list = []
+        later: list[tuple] = []  # (frame, its answer or None), behind a batch of its channel
+        waiting: set[int] = set()  # channels with a batch queued in this message
+        try:
+            for frame in frames:
+                control = frame.ended or frame.batch.closing
+                answer = None if control else await self._admit(frame.batch, context, True)
+                if frame.channel in waiting or isinstance(answer, asyncio.Future):
+                    waiting.add(frame.channel)
+                    later.append((frame, answer))
+                else:
+                    self._relay_answered(channels, frame, answer, acks)
+            queued = [answer for _, answer in later if isinstance(answer, asyncio.Future)]
+            if queued:
+                await asyncio.gather(*queued, return_exceptions=True)
+        except BaseException:
+            for _, answer in later:
                 if isinstance(answer, asyncio.Future):
-                    answer = await self._answer(frame.batch, answer, context, on_stream=True)
-                stream.answered(frame.batch, answer)
-                acks.append(wire.RelayAck(channel=frame.channel, ack=answer))
+                    answer.cancel()
+            raise
+        for frame, answer in later:
+            if isinstance(answer, asyncio.Future):
+                answer = await self._answer(frame.batch, answer, context, on_stream=True)
+            self._relay_answered(channels, frame, answer, acks)
         return acks
+
+    def _relay_answered(self, channels: dict[int, SenderStream], frame, answer, acks: list):
+        """Take ``frame`` (a RelayFrame) into its channel's stream: ``ended`` ends it,
+        ``closing`` marks it closing, a batch's ``answer`` (its Ack) goes to the ledger and to
+        ``acks``."""
+        stream = channels.get(frame.channel)
+        if stream is None:
+            stream = channels[frame.channel] = SenderStream(self.streams)
+        if frame.ended:
+            channels.pop(frame.channel).end()
+        elif frame.batch.closing:
+            stream.closing()
+        else:
+            stream.answered(frame.batch, answer)
+            acks.append(wire.RelayAck(channel=frame.channel, ack=answer))
 
     def _node_exit_refusal(self, report) -> str:
         """Why ``report`` (a NodeExit) cannot be this run's, counted; "" when it can."""

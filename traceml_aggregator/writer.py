@@ -1,6 +1,7 @@
 """The single SQLite writer: batches from every stream, one transaction per drain.
 
-RPC handlers on the event loop hand batches to :meth:`Writer.store_batch` and await the result.
+RPC handlers on the event loop hand batches to :meth:`Writer.store_batch` (or queue them with
+:meth:`Writer.queue_batch`, several at once) and await the result.
 The writer task takes everything queued at that moment (up to
 :data:`MAX_BATCHES_PER_TRANSACTION`), stores it in one transaction on its own thread (the only
 thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each handler's
