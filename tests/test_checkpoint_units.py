@@ -313,14 +313,18 @@ def test_checkpoints_are_spaced_out_where_they_would_take_more_than_their_share(
     assert ckpt.next_checkpoint_in(30.0, 0.5) == 30.0
     assert ckpt.next_checkpoint_in(30.0, 1.5) == 30.0  # exactly 5 % of 30 s
     assert ckpt.next_checkpoint_in(30.0, 4.0) == 76.0  # 4 s of 80 s
-    assert ckpt.next_checkpoint_in(1.0, 2.0) == 38.0
+    assert ckpt.next_checkpoint_in(1.0, 0.4) == 7.6
+    assert ckpt.CHECKPOINT_MAX_INTERVALS == 10
+    assert ckpt.next_checkpoint_in(1.0, 2.0) == 10.0  # 38 s, but at most 10 intervals
+    assert ckpt.next_checkpoint_in(30.0, 60.0) == 300.0  # a disk stall: 300 s, not 1,140
 
 
 def test_the_periodic_checkpointer_waits_as_its_last_checkpoint_took(tmp_path, monkeypatch):
     """Checkpointer.run spaces its checkpoints by next_checkpoint_in of the one it wrote: with
     a share of a millionth of the time, a checkpoint of a real store (well over 0.1 ms) sends
-    the next one more than 100 s away, not the 10 ms interval."""
+    the next one the most intervals away (here 100 s), not the 10 ms interval."""
     monkeypatch.setattr(ckpt, "CHECKPOINT_MAX_PCT", 1e-4)
+    monkeypatch.setattr(ckpt, "CHECKPOINT_MAX_INTERVALS", 10_000)
 
     async def feed() -> ckpt.Checkpointer:
         run = _Run(tmp_path / "telemetry.sqlite")
@@ -341,7 +345,7 @@ def test_the_periodic_checkpointer_waits_as_its_last_checkpoint_took(tmp_path, m
 
     checkpointer = asyncio.run(feed())
     assert checkpointer.written == 1
-    assert checkpointer.next_in_s > 100
+    assert checkpointer.next_in_s == 100.0
 
 
 def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):

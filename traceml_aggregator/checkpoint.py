@@ -40,7 +40,7 @@ that was replaced; a row cannot.
 
 How it is taken (:meth:`Checkpointer.write`), every ``TRACEML_AGGREGATOR_CHECKPOINT_SEC``
 (further apart where checkpoints would take more than :data:`CHECKPOINT_MAX_PCT` of the
-time) and at a clean stop:
+time, at most :data:`CHECKPOINT_MAX_INTERVALS` intervals) and at a clean stop:
 
 * the ranks' steps come from the live aggregates, pickled on the event loop and written on
   the writer thread :data:`SNAPSHOT_SLICE_RANKS` ranks at a time, so what is held at once is
@@ -100,6 +100,10 @@ SNAPSHOT_SLICE_RANKS = 32
 #: also ingests; past that the checkpoints are spaced out instead (:func:`next_checkpoint_in`),
 #: and a restart folds in that many more seconds of steps.
 CHECKPOINT_MAX_PCT = 5.0
+#: The longest gap between two periodic checkpoints, in checkpoint intervals: a stall of the
+#: disk or the writer under one checkpoint does not put off the next (and the retention's
+#: prune, and a restart's catch-up) for longer.
+CHECKPOINT_MAX_INTERVALS = 10
 #: The sample windows: the sample record (:mod:`traceml.core.records`: its table, grouped and
 #: ordered as :func:`~traceml_aggregator.load.sample_groups` reads it), and the latest samples
 #: kept per group (what :meth:`LiveAggregates.seed` seeds the windows with).
@@ -132,8 +136,10 @@ _ALLOWED = frozenset(
 def next_checkpoint_in(interval_s: float, took_s: float) -> float:
     """Seconds from the end of a checkpoint that took ``took_s`` s (wall time) to the start of
     the next: ``interval_s`` (``TRACEML_AGGREGATOR_CHECKPOINT_SEC``), or longer where checkpoints
-    would otherwise take more than :data:`CHECKPOINT_MAX_PCT` of the time."""
-    return max(interval_s, took_s * 100 / CHECKPOINT_MAX_PCT - took_s)
+    would otherwise take more than :data:`CHECKPOINT_MAX_PCT` of the time, at most
+    :data:`CHECKPOINT_MAX_INTERVALS` intervals."""
+    spaced_s = max(interval_s, took_s * 100 / CHECKPOINT_MAX_PCT - took_s)
+    return min(spaced_s, CHECKPOINT_MAX_INTERVALS * interval_s)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -378,6 +384,7 @@ class Checkpointer:
         wait_s = interval_s
         while True:
             await asyncio.sleep(wait_s)
+            await self.live.caught_up()  # a replacement's catch-up is no checkpoint's cost
             started = time.monotonic()
             try:
                 await self.write()
