@@ -383,8 +383,9 @@ class AggregatorService(wire.AggregatorServicer):
         waiting: set[int] = set()  # channels with a batch queued in this message
         try:
             for frame in frames:
-                control = frame.ended or frame.batch.closing
-                answer = None if control else await self._admit(frame.batch, context, True)
+                answer = None
+                if not (frame.ended or frame.batch.closing):
+                    answer = await self._admit(frame.batch, context, on_stream=True)
                 if frame.channel in waiting or isinstance(answer, asyncio.Future):
                     waiting.add(frame.channel)
                     later.append((frame, answer))
