@@ -109,7 +109,7 @@ class _Run:
                 **extra,
             )
             batch.process_samples.add(unix_us=10_000 * first + rank, cpu_percent=float(first))
-            await self.writer.store_batch(batch)
+            await self.writer.queue_batch(batch)
 
     async def node_samples(self, seq: int, t: int) -> None:
         batch = node_batch(seq, run_name=RUN)
@@ -118,7 +118,7 @@ class _Run:
             s.gpus.add(nvml_index=g, uuid=f"GPU-{g}", util_percent=float(t % 100))
         # a sampler's process sample of a rank that never sent a batch of its own
         batch.process_samples.add(rank=RANKS + 1, restart_count=0, unix_us=t, cpu_percent=2.0)
-        await self.writer.store_batch(batch)
+        await self.writer.queue_batch(batch)
 
 
 def _seeded(store, checkpoint=None) -> LiveAggregates:
@@ -392,7 +392,7 @@ def test_a_checkpoint_of_an_earlier_layout_loads_and_seeds_as_a_full_replay(tmp_
         for rank, steps in ((0, 1100), (1, 60)):
             for seq, first in enumerate(range(0, steps, 50), 1):
                 last = min(first + 50, steps)
-                await writer.store_batch(rank_batch(seq, range(first, last), rank=rank))
+                await writer.queue_batch(rank_batch(seq, range(first, last), rank=rank))
         await writer.close()
 
     asyncio.run(feed())

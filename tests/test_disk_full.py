@@ -81,15 +81,15 @@ def test_the_writer_acknowledges_nothing_on_a_full_disk_and_everything_after(sma
     async def main():
         writer = Writer(Store(small_fs / "t.sqlite"), lambda b: acked.append(b.rank))
         writer.start()
-        first = await writer.store_batch(batch(1, 0))
+        first = await writer.queue_batch(batch(1, 0))
         fill(small_fs)
         full = await asyncio.gather(
-            *(writer.store_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1))),
+            *(writer.queue_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1))),
             return_exceptions=True,
         )
         (small_fs / "filler").unlink()
         again = await asyncio.gather(
-            *(writer.store_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1)))
+            *(writer.queue_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1)))
         )
         steps = await writer.call(stored_steps, writer.store)
         await writer.close()

@@ -295,7 +295,7 @@ def test_a_prune_killed_after_a_round_cut_inside_a_sample_time_leaves_whole_time
                 s = batch.system_samples.add(node_rank=0, unix_us=T0_US + t, hostname="h0")
                 for g in range(2):
                     s.gpus.add(nvml_index=g, uuid=f"GPU-{g}")
-            await writer.store_batch(batch)
+            await writer.queue_batch(batch)
         highest = await writer.call(store.max_rowid, GpuSample.TABLE)
         pruner = SamplePruner(store, GpuSample, policy)
         await pruner.prune(writer, highest, {(0,): np.zeros(0)}, final=final)

@@ -143,7 +143,7 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
 
     async def main():
         writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.rank))
-        futures = [asyncio.ensure_future(writer.store_batch(b)) for b in (good, bad)]
+        futures = [asyncio.ensure_future(writer.queue_batch(b)) for b in (good, bad)]
         await asyncio.sleep(0)  # both queued before the writer takes them: one transaction
         writer.start()
         done = await asyncio.gather(*futures, return_exceptions=True)
@@ -162,7 +162,7 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
 def test_a_failing_on_stored_stops_neither_the_writer_nor_later_batches(tmp_path):
     """``on_stored`` raising for a batch (a bug of the live state) is counted; that batch and
     every later one are stored and answered (issue 24, item 8: one exception stopped the
-    writer, and every later ``store_batch`` waited for ever)."""
+    writer, and every later ``queue_batch`` future waited for ever)."""
     seen: list[int] = []
 
     def on_stored(b) -> None:
@@ -174,7 +174,7 @@ def test_a_failing_on_stored_stops_neither_the_writer_nor_later_batches(tmp_path
         writer = Writer(Store(tmp_path / "t.sqlite"), on_stored)
         writer.start()
         answered = [
-            await asyncio.wait_for(writer.store_batch(batch(s, range(2 * s - 2, 2 * s))), 10)
+            await asyncio.wait_for(writer.queue_batch(batch(s, range(2 * s - 2, 2 * s))), 10)
             for s in (1, 2, 3)
         ]
         steps = await writer.call(count, writer.store, "SELECT COUNT(*) FROM steps")
@@ -211,7 +211,7 @@ def test_a_value_beyond_the_stores_integers_is_dropped_not_its_batch(tmp_path):
 
     async def main():
         writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: None)
-        futures = [asyncio.ensure_future(writer.store_batch(b)) for b in (good, wide)]
+        futures = [asyncio.ensure_future(writer.queue_batch(b)) for b in (good, wide)]
         await asyncio.sleep(0)  # both queued before the writer takes them: one transaction
         writer.start()
         done = await asyncio.gather(*futures)
@@ -245,7 +245,7 @@ def test_drain_waits_for_what_was_queued_before_it_not_for_a_flood(tmp_path):
 
     async def main():
         writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.seq))
-        early = [asyncio.ensure_future(writer.store_batch(batch(s, range(2)))) for s in (1, 2)]
+        early = [asyncio.ensure_future(writer.queue_batch(batch(s, range(2)))) for s in (1, 2)]
         await asyncio.sleep(0)
         writer.start()
         flooding, later = True, []
@@ -253,7 +253,7 @@ def test_drain_waits_for_what_was_queued_before_it_not_for_a_flood(tmp_path):
         async def flood():  # the queue is never empty while it runs
             while flooding and len(later) < 20_000:
                 later.append(
-                    asyncio.ensure_future(writer.store_batch(batch(len(later) + 3, range(1))))
+                    asyncio.ensure_future(writer.queue_batch(batch(len(later) + 3, range(1))))
                 )
                 await asyncio.sleep(0)
 

@@ -1,7 +1,7 @@
 """The single SQLite writer: batches from every stream, one transaction per drain.
 
-RPC handlers on the event loop hand batches to :meth:`Writer.store_batch` (or queue them with
-:meth:`Writer.queue_batch`, several at once) and await the result.
+RPC handlers on the event loop queue batches with :meth:`Writer.queue_batch` (a relay
+message's several at once) and await the futures it returns.
 The writer task takes everything queued at that moment (up to
 :data:`MAX_BATCHES_PER_TRANSACTION`), stores it in one transaction on its own thread (the only
 thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each handler's
@@ -148,30 +148,22 @@ class Writer:
         self._task = loop.create_task(self._run())
         self._sweeper = loop.create_task(self._push_back_waiting())
 
-    async def store_batch(self, batch) -> WriteResult:
-        """Queue ``batch`` (:meth:`queue_batch`) and wait until it is durably stored, found to
-        be a duplicate, or refused.
-
-        Raises:
-            QueueFull: the sender must send the batch again later: the queue holds
-                :attr:`max_queued_bytes` already, or a copy of the batch is still queued
-                (nothing was queued), or the batch was not stored within
-                :attr:`pushback_after_s` (it stays queued).
-            sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
-                was stored.
-        """
-        return await self.queue_batch(batch)  # a cancelled call cancels the future
-
     def queue_batch(self, batch) -> asyncio.Future:
         """Queue ``batch``; the future is set to its :class:`WriteResult` once it is durably
-        stored, found to be a duplicate, or refused, or to the exception that
-        :meth:`store_batch` raises. Its serialized size counts against the queue's bound until
-        its transaction is over, whether or not anyone still waits on the future then (a
-        cancelled future leaves the batch queued and counted).
+        stored, found to be a duplicate, or refused, or to the exception below. Its serialized
+        size counts against the queue's bound until its transaction is over, whether or not
+        anyone still waits on the future then (a cancelled future leaves the batch queued and
+        counted).
 
         Raises:
             QueueFull: nothing was queued: the queue holds :attr:`max_queued_bytes` already,
                 or a copy of the batch is still queued.
+
+        The future's exceptions:
+            QueueFull: the batch was not stored within :attr:`pushback_after_s` (it stays
+                queued): the sender must send it again later.
+            sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
+                was stored.
         """
         key = batch_key(batch)
         if key in self._queued:
