@@ -17,6 +17,7 @@ import pytest
 from conftest import (
     SCRIPTS,
     assert_all_gone,
+    free_port,
     load_summary,
     query,
     start_traceml,
@@ -29,6 +30,8 @@ from conftest import (
 )
 from helpers.jobs import descendant_of, tmp_leftovers
 from helpers.waiting import wait_for
+
+from traceml.launcher.torchrun import STOP_WITHOUT_RANKS_GRACE_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -219,6 +222,50 @@ def test_second_sigterm_ends_at_once(tmp_path, port):
     assert not (run_dir / "final_summary.json").exists()
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert (manifest["status"], manifest["exit_code"]) == ("abandoned", 143)
+
+
+def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port):
+    """Node 0 of two, node 1 never started: torchrun waits in the static rendezvous, inside
+    torch's C++ store, where its SIGTERM handler cannot run (it would wait out the rendezvous
+    timeout, 600 s). The launcher's SIGTERM ends it STOP_WITHOUT_RANKS_GRACE_S later, with the
+    exit code of a SIGTERM, the summary written and nothing left running."""
+    master_port = free_port()
+    args = run_args(tmp_path, "rdzv", port, nproc=1) + [
+        "--nnodes=2",
+        "--node-rank=0",
+        f"--master-port={master_port}",
+        "--",
+        "--steps",
+        "5",
+    ]
+    launcher = start_traceml(args, tmp_path, tmp_path / "rdzv", env=ENV)
+    processes = []
+    try:
+        torchrun = descendant_of(launcher, "torchrun_main")
+        # the rendezvous's store listens on the master port once torchrun waits in it
+        wait_for(
+            lambda: any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == master_port
+                for c in torchrun.net_connections("tcp")
+            ),
+            120,
+            "torchrun's rendezvous store listening",
+        )
+        processes = family(launcher.pid)
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(120)  # not the rendezvous timeout's 600 s
+    finally:
+        for process in family(launcher.pid) if launcher.poll() is None else []:
+            process.kill()
+    err = (tmp_path / "rdzv.err").read_text()
+    assert code == 128 + signal.SIGTERM, err
+    assert (
+        f"torchrun did not stop within {STOP_WITHOUT_RANKS_GRACE_S:.0f} s of SIGTERM and runs "
+        "no rank (it waits in the rendezvous, where it cannot take the signal): killed"
+    ) in err
+    assert_all_gone(processes, 10)
+    summary = load_summary(tmp_path / "logs" / "rdzv")
+    assert [(n["node_rank"], n["exit_code"]) for n in summary["nodes"]] == [(0, 143)]
 
 
 def test_closed_stdout_costs_only_the_view(tmp_path, port):

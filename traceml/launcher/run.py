@@ -374,7 +374,10 @@ class Launch:
         because ranks never finished (training goes on: TraceML never stops a job; the user
         decides). The one exception, on every node: a node-rank claim the aggregator refused
         means a node will never join the rendezvous, so torchrun is stopped
-        (:meth:`NodeLaunch.watch_claims`). A failure of this watch only ends the watch.
+        (:meth:`NodeLaunch.watch_claims`). A torchrun that a stop signal did not stop within
+        seconds while it ran no rank (it waits in the rendezvous) is killed
+        (:meth:`TorchrunProcess.end_stuck_stop`), and its return code is the signal's, as if it
+        had taken it. A failure of this watch only ends the watch.
         """
         owner = self.config.owns_aggregator
         torchrun = self.node.torchrun
@@ -396,6 +399,8 @@ class Launch:
                 if returncode is not None:
                     return returncode
                 try:
+                    if stuck := torchrun.end_stuck_stop():
+                        return -stuck  # as if it had taken the signal (a second one's code too)
                     self.node.watch_claims(manifest)
                     if owner:
                         self.supervisor.watch(manifest)

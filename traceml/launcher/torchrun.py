@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from traceml import settings
@@ -40,6 +41,12 @@ _log = log.get("launcher")
 
 #: torchrun's own environment variable for its ``--log-dir`` (its flags' ``PET_`` defaults).
 TORCHRUN_LOG_DIR_ENV = "PET_LOG_DIR"
+#: How long torchrun may take to stop after the launcher passed it a stop signal, while it has
+#: started no rank since, s; then it is SIGKILLed (:meth:`TorchrunProcess.end_stuck_stop`).
+#: Waiting in the rendezvous for a node that never comes, torchrun blocks inside torch's C++
+#: store, where Python's signal handlers never run: torch's SIGTERM handler would raise only
+#: once the rendezvous timed out (600 s for the static one). Without ranks, a kill loses nothing.
+STOP_WITHOUT_RANKS_GRACE_S = 5.0
 #: torch's switch that makes the single-node (c10d) rendezvous give each attempt a store of its
 #: own, hosted by that attempt's rank 0, instead of one store torchrun keeps for every attempt.
 UNSHARED_RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -233,6 +240,11 @@ class TorchrunProcess:
         self.relay_address = ""
         #: torchrun's log directory (see :meth:`start`), until :meth:`wait` removes it.
         self.log_dir: str | None = None
+        #: The first stop signal the launcher passed torchrun (0: none), when (monotonic s),
+        #: and whether torchrun was seen with a rank since (:meth:`end_stuck_stop`).
+        self._stop_signal = 0
+        self._stop_sent_at = 0.0
+        self._ranks_since_stop = False
 
     def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
@@ -283,10 +295,42 @@ class TorchrunProcess:
     def forward_signal(self, signum: int, _frame=None) -> None:
         """Pass SIGINT/SIGTERM on to torchrun (which passes it to the ranks)."""
         if self.process is not None and self.process.poll() is None:
+            if not self._stop_signal:
+                self._stop_signal, self._stop_sent_at = signum, time.monotonic()
             try:
                 self.process.send_signal(signum)
             except ProcessLookupError:
                 pass
+
+    def end_stuck_stop(self) -> int:
+        """SIGKILL torchrun (:meth:`kill`) and reap it (:meth:`wait`) when it still runs
+        :data:`STOP_WITHOUT_RANKS_GRACE_S` after the first stop signal passed on
+        (:meth:`forward_signal`) and has run no rank at any call since: it waits in the
+        rendezvous, where the signal cannot reach torch's handler. Returns that signal's
+        number if it did (said once, with why), else 0. Called about once a second while
+        training runs; a torchrun seen with a rank stops as torch stops it, never here.
+        """
+        if not self._stop_signal or self._ranks_since_stop:
+            return 0
+        if self.process is None or self.process.poll() is not None:
+            return 0
+        import psutil
+
+        try:
+            self._ranks_since_stop = bool(psutil.Process(self.process.pid).children())
+        except psutil.Error:
+            return 0
+        waited_s = time.monotonic() - self._stop_sent_at
+        if self._ranks_since_stop or waited_s < STOP_WITHOUT_RANKS_GRACE_S:
+            return 0
+        name = signal.Signals(self._stop_signal).name
+        _log.warning(
+            f"torchrun did not stop within {waited_s:.0f} s of {name} and runs no rank (it "
+            "waits in the rendezvous, where it cannot take the signal): killed"
+        )
+        self.kill()
+        self.wait()
+        return self._stop_signal
 
     def kill(self) -> None:
         """SIGKILL torchrun and every process under it at once (a second signal to the
