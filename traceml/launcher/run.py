@@ -70,7 +70,7 @@ from traceml.launcher.node import NodeLaunch
 from traceml.launcher.states import LAUNCH_TRANSITIONS, AggregatorStatus, Machine, Phase
 from traceml.launcher.supervisor import AggregatorSupervisor
 from traceml.launcher.terminal_view import TerminalView, node0_view_line
-from traceml.launcher.torchrun import exit_code
+from traceml.launcher.torchrun import STOPPED_BY_SIGNAL_CODE, exit_code
 
 #: How often node 0's launcher looks at what its session brought (a stall, a partial summary)
 #: and refreshes its live view while training runs, s.
@@ -376,8 +376,8 @@ class Launch:
         means a node will never join the rendezvous, so torchrun is stopped
         (:meth:`NodeLaunch.watch_claims`). A torchrun that a stop signal did not stop within
         seconds while it ran no rank (it waits in the rendezvous) is killed
-        (:meth:`TorchrunProcess.end_stuck_stop`), and its return code is the signal's, as if it
-        had taken it. A failure of this watch only ends the watch.
+        (:meth:`TorchrunProcess.end_stuck_stop`); its return code is then the one torchrun
+        exits with once it takes the signal. A failure of this watch only ends the watch.
         """
         owner = self.config.owns_aggregator
         torchrun = self.node.torchrun
@@ -399,8 +399,8 @@ class Launch:
                 if returncode is not None:
                     return returncode
                 try:
-                    if stuck := torchrun.end_stuck_stop():
-                        return -stuck  # as if it had taken the signal (a second one's code too)
+                    if torchrun.end_stuck_stop():
+                        return STOPPED_BY_SIGNAL_CODE  # as if it had taken the signal
                     self.node.watch_claims(manifest)
                     if owner:
                         self.supervisor.watch(manifest)

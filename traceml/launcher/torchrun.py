@@ -47,6 +47,9 @@ TORCHRUN_LOG_DIR_ENV = "PET_LOG_DIR"
 #: store, where Python's signal handlers never run: torch's SIGTERM handler would raise only
 #: once the rendezvous timed out (600 s for the static one). Without ranks, a kill loses nothing.
 STOP_WITHOUT_RANKS_GRACE_S = 5.0
+#: torchrun's exit code once it takes a stop signal (torch's ``SignalException`` leaves its
+#: ``main``), what plain torchrun returns after SIGTERM or SIGINT.
+STOPPED_BY_SIGNAL_CODE = 1
 #: torch's switch that makes the single-node (c10d) rendezvous give each attempt a store of its
 #: own, hosted by that attempt's rank 0, instead of one store torchrun keeps for every attempt.
 UNSHARED_RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -297,40 +300,47 @@ class TorchrunProcess:
         if self.process is not None and self.process.poll() is None:
             if not self._stop_signal:
                 self._stop_signal, self._stop_sent_at = signum, time.monotonic()
+                self._ranks_since_stop = self._runs_ranks()
             try:
                 self.process.send_signal(signum)
             except ProcessLookupError:
                 pass
 
-    def end_stuck_stop(self) -> int:
+    def end_stuck_stop(self) -> bool:
         """SIGKILL torchrun (:meth:`kill`) and reap it (:meth:`wait`) when it still runs
         :data:`STOP_WITHOUT_RANKS_GRACE_S` after the first stop signal passed on
-        (:meth:`forward_signal`) and has run no rank at any call since: it waits in the
-        rendezvous, where the signal cannot reach torch's handler. Returns that signal's
-        number if it did (said once, with why), else 0. Called about once a second while
-        training runs; a torchrun seen with a rank stops as torch stops it, never here.
+        (:meth:`forward_signal`) and ran no rank then nor at any call since: it waits in the
+        rendezvous, where the signal cannot reach torch's handler. True if it did (said once,
+        with why). Called about once a second while training runs; a torchrun seen with a
+        rank stops as torch stops it, never here.
         """
         if not self._stop_signal or self._ranks_since_stop:
-            return 0
+            return False
         if self.process is None or self.process.poll() is not None:
-            return 0
-        import psutil
-
-        try:
-            self._ranks_since_stop = bool(psutil.Process(self.process.pid).children())
-        except psutil.Error:
-            return 0
+            return False
+        self._ranks_since_stop = self._runs_ranks()
         waited_s = time.monotonic() - self._stop_sent_at
         if self._ranks_since_stop or waited_s < STOP_WITHOUT_RANKS_GRACE_S:
-            return 0
+            return False
         name = signal.Signals(self._stop_signal).name
         _log.warning(
-            f"torchrun did not stop within {waited_s:.0f} s of {name} and runs no rank (it "
-            "waits in the rendezvous, where it cannot take the signal): killed"
+            f"torchrun did not stop within {STOP_WITHOUT_RANKS_GRACE_S:g} s of {name} and runs no "
+            "rank (it waits in the rendezvous, where it cannot take the signal): killed"
         )
         self.kill()
         self.wait()
-        return self._stop_signal
+        return True
+
+    def _runs_ranks(self) -> bool:
+        """Whether torchrun has a child process (its ranks); True when that cannot be read
+        (nothing is then killed for want of ranks)."""
+        import psutil
+
+        assert self.process is not None
+        try:
+            return bool(psutil.Process(self.process.pid).children())
+        except psutil.Error:
+            return True
 
     def kill(self) -> None:
         """SIGKILL torchrun and every process under it at once (a second signal to the
