@@ -9,9 +9,10 @@ its calls around fork(), such runs killed workers or broke the parent's stream i
 on stderr.
 
 The short run (12 epochs, 48 forks) is in ``tools/test.sh --quick``; the full run adds the
-same race for 192 forks (48 epochs: what were four repeats of the short run, ~6 CPU s each of
-which a torch start-up and an aggregator's were the same in each, now one run) and one more
-that streams through a node relay (as ``traceml run``'s ranks do) for 200 forks.
+same race for 192 forks (48 epochs: the forks of what were four repeats of the short run, ~6
+CPU s each under the suite's load, most of it a torch and an aggregator start-up; the race at a
+stream's first connect, once per run, now runs twice in the full suite, not five times) and one
+more that streams through a node relay (as ``traceml run``'s ranks do) for 200 forks.
 """
 
 from __future__ import annotations

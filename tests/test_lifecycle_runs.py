@@ -262,8 +262,11 @@ def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port
     assert code == STOPPED_BY_SIGNAL_CODE == 1, err
     assert (
         f"torchrun did not stop within {STOP_WITHOUT_RANKS_GRACE_S:g} s of SIGTERM and runs "
-        "no rank (it waits in the rendezvous, where it cannot take the signal): killed"
+        "no rank (it waits in torch's store, the rendezvous or the exit barrier of several "
+        "nodes, where it cannot take the signal): killed"
     ) in err
+    manifest = json.loads((tmp_path / "logs" / "rdzv" / "manifest.json").read_text())
+    assert "torchrun_killed" in manifest["lifecycle"]
     assert_all_gone(processes, 10)
     summary = load_summary(tmp_path / "logs" / "rdzv")
     assert [(n["node_rank"], n["exit_code"]) for n in summary["nodes"]] == [(0, 1)]

@@ -35,18 +35,27 @@ python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-# The install: uv (PyPI's, into the venv) resolves and unpacks the same releases as pip, 9 s
-# against 39 s into a new venv here (docs/testing.md). It reads no pip configuration, so it gets
-# pip's find-links, where this machine keeps torch's CPU build; pinned to that build
-# (+cpu), it fails rather than download a CUDA one, and pip installs instead. Neither compiles
-# (pip: --no-compile): each module is compiled once, by the first process that imports it.
+# The install: uv (PyPI's wheel, into the venv) resolves and unpacks the same releases as pip,
+# 9 s against 39 s into a new venv here (docs/testing.md). It reads no pip configuration: it is
+# given pip's find-links only (where this machine keeps torch's CPU build; the rest of pip's
+# configuration here caps torch, which is pinned), and torch pinned to the CPU build (+cpu),
+# which PyPI does not have, so it fails rather than download a CUDA build, and pip installs
+# instead, as it does where pip has no find-links. Neither compiles (pip: --no-compile): each
+# module is compiled once, by the first process that imports it.
+read -ra dirs <<< "${PIP_FIND_LINKS:-} $(.venv/bin/pip config get global.find-links 2>/dev/null || true)"
 links=()
-for dir in ${PIP_FIND_LINKS:-} $(.venv/bin/pip config get global.find-links 2>/dev/null || true); do
+for dir in ${dirs[@]+"${dirs[@]}"}; do
   links+=(--find-links "$dir")
 done
-if ! { .venv/bin/pip install -q --disable-pip-version-check "uv==0.13.9" \
-  && .venv/bin/uv pip install -q --python .venv/bin/python "${links[@]}" torch==2.13.0+cpu -e ".[test]"; }; then
-  echo "tools/test.sh: uv could not install the environment (above); pip installs it" >&2
+uv_install() {
+  [ ${#links[@]} -gt 0 ] || return 1
+  [ "$(.venv/bin/uv --version 2>/dev/null)" = "uv 0.13.9" ] \
+    || .venv/bin/pip install -q --disable-pip-version-check --only-binary uv "uv==0.13.9" \
+    || return 1
+  .venv/bin/uv pip install -q --python .venv/bin/python "${links[@]}" torch==2.13.0+cpu -e ".[test]"
+}
+if ! uv_install; then
+  echo "tools/test.sh: pip installs the environment (uv cannot: no find-links of pip's, or above)" >&2
   .venv/bin/pip install -q --no-compile --disable-pip-version-check torch==2.13.0 -e ".[test]"
 fi
 

@@ -398,9 +398,10 @@ class Launch:
                 returncode = torchrun.wait(0)
                 if returncode is not None:
                     return returncode
+                if torchrun.end_stuck_stop():
+                    manifest.event("torchrun_killed")
+                    return STOPPED_BY_SIGNAL_CODE  # as if it had taken the signal
                 try:
-                    if torchrun.end_stuck_stop():
-                        return STOPPED_BY_SIGNAL_CODE  # as if it had taken the signal
                     self.node.watch_claims(manifest)
                     if owner:
                         self.supervisor.watch(manifest)

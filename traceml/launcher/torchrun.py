@@ -325,7 +325,8 @@ class TorchrunProcess:
         name = signal.Signals(self._stop_signal).name
         _log.warning(
             f"torchrun did not stop within {STOP_WITHOUT_RANKS_GRACE_S:g} s of {name} and runs no "
-            "rank (it waits in the rendezvous, where it cannot take the signal): killed"
+            "rank (it waits in torch's store, the rendezvous or the exit barrier of several "
+            "nodes, where it cannot take the signal): killed"
         )
         self.kill()
         self.wait()
@@ -333,13 +334,14 @@ class TorchrunProcess:
 
     def _runs_ranks(self) -> bool:
         """Whether torchrun has a child process (its ranks); True when that cannot be read
-        (nothing is then killed for want of ranks)."""
-        import psutil
-
-        assert self.process is not None
+        (nothing is then killed for want of ranks). Never raises: it runs in the launcher's
+        signal handler, before the signal is passed on."""
         try:
+            import psutil
+
+            assert self.process is not None
             return bool(psutil.Process(self.process.pid).children())
-        except psutil.Error:
+        except Exception:
             return True
 
     def kill(self) -> None:
