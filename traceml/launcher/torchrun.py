@@ -41,11 +41,13 @@ _log = log.get("launcher")
 
 #: torchrun's own environment variable for its ``--log-dir`` (its flags' ``PET_`` defaults).
 TORCHRUN_LOG_DIR_ENV = "PET_LOG_DIR"
-#: How long torchrun may take to stop after the launcher passed it a stop signal, while it has
-#: started no rank since, s; then it is SIGKILLed (:meth:`TorchrunProcess.end_stuck_stop`).
-#: Waiting in the rendezvous for a node that never comes, torchrun blocks inside torch's C++
-#: store, where Python's signal handlers never run: torch's SIGTERM handler would raise only
-#: once the rendezvous timed out (600 s for the static one). Without ranks, a kill loses nothing.
+#: How long torchrun may take to stop after the launcher passed it a stop signal, when it ran
+#: no rank at the signal nor since, s; then it is SIGKILLed
+#: (:meth:`TorchrunProcess.end_stuck_stop`).
+#: Waiting in the rendezvous for a node that never comes (or in the exit barrier of several
+#: nodes), torchrun blocks inside torch's C++ store, where Python's signal handlers never run:
+#: torch's SIGTERM handler would raise only once that timed out (600 s for the static
+#: rendezvous). Without ranks, a kill loses nothing.
 STOP_WITHOUT_RANKS_GRACE_S = 5.0
 #: torchrun's exit code once it takes a stop signal (torch's ``SignalException`` leaves its
 #: ``main``), what plain torchrun returns after SIGTERM or SIGINT.
@@ -309,10 +311,11 @@ class TorchrunProcess:
     def end_stuck_stop(self) -> bool:
         """SIGKILL torchrun (:meth:`kill`) and reap it (:meth:`wait`) when it still runs
         :data:`STOP_WITHOUT_RANKS_GRACE_S` after the first stop signal passed on
-        (:meth:`forward_signal`) and ran no rank then nor at any call since: it waits in the
-        rendezvous, where the signal cannot reach torch's handler. True if it did (said once,
-        with why). Called about once a second while training runs; a torchrun seen with a
-        rank stops as torch stops it, never here.
+        (:meth:`forward_signal`) and ran no rank then nor at any call since: it waits in
+        torch's store (the rendezvous, or the exit barrier of several nodes), where the
+        signal cannot reach torch's handler. True if it did (said once, with why). Called
+        about once a second while training runs; a torchrun seen with a rank stops as torch
+        stops it, never here.
         """
         if not self._stop_signal or self._ranks_since_stop:
             return False
