@@ -186,7 +186,9 @@ class Tracker:
         For the figures to be the final summary's, every rank's steps must be stored first: on
         the other ranks call ``traceml.shutdown()``, then a ``torch.distributed.barrier()`` on
         all, before this (otherwise their steps of up to the last ``TRACEML_FLUSH_INTERVAL_SEC``
-        may be missing).
+        may be missing). The node sampler's samples of the last seconds may still be on their
+        way: a finding from them (a busy CPU, host memory) can be in the final summary only,
+        one more in its ``findings_warning`` or ``findings_critical``.
 
         Args:
             timeout_s: bound of the ``traceml.summary()`` call, s (default
