@@ -375,9 +375,10 @@ class Launch:
         decides). The one exception, on every node: a node-rank claim the aggregator refused
         means a node will never join the rendezvous, so torchrun is stopped
         (:meth:`NodeLaunch.watch_claims`). A torchrun that a stop signal did not stop within
-        seconds while it ran no rank (it waits in the rendezvous) is killed
-        (:meth:`TorchrunProcess.end_stuck_stop`); its return code is then the one torchrun
-        exits with once it takes the signal. A failure of this watch only ends the watch.
+        seconds while it ran no rank (it waits in torch's store: the rendezvous, or the exit
+        barrier of several nodes) is killed (:meth:`TorchrunProcess.end_stuck_stop`); its
+        return code is then the one torchrun exits with once it takes the signal. A failure
+        of this watch only ends the watch.
         """
         owner = self.config.owns_aggregator
         torchrun = self.node.torchrun

@@ -319,7 +319,8 @@ class TorchrunProcess:
         """
         if not self._stop_signal or self._ranks_since_stop:
             return False
-        if self.process is None or self.process.poll() is not None:
+        assert self.process is not None  # a stop was passed on to it
+        if self.process.poll() is not None:
             return False
         self._ranks_since_stop = self._runs_ranks()
         waited_s = time.monotonic() - self._stop_sent_at
