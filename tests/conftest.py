@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers import components, cputime
+from helpers import components, cputime, schedule
 from helpers.aggregator import free_port, query
 from helpers.jobs import (
     EXAMPLES,
@@ -169,6 +169,26 @@ def pytest_collection_modifyitems(items):
             from _pytest.nodeid import NodeId
 
             item._id = NodeId.parse(legacy)
+    _order_serial(items)
+
+
+def _order_serial(items) -> None:
+    """Put the ``serial`` tests, in the places they hold among ``items``, in the order that
+    evens out the serial phase's workers (tests/helpers/schedule.py); the tests of one xdist
+    group stay together, in their order. Every other test keeps its place."""
+    places = [i for i, item in enumerate(items) if item.get_closest_marker("serial")]
+    units: dict[str, list] = {}
+    for i in places:
+        group = items[i].get_closest_marker("xdist_group")
+        units.setdefault(group.args[0] if group else items[i].nodeid, []).append(items[i])
+
+    def seconds(unit: list) -> float:
+        return sum(schedule.SERIAL_SECONDS.get(t.nodeid.split("@")[0], 0) for t in unit)
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    ordered = [t for unit in schedule.snake(list(units.values()), seconds, workers) for t in unit]
+    for i, item in zip(places, ordered, strict=True):
+        items[i] = item
 
 
 def pytest_itemcollected(item):

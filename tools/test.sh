@@ -16,8 +16,9 @@
 # - pytest on TRACEML_TEST_WORKERS xdist workers (default 4, measured: docs/testing.md),
 #   tests that share one real job kept on one worker (--dist loadgroup, tests/conftest.py);
 #   in the full run, then the `serial` tests (faults with a bound of seconds) on as many
-#   workers among themselves, then the `alone` tests (timing benchmarks, planted figures) one
-#   at a time (docs/testing.md); at the end the 25 slowest tests of all three;
+#   workers among themselves, in the order of tests/helpers/schedule.py (longest first,
+#   evened out over the workers), then the `alone` tests (timing benchmarks, planted
+#   figures) one at a time (docs/testing.md); at the end the 25 slowest tests of all three;
 # - "no tests collected" (exit 5) is a failure: of any invocation of the full run without
 #   arguments (each always has tests), and with arguments of all three together (a selection
 #   may hold no serial test, or only serial ones). Your own -m: run pytest itself.
@@ -113,7 +114,7 @@ fi
 # out their faults (docs/testing.md has the measurements).
 run_pytest "${parallel[@]}" -m "not serial and not alone" --junitxml="$reports/parallel.xml" "$@"
 rc_parallel=$rc
-run_pytest "${parallel[@]}" -m serial --junitxml="$reports/serial.xml" "$@"
+run_pytest "${parallel[@]}" --no-loadscope-reorder -m serial --junitxml="$reports/serial.xml" "$@"
 rc_serial=$rc
 run_pytest -m alone --junitxml="$reports/alone.xml" "$@"
 rc_alone=$rc

@@ -7,5 +7,6 @@
 - :mod:`helpers.netns`: two hosts on one machine (network namespaces);
 - :mod:`helpers.batches`: wire batches and node exit reports built by hand;
 - :mod:`helpers.components`: the markers a test needs for what it starts.
-- :mod:`helpers.cputime`: each test's CPU seconds, children included (``--cpu-times=N``).
+- :mod:`helpers.cputime`: each test's CPU seconds, children included (``--cpu-times=N``);
+- :mod:`helpers.schedule`: the order of the ``serial`` phase's tests.
 """
