@@ -5,7 +5,7 @@ their fault) on 4 workers, with ``--dist loadgroup`` and ``--no-loadscope-reorde
 then queues the work units (a test, or a group of tests that share a job) in collection
 order, gives each worker two at the start (one running, one waiting) and another each time
 one ends. In collection order the longest units came last, so the phase took as long as its
-last long test after everything else (121 s on 2026-12-05 against ~85 s of work a worker).
+last long test after everything else (121-124 s on 2026-12-05 against ~85 s of work a worker).
 
 :func:`snake` puts the units in the order that evens out the workers under that rule: the
 ``workers`` longest first (one each), the next ``workers`` in reverse (the longest of them
