@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 from conftest import (
     SCRIPTS,
@@ -40,6 +39,7 @@ from conftest import (
 from conftest import (
     process_family as family,
 )
+from helpers.jobs import signal_all
 
 # serial: back to back on one port, with a bound of seconds from SIGTERM to the summary, which
 # a machine loaded by other tests' jobs broke once (35 s against 20 s).
@@ -142,15 +142,6 @@ def test_2_rank_sigsegv_on_the_same_port(tmp_path, shared_port):
     assert summary["run"]["telemetry_health"]["aggregator_restarts"] == 0
 
 
-def _signal_all(processes: list[psutil.Process], signum: int) -> float:
-    for p in processes:
-        try:
-            p.send_signal(signum)
-        except psutil.NoSuchProcess:
-            pass
-    return time.time()
-
-
 def test_3_sigterm_to_every_process(tmp_path, shared_port):
     script_args = ["--steps", "100000", "--step-sleep", "0.05"]
     # Plain torchrun, every process SIGTERMed the same way: the exit code to match.
@@ -163,7 +154,7 @@ def test_3_sigterm_to_every_process(tmp_path, shared_port):
     )
     assert b"faulty_ddp: training" in plain.stdout.readline()
     plain_processes = family(plain.pid)
-    _signal_all(plain_processes, signal.SIGTERM)
+    signal_all(plain_processes, signal.SIGTERM)
     plain_code = plain.wait(120)
     assert_all_gone(plain_processes)
 
@@ -172,7 +163,7 @@ def test_3_sigterm_to_every_process(tmp_path, shared_port):
     time.sleep(2.0)
     processes = family(launcher.pid)  # the launcher, its aggregator, torchrun, the ranks
     assert len(processes) >= 5
-    signalled_at = _signal_all(processes, signal.SIGTERM)
+    signalled_at = signal_all(processes, signal.SIGTERM)
     code = launcher.wait(120)
     assert_all_gone(processes)
     err = (tmp_path / "scancel.err").read_text()

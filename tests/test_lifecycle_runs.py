@@ -28,7 +28,7 @@ from conftest import (
 from conftest import (
     process_family as family,
 )
-from helpers.jobs import descendant_of, tmp_leftovers
+from helpers.jobs import descendant_of, signal_all, tmp_leftovers
 from helpers.waiting import wait_for
 
 from traceml.launcher.torchrun import STOP_WITHOUT_RANKS_GRACE_S, STOPPED_BY_SIGNAL_CODE
@@ -257,11 +257,7 @@ def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port
         code = launcher.wait(120)  # not the rendezvous timeout's 600 s
     finally:
         if launcher.poll() is None:  # the test failed: leave nothing running
-            for process in family(launcher.pid):
-                try:
-                    process.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            signal_all(family(launcher.pid), signal.SIGKILL)
     err = (tmp_path / "rdzv.err").read_text()
     assert code == STOPPED_BY_SIGNAL_CODE == 1, err
     assert (

@@ -215,6 +215,17 @@ def process_family(pid: int) -> list[psutil.Process]:
     return [root] + root.children(recursive=True)
 
 
+def signal_all(processes: list[psutil.Process], signum: int) -> float:
+    """Send ``signum`` to each of ``processes`` that still runs; the wall-clock time (s since
+    the epoch) once all were sent."""
+    for p in processes:
+        try:
+            p.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+    return time.time()
+
+
 def tmp_leftovers(tmpdir: Path) -> list[str]:
     """What a run left in its ``TMPDIR``: the names of its entries, torch's compile cache
     (``torchinductor_<user>``, one per user, reused by every run) left out."""

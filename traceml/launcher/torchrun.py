@@ -302,7 +302,7 @@ class TorchrunProcess:
         if self.process is not None and self.process.poll() is None:
             if not self._stop_signal:
                 self._stop_signal, self._stop_sent_at = signum, time.monotonic()
-                self._ranks_since_stop = self._runs_ranks()
+                self._ranks_since_stop = _has_children(self.process.pid)
             try:
                 self.process.send_signal(signum)
             except ProcessLookupError:
@@ -322,7 +322,7 @@ class TorchrunProcess:
         assert self.process is not None  # a stop was passed on to it
         if self.process.poll() is not None:
             return False
-        self._ranks_since_stop = self._runs_ranks()
+        self._ranks_since_stop = _has_children(self.process.pid)
         waited_s = time.monotonic() - self._stop_sent_at
         if self._ranks_since_stop or waited_s < STOP_WITHOUT_RANKS_GRACE_S:
             return False
@@ -335,18 +335,6 @@ class TorchrunProcess:
         self.kill()
         self.wait()
         return True
-
-    def _runs_ranks(self) -> bool:
-        """Whether torchrun has a child process (its ranks); True when that cannot be read
-        (nothing is then killed for want of ranks). Never raises: it runs in the launcher's
-        signal handler, before the signal is passed on."""
-        try:
-            import psutil
-
-            assert self.process is not None
-            return bool(psutil.Process(self.process.pid).children())
-        except Exception:
-            return True
 
     def kill(self) -> None:
         """SIGKILL torchrun and every process under it at once (a second signal to the
@@ -464,3 +452,15 @@ def _read_failures(path: Path) -> dict[int, dict] | None:
     except (OSError, ValueError):
         return None
     return {int(r["rank"]): r for r in data.get("failed", [])}
+
+
+def _has_children(pid: int) -> bool:
+    """Whether process ``pid`` (torchrun) has a child process (its ranks); True when that
+    cannot be read (nothing is then killed for want of ranks). Never raises: it runs in the
+    launcher's signal handler, before the signal is passed on."""
+    try:
+        import psutil
+
+        return bool(psutil.Process(pid).children())
+    except Exception:
+        return True
