@@ -64,6 +64,7 @@ from traceml_aggregator.store import (
     STORE_INT_MAX,
     Store,
     StoreUnavailable,
+    WriteResult,
     is_unreadable,
     open_run_store,
     unreadable,
@@ -260,10 +261,23 @@ class AggregatorService(wire.AggregatorServicer):
         return await self._answer(request, admitted, context, on_stream)
 
     async def _admit(self, request, context, on_stream: bool):
-        """Check ``request`` (a Batch) and queue it with the writer: the writer's future of its
-        :class:`~traceml_aggregator.writer.WriteResult`, or its Ack now (refused; on a stream,
-        pushed back by a full queue). It suspends only to adopt the script's own world (once
-        a run) and to abort a Push pushed back (see :meth:`_pushed_back`)."""
+        """Check ``request`` (a Batch, :meth:`_refusal`) and queue it with the writer: the
+        writer's future of its :class:`~traceml_aggregator.writer.WriteResult`, or its Ack now
+        (refused; on a stream, pushed back by a full queue). It suspends only to adopt the
+        script's own world (once a run) and to abort a Push pushed back (see
+        :meth:`_pushed_back`)."""
+        refused = await self._refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            return self.writer.queue_batch(request)
+        except QueueFull as exc:
+            return await self._pushed_back(exc, context, on_stream)
+
+    async def _refusal(self, request):
+        """The Ack refusing ``request`` (a Batch of another run, a sequence number below 1, a
+        batch :func:`~traceml_aggregator.senders.check_batch` refuses), counted; None when it
+        may be queued. It suspends only to adopt the script's own world (once a run)."""
         reason = self._foreign(request.run_name)
         if reason:
             return wire.Ack(rejected=True, reason=reason)
@@ -276,10 +290,7 @@ class AggregatorService(wire.AggregatorServicer):
         refusal = refusal or check_batch(request, self.state.world_size, self.config.nnodes)
         if refusal is not None:
             return wire.Ack(rejected=True, reason=self.rejections.refuse(*refusal))
-        try:
-            return self.writer.queue_batch(request)
-        except QueueFull as exc:
-            return await self._pushed_back(exc, context, on_stream)
+        return None
 
     async def _pushed_back(self, exc: QueueFull, context, on_stream: bool):
         """A full writer queue's answer: on a stream an Ack carrying ``retry_after_ms``; a Push
@@ -301,6 +312,11 @@ class AggregatorService(wire.AggregatorServicer):
             return await self._pushed_back(exc, context, on_stream)
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
+        return self._ack(request, result)
+
+    def _ack(self, request, result: WriteResult):
+        """The Ack of ``request`` (a Batch) that the writer's ``result`` answers; a refusal and
+        values dropped are counted."""
         if result.rejected:  # a refusal of this batch alone names the batch's own seq
             return wire.Ack(
                 rejected=True,
@@ -371,39 +387,60 @@ class AggregatorService(wire.AggregatorServicer):
                 stream.end()
 
     async def _relay_up(self, channels: dict[int, SenderStream], frames, context) -> list:
-        """The RelayAcks of one ``RelayUp``'s ``frames``, in one pass (no task per channel: a
-        ``RelayUp`` carries a node's every sender): each batch is checked and queued in frame
-        order; a channel's frames after a batch still queued wait for the writer and are then
-        answered in order, its other frames (a refusal, a ``closing``, an ``ended``) at once,
-        so a call cancelled while the writer is behind loses no stream's clean end. Futures
-        queued when the pass fails (an aborted call, a cancellation) are cancelled: their
-        batches stay queued, unanswered, as a Stream's would."""
+        """The RelayAcks of one ``RelayUp``'s ``frames``, in one pass (no task, no future and
+        no wake-up of the writer per channel: a ``RelayUp`` carries a node's every sender):
+        each batch is checked in frame order, and those not refused are queued with the writer
+        as one item (:meth:`~traceml_aggregator.writer.Writer.queue_batches`, one future). A
+        channel's frames after a batch queued are answered, in order, once the writer stored
+        the message; its other frames (a refusal, a ``closing``, an ``ended``) at once, so a
+        call cancelled while the writer is behind loses no stream's clean end. A message
+        queued when the call is cancelled stays queued, unanswered, as a Stream's batch
+        would; a store that failed aborts the call (``UNAVAILABLE``), as it does a Stream."""
         acks: list = []
-        later: list[tuple] = []  # (frame, its answer or None), behind a batch of its channel
-        waiting: set[int] = set()  # channels with a batch queued in this message
-        try:
-            for frame in frames:
-                answer = None
-                if not (frame.ended or frame.batch.closing):
-                    answer = await self._admit(frame.batch, context, on_stream=True)
-                if frame.channel in waiting or isinstance(answer, asyncio.Future):
-                    waiting.add(frame.channel)
-                    later.append((frame, answer))
-                else:
-                    self._relay_answered(channels, frame, answer, acks)
-            queued = [answer for _, answer in later if isinstance(answer, asyncio.Future)]
-            if queued:
-                await asyncio.gather(*queued, return_exceptions=True)
-        except BaseException:
-            for _, answer in later:
-                if isinstance(answer, asyncio.Future):
-                    answer.cancel()
-            raise
+        later: list[tuple] = []  # (frame, its Ack, or its index among the batches queued)
+        waiting: set[int] = set()  # channels with a batch to queue in this message
+        batches: list = []
+        for frame in frames:
+            answer = None
+            if not (frame.ended or frame.batch.closing):
+                answer = await self._refusal(frame.batch)
+                if answer is None:
+                    answer = len(batches)
+                    batches.append(frame.batch)
+            if frame.channel in waiting or isinstance(answer, int):
+                waiting.add(frame.channel)
+                later.append((frame, answer))
+            else:
+                self._relay_answered(channels, frame, answer, acks)
+        results = await self._relay_stored(batches, context)
         for frame, answer in later:
-            if isinstance(answer, asyncio.Future):
-                answer = await self._answer(frame.batch, answer, context, on_stream=True)
+            if isinstance(answer, int):
+                answer = results[answer]
             self._relay_answered(channels, frame, answer, acks)
         return acks
+
+    async def _relay_stored(self, batches: list, context) -> list:
+        """The Ack of each of ``batches`` (a ``RelayUp``'s, checked), queued with the writer as
+        one item and awaited: as :meth:`_answer` answers a stream's batch (a batch the queue
+        could not take, or all of them when the message waited too long, pushed back with a
+        retry-after)."""
+        if not batches:
+            return []
+        stored, refused = self.writer.queue_batches(batches)
+        results: list = []
+        if stored is not None:
+            try:
+                results = await stored
+            except QueueFull:
+                refused = dict.fromkeys(range(len(batches)))
+            except Exception as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
+        pushed_back = wire.Ack(retry_after_ms=RETRY_AFTER_MS)
+        stored_results = iter(results)
+        return [
+            pushed_back if i in refused else self._ack(batch, next(stored_results))
+            for i, batch in enumerate(batches)
+        ]
 
     def _relay_answered(self, channels: dict[int, SenderStream], frame, answer, acks: list):
         """Take ``frame`` (a RelayFrame) into its channel's stream: ``ended`` ends it,

@@ -1,13 +1,16 @@
 """The single SQLite writer: batches from every stream, one transaction per drain.
 
-RPC handlers on the event loop queue batches with :meth:`Writer.queue_batch` (a relay
-message's several at once) and await the futures it returns.
+RPC handlers on the event loop queue batches with :meth:`Writer.queue_batch` (a stream's or a
+Push's one) or :meth:`Writer.queue_batches` (a relay message's, as one item with one future: a
+node's relay pays the queue, its future and its wake-up once per message, not once per rank's
+batch) and await the futures they return.
 The writer task takes everything queued at that moment (up to
-:data:`MAX_BATCHES_PER_TRANSACTION`), stores it in one transaction on its own thread (the only
-thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each handler's
-future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's highest
-stored sequence number, whether the batch was a duplicate or refused), from which the handler
-builds the acknowledgement. A batch is acknowledged only after its transaction committed, so
+:data:`MAX_BATCHES_PER_TRANSACTION` batches), stores it in one transaction on its own thread
+(the only thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each
+handler's future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's
+highest stored sequence number, whether the batch was a duplicate or refused; a relay message's
+future with the list of its batches' results), from which the handler builds the
+acknowledgement. A batch is acknowledged only after its transaction committed, so
 an acknowledged batch survives the aggregator process dying in any way; a commit that fails (a
 full disk) acknowledges nothing, and its senders resend. The store commits with
 ``synchronous=NORMAL`` (see :mod:`traceml_aggregator.store` for why): an operating-system crash
@@ -114,9 +117,10 @@ class Writer:
         self.peak_queued_bytes = 0
         #: The peak last logged, and when (loop time; see :data:`PEAK_LOG_INTERVAL_S`).
         self._peak_logged = (0, -PEAK_LOG_INTERVAL_S)
-        #: :func:`batch_key` of every batch counted in ``_queued_bytes`` -> (its future, bytes).
-        self._queued: dict[tuple, tuple[asyncio.Future, int]] = {}
-        #: (loop time when its call is pushed back, its future) of each batch queued, in order.
+        #: :func:`batch_key` of every batch counted in ``_queued_bytes`` -> its bytes.
+        self._queued: dict[tuple, int] = {}
+        #: (loop time when its call is pushed back, its future, its batches) of each item
+        #: queued, in order.
         self._pushback_due: collections.deque = collections.deque()
         self._sweeper: asyncio.Task | None = None
         self._stall_file = os.environ.get(COMMIT_STALL_FILE_ENV) or None
@@ -124,8 +128,8 @@ class Writer:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
         self._task: asyncio.Task | None = None
-        #: Batches queued, and batches through a transaction (stored, duplicate or refused),
-        #: since the start: :meth:`drain` waits for the second to reach the first.
+        #: Items queued (a batch, or a relay message's batches), and items through their
+        #: transaction, since the start: :meth:`drain` waits for the second to reach the first.
         self._queued_total = 0
         self._written_total = 0
         self._written: asyncio.Condition | None = None
@@ -165,26 +169,67 @@ class Writer:
             sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
                 was stored.
         """
+        refusal = self._take(batch)
+        if refusal is not None:
+            raise refusal
+        future = asyncio.get_running_loop().create_future()
+        self._put([batch], future, single=True)
+        return future
+
+    def queue_batches(self, batches: list) -> tuple[asyncio.Future | None, dict[int, QueueFull]]:
+        """Queue ``batches`` (a relay message's, in its order) as one item with one future,
+        each batch counted against the queue's bound as :meth:`queue_batch` counts it.
+
+        Returns:
+            ``(future, refused)``: the future of the queued batches' :class:`WriteResult`
+            list (in the order of ``batches``, the refused ones left out), set once all of
+            them went through their transaction (None when none was queued); and the index
+            in ``batches`` of each batch not queued -> its :class:`QueueFull` (what
+            :meth:`queue_batch` raises for it: the queue full, or a copy still queued, this
+            message's own included).
+
+        The future's exceptions: those of :meth:`queue_batch`'s, for the whole message (a
+        batch of it the store could not take fails the message; one it refused as
+        malformed is refused alone, in its result).
+        """
+        future = asyncio.get_running_loop().create_future()
+        queued, refused = [], {}
+        for i, batch in enumerate(batches):
+            refusal = self._take(batch)
+            if refusal is None:
+                queued.append(batch)
+            else:
+                refused[i] = refusal
+        if not queued:
+            return None, refused
+        self._put(queued, future, single=False)
+        return future, refused
+
+    def _take(self, batch) -> QueueFull | None:
+        """Count ``batch`` against the queue's bound; why it cannot be queued, or None."""
         key = batch_key(batch)
         if key in self._queued:
             self.batches_pushed_back += 1
-            raise QueueFull("a copy of this batch waits to be stored")
+            return QueueFull("a copy of this batch waits to be stored")
         size_bytes = batch.ByteSize()
         if self._queued_bytes and self._queued_bytes + size_bytes > self.max_queued_bytes:
             self.batches_pushed_back += 1
-            raise QueueFull(
+            return QueueFull(
                 f"{self._queued_bytes} bytes of batches wait to be stored "
                 f"(bound {self.max_queued_bytes})"
             )
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._queued[key] = (future, size_bytes)
-        self._pushback_due.append((loop.time() + self.pushback_after_s, future))
+        self._queued[key] = size_bytes
         self._queued_bytes += size_bytes
+        return None
+
+    def _put(self, batches: list, future: asyncio.Future, single: bool) -> None:
+        """Queue ``batches``, already counted (:meth:`_take`), as one item whose ``future`` is
+        set to their results (the one result when ``single``)."""
+        due = future.get_loop().time() + self.pushback_after_s
+        self._pushback_due.append((due, future, len(batches)))
         self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
         self._queued_total += 1
-        self._queue.put_nowait((batch, future))
-        return future
+        self._queue.put_nowait((batches, future, single))
 
     async def _push_back_waiting(self) -> None:
         """Every :data:`PUSHBACK_SWEEP_S`, answer the calls whose batches have waited
@@ -200,18 +245,18 @@ class Writer:
                 self._peak_logged = (peak, now)
                 _log.info(f"writer queue peak {peak} bytes (bound {self.max_queued_bytes})")
             while due and due[0][0] <= now:
-                future = due.popleft()[1]
+                _, future, batches = due.popleft()
                 if not future.done():
-                    self.batches_pushed_back += 1
+                    self.batches_pushed_back += batches
                     future.set_exception(
                         QueueFull(f"not stored within {self.pushback_after_s:g} s (still queued)")
                     )
 
     def _dequeued(self, items: list) -> None:
         """``items`` went through their transaction: they no longer count against the bound."""
-        for batch, _ in items:
-            _, size_bytes = self._queued.pop(batch_key(batch))
-            self._queued_bytes -= size_bytes
+        for batches, _, _ in items:
+            for batch in batches:
+                self._queued_bytes -= self._queued.pop(batch_key(batch))
 
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the writer thread (reads and other writes of the store)."""
@@ -238,13 +283,15 @@ class Writer:
     async def _run(self) -> None:
         while True:
             items = [await self._queue.get()]
-            while len(items) < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
+            count = len(items[0][0])
+            while count < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
                 items.append(self._queue.get_nowait())
+                count += len(items[-1][0])
             try:
                 await self._write(items)
             except Exception as exc:  # a bug: the batches' handlers learn it, the writer goes on
                 _log.exception(f"writer error ({type(exc).__name__}: {exc})")
-                for _, future in items:
+                for _, future, _ in items:
                     if not future.done():
                         future.set_exception(exc)
             finally:
@@ -254,8 +301,42 @@ class Writer:
                     async with self._written:
                         self._written.notify_all()
 
-    async def _write(self, items: list, values_dropped: dict[int, int] | None = None) -> None:
-        """Store ``items`` ((batch, future) pairs) in one transaction and resolve the futures.
+    async def _write(self, items: list) -> None:
+        """Store the batches of ``items`` ((batches, future, single) triples) in one
+        transaction (:meth:`_store`), then, on the event loop at one go, hand each stored
+        batch to ``on_stored``, note the highest ``steps`` rowid (:attr:`steps_rowid_seen`)
+        and resolve the futures: an item's with its results (the one result when
+        ``single``), or with the first exception one of its batches met."""
+        batches = [batch for item in items for batch in item[0]]
+        outcomes, steps_rowid = await self._store(batches, time.time_ns() // 1000)
+        for batch, outcome in zip(batches, outcomes, strict=True):
+            if isinstance(outcome, BaseException) or outcome.rejected:
+                pass
+            elif outcome.duplicate:
+                self.batches_duplicate += 1
+            else:
+                self.batches_stored += 1
+                self.records_stored += record_count(batch)
+                self._stored_hook(batch)
+        first = 0
+        for batches_of, future, single in items:
+            mine = outcomes[first : first + len(batches_of)]
+            first += len(batches_of)
+            if future.done():
+                continue
+            failed = [o for o in mine if isinstance(o, BaseException)]
+            if failed:
+                future.set_exception(failed[0])
+            else:
+                future.set_result(mine[0] if single else mine)
+        self.steps_rowid_seen = max(self.steps_rowid_seen, steps_rowid)
+
+    async def _store(
+        self, batches: list, received_unix_us: int, values_dropped: dict[int, int] | None = None
+    ) -> tuple[list, int]:
+        """Store ``batches`` in one transaction on the writer thread: each one's
+        :class:`WriteResult` or the exception that kept it out, with the store's highest
+        ``steps`` rowid after it.
 
         When the transaction fails on an integer the store cannot hold (above
         :data:`~traceml_aggregator.store.STORE_INT_MAX`), those values are dropped from the
@@ -265,47 +346,35 @@ class Writer:
         otherwise, each batch is tried again in a transaction of its own: a batch the store
         cannot take (a malformed step group, an unknown end state) fails alone and is refused
         as ``malformed`` (that batch alone: see :data:`~traceml_aggregator.senders.BATCH_ONLY`),
-        and the batches of other ranks that shared its transaction are stored. Any other failure
-        (the disk) reaches the batch's handler as
-        the exception.
+        and the batches of other ranks that shared its transaction are stored. Any other
+        failure (the disk) is that batch's outcome, which its handler learns.
         """
         loop = asyncio.get_running_loop()
-        batches = [batch for batch, _ in items]
         try:
             results, steps_rowid = await loop.run_in_executor(
-                self._pool, self._write_batches, batches, time.time_ns() // 1000
+                self._pool, self._write_batches, batches, received_unix_us
             )
         except Exception as exc:
             if isinstance(exc, OverflowError) and values_dropped is None:
                 values_dropped = {id(b): n for b in batches if (n := drop_unstorable(b))}
                 if values_dropped:
-                    await self._write(items, values_dropped)
-                    return
-            if len(items) > 1:
-                for item in items:
-                    await self._write([item], values_dropped)
-                return
-            _, future = items[0]
-            if future.done():
-                return
+                    return await self._store(batches, received_unix_us, values_dropped)
+            if len(batches) > 1:
+                outcomes: list = []
+                steps_rowid = 0
+                for batch in batches:
+                    one, rowid = await self._store([batch], received_unix_us, values_dropped)
+                    outcomes += one
+                    steps_rowid = max(steps_rowid, rowid)
+                return outcomes, steps_rowid
             if isinstance(exc, (ValueError, OverflowError)):
-                future.set_result(WriteResult(0, False, f"a malformed batch ({exc})", "malformed"))
-            else:  # its handler learns why
-                future.set_exception(exc)
-            return
-        for (batch, future), result in zip(items, results, strict=True):
-            if result.rejected:
-                pass
-            elif result.duplicate:
-                self.batches_duplicate += 1
-            else:
-                self.batches_stored += 1
-                self.records_stored += record_count(batch)
-                result.values_dropped = (values_dropped or {}).get(id(batch), 0)
-                self._stored_hook(batch)
-            if not future.done():
-                future.set_result(result)
-        self.steps_rowid_seen = steps_rowid
+                return [WriteResult(0, False, f"a malformed batch ({exc})", "malformed")], 0
+            return [exc], 0
+        if values_dropped:
+            for batch, result in zip(batches, results, strict=True):
+                if not (result.rejected or result.duplicate):
+                    result.values_dropped = values_dropped.get(id(batch), 0)
+        return results, steps_rowid
 
     def _write_batches(self, batches: list, received_unix_us: int) -> tuple[list[WriteResult], int]:
         """:meth:`Store.write_batches` on the writer thread, after the test-only stall (see
