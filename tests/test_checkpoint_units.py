@@ -57,8 +57,8 @@ def _plain(x):
         return [_plain(v) for v in x]
     if hasattr(x, "__slots__"):
         return {k: _plain(getattr(x, k)) for k in x.__slots__}
-    if hasattr(x, "__dict__"):
-        return _plain(x.__dict__)
+    if hasattr(x, "__dict__"):  # what it pickles: a cache it leaves out is not state
+        return _plain(x.__getstate__())
     return x
 
 

@@ -12,7 +12,7 @@ from helpers.batches import rank_batch as batch
 from traceml import wire
 from traceml.wire.records import add_steps
 from traceml_aggregator.store import Store
-from traceml_aggregator.writer import Writer
+from traceml_aggregator.writer import QueueFull, Writer
 
 
 def results(store: Store, *batches) -> list[tuple[int, bool]]:
@@ -157,6 +157,50 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     assert (bad_result.kind, bad_result.duplicate) == ("malformed", False)
     assert bad_result.rejected.startswith("a malformed batch (")
     assert (steps, batches_stored, stored) == (3, 1, [0])
+
+
+def test_a_relay_message_is_one_item_whose_batches_are_answered_each_in_order(tmp_path):
+    """``queue_batches`` (a ``RelayUp``'s batches) queues one item with one future: a copy of
+    a batch of the same message is refused at once (the copy queued is stored once), a
+    malformed batch is refused alone in the results, the others are stored in the one
+    transaction with the batches queued beside them, and the results come in the message's
+    order; a message that waits past the push-back bound counts each of its batches."""
+    good = [batch(1, range(2), rank=r) for r in (0, 1, 2)]
+    bad = batch(1, range(2), rank=3, finish=wire.RankFinish(end_state=77))  # no such state
+    stored: list[int] = []
+
+    async def main():
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.rank))
+        alone = asyncio.ensure_future(writer.queue_batch(batch(1, [5], rank=9)))
+        message, refused = writer.queue_batches([good[0], good[1], good[1], bad, good[2]])
+        assert message is not None and writer._queue.qsize() == 2  # one item each
+        writer.start()
+        results = await message
+        steps = await writer.call(rows, writer.store, "SELECT rank, step FROM steps")
+        # a message that waits: pushed back as a whole, each of its batches counted
+        stalled = Writer(Store(tmp_path / "s.sqlite"), lambda b: None, pushback_after_s=0.0)
+        stalled._sweeper = asyncio.ensure_future(stalled._push_back_waiting())
+        waiting, _ = stalled.queue_batches([batch(1, [0], rank=r) for r in (0, 1, 2)])
+        with pytest.raises(QueueFull, match="not stored within 0 s"):
+            await waiting
+        await stalled.close()
+        await writer.close()
+        return refused, results, (await alone), steps, writer, stalled.batches_pushed_back
+
+    refused, results, alone, steps, writer, pushed_back = asyncio.run(main())
+    assert {i: str(exc) for i, exc in refused.items()} == {
+        2: "a copy of this batch waits to be stored"
+    }
+    assert [(r.stored_seq, r.duplicate, r.kind) for r in results] == [
+        (1, False, ""),
+        (1, False, ""),
+        (0, False, "malformed"),
+        (1, False, ""),
+    ]
+    assert (alone.stored_seq, alone.duplicate) == (1, False)
+    assert sorted(steps) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (9, 5)]
+    assert (stored, writer.batches_stored, writer.batches_pushed_back) == ([9, 0, 1, 2], 4, 1)
+    assert pushed_back == 3
 
 
 def test_a_failing_on_stored_stops_neither_the_writer_nor_later_batches(tmp_path):

@@ -144,11 +144,19 @@ class StepState:
         self.fold_steps = min(FOLD_STEPS, window_steps)
         self.pending = 0  # steps at the window's end not folded into the series yet
         self.last: dict[str, int | None] | None = None  # the highest step stored
+        self._plan: tuple | None = None  # how the latest group was folded: see _plan_of
         self._series = _Series(series_steps)
+
+    def __getstate__(self) -> dict:
+        """What a checkpoint keeps: all but the fold's plan (made again at the next fold)."""
+        state = dict(self.__dict__)
+        state.pop("_plan", None)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """Restore a checkpointed state; a step field added since it was written (a new phase)
         reads as not measured at every step it holds, as a replay of those steps would."""
+        self._plan = None
         self.__dict__.update(state)
         steps = self.window["step"]
         for name in STEP_FIELDS:
@@ -167,32 +175,48 @@ class StepState:
         n = len(columns[0])
         if not n:
             return
-        given = dict(zip(names, columns, strict=True))
-        if not self.measured.issuperset(names):
-            self.measured = {*self.measured, *names}
-        steps = given["step"]
+        plan = self._plan
+        if plan is None or plan[0] != names:
+            plan = self._plan = self._plan_of(names)
+        _, given, missing = plan
+        steps = columns[given[0][1]]
         highest = max(steps)
-        top = n - 1 if steps[n - 1] == highest else list(steps).index(highest)
-        if self.last is None or steps[top] >= self.last["step"]:
-            self.last = {
-                name: (c[top] if (c := given.get(name)) is not None else None)
-                for name in STEP_FIELDS
-            }
+        if self.last is None or highest >= self.last["step"]:
+            top = n - 1 if steps[n - 1] == highest else list(steps).index(highest)
+            last = dict.fromkeys(STEP_FIELDS)
+            for name, index, _ in given:
+                last[name] = columns[index][top]
+            self.last = last
         start = 0
         while start < n:  # pieces that fill the pending chunk at most
             end = min(n, start + self.fold_steps - self.pending)
             whole = start == 0 and end == n
-            for name, window in self.window.items():
-                column = given.get(name)
-                if column is None:
-                    window.extend((None,) * (end - start))
-                else:
-                    window.extend(column if whole else column[start:end])
+            for _, index, window in given:
+                window.extend(columns[index] if whole else columns[index][start:end])
+            nones = (None,) * (end - start)
+            for window in missing:
+                window.extend(nones)
             self.pending += end - start
             if self.pending == self.fold_steps:
                 self._series.fold(self._tail(self.pending))
                 self.pending = 0
             start = end
+
+    def _plan_of(self, names) -> tuple:
+        """How a group that measured the fields ``names`` is folded, kept in :attr:`_plan`
+        while the groups measure the same fields (the common case): ``(names, ((field, its
+        column's index in the group, its window) of each step field among names, "step"
+        first), (the windows of the step fields not among them))``. Notes the fields in
+        :attr:`measured`."""
+        if not self.measured.issuperset(names):
+            self.measured = {*self.measured, *names}
+        index = {name: i for i, name in enumerate(names)}
+        given = [(name, index[name], w) for name, w in self.window.items() if name in index]
+        given.sort(key=lambda g: g[0] != "step")
+        if not given or given[0][0] != "step":
+            raise KeyError("step")  # a group without its steps' indices
+        missing = [window for name, window in self.window.items() if name not in index]
+        return names, given, missing
 
     def tail(self, count: int) -> dict[str, tuple]:
         """The last ``count`` window steps (all when fewer) of each field in
