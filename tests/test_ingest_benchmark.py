@@ -8,33 +8,16 @@ development machine; 38 s and 9 s before the relay wire), which the parallel sta
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-#: The environment of a user who runs a benchmark: no run token of the tests' (the benchmark
-#: sets its own; without it every call was refused UNAUTHENTICATED and the run never ended).
-USER_ENV = {k: v for k, v in os.environ.items() if k != "TRACEML_RUN_TOKEN"}
+from helpers.benchmarks import run_benchmark
 
 
 @pytest.mark.aggregator
 @pytest.mark.slow
 def test_the_short_ingest_benchmark_runs_the_three_wires_and_the_transport_floor_side_by_side():
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "ingest.py"), "--short"],
-        cwd=BENCHMARKS,
-        env=USER_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_benchmark("ingest.py", "--short", timeout_s=300)
     runs = re.findall(
         r"^\s+(stream|unary|relay)\s+8 ranks, a batch every ([\d.]+) s, 0 viewers"
         r"(, gRPC transport alone)?:",
@@ -61,25 +44,9 @@ def test_the_short_ingest_benchmark_runs_the_three_wires_and_the_transport_floor
 
 @pytest.mark.slow
 def test_the_short_ingest_benchmark_compares_8_scrapers_with_none_side_by_side():
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "ingest.py"),
-            "--short",
-            "--wire",
-            "stream",
-            "--scrapers",
-            "0",
-            "8",
-        ],
-        cwd=BENCHMARKS,
-        env=USER_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = run_benchmark(
+        "ingest.py", "--short", "--wire", "stream", "--scrapers", "0", "8", timeout_s=300
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     runs = re.findall(
         r"^\s+stream\s+8 ranks, a batch every ([\d.]+) s, 0 viewers(, 8 scrapers[^:]*)?"
         r"(, gRPC transport alone)?:",

@@ -8,44 +8,23 @@ memory are for the full run to judge (benchmarks/README.md), not this one."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers.benchmarks import run_benchmark
 
 from traceml import settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.aggregator]
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-#: A user's environment: the benchmark sets its own run token (see test_ingest_benchmark.py).
-USER_ENV = {k: v for k, v in os.environ.items() if k != "TRACEML_RUN_TOKEN"}
 #: --short: 64 ranks x 10 batches an hour x 20 steps.
 STEPS_AN_HOUR = 64 * 10 * 20
 
 
 def test_the_short_soak_loses_nothing_and_has_the_faults_it_claims(tmp_path):
     out = tmp_path / "soak.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "soak.py"),
-            "--short",
-            "--json",
-            str(out),
-            "--tmp-dir",
-            str(tmp_path),
-        ],
-        cwd=BENCHMARKS,
-        env=USER_ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    result = run_benchmark(
+        "soak.py", "--short", "--json", str(out), "--tmp-dir", str(tmp_path), timeout_s=240
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     f = json.loads(out.read_text())
     # Every step acknowledged by the end, none lost; how they split between the hours depends
     # on when the hour's mark was read against the batch due at the same instant (CI once saw
