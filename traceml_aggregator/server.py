@@ -391,14 +391,13 @@ class AggregatorService(wire.AggregatorServicer):
         no wake-up of the writer per channel: a ``RelayUp`` carries a node's every sender):
         each batch is checked in frame order, and those not refused are queued with the writer
         as one item (:meth:`~traceml_aggregator.writer.Writer.queue_batches`, one future). A
-        channel's frames after a batch queued are answered, in order, once the writer stored
-        the message; its other frames (a refusal, a ``closing``, an ``ended``) at once, so a
-        call cancelled while the writer is behind loses no stream's clean end. A message
-        queued when the call is cancelled stays queued, unanswered, as a Stream's batch
-        would; a store that failed aborts the call (``UNAVAILABLE``), as it does a Stream."""
-        acks: list = []
-        later: list[tuple] = []  # (frame, its Ack, or its index among the batches queued)
-        waiting: set[int] = set()  # channels with a batch to queue in this message
+        channel's frames after a batch the writer took are answered, in order, once it stored
+        the message; its other frames (a refusal, a push-back, a ``closing``, an ``ended``)
+        at once, so a call cancelled while the writer is behind loses no stream's clean end.
+        A message queued when the call is cancelled stays queued, unanswered, as a Stream's
+        batch would; a store that failed aborts the call (``UNAVAILABLE``), as it does a
+        Stream."""
+        checked: list[tuple] = []  # (frame, its Ack, or its index among the batches to queue)
         batches: list = []
         for frame in frames:
             answer = None
@@ -407,40 +406,34 @@ class AggregatorService(wire.AggregatorServicer):
                 if answer is None:
                     answer = len(batches)
                     batches.append(frame.batch)
+            checked.append((frame, answer))
+        stored, refused = self.writer.queue_batches(batches) if batches else (None, {})
+        pushed_back = wire.Ack(retry_after_ms=RETRY_AFTER_MS)
+        acks: list = []
+        later: list[tuple] = []  # (frame, its answer), behind a batch of its channel taken
+        waiting: set[int] = set()  # channels with a batch the writer took
+        for frame, answer in checked:
+            if isinstance(answer, int) and answer in refused:
+                answer = pushed_back
             if frame.channel in waiting or isinstance(answer, int):
                 waiting.add(frame.channel)
                 later.append((frame, answer))
             else:
                 self._relay_answered(channels, frame, answer, acks)
-        results = await self._relay_stored(batches, context)
-        for frame, answer in later:
-            if isinstance(answer, int):
-                answer = results[answer]
-            self._relay_answered(channels, frame, answer, acks)
-        return acks
-
-    async def _relay_stored(self, batches: list, context) -> list:
-        """The Ack of each of ``batches`` (a ``RelayUp``'s, checked), queued with the writer as
-        one item and awaited: as :meth:`_answer` answers a stream's batch (a batch the queue
-        could not take, or all of them when the message waited too long, pushed back with a
-        retry-after)."""
-        if not batches:
-            return []
-        stored, refused = self.writer.queue_batches(batches)
-        results: list = []
         if stored is not None:
+            results: list | None = None  # None: waited too long, each batch pushed back
             try:
                 results = await stored
             except QueueFull:
-                refused = dict.fromkeys(range(len(batches)))
+                pass
             except Exception as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
-        pushed_back = wire.Ack(retry_after_ms=RETRY_AFTER_MS)
-        stored_results = iter(results)
-        return [
-            pushed_back if i in refused else self._ack(batch, next(stored_results))
-            for i, batch in enumerate(batches)
-        ]
+            taken = iter(results or ())
+            for frame, answer in later:
+                if isinstance(answer, int):
+                    answer = pushed_back if results is None else self._ack(frame.batch, next(taken))
+                self._relay_answered(channels, frame, answer, acks)
+        return acks
 
     def _relay_answered(self, channels: dict[int, SenderStream], frame, answer, acks: list):
         """Take ``frame`` (a RelayFrame) into its channel's stream: ``ended`` ends it,
