@@ -22,10 +22,12 @@ from test_live_aggregates import feed, node_batch, rank_batch
 
 from traceml import wire
 from traceml.analysis import digest as digest_mod
+from traceml.analysis.document import CPU, GPU
 from traceml.analysis.summary import build_summary
 from traceml.core.endpoint import call as rpc
+from traceml.core.phases import STEP_FIELDS
 from traceml.sdk.client import STEPS
-from traceml_aggregator.aggregates import SERIES_STEPS
+from traceml_aggregator.aggregates import FOLD_STEPS, SERIES_STEPS, StepState
 from traceml_aggregator.live import WINDOW_STEPS, LiveAggregates, with_steps
 from traceml_aggregator.load import load
 from traceml_aggregator.store import Store
@@ -133,6 +135,37 @@ def test_a_long_run_has_exact_counts_and_quantiles_within_the_sketch_bound(tmp_p
             assert approx["memory"][key] == exact["memory"][key]
     assert final["analysis"]["clock"]["name"] == stored["analysis"]["clock"]["name"] == "gpu"
     store.close()
+
+
+def test_ranks_fold_their_series_at_different_steps_and_no_figure_changes():
+    """A rank's first chunk is shorter by ``offset`` (the live aggregates: rank % FOLD_STEPS),
+    so that ranks stepping together do not all fold at the same step; where the chunks begin
+    changes neither the series nor the digest."""
+    n, per_group = 3 * FOLD_STEPS + 77, 4
+    rows = [_varied_row(1, i) for i in range(n)]
+    names = tuple(name for name in STEP_FIELDS if any(name in row for row in rows))
+    states = {offset: StepState(WINDOW_STEPS, 256, offset=offset) for offset in (0, 137, 649)}
+    pending_at = {}
+    for start in range(0, n, per_group):
+        group = rows[start : start + per_group]
+        for state in states.values():
+            state.fold(names, [[row.get(name) for row in group] for name in names])
+        if start + per_group == 376:  # the first chunk of offset 137 (375 steps) is in
+            pending_at = {o: s.pending for o, s in states.items()}
+    assert pending_at == {0: 376, 137: 1, 649: 1}
+    assert {o: (s.pending, s.chunk) for o, s in states.items()} == {
+        0: (77, FOLD_STEPS),
+        137: (77 + 137, FOLD_STEPS),
+        649: (77 + 137, FOLD_STEPS),
+    }
+    finals = {o: s.final() for o, s in states.items()}
+    (series, digest), others = finals[0], [finals[137], finals[649]]
+    assert digest is not None and len(series.columns["step"]) < n  # sampled, with a digest
+    for other_series, other_digest in others:
+        assert other_series == series
+        for clock in (CPU, GPU):
+            assert other_digest.figures(clock) == digest.figures(clock)
+        assert (other_digest.stored, other_digest.in_step_sum) == (n, digest.in_step_sum)
 
 
 def test_the_sample_is_bounded_the_same_on_every_rank_and_ends_with_the_last_step(tmp_path):

@@ -59,7 +59,12 @@ def series_steps(world_size: int) -> int:
 #: Steps folded into the digest and the sample at a time (at most the window's length): each
 #: attempt's steps are folded in chunks of exactly this many, in arrival order, so the same
 #: steps give the same digest however the batches cut them (the offline summary equals the
-#: live one); the NumPy calls of a fold are shared by this many steps.
+#: live one); the NumPy calls of a fold are shared by this many steps. The first chunk of a
+#: rank's attempt is shorter by its ``offset`` (:class:`StepState`: the live aggregates give
+#: ``rank % FOLD_STEPS``), so that ranks that step together do not all fold at the same step:
+#: at 8,000 ranks that was ~4 s of the event loop at once every 512 steps, and the writer's
+#: calls waiting behind it were pushed back (docs/scale.md). The digest and the sample do not
+#: depend on where the chunks begin.
 FOLD_STEPS = 512
 _HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: a bijective mix of the step index
 _SHIFT = np.uint64(32)
@@ -132,17 +137,22 @@ class StepState:
     Args:
         window_steps: the live window's length (steps), at least :data:`FOLD_STEPS`.
         series_steps: the final series' bound (:func:`series_steps`).
+        offset: the first chunk folded into the series is this many steps (modulo the
+            chunk's length) shorter than the others (see :data:`FOLD_STEPS`).
     """
 
     #: The step fields any group of this attempt carried (a field never carried is None at
     #: every step of the window). A state checkpointed before it was kept reads all of them.
     measured: AbstractSet[str] = frozenset(STEP_FIELDS)
 
-    def __init__(self, window_steps: int, series_steps: int = SERIES_STEPS) -> None:
+    def __init__(
+        self, window_steps: int, series_steps: int = SERIES_STEPS, offset: int = 0
+    ) -> None:
         self.window = {name: deque(maxlen=window_steps) for name in STEP_FIELDS}
         self.measured = set()
         self.fold_steps = min(FOLD_STEPS, window_steps)
         self.pending = 0  # steps at the window's end not folded into the series yet
+        self.chunk = self.fold_steps - offset % self.fold_steps  # steps the next fold takes
         self.last: dict[str, int | None] | None = None  # the highest step stored
         self._plan: tuple | None = None  # how the latest group was folded: see _plan_of
         self._series = _Series(series_steps)
@@ -158,6 +168,7 @@ class StepState:
         reads as not measured at every step it holds, as a replay of those steps would."""
         self._plan = None
         self.__dict__.update(state)
+        self.__dict__.setdefault("chunk", self.fold_steps)  # checkpointed before it was kept
         steps = self.window["step"]
         for name in STEP_FIELDS:
             if name not in self.window:
@@ -189,7 +200,7 @@ class StepState:
             self.last = last
         start = 0
         while start < n:  # pieces that fill the pending chunk at most
-            end = min(n, start + self.fold_steps - self.pending)
+            end = min(n, start + self.chunk - self.pending)
             whole = start == 0 and end == n
             for _, index, window in given:
                 window.extend(columns[index] if whole else columns[index][start:end])
@@ -197,9 +208,9 @@ class StepState:
             for window in missing:
                 window.extend(nones)
             self.pending += end - start
-            if self.pending == self.fold_steps:
+            if self.pending == self.chunk:
                 self._series.fold(self._tail(self.pending))
-                self.pending = 0
+                self.pending, self.chunk = 0, self.fold_steps
             start = end
 
     def _plan_of(self, names) -> tuple:

@@ -180,7 +180,7 @@ class RankLive:
 
     def __post_init__(self) -> None:
         if self.steps is None:
-            self.steps = StepState(WINDOW_STEPS, self.series_steps)
+            self.steps = StepState(WINDOW_STEPS, self.series_steps, offset=self.rank)
 
     @property
     def window(self) -> dict:
