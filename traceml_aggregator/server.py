@@ -79,6 +79,8 @@ SERVICE_NAME = "traceml.wire.v1.Aggregator"
 SUMMARIZE_DRAIN_S = 2.0
 #: How long a client pushed back by a full writer queue waits before it sends again, ms.
 RETRY_AFTER_MS = 500
+#: What a stream's (or a relay channel's) batch pushed back by the writer's queue is answered.
+PUSHED_BACK = wire.Ack(retry_after_ms=RETRY_AFTER_MS)
 #: How often the stream ledger and the refusal counts are written to the store when they
 #: changed, s: an aggregator killed in any way loses at most this much of them (its
 #: replacement restores the rest).
@@ -296,7 +298,7 @@ class AggregatorService(wire.AggregatorServicer):
         """A full writer queue's answer: on a stream an Ack carrying ``retry_after_ms``; a Push
         is aborted with ``RESOURCE_EXHAUSTED`` and the retry-after in trailing metadata."""
         if on_stream:
-            return wire.Ack(retry_after_ms=RETRY_AFTER_MS)
+            return PUSHED_BACK
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"the aggregator is behind: {exc}; send again later",
@@ -304,15 +306,24 @@ class AggregatorService(wire.AggregatorServicer):
         )
 
     async def _answer(self, request, stored: asyncio.Future, context, on_stream: bool):
-        """The Ack of ``request`` once the writer's future ``stored`` is done; a failed store
-        aborts the call (``UNAVAILABLE``)."""
+        """The Ack of ``request`` once the writer's future ``stored`` is done (see
+        :meth:`_stored`)."""
+        result = await self._stored(stored, context)
+        if isinstance(result, QueueFull):
+            return await self._pushed_back(result, context, on_stream)
+        return self._ack(request, result)
+
+    @staticmethod
+    async def _stored(stored: asyncio.Future, context):
+        """What the writer's future ``stored`` came to: its result, or the
+        :class:`~traceml_aggregator.writer.QueueFull` of a batch (a relay message) that waited
+        too long; a failed store aborts the call (``UNAVAILABLE``)."""
         try:
-            result = await stored
+            return await stored
         except QueueFull as exc:
-            return await self._pushed_back(exc, context, on_stream)
+            return exc
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
-        return self._ack(request, result)
 
     def _ack(self, request, result: WriteResult):
         """The Ack of ``request`` (a Batch) that the writer's ``result`` answers; a refusal and
@@ -408,30 +419,24 @@ class AggregatorService(wire.AggregatorServicer):
                     batches.append(frame.batch)
             checked.append((frame, answer))
         stored, refused = self.writer.queue_batches(batches) if batches else (None, {})
-        pushed_back = wire.Ack(retry_after_ms=RETRY_AFTER_MS)
         acks: list = []
         later: list[tuple] = []  # (frame, its answer), behind a batch of its channel taken
         waiting: set[int] = set()  # channels with a batch the writer took
         for frame, answer in checked:
             if isinstance(answer, int) and answer in refused:
-                answer = pushed_back
+                answer = PUSHED_BACK
             if frame.channel in waiting or isinstance(answer, int):
                 waiting.add(frame.channel)
                 later.append((frame, answer))
             else:
                 self._relay_answered(channels, frame, answer, acks)
         if stored is not None:
-            results: list | None = None  # None: waited too long, each batch pushed back
-            try:
-                results = await stored
-            except QueueFull:
-                pass
-            except Exception as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
-            taken = iter(results or ())
+            results = await self._stored(stored, context)  # a QueueFull: each pushed back
+            taken = iter(() if isinstance(results, QueueFull) else results)
             for frame, answer in later:
                 if isinstance(answer, int):
-                    answer = pushed_back if results is None else self._ack(frame.batch, next(taken))
+                    result = next(taken, None)
+                    answer = PUSHED_BACK if result is None else self._ack(frame.batch, result)
                 self._relay_answered(channels, frame, answer, acks)
         return acks
 

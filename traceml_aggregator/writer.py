@@ -324,9 +324,9 @@ class Writer:
             first += len(batches_of)
             if future.done():
                 continue
-            failed = [o for o in mine if isinstance(o, BaseException)]
-            if failed:
-                future.set_exception(failed[0])
+            failed = next((o for o in mine if isinstance(o, BaseException)), None)
+            if failed is not None:
+                future.set_exception(failed)
             else:
                 future.set_result(mine[0] if single else mine)
         self.steps_rowid_seen = max(self.steps_rowid_seen, steps_rowid)
