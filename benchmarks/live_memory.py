@@ -1,11 +1,11 @@
 """The live aggregates' memory: what node 0's aggregator holds per rank once its windows fill.
 
 Each rank's live state (:class:`~traceml_aggregator.live.windows.RankLive`: its window of the
-latest :data:`~traceml_aggregator.live.analysis_process.WINDOW_STEPS` steps, one deque of
-Python ints per step field, its series and digest) grows with the steps stored until the window
-is full, then stays. A short benchmark run (``ingest.py``'s 30 s at 1 step/s) sees 30-step
-windows; a long run, full ones. This folds ``--steps`` steps of each of ``--ranks`` ranks (the
-ingest benchmark's steps: 8 fields measured, 2 steps a batch, through
+latest :data:`~traceml_aggregator.live.analysis_process.WINDOW_STEPS` steps, one packed int64
+column per step field measured, its series and digest) grows with the steps stored until the
+window and the series are full, then stays. A short benchmark run (``ingest.py``'s 30 s at 1
+step/s) sees 30-step windows; a long run, full ones. This folds ``--steps`` steps of each of
+``--ranks`` ranks (the ingest benchmark's steps: 8 fields measured, 2 steps a batch, through
 :meth:`LiveAggregates.on_batch`, as the writer hands them over), each world in a fresh
 process (memory an earlier world freed would be reused, not counted), and prints the RSS it
 added (MiB, and KiB a rank), read from ``/proc`` after a garbage collection. The aggregator's

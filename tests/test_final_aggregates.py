@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -27,7 +28,13 @@ from traceml.analysis.summary import build_summary
 from traceml.core.endpoint import call as rpc
 from traceml.core.phases import STEP_FIELDS
 from traceml.sdk.client import STEPS
-from traceml_aggregator.aggregates import FOLD_STEPS, SERIES_STEPS, StepState
+from traceml_aggregator.aggregates import (
+    FOLD_STEPS,
+    SERIES_STEPS,
+    UNMEASURED,
+    WINDOW_SLACK,
+    StepState,
+)
 from traceml_aggregator.live import WINDOW_STEPS, LiveAggregates, with_steps
 from traceml_aggregator.load import load
 from traceml_aggregator.store import Store
@@ -168,6 +175,40 @@ def test_ranks_fold_their_series_at_different_steps_and_no_figure_changes():
         assert (other_digest.stored, other_digest.in_step_sum) == (n, digest.in_step_sum)
 
 
+def test_the_window_holds_8_bytes_a_value_of_the_fields_measured_only():
+    """The window is one packed int64 column per field a group carried (issue 26: ~37 KiB a
+    rank at 8 fields, where one deque of Python ints per step field held ~220 KiB); a field
+    first measured late reads None before, the window keeps its latest steps, and a
+    checkpoint pickles the window's steps, not the columns' slack."""
+    state = StepState(WINDOW_STEPS, 256)
+    base = ("step", "end_us", "step_us", "forward_us")
+    n = 3 * WINDOW_STEPS + 5
+    for start in range(0, n, 10):
+        steps = range(start, min(n, start + 10))
+        state.fold(base, [list(steps), [10 * i for i in steps], [7] * len(steps), [3] * len(steps)])
+    late = ("step", "end_us", "step_us", "backward_us")
+    state.fold(late, [[n, n + 1], [10 * n, 10 * n + 10], [8, 9], [5, 6]])
+    assert list(state.measured) == ["step", "end_us", "step_us", "forward_us", "backward_us"]
+    assert state.size == WINDOW_STEPS
+    assert state.tail(4) == {
+        "step": (n - 2, n - 1, n, n + 1),
+        "end_us": (10 * (n - 2), 10 * (n - 1), 10 * n, 10 * n + 10),
+        "step_us": (7, 7, 8, 9),
+        "forward_us": (3, 3, None, None),
+        "backward_us": (None, None, 5, 6),
+    }
+    assert state.latest(WINDOW_STEPS)["step"] == list(range(n + 2 - WINDOW_STEPS, n + 2))
+    assert state.latest(2)["gpu_step_us"] == [None, None]  # never measured: no column
+    # 8 bytes a value of the 5 measured fields, the slack and the arrays' growth included
+    held = sum(c.buffer_info()[1] * c.itemsize for c in state.columns.values())
+    assert held <= 5 * (WINDOW_STEPS + WINDOW_SLACK) * 8 * 1.1, held
+    assert min(state.columns["backward_us"]) == UNMEASURED
+    kept = state.__getstate__()["columns"]
+    assert {len(c) for c in kept.values()} == {WINDOW_STEPS}
+    restored = pickle.loads(pickle.dumps(state))
+    assert restored.tail(WINDOW_STEPS) == state.tail(WINDOW_STEPS)
+
+
 def test_the_sample_is_bounded_the_same_on_every_rank_and_ends_with_the_last_step(tmp_path):
     n = 6 * SERIES_STEPS
     store, agg = _run(tmp_path, n)
@@ -224,8 +265,8 @@ def test_the_aggregates_seeded_from_the_store_equal_those_of_the_aggregator_that
         assert b.identity.start_unix_us == a.identity.start_unix_us
         # The window of the latest arrivals, as the live one (a batch's groups of other fields
         # arrive apart, so it is not the latest steps by index): folded in the stored order.
-        assert list(b.steps.window["step"]) == list(a.steps.window["step"])
-        assert sorted(b.steps.window["step"]) != list(range(n - WINDOW_STEPS, n))
+        assert b.steps.tail(WINDOW_STEPS)["step"] == a.steps.tail(WINDOW_STEPS)["step"]
+        assert sorted(b.steps.tail(WINDOW_STEPS)["step"]) != list(range(n - WINDOW_STEPS, n))
     assert seeded.ranks[0].finish.steps_completed == 3 * SERIES_STEPS + 17
     assert _comparable(_final(store, seeded)) == _comparable(_final(store, agg))
     live_a = build_summary(agg.run_data(), live=True)

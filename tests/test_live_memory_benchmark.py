@@ -17,5 +17,6 @@ def test_the_live_memory_benchmark_measures_each_world_and_full_windows_hold_mor
     )
     assert [(ranks, steps) for ranks, steps, _, _ in lines] == [("64", "4"), ("64", "600")]
     (_, _, part_mib, _), (_, _, full_mib, _) = lines
-    # 512 steps of 23 fields a rank (the window) against 4: at least 64 x 100 KiB more
+    # a full window (512 steps of 8 fields) and a series of 600 steps (at 64 ranks a series
+    # keeps up to 1,024) against 4 steps: at least 64 x 100 KiB more
     assert int(full_mib) - int(part_mib) >= 6, result.stdout

@@ -2,8 +2,10 @@
 
 :class:`StepState` folds each committed step group (the wire's columns) into:
 
-* ``window``: the most recent ``window_steps`` steps, full resolution, as one deque per step
-  field (what the live analysis reads);
+* ``columns``, the window: the most recent ``window_steps`` steps, full resolution, as one
+  packed column of int64 (``array('q')``) per step field the attempt measured (what the live
+  analysis reads): 8 bytes a value, so at 8 fields measured ~37 KiB a rank, where one deque
+  of Python ints per step field held ~220 KiB (``benchmarks/live_memory.py``);
 * ``sample``: the series the final summary analyses: every step while the attempt has stored
   at most ``series_steps`` (:func:`series_steps`: 1,024 up to 128 ranks, fewer for larger
   worlds, so the whole run's series stays near :data:`SERIES_POINTS` steps); past that, a
@@ -20,17 +22,18 @@
 
 The digest and the sample are fed from the window's tail, :data:`FOLD_STEPS` steps at a time,
 so they cost no memory of their own beyond their bounded state. A group costs one C-level
-``extend`` per field; each chunk of FOLD_STEPS steps about 150 NumPy calls plus O(the steps the
-sample keeps) in Python. The final summary reads at most ``series_steps`` steps per rank, whatever
-the run's length.
+``extend`` per measured field; each chunk of FOLD_STEPS steps about 150 NumPy calls plus O(the
+steps the sample keeps) in Python. The final summary reads at most ``series_steps`` steps per
+rank, whatever the run's length.
 """
 
 from __future__ import annotations
 
 import copy
 import operator
+from array import array
 from collections import deque
-from collections.abc import Set as AbstractSet
+from collections.abc import KeysView
 from itertools import islice
 
 import numpy as np
@@ -66,6 +69,12 @@ def series_steps(world_size: int) -> int:
 #: calls waiting behind it were pushed back (docs/scale.md). The digest and the sample do not
 #: depend on where the chunks begin.
 FOLD_STEPS = 512
+#: What a window column holds at a step that did not measure its field (the store takes no
+#: value below 0: :data:`traceml_aggregator.store.STORE_INT_MAX` bounds them above).
+UNMEASURED = -(2**63)
+#: Steps a window's columns hold beyond ``window_steps`` before their oldest are let go, all
+#: at once (a move of the window every this many steps, not a shift at every group).
+WINDOW_SLACK = 64
 _HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: a bijective mix of the step index
 _SHIFT = np.uint64(32)
 _NAN = float("nan")
@@ -141,15 +150,14 @@ class StepState:
             chunk's length) shorter than the others (see :data:`FOLD_STEPS`).
     """
 
-    #: The step fields any group of this attempt carried (a field never carried is None at
-    #: every step of the window). A state checkpointed before it was kept reads all of them.
-    measured: AbstractSet[str] = frozenset(STEP_FIELDS)
-
     def __init__(
         self, window_steps: int, series_steps: int = SERIES_STEPS, offset: int = 0
     ) -> None:
-        self.window = {name: deque(maxlen=window_steps) for name in STEP_FIELDS}
-        self.measured = set()
+        self.window_steps = window_steps
+        #: The window: one packed column of int64 per step field any group of this attempt
+        #: carried (:data:`UNMEASURED` at a step that did not carry it), in arrival order,
+        #: the latest ``window_steps`` steps at its end; a field never carried has no column.
+        self.columns: dict[str, array] = {}
         self.fold_steps = min(FOLD_STEPS, window_steps)
         self.pending = 0  # steps at the window's end not folded into the series yet
         self.chunk = self.fold_steps - offset % self.fold_steps  # steps the next fold takes
@@ -158,9 +166,13 @@ class StepState:
         self._series = _Series(series_steps)
 
     def __getstate__(self) -> dict:
-        """What a checkpoint keeps: all but the fold's plan (made again at the next fold)."""
+        """What a checkpoint keeps: the window's steps (not the columns' slack beyond them:
+        :data:`WINDOW_SLACK`) and all the rest but the fold's plan (made again at the next
+        fold)."""
         state = dict(self.__dict__)
         state.pop("_plan", None)
+        size = self.size
+        state["columns"] = {name: c[len(c) - size :] for name, c in self.columns.items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -168,21 +180,31 @@ class StepState:
         reads as not measured at every step it holds, as a replay of those steps would."""
         self._plan = None
         self.__dict__.update(state)
-        self.__dict__.setdefault("chunk", self.fold_steps)  # checkpointed before it was kept
-        steps = self.window["step"]
+        if self.last is not None:
+            for name in STEP_FIELDS:
+                self.last.setdefault(name, None)
+        sample = self._series.sample
         for name in STEP_FIELDS:
-            if name not in self.window:
-                self.window[name] = deque((None,) * len(steps), maxlen=steps.maxlen)
-                if self.last is not None:
-                    self.last[name] = None
-                sample = self._series.sample
-                sample[name] = [None] * len(sample["step"])
+            sample.setdefault(name, [None] * len(sample["step"]))
+
+    @property
+    def measured(self) -> KeysView[str]:
+        """The step fields any group of this attempt carried (a field never carried is None at
+        every step of the window)."""
+        return self.columns.keys()
+
+    @property
+    def size(self) -> int:
+        """Steps in the window: all those folded so far, at most ``window_steps``."""
+        steps = self.columns.get("step")
+        return min(len(steps), self.window_steps) if steps is not None else 0
 
     def fold(self, names, columns) -> None:
         """Fold one step group in: ``names`` its measured fields, ``columns`` one sequence of
         ints per name (None allowed where not measured), steps in arrival order. Costs
-        O(the group): one C-level ``extend`` per field, and every :data:`FOLD_STEPS` steps one
-        chunk of NumPy work."""
+        O(the group): one C-level ``extend`` per measured field, every :data:`WINDOW_SLACK`
+        steps a move of the window, and every :data:`FOLD_STEPS` steps one chunk of NumPy
+        work."""
         n = len(columns[0])
         if not n:
             return
@@ -202,47 +224,71 @@ class StepState:
         while start < n:  # pieces that fill the pending chunk at most
             end = min(n, start + self.chunk - self.pending)
             whole = start == 0 and end == n
-            for _, index, window in given:
-                window.extend(columns[index] if whole else columns[index][start:end])
-            nones = (None,) * (end - start)
-            for window in missing:
-                window.extend(nones)
+            for _, index, column in given:
+                _extend(column, columns[index] if whole else columns[index][start:end])
+            if missing:
+                holes = array("q", (UNMEASURED,)) * (end - start)
+                for column in missing:
+                    column.extend(holes)
             self.pending += end - start
             if self.pending == self.chunk:
-                self._series.fold(self._tail(self.pending))
+                self._series.fold(self.latest(self.pending))
                 self.pending, self.chunk = 0, self.fold_steps
             start = end
+        excess = len(given[0][2]) - self.window_steps
+        if excess >= WINDOW_SLACK:
+            for column in self.columns.values():
+                del column[:excess]
 
     def _plan_of(self, names) -> tuple:
         """How a group that measured the fields ``names`` is folded, kept in :attr:`_plan`
         while the groups measure the same fields (the common case): ``(names, ((field, its
-        column's index in the group, its window) of each step field among names, "step"
-        first), (the windows of the step fields not among them))``. Notes the fields in
-        :attr:`measured`."""
-        if not self.measured.issuperset(names):
-            self.measured = {*self.measured, *names}
-        index = {name: i for i, name in enumerate(names)}
-        given = [(name, index[name], w) for name, w in self.window.items() if name in index]
-        given.sort(key=lambda g: g[0] != "step")
-        if not given or given[0][0] != "step":
+        value's index in the group, its window column) of each step field among names,
+        "step" first), (the window columns of the fields measured before but not among
+        them))``. A field measured for the first time gets a column, :data:`UNMEASURED` at
+        the steps the window holds already.
+
+        Raises:
+            KeyError: ``names`` lacks ``step`` (the sender's bug; its store refused it).
+        """
+        if "step" not in names:
             raise KeyError("step")  # a group without its steps' indices
-        missing = [window for name, window in self.window.items() if name not in index]
+        held = len(self.columns["step"]) if self.columns else 0
+        for name in names:
+            if name not in self.columns:
+                self.columns[name] = array("q", (UNMEASURED,)) * held
+        self.columns = {name: self.columns[name] for name in STEP_FIELDS if name in self.columns}
+        index = {name: i for i, name in enumerate(names)}
+        given = [(name, index[name], c) for name, c in self.columns.items() if name in index]
+        given.sort(key=lambda g: g[0] != "step")
+        missing = [c for name, c in self.columns.items() if name not in index]
         return names, given, missing
 
     def tail(self, count: int) -> dict[str, tuple]:
         """The last ``count`` window steps (all when fewer) of each field in
-        :attr:`measured`, oldest first, in :data:`STEP_FIELDS` order: O(count x fields
-        measured); the fields left out are None at every step."""
-        return {
-            name: tuple(islice(reversed(self.window[name]), count))[::-1]
-            for name in STEP_FIELDS
-            if name in self.measured
-        }
+        :attr:`measured`, oldest first, in :data:`STEP_FIELDS` order (None where a step did
+        not measure it): O(count x fields measured); the fields left out are None at every
+        step."""
+        return {name: tuple(values) for name, values in self._values(count).items()}
 
-    def _tail(self, count: int) -> dict[str, list]:
-        """The last ``count`` window steps, as one list per step field."""
-        size = len(self.window["step"])
-        return {name: list(islice(w, size - count, size)) for name, w in self.window.items()}
+    def latest(self, count: int) -> dict[str, list]:
+        """The last ``count`` window steps (all when fewer), oldest first, as one list per
+        step field (None where a step did not measure it): O(count x step fields)."""
+        values = self._values(count)
+        nones = [None] * min(count, self.size)
+        return {name: values.get(name) or list(nones) for name in STEP_FIELDS}
+
+    def _values(self, count: int) -> dict[str, list]:
+        """The last ``count`` window steps of each measured field, as lists (None where not
+        measured)."""
+        count = min(count, self.size)
+        out = {}
+        for name, column in self.columns.items():
+            values = column[len(column) - count :].tolist()
+            if UNMEASURED in values:
+                values = [None if v == UNMEASURED else v for v in values]
+            out[name] = values
+        return out
 
     @property
     def series_level(self) -> int:
@@ -261,12 +307,22 @@ class StepState:
         ``series_steps`` steps, else the sample plus the last step, and the digest."""
         series = self._series.copy()
         if self.pending:
-            series.fold(self._tail(self.pending))
+            series.fold(self.latest(self.pending))
         columns = series.sample
         if self.last is not None and self.last["step"] not in set(columns["step"]):
             for name, column in columns.items():
                 column.append(self.last[name])
         return in_step_order(columns), (series.digest if series.level else None)
+
+
+def _extend(column: array, values) -> None:
+    """Append ``values`` (ints, None where not measured) to the window column ``column``."""
+    size = len(column)
+    try:
+        column.extend(values)
+    except TypeError:  # a None among them (stored rows replayed): undo, then mark it
+        del column[size:]
+        column.extend([UNMEASURED if v is None else v for v in values])
 
 
 def in_step_order(columns: dict) -> StepTable:

@@ -44,7 +44,7 @@ time, at most :data:`CHECKPOINT_MAX_INTERVALS` intervals) and at a clean stop:
 
 * the ranks' steps come from the live aggregates, pickled on the event loop and written on
   the writer thread :data:`SNAPSHOT_SLICE_RANKS` ranks at a time, so what is held at once is
-  one slice's copies (~2 MB), not every rank's (~56 MB at 1,024 ranks), and nothing of them
+  one slice's copies (~3 MB), not every rank's (~99 MB at 1,024 ranks), and nothing of them
   is kept between checkpoints. The writer folds each transaction's batches into the live
   aggregates at one go after its commit and notes the transaction's highest ``steps`` rowid
   (:attr:`Writer.steps_rowid_seen`), so a rank's copy covers exactly the step rows at or below
@@ -56,16 +56,21 @@ time, at most :data:`CHECKPOINT_MAX_INTERVALS` intervals) and at a clean stop:
 
 Cost (``benchmarks/restart.py``, the 2-core machine): the copy is ~0.6 ms of the event loop
 per rank that moved when the machine is quiet (4-20 ms under a load average of 7-11) and
-~55 KB of the store per rank (56.3 MiB in all at 1,024 ranks, the series included); a
+~97 KB of the store per rank (98.8 MiB in all at 1,024 ranks, the series included); a
 restart unpickles the rows, one at a time, at about the same cost per rank and folds the
 steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
 a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
-(against 273-381 s of replay); at 1,024 ranks 2.39 s at 10 M and 3.06 s at 100 M stored steps
-(medians, load average 1.4-3, ``--simulate``), most of it unpickling the ranks' windows and
-digests. The sample series are pickled as a few arrays per table, not per group.
+(against 273-381 s of replay); at 1,024 ranks 0.96 s at 10 M stored steps (median of 3,
+``--simulate``), most of it unpickling the ranks' windows and digests. Since the windows are
+packed int64 columns (checkpoint version 4) a rank's state pickles and unpickles in about
+half the time it took as one deque of Python ints per field (in-process: 133 against 260 µs,
+401 against 871 µs), and takes more room (pickled small ints are 2-5 bytes: 63.9 MiB at
+1,024 ranks before, serving in 1.20 s; docs/distributed-training.md). The sample series are
+pickled as a few arrays per table, not per group.
 
 The state is pickled; :func:`loads` unpickles only the classes a checkpoint holds (the
-aggregates' own, NumPy arrays, deques), so a crafted store cannot make the aggregator run code.
+aggregates' own, NumPy arrays, ``array.array``, deques), so a crafted store cannot make the
+aggregator run code.
 """
 
 from __future__ import annotations
@@ -89,10 +94,11 @@ from traceml_aggregator.sample_series import SampleSeries, pack, unpack
 _log = log.get("aggregator")
 
 #: Layout of :class:`Checkpoint` and the ranks' rows; a checkpoint of another version is not
-#: read (full replay). 3: the ranks' states in rows of their own (2 held them in the one row).
-CHECKPOINT_VERSION = 3
+#: read (full replay). 3: the ranks' states in rows of their own (2 held them in the one row);
+#: 4: their windows in packed columns (3 held one deque of Python ints per step field).
+CHECKPOINT_VERSION = 4
 #: Ranks copied between two returns to the event loop while a checkpoint is taken, and written
-#: in one transaction (at ~0.5 ms and ~55 KB a rank, ~16 ms of the loop and ~2 MB at a time).
+#: in one transaction (at ~0.5 ms and ~97 KB a rank, ~16 ms of the loop and ~3 MB at a time).
 SNAPSHOT_SLICE_RANKS = 32
 #: The most of the aggregator's wall time its periodic checkpoints take, %. A checkpoint costs
 #: O(the ranks that moved since the last one) (~0.6 ms of the event loop a rank, quiet: the
@@ -116,6 +122,8 @@ SAMPLE_WINDOWS = (
 #: The globals a checkpoint may name (module, name): see :func:`loads`.
 _ALLOWED = frozenset(
     {
+        ("array", "array"),
+        ("array", "_array_reconstructor"),
         ("collections", "deque"),
         ("numpy", "dtype"),
         ("numpy", "ndarray"),

@@ -174,6 +174,11 @@ class _MirrorRank:
     last_step_unix_s: float | None = None
     counts: records.SenderCounts | None = None
 
+    def latest(self, count: int) -> dict[str, list]:
+        """The window's last ``count`` steps (all when fewer), oldest first, as one list per
+        step field (None where not measured)."""
+        return {name: last(column, count) for name, column in self.window.items()}
+
 
 def analysis_steps(world_size: int) -> int:
     """Steps per rank the live analysis covers (each rank's latest ones) in a world of
@@ -270,8 +275,9 @@ def windows_run_data(
 ) -> RunData:
     """Live windows as a RunData (copies), for the mirror and for the aggregates themselves.
 
-    ``ranks`` maps a rank to its window: anything with ``restart``, ``identity``, ``window``
-    (step field -> deque), ``finish``, ``process_samples``, ``earlier_attempts`` and ``flops``.
+    ``ranks`` maps a rank to its window: anything with ``restart``, ``identity``,
+    ``latest(count)`` (its latest steps: step field -> one value per step), ``finish``,
+    ``process_samples``, ``earlier_attempts`` and ``flops``.
     The ranks and the world size are :func:`~traceml.analysis.rundata.run_data`'s; a rank's
     process samples are those of its latest attempt; ``run_records`` gives RunData's fields
     of the run's own records it holds (those of :data:`traceml_aggregator.load.META_RECORDS`,
@@ -285,7 +291,7 @@ def windows_run_data(
             r,
             restart=w.restart,
             identity=w.identity,
-            steps=in_step_order({name: tuple(last(c, steps)) for name, c in w.window.items()}),
+            steps=in_step_order(w.latest(steps)),
             finish=w.finish,
             end=rank_ends.get(r),
             process_samples=[p for p in w.process_samples if p["restart"] == w.restart],

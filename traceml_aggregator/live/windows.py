@@ -182,10 +182,9 @@ class RankLive:
         if self.steps is None:
             self.steps = StepState(WINDOW_STEPS, self.series_steps, offset=self.rank)
 
-    @property
-    def window(self) -> dict:
-        """The live window: step field -> deque of the latest steps, in arrival order."""
-        return self.steps.window
+    def latest(self, count: int) -> dict[str, list]:
+        """The window's last ``count`` steps (:meth:`StepState.latest`)."""
+        return self.steps.latest(count)
 
     def attempt(self, restart: int) -> bool:
         """Whether data of attempt ``restart`` belongs here: a later attempt starts afresh
