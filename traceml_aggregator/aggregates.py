@@ -224,8 +224,12 @@ class StepState:
         while start < n:  # pieces that fill the pending chunk at most
             end = min(n, start + self.chunk - self.pending)
             whole = start == 0 and end == n
+            held = len(given[0][2])  # every column holds as many steps
             for _, index, column in given:
-                _extend(column, columns[index] if whole else columns[index][start:end])
+                try:
+                    column.extend(columns[index] if whole else columns[index][start:end])
+                except TypeError:  # a None among them (stored rows replayed)
+                    _extend_marked(column, held, columns[index][start:end])
             if missing:
                 holes = array("q", (UNMEASURED,)) * (end - start)
                 for column in missing:
@@ -315,14 +319,12 @@ class StepState:
         return in_step_order(columns), (series.digest if series.level else None)
 
 
-def _extend(column: array, values) -> None:
-    """Append ``values`` (ints, None where not measured) to the window column ``column``."""
-    size = len(column)
-    try:
-        column.extend(values)
-    except TypeError:  # a None among them (stored rows replayed): undo, then mark it
-        del column[size:]
-        column.extend([UNMEASURED if v is None else v for v in values])
+def _extend_marked(column: array, held: int, values) -> None:
+    """Append ``values`` (ints, None where not measured) to the window column ``column`` after
+    its first ``held`` steps (what a failed ``extend`` appended before its None is let go):
+    :data:`UNMEASURED` for each None."""
+    del column[held:]
+    column.extend([UNMEASURED if v is None else v for v in values])
 
 
 def in_step_order(columns: dict) -> StepTable:

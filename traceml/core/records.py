@@ -495,8 +495,8 @@ def step_group_columns(group: Any) -> tuple[tuple[str, ...], list[Sequence[int]]
         return (), []
     descriptors, columns = zip(*fields, strict=True)
     names, lacking = _group_layout(descriptors)
-    steps = len(group.step)
-    if lacking or any(len(column) != steps for column in columns):
+    if lacking or len(set(map(len, columns))) != 1:
+        steps = len(group.step)
         uneven = [name for name, column in zip(names, columns, strict=True) if len(column) != steps]
         raise ValueError(
             f"malformed step group: {steps} steps, "
