@@ -8,7 +8,8 @@ DistributedSampler.
 Options: ``--steps N`` optimizer steps per rank (default 50), ``--batch-size`` (32),
 ``--workers`` DataLoader workers (0), ``--hidden`` MLP width (256), ``--zero-code``: the same
 loop without TraceML's two lines (``traceml run`` then finds its steps by itself),
-``--mark-step K``: rank 0 prints ``at step K`` as step K begins.
+``--mark-step K``: rank 0 prints ``at step K`` as step K begins, ``--step-ms MS``: each step
+takes at least MS ms (the loop sleeps the rest: a job at a fixed step rate, as benchmarks want).
 Rank 0 ends with ``trained N steps in T s``: the training loop's wall time (benchmarks compare it
 with and without TraceML, and measure CPU time between the two lines).
 """
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--zero-code", action="store_true")
     parser.add_argument("--mark-step", type=int, default=-1)
+    parser.add_argument("--step-ms", type=float, default=0.0)
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -92,6 +94,8 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
             step += 1
+            if args.step_ms:
+                time.sleep(max(0.0, loop_start + step * args.step_ms / 1000 - time.perf_counter()))
         epoch += 1
 
     if rank == 0:
