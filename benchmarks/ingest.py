@@ -16,8 +16,12 @@ own seq; the first carries its identity, as on the stream wire) and the node sam
 (channel 9: two system samples), one ``RelayUp`` in flight, the next once its ``RelayDown`` came
 (one per ``RelayUp``, a ``RelayAck`` per batch); a failed call is reopened and what was not
 acknowledged sent again (counted), and each channel is ended (``closing``, then ``ended``). The
-node session's heartbeats are a separate ``NodeSession`` stream in the product and are not
-simulated here (on any wire).
+node session's heartbeats are a separate ``NodeSession`` stream in the product; ``--sessions``
+simulates them (on any wire, against the aggregator: gRPC alone serves no ``NodeSession``):
+each node of 8 ranks also holds its launcher's session on a connection of its own, its claim
+first (accepted before the clock starts), then a heartbeat with its clock exchange every
+``NODE_HEARTBEAT_INTERVAL_S`` (2 s), each answered at once, while its ranks stream, then its
+goodbye; without it they are left out.
 ``--interval-sec 1`` paces each rank to one batch a second (ack latency and aggregator CPU at
 a realistic load), all ranks at the same instants, as the SDK's senders of ranks that start
 and step together (``--spread``: each at a random phase of the interval, an alternative measured
@@ -52,7 +56,7 @@ aggregator serves ``--metrics-port`` in every run of that comparison) (target: a
 
 Usage: ``python benchmarks/ingest.py [--ranks 1024 4096] [--batches 20] [--records 100]
 [--interval-sec 0 1] [--wire stream unary relay] [--relay] [--viewers 0 4] [--scrapers 0 8]
-[--trials 3] [--transport-floor] [--short]``.
+[--trials 3] [--transport-floor] [--sessions] [--short]``.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ RUN = "ingest-bench"
 PUSH = "/traceml.wire.v1.Aggregator/Push"
 STREAM = "/traceml.wire.v1.Aggregator/Stream"
 RELAY = "/traceml.wire.v1.Aggregator/Relay"
+SESSION = "/traceml.wire.v1.Aggregator/NodeSession"
+#: A launcher's heartbeat interval, s (traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S).
+HEARTBEAT_S = 2.0
 WIRES = ("stream", "unary", "relay")
 #: Ranks of a simulated node on the relay wire (its channels 1..8; its sampler's is the next).
 NODE_RANKS = 8
@@ -175,6 +182,58 @@ async def node_task(
         await until_relayed(send, frames, t, t["ack_s"])
     await send.close()
     t["done"] = max(t["done"], time.time())
+
+
+async def session_task(channel, node: int, nodes: int, go: asyncio.Event, stop: asyncio.Event, t):
+    """One simulated node's launcher session (``--sessions``): its claim (answered before
+    ``go``), then a heartbeat with its clock exchange every :data:`HEARTBEAT_S` until ``stop``,
+    each answer awaited (the aggregator answers at once), then its goodbye and a half-close;
+    heartbeats counted in ``t["heartbeats"]``. A session that fails (a starved client's call
+    does) is opened again at once with its claim, as the launcher's is (counted in
+    ``t["errors"]`` as ``session <code>``)."""
+    import socket
+
+    import grpc
+
+    from traceml import wire
+
+    open_session = channel.stream_stream(SESSION, response_deserializer=wire.NodeDown.FromString)
+    claim = wire.NodeUp(
+        claim=wire.NodeClaim(
+            run_name=RUN,
+            node_rank=node,
+            nnodes=nodes,
+            hostname=socket.gethostname(),
+            launcher_pid=node,
+        )
+    ).SerializeToString()
+    while True:
+        call = open_session(metadata=TOKEN_METADATA)
+        try:
+            await call.write(claim)
+            reply = await call.read()
+            assert reply is not grpc_aio_eof() and reply.claim.accepted, reply
+            await go.wait()
+            while not stop.is_set():
+                beat = wire.NodeHeartbeat(sent_unix_ns=time.time_ns())
+                await call.write(wire.NodeUp(heartbeat=beat).SerializeToString())
+                down = await call.read()
+                while down is not grpc_aio_eof() and down.WhichOneof("kind") != "clock":
+                    down = await call.read()  # what is pushed comes before its echo
+                assert down is not grpc_aio_eof(), "the aggregator ended the session"
+                t["heartbeats"] += 1
+                try:
+                    await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    pass
+            await call.write(wire.NodeUp(goodbye=wire.NodeGoodbye()).SerializeToString())
+            await call.done_writing()
+            await call.code()
+            return
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            code = f"session {exc.code().name if isinstance(exc, grpc.RpcError) else 'ENDED'}"
+            t["errors"][code] = t["errors"].get(code, 0) + 1
+            call.cancel()
 
 
 def node_messages(node: int, world: int, blocks: list[bytes]) -> tuple[list[dict], bytes]:
@@ -436,9 +495,11 @@ async def client_main(
     wire_kind: str,
     interval_s: float,
     spread: bool,
+    sessions: bool,
 ) -> dict:
-    """A client process: its senders' channels and tasks (ranks, or nodes on the relay wire);
-    the times it saw (Unix s)."""
+    """A client process: its senders' channels and tasks (ranks, or nodes on the relay wire),
+    with ``sessions`` its nodes' sessions (:func:`session_task`: each node's first rank's
+    process holds it); the times it saw (Unix s)."""
     import grpc
 
     blocks = step_blocks(batches, records)
@@ -454,9 +515,21 @@ async def client_main(
         "done": 0.0,
         "errors": {},
         "ack_s": [],
+        "heartbeats": 0,
     }
-    go = asyncio.Event()
+    go, stop = asyncio.Event(), asyncio.Event()
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in senders]
+    if not sessions:
+        nodes = []
+    elif wire_kind == "relay":
+        nodes = list(senders)
+    else:
+        nodes = [s // NODE_RANKS for s in senders if not s % NODE_RANKS]
+    session_channels = [grpc.aio.insecure_channel(target, options=options) for _ in nodes]
+    held = [
+        asyncio.create_task(session_task(ch, n, -(-world // NODE_RANKS), go, stop, t))
+        for ch, n in zip(session_channels, nodes, strict=True)
+    ]
     t["created"] = time.time()
     tasks = [
         asyncio.create_task(
@@ -470,7 +543,9 @@ async def client_main(
     t["go"] = time.time()
     go.set()
     await asyncio.gather(*tasks)
-    await asyncio.gather(*(ch.close() for ch in channels))
+    stop.set()
+    await asyncio.gather(*held)
+    await asyncio.gather(*(ch.close() for ch in channels + session_channels))
     return t
 
 
@@ -560,6 +635,7 @@ def run_world(
     server: str = "aggregator",
     scrapers: int = 0,
     metrics: bool = False,
+    sessions: bool = False,
 ) -> dict:
     """One run of ``world`` ranks on ``wire_kind`` (``stream``, ``unary``, or ``relay``: as
     ``world / 8`` nodes, :func:`node_task`), each sending at most a batch every ``interval_s``
@@ -568,7 +644,9 @@ def run_world(
     ``/metrics``, scraped or not), against ``server`` (``aggregator``, or ``transport``:
     :mod:`transport_floor`, gRPC alone); prints and returns its figures (records/s, ack median
     and p99 in s, connect s, server CPU % of a core and µs a batch and a message, RSS bytes).
-    Without ``summary_at_stop`` the aggregator writes no summary when stopped."""
+    Without ``summary_at_stop`` the aggregator writes no summary when stopped. With
+    ``sessions`` (against the aggregator only) each node also holds its launcher's session
+    (:func:`session_task`)."""
     nodes = world // NODE_RANKS
     if wire_kind == "relay" and nodes * NODE_RANKS != world:
         raise SystemExit(f"the relay wire simulates nodes of {NODE_RANKS} ranks: not {world}")
@@ -598,6 +676,7 @@ def run_world(
             wire_kind,
             str(interval_s),
             str(int(spread)),
+            str(int(sessions and server == "aggregator")),
         )
         start = time.time()
         tell(clients, "connect")
@@ -671,14 +750,22 @@ def run_world(
     pacing = " (spread)" if spread and interval_s else ""
     alone = ", gRPC transport alone" if server == "transport" else ""
     relayed, message, sampled = "", "", ""
+    heartbeats = sum(t["heartbeats"] for t in times)
+    beats = (
+        f"{heartbeats} heartbeats on {-(-world // NODE_RANKS)} node sessions"
+        if heartbeats
+        else "no node sessions"
+    )
     if wire_kind == "relay":
         relayed = (
             f"{nodes} node{'s' if nodes > 1 else ''}, one Relay call each, a RelayUp of "
-            f"{NODE_RANKS} ranks' batches and the node sampler's every {interval_s:g} s "
-            "(heartbeats not carried); "
+            f"{NODE_RANKS} ranks' batches and the node sampler's every {interval_s:g} s, "
+            f"{beats}; "
         )
         message = f"{figures['cpu_message_us']:.0f} µs a RelayUp, "
         sampled = f" (and {nodes * (batches + 1) * NODE_SAMPLES} system samples)"
+    elif heartbeats:
+        view += f", {beats}"
     print(
         f"  {wire_kind:>6} {world:>5} ranks, a batch every {interval_s:g} s{pacing}, "
         f"{view}{alone}: {relayed}"
@@ -705,7 +792,9 @@ def ratio(a: float, b: float) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--client"]:
-        target, senders, world, batches, records, wire_kind, interval_s, spread = sys.argv[2:]
+        target, senders, world, batches, records, wire_kind, interval_s, spread, sessions = (
+            sys.argv[2:]
+        )
         t = asyncio.run(
             client_main(
                 target,
@@ -716,6 +805,7 @@ def main() -> None:
                 wire_kind,
                 float(interval_s),
                 spread == "1",
+                sessions == "1",
             )
         )
         print(json.dumps(t))
@@ -778,6 +868,12 @@ def main() -> None:
         help="also run each case against gRPC alone (transport_floor.py)",
     )
     parser.add_argument(
+        "--sessions",
+        action="store_true",
+        help="each node of 8 ranks also holds its launcher's NodeSession (a heartbeat every "
+        "2 s), against the aggregator",
+    )
+    parser.add_argument(
         "--short",
         action="store_true",
         help="the CI smoke run: 8 ranks, 3 batches of 10 records, 0 and 0.2 s, the three wires "
@@ -799,7 +895,7 @@ def main() -> None:
         + (
             "; relay: each 8 ranks one simulated node relay, one Relay call carrying its ranks' "
             "and its node sampler's batches (not the node session's heartbeats: a NodeSession "
-            "stream of their own in the product, simulated on no wire here)"
+            "stream of their own in the product, simulated with --sessions)"
             if "relay" in args.wire
             else ""
         )
@@ -830,6 +926,7 @@ def main() -> None:
                                 server,
                                 scrapers,
                                 metrics and server == "aggregator",
+                                args.sessions,
                             )
                         )
                 medians = {

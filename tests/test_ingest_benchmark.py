@@ -67,3 +67,25 @@ def test_the_short_ingest_benchmark_compares_8_scrapers_with_none_side_by_side()
         re.MULTILINE,
     )
     assert len(compared) == 2, result.stdout
+
+
+@pytest.mark.aggregator
+@pytest.mark.slow
+def test_the_ingest_benchmark_holds_each_nodes_session_with_its_heartbeats_on_either_wire():
+    result = run_benchmark(
+        "ingest.py",
+        *("--ranks", "16", "--records", "2", "--batches", "3", "--interval-sec", "1"),
+        *("--wire", "relay", "stream", "--sessions", "--no-summary"),
+        timeout_s=300,
+    )
+    beats = re.findall(
+        r"^\s+(relay|stream)\s+16 ranks, a batch every 1 s, 0 viewers.*?"
+        r"(\d+) heartbeats on 2 node sessions",
+        result.stdout,
+        re.MULTILINE,
+    )
+    # each node's claim was accepted (the benchmark asserts it), then a heartbeat at the start
+    # and one every 2 s while its ranks streamed 3 batches a second apart, each answered
+    assert [wire for wire, _ in beats] == ["relay", "stream"], result.stdout
+    assert all(2 <= int(count) <= 6 for _, count in beats), beats
+    assert result.stdout.count("96 records in") == 2
