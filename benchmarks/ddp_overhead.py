@@ -226,7 +226,11 @@ class Run:
         return 100 * self.cpu_us.get(key, 0.0) * self.window_steps / 1e6 / self.window_s
 
 
-def traceml_job(cwd: Path, name: str, steps: int, mark: int, kind: str) -> list[str]:
+def traceml_job(
+    cwd: Path, name: str, steps: int, mark: int, kind: str, nproc: int = 2, more: tuple = ()
+) -> list[str]:
+    """``traceml run`` of the job as ``kind`` (:data:`TRACED`), ``nproc`` ranks, ``more``
+    arguments for the script."""
     flags, script_args = TRACED[kind]
     return [
         sys.executable,
@@ -234,7 +238,7 @@ def traceml_job(cwd: Path, name: str, steps: int, mark: int, kind: str) -> list[
         "traceml",
         "run",
         str(SCRIPT),
-        "--nproc-per-node=2",
+        f"--nproc-per-node={nproc}",
         "--run-name",
         name,
         "--aggregator-port",
@@ -248,6 +252,7 @@ def traceml_job(cwd: Path, name: str, steps: int, mark: int, kind: str) -> list[
         "--mark-step",
         str(mark),
         *script_args,
+        *more,
     ]
 
 

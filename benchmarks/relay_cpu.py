@@ -22,41 +22,15 @@ Usage: ``python benchmarks/relay_cpu.py [--nproc 8] [--step-ms 100] [--steps 700
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-from _common import free_port, median
-from ddp_overhead import SCRIPT, Run
+from _common import median
+from ddp_overhead import Run, traceml_job
 
 #: Issue 26's target for the relay's own CPU, % of one core (8 ranks at 10 steps/s each).
 TARGET_PERCENT = 2.0
 RELAY = "launcher relay"
-
-
-def job(cwd: Path, name: str, args: argparse.Namespace) -> list[str]:
-    """``traceml run`` of the paced job: ``args.nproc`` ranks, the relay on (the default)."""
-    return [
-        sys.executable,
-        "-m",
-        "traceml",
-        "run",
-        str(SCRIPT),
-        f"--nproc-per-node={args.nproc}",
-        "--run-name",
-        name,
-        "--aggregator-port",
-        str(free_port()),
-        "--logs-dir",
-        str(cwd),
-        "--",
-        "--steps",
-        str(args.steps),
-        "--mark-step",
-        str(args.mark_step),
-        "--step-ms",
-        str(args.step_ms),
-    ]
 
 
 def main() -> None:
@@ -77,7 +51,16 @@ def main() -> None:
     percents = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
-            run = Run(job(Path(tmp), f"relay-cpu-{i}", args), Path(tmp), window, traced=True)
+            argv = traceml_job(
+                Path(tmp),
+                f"relay-cpu-{i}",
+                args.steps,
+                args.mark_step,
+                "explicit",  # through the relay: the default
+                nproc=args.nproc,
+                more=("--step-ms", str(args.step_ms)),
+            )
+            run = Run(argv, Path(tmp), window, traced=True)
             rate = window / run.window_s
             percent = run.core_percent(RELAY)
             percents.append(percent)
