@@ -19,9 +19,11 @@ acknowledged sent again (counted), and each channel is ended (``closing``, then 
 node session's heartbeats are a separate ``NodeSession`` stream in the product; ``--sessions``
 simulates them (on any wire, against the aggregator: gRPC alone serves no ``NodeSession``):
 each node of 8 ranks also holds its launcher's session on a connection of its own, its claim
-first (accepted before the clock starts), then a heartbeat with its clock exchange every
-``NODE_HEARTBEAT_INTERVAL_S`` (2 s), each answered at once, while its ranks stream, then its
-goodbye; without it they are left out.
+and first heartbeat first (answered before the clock starts), then a heartbeat with its clock
+exchange every ``NODE_HEARTBEAT_INTERVAL_S`` (2 s), each answered at once, while its ranks
+stream, then its goodbye; on the relay wire the relay's ``RelayUp``s carry the heartbeats
+instead, each answered in its ``RelayDown``, and the session's stream stays silent, as the
+launcher's relay and session do; without it the sessions are left out.
 ``--interval-sec 1`` paces each rank to one batch a second (ack latency and aggregator CPU at
 a realistic load), all ranks at the same instants, as the SDK's senders of ranks that start
 and step together (``--spread``: each at a random phase of the interval, an alternative measured
@@ -164,11 +166,13 @@ async def node_task(
     t: dict,
     interval_s: float,
     spread: bool,
+    sessions: bool,
 ) -> None:
     """One simulated node's relay (the relay wire): connect, then ``ups`` (its pre-encoded
     messages: :func:`node_messages`) one by one on one ``Relay`` call, the first (the ranks'
     identities) before ``go``, the others paced as :func:`rank_task`'s batches; ``closing``
-    at the end."""
+    at the end. With ``sessions`` each of the others carries the node's heartbeat, as the
+    launcher's relay does (:func:`relayed_heartbeat`)."""
     send = RelaySender(channel, closing)
     await channel.channel_ready()
     t["ready"] = max(t["ready"], time.time())
@@ -179,17 +183,22 @@ async def node_task(
     for frames in ups[1:]:
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         next_at += interval_s
-        await until_relayed(send, frames, t, t["ack_s"])
+        await until_relayed(send, frames, t, t["ack_s"], node if sessions else None)
     await send.close()
     t["done"] = max(t["done"], time.time())
 
 
-async def session_task(channel, node: int, nodes: int, go: asyncio.Event, stop: asyncio.Event, t):
-    """One simulated node's launcher session (``--sessions``): its claim (answered before
-    ``go``), then a heartbeat with its clock exchange every :data:`HEARTBEAT_S` until ``stop``,
-    each answer awaited (the aggregator answers at once), then its goodbye and a half-close;
-    heartbeats counted in ``t["heartbeats"]``. A session that fails (a starved client's call
-    does) is opened again at once with its claim, as the launcher's is (counted in
+async def session_task(
+    channel, node: int, nodes: int, go: asyncio.Event, stop: asyncio.Event, t, relayed: bool
+):
+    """One simulated node's launcher session (``--sessions``): its claim and its first
+    heartbeat (answered before ``go``), then a heartbeat with its clock exchange every
+    :data:`HEARTBEAT_S` until ``stop``, each answer awaited (the aggregator answers at once),
+    then its goodbye and a half-close; heartbeats counted in ``t["heartbeats"]``. When
+    ``relayed`` (the relay wire), its node's relay carries its heartbeats after the first
+    (:func:`relayed_heartbeat`) and its stream says nothing more until its goodbye, as the
+    launcher's does while node 0 answers them. A session that fails (a starved client's call
+    does) is opened again with its claim after the launcher's backoff (counted in
     ``t["errors"]`` as ``session <code>``)."""
     import socket
 
@@ -207,25 +216,32 @@ async def session_task(channel, node: int, nodes: int, go: asyncio.Event, stop: 
             launcher_pid=node,
         )
     ).SerializeToString()
+    backoff_s = 0.1
     while True:
         call = open_session(metadata=TOKEN_METADATA)
         try:
             await call.write(claim)
             reply = await call.read()
             assert reply is not grpc_aio_eof() and reply.claim.accepted, reply
-            await go.wait()
-            while not stop.is_set():
+            backoff_s, beats = 0.1, 0
+            while not stop.is_set() and (beats == 0 or not relayed):
                 beat = wire.NodeHeartbeat(sent_unix_ns=time.time_ns())
                 await call.write(wire.NodeUp(heartbeat=beat).SerializeToString())
                 down = await call.read()
                 while down is not grpc_aio_eof() and down.WhichOneof("kind") != "clock":
                     down = await call.read()  # what is pushed comes before its echo
                 assert down is not grpc_aio_eof(), "the aggregator ended the session"
-                t["heartbeats"] += 1
+                beats += 1
+                if go.is_set():
+                    t["heartbeats"] += 1
+                else:
+                    await go.wait()
+                    continue
                 try:
                     await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
                 except asyncio.TimeoutError:
                     pass
+            await stop.wait()
             await call.write(wire.NodeUp(goodbye=wire.NodeGoodbye()).SerializeToString())
             await call.done_writing()
             await call.code()
@@ -234,6 +250,8 @@ async def session_task(channel, node: int, nodes: int, go: asyncio.Event, stop: 
             code = f"session {exc.code().name if isinstance(exc, grpc.RpcError) else 'ENDED'}"
             t["errors"][code] = t["errors"].get(code, 0) + 1
             call.cancel()
+            await asyncio.sleep(backoff_s)  # the launcher's backoff: 0.1 s doubling to 2 s
+            backoff_s = min(2.0, 2 * backoff_s)
 
 
 def node_messages(node: int, world: int, blocks: list[bytes]) -> tuple[list[dict], bytes]:
@@ -293,19 +311,37 @@ def sampler_batch(node: int, seq: int) -> bytes:
     ).SerializeToString()
 
 
-async def until_relayed(send: RelaySender, frames: dict, t: dict, ack_s: list | None) -> None:
+def relayed_heartbeat(node: int) -> bytes:
+    """A ``RelayUp`` that holds only node ``node``'s heartbeat with a clock exchange (its t0
+    now), encoded: joined to a message's frames, it rides that message, as the launcher's
+    relay carries its session's heartbeats."""
+    from traceml import wire
+
+    beat = wire.NodeHeartbeat(sent_unix_ns=time.time_ns())
+    return wire.RelayUp(heartbeat=beat, node_rank=node).SerializeToString()
+
+
+async def until_relayed(
+    send: RelaySender, frames: dict, t: dict, ack_s: list | None, beat_of: int | None = None
+) -> None:
     """As the node relay's ranks do, through it: send ``frames`` (channel -> ``(seq, frame)``)
     as one ``RelayUp``, then again those whose ``RelayAck`` did not cover them (pushed back:
     after the longest ``retry_after_ms``; the call failed: at once, on a new call) until every
     one is acknowledged; failures and pushbacks counted in ``t["errors"]``, each
-    ``RelayDown``'s seconds in ``ack_s``."""
+    ``RelayDown``'s seconds in ``ack_s``. With ``beat_of`` (a node rank) the first ``RelayUp``
+    also carries that node's heartbeat (:func:`relayed_heartbeat`); each answered is counted
+    in ``t["relayed_heartbeats"]``."""
     import grpc
 
     pending = dict(frames)
+    beat = relayed_heartbeat(beat_of) if beat_of is not None else b""
     while pending:
         try:
             sent = time.perf_counter()
-            down = await send(b"".join(frame for _, frame in pending.values()))
+            down = await send(b"".join(frame for _, frame in pending.values()) + beat)
+            if down.HasField("clock"):
+                t["relayed_heartbeats"] += 1
+                beat = b""
             if ack_s is not None:
                 ack_s.append(time.perf_counter() - sent)
         except (grpc.RpcError, RuntimeError) as exc:
@@ -516,6 +552,7 @@ async def client_main(
         "errors": {},
         "ack_s": [],
         "heartbeats": 0,
+        "relayed_heartbeats": 0,
     }
     go, stop = asyncio.Event(), asyncio.Event()
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in senders]
@@ -527,19 +564,22 @@ async def client_main(
         nodes = [s // NODE_RANKS for s in senders if not s % NODE_RANKS]
     session_channels = [grpc.aio.insecure_channel(target, options=options) for _ in nodes]
     held = [
-        asyncio.create_task(session_task(ch, n, -(-world // NODE_RANKS), go, stop, t))
+        asyncio.create_task(
+            session_task(ch, n, -(-world // NODE_RANKS), go, stop, t, wire_kind == "relay")
+        )
         for ch, n in zip(session_channels, nodes, strict=True)
     ]
     t["created"] = time.time()
     tasks = [
         asyncio.create_task(
-            node_task(ch, s, *messages[s], go, t, interval_s, spread)
+            node_task(ch, s, *messages[s], go, t, interval_s, spread, sessions)
             if wire_kind == "relay"
             else rank_task(ch, s, world, blocks, go, t, wire_kind, interval_s, spread)
         )
         for ch, s in zip(channels, senders, strict=True)
     ]
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
+    if not await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline):  # "go"
+        raise SystemExit("the benchmark's process is gone: nothing to send")
     t["go"] = time.time()
     go.set()
     await asyncio.gather(*tasks)
@@ -751,9 +791,11 @@ def run_world(
     alone = ", gRPC transport alone" if server == "transport" else ""
     relayed, message, sampled = "", "", ""
     heartbeats = sum(t["heartbeats"] for t in times)
+    carried = sum(t["relayed_heartbeats"] for t in times)
     beats = (
         f"{heartbeats} heartbeats on {-(-world // NODE_RANKS)} node sessions"
-        if heartbeats
+        + (f", {carried} carried by the relays" if carried else "")
+        if heartbeats or carried
         else "no node sessions"
     )
     if wire_kind == "relay":

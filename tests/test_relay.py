@@ -388,3 +388,61 @@ def test_an_aggregator_restarted_mid_stream_behind_the_relay_stores_each_step_on
         assert counters[0]["records"] == stored_before
     assert RANKS * 20 <= stored_before <= RANKS * total // 2
     assert second["records"] == RANKS * total - stored_before
+
+
+@pytest.mark.slow
+def test_the_relay_carries_the_sessions_heartbeats_and_the_session_sends_its_own_without_it(
+    tmp_path,
+):
+    """Node 1's session and relay in this process, against a real aggregator: once node 0
+    answers a heartbeat the relay carried, every heartbeat rides a ``RelayUp`` and the session's
+    own stream sends none, the clock exchange still measured through them. While every commit
+    stalls, node 0 still hears the node (its ``RelayUp``s are read, and pushed back after 2 s):
+    with nodes lost after 3 s of silence, a 5 s stall loses none. Once the relay is gone, the
+    session sends its own heartbeats again."""
+    from test_launcher_news import claim
+
+    from traceml.launcher.session import NodeSession
+
+    stall = tmp_path / "stall"
+    env = {COMMIT_STALL_FILE_ENV: str(stall), "TRACEML_NODE_LOST_AFTER_SEC": "3"}
+    args = ("--nnodes", "2")
+    with LiveAggregator(tmp_path / "run", "r", world_size=2, extra_args=args, env=env) as agg:
+        session = NodeSession(agg.target, claim(1)).start()
+        relay = NodeRelay(agg.target, Credentials.from_env(), 60.0)
+        relay.start()
+        relay.carry_heartbeats(session, 1)
+        warnings: list[str] = []
+        client = make_client(agg.target, "r", warnings, rank=1, relay=relay.address)
+        steps = 0
+
+        def stepping(done) -> bool:
+            nonlocal steps
+            client.submit(client_mod.STEPS, step(steps))  # a RelayUp every 20 ms or so
+            steps += 1
+            time.sleep(0.02)
+            return done()
+
+        try:
+            assert session.wait_claim(30).accepted
+            answered = relay.stats
+            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= 1), 30, "one")
+            own = session.heartbeats_sent
+            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= 4), 30, "4 more")
+            # 3 more intervals of 2 s: every heartbeat through the relay, none on the session's
+            assert session.heartbeats_sent == own
+            assert session.clock.best() is not None
+            stall.touch()
+            stalled = time.monotonic()
+            wait_for(lambda: stepping(lambda: time.monotonic() - stalled > 5), 30, "the stall")
+            stall.unlink()
+            assert "lost: nothing" not in agg.log()
+            assert client.close(finish(steps), timeout_s=60) is True
+            relay.close()
+            wait_for(lambda: session.heartbeats_sent >= own + 2, 30, "its own heartbeats")
+        finally:
+            stall.unlink(missing_ok=True)
+            relay.close()
+            session.close()
+        assert "lost: nothing" not in agg.log()
+    assert agg.query("SELECT COUNT(*) FROM steps") == [(steps,)]

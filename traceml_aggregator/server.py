@@ -386,13 +386,25 @@ class AggregatorService(wire.AggregatorServicer):
         its one ``RelayDown`` carries their Acks once all are answered. A channel whose
         ``ended`` frame came, or every channel when the call ends (the relay's node lost, or
         its launcher gone), leaves the ledger as a stream would: closed after its ``closing``,
-        lost otherwise."""
+        lost otherwise. A ``RelayUp`` that carries its node's heartbeat hears the node at once
+        (:meth:`~traceml_aggregator.sessions.NodeSessions.relayed_heartbeat`), and its
+        ``RelayDown`` answers the clock exchange."""
         channels: dict[int, SenderStream] = {}
         self.relay_calls += 1
         try:
             async for up in request_iterator:
+                received_ns = time.time_ns()  # t1 of a carried heartbeat's clock exchange
                 self.relay_messages += 1
-                yield wire.RelayDown(acks=await self._relay_up(channels, up.frames, context))
+                echo = (
+                    self.sessions.relayed_heartbeat(up.node_rank, up.heartbeat, received_ns)
+                    if up.HasField("heartbeat")
+                    else None
+                )
+                down = wire.RelayDown(acks=await self._relay_up(channels, up.frames, context))
+                if echo is not None:
+                    echo.answered_unix_ns = time.time_ns()
+                    down.clock.CopyFrom(echo)
+                yield down
         finally:
             for stream in channels.values():
                 stream.end()

@@ -15,8 +15,9 @@ Liveness: a node whose claim was accepted is expected to speak until its launche
 session cleanly: a ``goodbye`` message, then the end of the stream. Any other end (a reset, a
 keepalive timeout, a cancel; also a bare end of stream, which gRPC may report when the
 connection dies) is a break. A node the aggregator has heard nothing from for
-:data:`~traceml.core.transport.NODE_LOST_AFTER_S` (25 s: no message on its session, no new
-session) is **lost**: a warning, and a record in the store's
+:data:`~traceml.core.transport.NODE_LOST_AFTER_S` (25 s: no message on its session, no
+heartbeat through its node relay, :meth:`NodeSessions.relayed_heartbeat`, no new session) is
+**lost**: a warning, and a record in the store's
 :data:`~traceml_aggregator.store.NODE_LOSSES_META_KEY` entry, which the summary's
 ``run.telemetry_health.node_losses`` and the ``NODE_LOST`` finding read. The watch looks every
 :data:`LOST_CHECK_S`, so a node is marked lost between 25 and 26 s after the last message it
@@ -46,6 +47,12 @@ _log = log.get("aggregator")
 LOST_CHECK_S = 1.0
 #: A node's stored clock offset is replaced by its latest estimate at least this often, s.
 CLOCK_REFRESH_S = 300.0
+
+
+def clock_echo(heartbeat, received_ns: int):
+    """The ClockEcho of ``heartbeat``'s exchange: its t0, and t1 = ``received_ns`` (node 0's
+    wall clock as it read it, ns); t2 (``answered_unix_ns``) is set as it is answered."""
+    return wire.ClockEcho(sent_unix_ns=heartbeat.sent_unix_ns, received_unix_ns=received_ns)
 
 
 def clock_news(stored: dict | None, estimate: dict) -> bool:
@@ -255,28 +262,39 @@ class NodeSessions:
                 session.finalizing = asyncio.ensure_future(self._finalize_and_push(up.finalize))
 
     def _clock_exchange(self, session: _Session, heartbeat, received_ns: int) -> None:
-        """Answer ``heartbeat``'s clock exchange at once, and keep the estimate it carries
-        (stored at once when :func:`clock_news` says it is news)."""
+        """Answer ``heartbeat``'s clock exchange at once on ``session``, and keep the estimate
+        it carries (:meth:`_keep_clock`)."""
         if heartbeat.sent_unix_ns:
-            session.outbox.put_nowait(
-                wire.NodeDown(
-                    clock=wire.ClockEcho(
-                        sent_unix_ns=heartbeat.sent_unix_ns,
-                        received_unix_ns=received_ns,
-                        answered_unix_ns=time.time_ns(),
-                    )
-                )
-            )
+            echo = clock_echo(heartbeat, received_ns)
+            echo.answered_unix_ns = time.time_ns()
+            session.outbox.put_nowait(wire.NodeDown(clock=echo))
+        self._keep_clock(session.node_rank, heartbeat)
+
+    def relayed_heartbeat(self, node_rank: int, heartbeat, received_ns: int):
+        """A heartbeat a node's relay carried in a ``RelayUp`` (``received_ns``: t1, when node
+        0 read it): the node is heard now, as on its session, and its estimate kept; returns
+        the ClockEcho to answer in that message's ``RelayDown`` (t2 to be set as it is
+        answered), or None: no exchange asked, or no node of that rank claimed (a heartbeat
+        of no node is not counted)."""
+        if node_rank not in self.nodes:
+            return None
+        self._heard(node_rank)
+        self._keep_clock(node_rank, heartbeat)
+        return clock_echo(heartbeat, received_ns) if heartbeat.sent_unix_ns else None
+
+    def _keep_clock(self, node_rank: int, heartbeat) -> None:
+        """Keep the clock estimate ``heartbeat`` carries (none: nothing), stored at once when
+        :func:`clock_news` says it is news."""
         if not heartbeat.HasField("clock"):
             return
         estimate = NodeClock(
-            node_rank=session.node_rank,
+            node_rank=node_rank,
             offset_us=heartbeat.clock.offset_us,
             error_us=heartbeat.clock.error_us,
             measured_unix_s=round(time.time(), 3),
         ).to_json()
-        if clock_news(self.clocks.get(session.node_rank), estimate):
-            self.clocks[session.node_rank] = estimate
+        if clock_news(self.clocks.get(node_rank), estimate):
+            self.clocks[node_rank] = estimate
             self._clocks_dirty = True
             if self._clocks_write is None or self._clocks_write.done():
                 self._clocks_write = asyncio.ensure_future(self._write_clocks())

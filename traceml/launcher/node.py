@@ -102,6 +102,13 @@ class NodeLaunch:
     def open_session(self) -> None:
         """Open this node's session with node 0's aggregator (its claim first)."""
         self.session = claim.open_session(self.config)
+        self._relay_heartbeats()
+
+    def _relay_heartbeats(self) -> None:
+        """Once this node has both its relay and its session, the relay carries the session's
+        heartbeats (:meth:`~traceml.launcher.relay.NodeRelay.carry_heartbeats`)."""
+        if self.relay is not None and self.session is not None:
+            self.relay.carry_heartbeats(self.session, self.config.node_rank)
 
     # --- training --------------------------------------------------------------------------
     def start_relay(self) -> None:
@@ -124,6 +131,7 @@ class NodeLaunch:
             _log.warning(f"warning: node relay not started ({exc}); ranks stream to node 0")
             return
         self.relay, self.torchrun.relay_address = relay, relay.address
+        self._relay_heartbeats()
 
     def start_sampler(self) -> None:
         """Start this node's system and process sampler (fail-open: a warning at most)."""

@@ -25,7 +25,10 @@ Liveness: a local stream that ends is told to node 0 (``ended``): closed after i
 message, lost otherwise (the rank died: its socket is reset at once). When the relay's call
 ends without that (the launcher was killed: torchrun and its ranks die with it), node 0 counts
 every channel of it lost, as it counts a rank's own stream, and the node session
-(:mod:`traceml.launcher.session`) reports the node lost as before.
+(:mod:`traceml.launcher.session`) reports the node lost as before. The relay carries the
+session's heartbeats in its ``RelayUp``s when one is due (:meth:`NodeRelay.carry_heartbeats`),
+so node 0 hears the node on the relay's call and the session's stream falls silent; node 0
+answers each one's clock exchange in the ``RelayDown``.
 
 Who may connect: an abstract socket has no file mode, so every local call must carry the run
 token (compared in constant time); anything else is refused ``UNAUTHENTICATED``. The socket
@@ -90,6 +93,7 @@ class RelayStats:
 
     messages_up: int = 0  # RelayUp messages node 0 answered
     frames_up: int = 0  # frames in them
+    heartbeats_answered: int = 0  # the node session's heartbeats in them that node 0 answered
     largest_up_bytes: int = 0  # the largest of them, serialized
     upstream_failures: int = 0  # upstream calls that failed (each failed its local streams)
 
@@ -127,6 +131,8 @@ class NodeRelay:
     Attributes:
         address: the local address ranks connect to (``unix-abstract:...``).
         stats: a :class:`RelayStats`, updated on the relay's thread.
+        session: the node's :class:`~traceml.launcher.session.NodeSession` whose heartbeats
+            the relay carries (:meth:`carry_heartbeats`), None: none.
     """
 
     def __init__(self, upstream: str, credentials: Credentials, rpc_timeout_s: float) -> None:
@@ -147,6 +153,8 @@ class NodeRelay:
         self._pending: list = []  # RelayFrames for the next RelayUp
         self._in_flight = False  # a RelayUp waits for its RelayDown
         self._next_channel = 1
+        self.session = None
+        self.node_rank = 0
 
     # --- the launcher's thread -------------------------------------------------------------
     def start(self, timeout_s: float = 5.0) -> None:
@@ -173,6 +181,13 @@ class NodeRelay:
                 pass
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def carry_heartbeats(self, session, node_rank: int) -> None:
+        """From now on each ``RelayUp`` carries ``session``'s heartbeat (node ``node_rank``'s)
+        when one is due (:meth:`~traceml.launcher.session.NodeSession.relay_heartbeat`), and
+        node 0's answer to it goes back to the session: node 0 then hears the node on its
+        relay's call, and the session's own stream stays silent but for what else it says."""
+        self.node_rank, self.session = node_rank, session
 
     # --- the relay's thread ----------------------------------------------------------------
     def _main(self) -> None:
@@ -289,6 +304,11 @@ class NodeRelay:
                         channel = open_aio_channel(self.upstream, self._credentials, OWN_POOL)
                         call = wire.AggregatorStub(channel).Relay(metadata=metadata)
                     up = wire.RelayUp(frames=frames)
+                    session = self.session
+                    beat = session.relay_heartbeat() if session is not None else None
+                    if beat is not None:
+                        up.heartbeat.CopyFrom(beat)
+                        up.node_rank = self.node_rank
                     up_bytes = up.ByteSize()
                     down = await self._exchange(call, up)
                 except Exception as exc:  # RpcError, TimeoutError, or the call's own end
@@ -306,6 +326,8 @@ class NodeRelay:
                         )
                     reached = False
                     self._fail_locals((failure[0], f"through the node relay: {failure[1]}"))
+                    if self.session is not None:
+                        self.session.relay_lost()
                     continue
                 finally:
                     self._in_flight = False
@@ -317,6 +339,9 @@ class NodeRelay:
                 self.stats.messages_up += 1
                 self.stats.frames_up += len(frames)
                 self.stats.largest_up_bytes = max(self.stats.largest_up_bytes, up_bytes)
+                if down.HasField("clock") and session is not None:
+                    self.stats.heartbeats_answered += 1
+                    session.relay_answered(down.clock)
                 for relay_ack in down.acks:
                     local = self._locals.get(relay_ack.channel)
                     if local is not None:

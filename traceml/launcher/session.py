@@ -2,7 +2,9 @@
 
 Up, in order: the node's claim (:func:`traceml.launcher.claim.node_claim`; the first message
 of every session, a resumed one too), a heartbeat every
-:data:`~traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S`, the torchrun exit with the ranks'
+:data:`~traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S` (while node 0 answers those the node
+relay carries, :meth:`NodeSession.relay_heartbeat`, only when none went for that long on
+either path), the torchrun exit with the ranks'
 end states (:meth:`NodeSession.report_exit`), and from node 0 the finalization request
 (:meth:`NodeSession.finalize`). Down: the claim's verdict, the run's failure as soon as
 another node's claim is refused (:attr:`NodeSession.run_failure`: pushed, never polled), the
@@ -52,6 +54,10 @@ _PERMANENT = ("FAILED_PRECONDITION", "UNAUTHENTICATED", "UNIMPLEMENTED", "INVALI
 _CLOSE = object()
 #: Queued to send the best clock estimate now (a heartbeat without a new exchange).
 _ESTIMATE = object()
+#: The node relay's heartbeat is due this much before this stream's own would be, s, so that
+#: the relay (whose messages the ranks' flushes send every 2 s) carries them all while node 0
+#: answers it: node 0 then hears each node on its relay's call, not on two streams.
+RELAY_HEARTBEAT_LEAD_S = 0.5
 
 
 class SessionBroken(RuntimeError):
@@ -100,6 +106,13 @@ class NodeSession:
         self.opened = 0
         #: This node's clock offset from node 0's, from the heartbeats' exchanges.
         self.clock = clock.OffsetEstimator()
+        #: Heartbeats sent on this session's stream, each with a clock exchange (a better
+        #: estimate told at once is not counted; those the node relay carries neither).
+        self.heartbeats_sent = 0
+        #: monotonic s of the latest heartbeat node 0 hears: sent on this stream, or carried by
+        #: the relay while node 0 answers those (see :meth:`relay_heartbeat`).
+        self._last_beat_m = float("-inf")
+        self._relay_answers = False  # node 0 answered a heartbeat the relay carried
         self._clock_warned = False
         self._exit = None
         self._exit_stored = False
@@ -189,27 +202,75 @@ class NodeSession:
         """Queue ``message`` on the current stream (caller holds the condition)."""
         self._attempt.outbox.put(message)
 
+    # --- the node relay's thread ---------------------------------------------------------------
+    def relay_heartbeat(self):
+        """A heartbeat for the node relay to carry in its next ``RelayUp`` (a NodeHeartbeat
+        with a clock exchange), or None when none is due: one is due
+        :data:`RELAY_HEARTBEAT_LEAD_S` before this stream's own would be, so that while node 0
+        answers the relay's (:meth:`relay_answered`), the relay carries every heartbeat and
+        this stream sends none; until then, and once the relay's call failed
+        (:meth:`relay_lost`), this stream sends its own as well."""
+        with self._cond:
+            since_s = time.monotonic() - self._last_beat_m
+            if since_s < NODE_HEARTBEAT_INTERVAL_S - RELAY_HEARTBEAT_LEAD_S:
+                return None
+            beat = self._heartbeat(exchange=True).heartbeat
+            if self._relay_answers:
+                self._last_beat_m = time.monotonic()
+            return beat
+
+    def relay_answered(self, echo) -> None:
+        """Node 0's answer (a ClockEcho) to a heartbeat the relay carried: its clock exchange
+        taken, and the relay's heartbeats now stand for this stream's."""
+        received_ns = clock.unix_ns()  # t3
+        with self._cond:
+            self._relay_answers = True
+            if self.clock.add(
+                echo.sent_unix_ns, echo.received_unix_ns, echo.answered_unix_ns, received_ns
+            ):
+                self._attempt.outbox.put(_ESTIMATE)
+
+    def relay_lost(self) -> None:
+        """The relay's call to node 0 failed: this stream sends its own heartbeats again until
+        node 0 answers one the relay carries."""
+        with self._cond:
+            self._relay_answers = False
+
+    # --- the session's thread ------------------------------------------------------------------
+    def _beat_due_in(self) -> float:
+        """Seconds until this stream's next heartbeat (0: due now)."""
+        with self._cond:
+            return max(0.0, self._last_beat_m + NODE_HEARTBEAT_INTERVAL_S - time.monotonic())
+
     def _requests(self, attempt: _Attempt):
-        """The stream's messages: the claim, then what is queued, a heartbeat when idle."""
+        """The stream's messages: the claim, then what is queued, a heartbeat when idle and
+        none was carried by the relay meanwhile."""
         yield self._up(claim=self._claim)
-        yield self._heartbeat(exchange=True)  # the first clock exchange at once
+        yield self._heartbeat(exchange=True, own=True)  # the first clock exchange at once
         while not attempt.done.is_set():
             try:
-                message = attempt.outbox.get(timeout=NODE_HEARTBEAT_INTERVAL_S)
+                message = attempt.outbox.get(timeout=max(self._beat_due_in(), 0.05))
             except queue.Empty:
-                message = self._heartbeat(exchange=True)
+                if self._beat_due_in():
+                    continue  # the relay carried one meanwhile
+                message = self._heartbeat(exchange=True, own=True)
             if message is _CLOSE:
                 return
             if message is _ESTIMATE:
-                message = self._heartbeat(exchange=False)
+                message = self._heartbeat(exchange=False, own=True)
             yield message
 
-    def _heartbeat(self, exchange: bool):
+    def _heartbeat(self, exchange: bool, own: bool = False):
         """A heartbeat with the best clock estimate so far, and, with ``exchange``, its send
         time (t0) for a new exchange; a plain heartbeat if either fails (fail-open: the session
-        never breaks on its clock)."""
+        never breaks on its clock). ``own``: sent on this stream (counted, and the next one
+        due an interval later)."""
         from traceml import wire
 
+        if own:
+            with self._cond:
+                self._last_beat_m = time.monotonic()
+                self.heartbeats_sent += exchange
         beat = wire.NodeHeartbeat()
         try:
             best = self.clock.best()
