@@ -86,8 +86,6 @@ PUSH = "/traceml.wire.v1.Aggregator/Push"
 STREAM = "/traceml.wire.v1.Aggregator/Stream"
 RELAY = "/traceml.wire.v1.Aggregator/Relay"
 SESSION = "/traceml.wire.v1.Aggregator/NodeSession"
-#: A launcher's heartbeat interval, s (traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S).
-HEARTBEAT_S = 2.0
 WIRES = ("stream", "unary", "relay")
 #: Ranks of a simulated node on the relay wire (its channels 1..8; its sampler's is the next).
 NODE_RANKS = 8
@@ -193,8 +191,8 @@ async def session_task(
 ):
     """One simulated node's launcher session (``--sessions``): its claim and its first
     heartbeat (answered before ``go``), then a heartbeat with its clock exchange every
-    :data:`HEARTBEAT_S` until ``stop``, each answer awaited (the aggregator answers at once),
-    then its goodbye and a half-close; heartbeats counted in ``t["heartbeats"]``. When
+    ``NODE_HEARTBEAT_INTERVAL_S`` until ``stop``, each answer awaited (the aggregator answers
+    at once), then its goodbye and a half-close; heartbeats counted in ``t["heartbeats"]``. When
     ``relayed`` (the relay wire), its node's relay carries its heartbeats after the first
     (:func:`relayed_heartbeat`) and its stream says nothing more until its goodbye, as the
     launcher's does while node 0 answers them. A session that fails (a starved client's call
@@ -205,6 +203,7 @@ async def session_task(
     import grpc
 
     from traceml import wire
+    from traceml.core.transport import NODE_HEARTBEAT_INTERVAL_S
 
     open_session = channel.stream_stream(SESSION, response_deserializer=wire.NodeDown.FromString)
     claim = wire.NodeUp(
@@ -238,7 +237,7 @@ async def session_task(
                     await go.wait()
                     continue
                 try:
-                    await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
+                    await asyncio.wait_for(stop.wait(), NODE_HEARTBEAT_INTERVAL_S)
                 except asyncio.TimeoutError:
                     pass
             await stop.wait()
@@ -936,8 +935,8 @@ def main() -> None:
         "at 1,024 ranks)"
         + (
             "; relay: each 8 ranks one simulated node relay, one Relay call carrying its ranks' "
-            "and its node sampler's batches (not the node session's heartbeats: a NodeSession "
-            "stream of their own in the product, simulated with --sessions)"
+            "and its node sampler's batches (the node sessions, and the heartbeats the relay "
+            "carries for them, only with --sessions)"
             if "relay" in args.wire
             else ""
         )

@@ -270,7 +270,8 @@ class NodeSession:
         if own:
             with self._cond:
                 self._last_beat_m = time.monotonic()
-                self.heartbeats_sent += exchange
+                if exchange:
+                    self.heartbeats_sent += 1
         beat = wire.NodeHeartbeat()
         try:
             best = self.clock.best()
