@@ -95,8 +95,9 @@ _log = log.get("aggregator")
 
 #: Layout of :class:`Checkpoint` and the ranks' rows; a checkpoint of another version is not
 #: read (full replay). 3: the ranks' states in rows of their own (2 held them in the one row);
-#: 4: their windows in packed columns (3 held one deque of Python ints per step field).
-CHECKPOINT_VERSION = 4
+#: 4: their windows in packed columns (3 held one deque of Python ints per step field); 5: a
+#: digest's sketches as plain bytes (4 pickled their NumPy arrays).
+CHECKPOINT_VERSION = 5
 #: Ranks copied between two returns to the event loop while a checkpoint is taken, and written
 #: in one transaction (at ~0.5 ms and ~97 KB a rank, ~16 ms of the loop and ~3 MB at a time).
 SNAPSHOT_SLICE_RANKS = 32

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -76,6 +76,21 @@ class LogHistogram:
 
     def __len__(self) -> int:
         return self.zeros + int(self.counts.sum())
+
+    def __getstate__(self) -> tuple[int, int, bytes]:
+        """``(zeros, offset, the counters' int64 bytes)``: what a checkpoint keeps. Plain
+        bytes, not the array: pickling a NumPy array cost ~2 µs, ~20 of them a rank (most
+        still empty), which made the digest 80 % of a rank's checkpoint row's pickling."""
+        return self.zeros, self.offset, self.counts.tobytes()
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        """Take :meth:`__getstate__`'s state back, or the slots' own of a checkpoint of layout
+        4 or before, ``(None, {slot: value})``, which held the array."""
+        if len(state) == 2:
+            slots = state[1]
+            state = (slots["zeros"], slots["offset"], slots["counts"].tobytes())
+        self.zeros, self.offset, raw = state
+        self.counts = np.frombuffer(raw, dtype=np.int64).copy()
 
     def copy(self) -> LogHistogram:
         """An independent copy."""
