@@ -79,7 +79,7 @@ def test_the_writer_acknowledges_nothing_on_a_full_disk_and_everything_after(sma
     acked: list[int] = []
 
     async def main():
-        writer = Writer(Store(small_fs / "t.sqlite"), lambda b: acked.append(b.rank))
+        writer = Writer(Store(small_fs / "t.sqlite"), lambda b, _: acked.append(b.rank))
         writer.start()
         first = await writer.queue_batch(batch(1, 0))
         fill(small_fs)

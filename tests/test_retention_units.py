@@ -287,7 +287,7 @@ def test_a_prune_killed_after_a_round_cut_inside_a_sample_time_leaves_whole_time
 
     async def prune(batches: range, final: bool) -> None:
         store = Store(path)
-        writer = Writer(store, lambda batch: None)
+        writer = Writer(store, lambda batch, _: None)
         writer.start()
         for seq in batches:
             batch = node_batch(seq, run_name="r")

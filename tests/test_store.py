@@ -10,7 +10,8 @@ from helpers.batches import node_batch, node_exit, rank_end, tiny_step
 from helpers.batches import rank_batch as batch
 
 from traceml import wire
-from traceml.wire.records import add_steps
+from traceml.wire.records import add_steps, step_group_columns
+from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.store import Store
 from traceml_aggregator.writer import QueueFull, Writer
 
@@ -142,7 +143,7 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     stored: list[int] = []
 
     async def main():
-        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.rank))
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b, _: stored.append(b.rank))
         futures = [asyncio.ensure_future(writer.queue_batch(b)) for b in (good, bad)]
         await asyncio.sleep(0)  # both queued before the writer takes them: one transaction
         writer.start()
@@ -159,6 +160,35 @@ def test_the_writer_isolates_a_batch_the_store_cannot_take(tmp_path):
     assert (steps, batches_stored, stored) == (3, 1, [0])
 
 
+def test_the_writer_hands_on_stored_the_groups_the_store_decoded_and_the_live_fold_takes_them(
+    tmp_path,
+):
+    """A batch stored now reaches ``on_stored`` with its step groups as the store decoded
+    them (``step_group_columns`` of each, in order; a duplicate does not reach it), and the
+    live fold takes those instead of decoding the batch again: given other columns, the
+    window holds theirs."""
+    two = batch(1, range(3), rank=0)
+    add_steps(two, [{"step": 3, "end_us": 30, "step_us": 9, "forward_us": 4}])
+    handed: list[tuple] = []
+
+    async def main():
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b, g: handed.append((b.seq, g)))
+        writer.start()
+        await writer.queue_batch(two)
+        await writer.queue_batch(batch(1, range(3), rank=0))  # a resend: a duplicate
+        await writer.close()
+
+    asyncio.run(main())
+    assert handed == [(1, [step_group_columns(g) for g in two.step_groups])]
+    assert [names for names, _ in handed[0][1]] == [
+        ("step", "end_us", "step_us"),
+        ("step", "end_us", "step_us", "forward_us"),
+    ]
+    live = LiveAggregates("r", 1)
+    live.on_batch(two, [(("step", "end_us", "step_us"), [[7], [70], [11]])] * 2)
+    assert live.ranks[0].steps.tail(4) == {"step": (7, 7), "end_us": (70, 70), "step_us": (11, 11)}
+
+
 def test_a_relay_message_is_one_item_whose_batches_are_answered_each_in_order(tmp_path):
     """``queue_batches`` (a ``RelayUp``'s batches) queues one item with one future: a copy of
     a batch of the same message is refused at once (the copy queued is stored once), a
@@ -170,7 +200,7 @@ def test_a_relay_message_is_one_item_whose_batches_are_answered_each_in_order(tm
     stored: list[int] = []
 
     async def main():
-        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.rank))
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b, _: stored.append(b.rank))
         alone = asyncio.ensure_future(writer.queue_batch(batch(1, [5], rank=9)))
         message, refused = writer.queue_batches([good[0], good[1], good[1], bad, good[2]])
         assert message is not None and writer._queue.qsize() == 2  # one item each
@@ -178,7 +208,7 @@ def test_a_relay_message_is_one_item_whose_batches_are_answered_each_in_order(tm
         results = await message
         steps = await writer.call(rows, writer.store, "SELECT rank, step FROM steps")
         # a message that waits: pushed back as a whole, each of its batches counted
-        stalled = Writer(Store(tmp_path / "s.sqlite"), lambda b: None, pushback_after_s=0.0)
+        stalled = Writer(Store(tmp_path / "s.sqlite"), lambda b, _: None, pushback_after_s=0.0)
         stalled._sweeper = asyncio.ensure_future(stalled._push_back_waiting())
         waiting, _ = stalled.queue_batches([batch(1, [0], rank=r) for r in (0, 1, 2)])
         with pytest.raises(QueueFull, match="not stored within 0 s"):
@@ -209,7 +239,7 @@ def test_a_failing_on_stored_stops_neither_the_writer_nor_later_batches(tmp_path
     writer, and every later ``queue_batch`` future waited for ever)."""
     seen: list[int] = []
 
-    def on_stored(b) -> None:
+    def on_stored(b, _groups) -> None:
         seen.append(b.seq)
         if b.seq == 1:
             raise KeyError("a bug")
@@ -254,7 +284,7 @@ def test_a_value_beyond_the_stores_integers_is_dropped_not_its_batch(tmp_path):
     wide.flops_counts.add(step=0, forward_flops=3, count_us=big)
 
     async def main():
-        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: None)
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b, _: None)
         futures = [asyncio.ensure_future(writer.queue_batch(b)) for b in (good, wide)]
         await asyncio.sleep(0)  # both queued before the writer takes them: one transaction
         writer.start()
@@ -288,7 +318,7 @@ def test_drain_waits_for_what_was_queued_before_it_not_for_a_flood(tmp_path):
     stored: list[int] = []
 
     async def main():
-        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b: stored.append(b.seq))
+        writer = Writer(Store(tmp_path / "t.sqlite"), lambda b, _: stored.append(b.seq))
         early = [asyncio.ensure_future(writer.queue_batch(batch(s, range(2)))) for s in (1, 2)]
         await asyncio.sleep(0)
         writer.start()

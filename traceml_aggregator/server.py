@@ -400,7 +400,8 @@ class AggregatorService(wire.AggregatorServicer):
                     if up.HasField("heartbeat")
                     else None
                 )
-                down = wire.RelayDown(acks=await self._relay_up(channels, up.frames, context))
+                down = wire.RelayDown()
+                await self._relay_up(channels, up.frames, context, down.acks)
                 if echo is not None:
                     echo.answered_unix_ns = time.time_ns()
                     down.clock.CopyFrom(echo)
@@ -409,8 +410,9 @@ class AggregatorService(wire.AggregatorServicer):
             for stream in channels.values():
                 stream.end()
 
-    async def _relay_up(self, channels: dict[int, SenderStream], frames, context) -> list:
-        """The RelayAcks of one ``RelayUp``'s ``frames``, in one pass (no task, no future and
+    async def _relay_up(self, channels: dict[int, SenderStream], frames, context, acks) -> None:
+        """Add the RelayAcks of one ``RelayUp``'s ``frames`` to ``acks`` (its ``RelayDown``'s,
+        built in place: a RelayAck made apart is copied in), in one pass (no task, no future and
         no wake-up of the writer per channel: a ``RelayUp`` carries a node's every sender):
         each batch is checked in frame order, and those not refused are queued with the writer
         as one item (:meth:`~traceml_aggregator.writer.Writer.queue_batches`, one future). A
@@ -431,7 +433,6 @@ class AggregatorService(wire.AggregatorServicer):
                     batches.append(frame.batch)
             checked.append((frame, answer))
         stored, refused = self.writer.queue_batches(batches) if batches else (None, {})
-        acks: list = []
         later: list[tuple] = []  # (frame, its answer), behind a batch of its channel taken
         waiting: set[int] = set()  # channels with a batch the writer took
         for frame, answer in checked:
@@ -450,12 +451,11 @@ class AggregatorService(wire.AggregatorServicer):
                     result = next(taken, None)
                     answer = PUSHED_BACK if result is None else self._ack(frame.batch, result)
                 self._relay_answered(channels, frame, answer, acks)
-        return acks
 
-    def _relay_answered(self, channels: dict[int, SenderStream], frame, answer, acks: list):
+    def _relay_answered(self, channels: dict[int, SenderStream], frame, answer, acks) -> None:
         """Take ``frame`` (a RelayFrame) into its channel's stream: ``ended`` ends it,
         ``closing`` marks it closing, a batch's ``answer`` (its Ack) goes to the ledger and to
-        ``acks``."""
+        ``acks`` (a RelayDown's)."""
         stream = channels.get(frame.channel)
         if stream is None:
             stream = channels[frame.channel] = SenderStream(self.streams)
@@ -465,7 +465,7 @@ class AggregatorService(wire.AggregatorServicer):
             stream.closing()
         else:
             stream.answered(frame.batch, answer)
-            acks.append(wire.RelayAck(channel=frame.channel, ack=answer))
+            acks.add(channel=frame.channel, ack=answer)
 
     def _node_exit_refusal(self, report) -> str:
         """Why ``report`` (a NodeExit) cannot be this run's, counted; "" when it can."""
@@ -617,10 +617,10 @@ async def serve(config: ServerConfig, ready=None) -> int:
     # stored after it once serving (catch_up, below).
     checkpoint, replay = restore(live, store)
 
-    def on_stored(batch) -> None:
+    def on_stored(batch, groups: list[tuple]) -> None:
         state.on_batch(batch)
         hangs.on_batch(batch)
-        live.on_batch(batch)
+        live.on_batch(batch, groups)
 
     writer = Writer(store, on_stored, config.max_queued_bytes)
     checkpointer = Checkpointer(checkpoint, live, writer)

@@ -33,7 +33,7 @@ import functools
 import itertools
 import sqlite3
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf.message import Message
@@ -190,8 +190,9 @@ def _step_insert(names: tuple[str, ...], rows: int) -> str:
 
 
 def _insert_steps(db: sqlite3.Connection, groups: list[tuple]) -> None:
-    """Insert the steps of ``groups`` (``(rank, restart, StepColumns)``, in arrival order) as
-    rows of their ranks' attempts, in that order.
+    """Insert the steps of ``groups`` (``(rank, restart, names, columns)``: a step group
+    decoded by :func:`step_group_columns`, in arrival order) as rows of their ranks'
+    attempts, in that order.
 
     Consecutive groups that measured the same fields (the common case: every rank's batch of
     a node's relay message, or of a burst, alike) are bound together, so a transaction of
@@ -199,14 +200,10 @@ def _insert_steps(db: sqlite3.Connection, groups: list[tuple]) -> None:
     out flat in C (``zip`` over the packed columns, ``chain``) and bound
     :data:`MAX_ROWS_PER_INSERT` rows a statement, then in halving statements for the rest (at
     most 5 more), so no step is decoded one by one in Python.
-
-    Raises:
-        ValueError: a group is malformed (see :func:`step_group_columns`).
     """
     names: tuple[str, ...] = ()
     values: list[int | None] = []
-    for rank, restart, group in groups:
-        group_names, columns = step_group_columns(group)
+    for rank, restart, group_names, columns in groups:
         if not group_names:  # an empty group: no row (zip over the repeats would never end)
             continue
         if group_names != names:
@@ -277,6 +274,10 @@ class WriteResult:
     kind: str = ""
     #: Values above :data:`STORE_INT_MAX` dropped from the batch before it was stored.
     values_dropped: int = 0
+    #: A batch stored now: its step groups as the store decoded them, ``(names, columns)``
+    #: of :func:`step_group_columns` each, in the batch's order (the live fold takes them, so
+    #: the event loop does not decode a group again); empty otherwise.
+    groups: list[tuple[tuple[str, ...], list]] = field(default_factory=list)
 
 
 class StoreVersionError(RuntimeError):
@@ -403,7 +404,7 @@ class Store:
             ValueError: a malformed batch (a step group, an end state); nothing was stored.
             sqlite3.Error: the disk (full, I/O error); nothing was stored.
         """
-        steps: list[tuple] = []  # (rank, restart, StepColumns) of the batches to store
+        steps: list[tuple] = []  # (rank, restart, names, columns) of the groups to store
         rows: dict[type, list[tuple]] = {record: [] for record in _BATCH_ROWS}
         counts: dict[tuple[int, int], tuple] = {}  # (rank, restart) -> its latest SenderCounts
         results: list[WriteResult] = []
@@ -428,11 +429,12 @@ class Store:
                 self._seqs[key] = touched[key] = batch.seq
                 latest = self._latest.get(key[:2], 0)
                 self._latest[key[:2]] = max(latest, batch.restart_count)
-                results.append(WriteResult(batch.seq, False))
+                groups = list(map(step_group_columns, batch.step_groups))
+                results.append(WriteResult(batch.seq, False, groups=groups))
                 restart = batch.restart_count
                 if batch.HasField("identity"):
                     db.execute(_INSERT[Identity], Identity.wire_row(batch.identity))
-                steps += [(batch.rank, restart, group) for group in batch.step_groups]
+                steps += [(batch.rank, restart, *group) for group in groups]
                 _batch_rows(batch, sender, received_unix_us, rows)
                 if sender == "rank" and batch.HasField("counts"):
                     counts[batch.rank, restart] = SenderCounts.wire_row(

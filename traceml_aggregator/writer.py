@@ -94,8 +94,10 @@ class Writer:
 
     Args:
         store: the run's store (used only on the writer thread from now on).
-        on_stored: called on the event loop with each batch after it committed
-            (the run state tracks finish markers this way); what it raises is counted in
+        on_stored: called on the event loop with each batch after it committed, and its
+            step groups as the store decoded them (:attr:`WriteResult.groups
+            <traceml_aggregator.store.WriteResult.groups>`: the live fold takes them; the run
+            state tracks finish markers this way); what it raises is counted in
             :attr:`on_stored_errors`, never stops the writer.
         max_queued_bytes: bound of the queue, bytes of serialized batches.
         pushback_after_s: see :data:`PUSHBACK_AFTER_S`.
@@ -104,7 +106,7 @@ class Writer:
     def __init__(
         self,
         store: Store,
-        on_stored: Callable[[Any], None],
+        on_stored: Callable[[Any, list[tuple]], None],
         max_queued_bytes: int = settings.MAX_QUEUED_BYTES.value,
         pushback_after_s: float = PUSHBACK_AFTER_S,
     ) -> None:
@@ -317,7 +319,7 @@ class Writer:
             else:
                 self.batches_stored += 1
                 self.records_stored += record_count(batch)
-                self._stored_hook(batch)
+                self._stored_hook(batch, outcome.groups)
         first = 0
         for batches_of, future, single in items:
             mine = outcomes[first : first + len(batches_of)]
@@ -383,12 +385,12 @@ class Writer:
             time.sleep(0.01)
         return self.store.write_batches(batches, received_unix_us), self.store.steps_rowid
 
-    def _stored_hook(self, batch) -> None:
-        """``on_stored(batch)``, guarded: its failure (a bug of the live state it feeds) is
+    def _stored_hook(self, batch, groups: list[tuple]) -> None:
+        """``on_stored(batch, groups)``, guarded: its failure (a bug of the live state it feeds) is
         counted in :attr:`on_stored_errors` and logged for the first one; the batch stays
         stored and acknowledged, and the writer goes on."""
         try:
-            self._on_stored(batch)
+            self._on_stored(batch, groups)
         except Exception as exc:
             self.on_stored_errors += 1
             if self.on_stored_errors == 1:

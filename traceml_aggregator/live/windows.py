@@ -319,27 +319,30 @@ class LiveAggregates:
         return rl
 
     # --- updates (O(the batch)) ------------------------------------------------------------------
-    def on_batch(self, batch) -> None:
+    def on_batch(self, batch, groups: list[tuple] | None = None) -> None:
         """Fold a committed batch (a wire Batch of this run) into the aggregates; while a
-        replacement catches up (:meth:`catch_up`), hold it to fold in after the stored steps."""
-        self._fold_or_hold(self._fold_batch, batch)
+        replacement catches up (:meth:`catch_up`), hold it to fold in after the stored steps.
+        ``groups``: its step groups already decoded, ``(names, columns)`` of
+        :func:`~traceml.core.records.step_group_columns` each in its order (the store's,
+        :attr:`~traceml_aggregator.store.WriteResult.groups`); None to decode them here."""
+        self._fold_or_hold(self._fold_batch, batch, groups)
 
-    def _fold_or_hold(self, fold: Callable[[object, int], None], item) -> None:
-        """``fold(item, received_unix_us)`` now, or after the catch-up (held in order)."""
-        args = (item, time.time_ns() // 1000)
+    def _fold_or_hold(self, fold: Callable[..., None], *items) -> None:
+        """``fold(*items, received_unix_us)`` now, or after the catch-up (held in order)."""
+        args = (*items, time.time_ns() // 1000)
         if self._pending is not None:
             self._pending.append((fold, args))
         else:
             fold(*args)
 
-    def _fold_batch(self, batch, received_unix_us: int) -> None:
+    def _fold_batch(self, batch, groups: list[tuple] | None, received_unix_us: int) -> None:
         self.version += 1
         if not self._identity_world_size and batch.HasField("identity"):
             self._identity_world_size = batch.identity.world_size
         sender = batch.WhichOneof("sender") or "rank"
         restart = batch.restart_count
         if sender == "rank":
-            self._rank_data(batch, self._rank(batch.rank), restart, received_unix_us)
+            self._rank_data(batch, groups, self._rank(batch.rank), restart, received_unix_us)
             self._changed_ranks.add(batch.rank)
         for s in batch.process_samples:
             # A node sampler reports for its local workers; a rank for itself.
@@ -362,14 +365,16 @@ class LiveAggregates:
                 for g in s.gpus
             )
 
-    def _rank_data(self, batch, rl: RankLive, restart: int, received_unix_us: int) -> None:
+    def _rank_data(
+        self, batch, groups: list[tuple] | None, rl: RankLive, restart: int, received_unix_us: int
+    ) -> None:
         if not rl.attempt(restart):
             return
         limit = analysis_steps(self._world())
         if batch.HasField("identity"):
             rl.identity = records.Identity.from_wire(batch.identity)
-        for group in batch.step_groups:
-            names, columns = step_group_columns(group)
+        decoded = map(step_group_columns, batch.step_groups) if groups is None else groups
+        for group, (names, columns) in zip(batch.step_groups, decoded, strict=True):
             if names:
                 rl.fold_steps(names, columns)
                 rl.hold(group, limit)
