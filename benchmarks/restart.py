@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import LiveAggregator, median  # noqa: E402
+from _common import ROOT, LiveAggregator, median  # noqa: E402
 from sample_load import START_US, gpu_row, process_row, rows_of, system_row  # noqa: E402
 
 from traceml.core import records  # noqa: E402
@@ -429,6 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def checkpoint_version(tree: Path) -> int:
+    """The checkpoint layout the source tree ``tree`` writes (its ``CHECKPOINT_VERSION``):
+    read from its source, as a baseline of another layout writes its own."""
+    source = (tree / "traceml_aggregator" / "checkpoint.py").read_text()
+    found = re.search(r"^CHECKPOINT_VERSION = (\d+)$", source, re.MULTILINE)
+    if found is None:
+        raise SystemExit(f"{tree}: no CHECKPOINT_VERSION in traceml_aggregator/checkpoint.py")
+    return int(found.group(1))
+
+
 def simulate_checkpoint(
     run_dir: Path, run_name: str, ranks: int, scratch: Path, tree: Path | None = None
 ) -> None:
@@ -436,8 +446,9 @@ def simulate_checkpoint(
     takes ~15 min here): a real aggregator (of the source tree ``tree``, None: this one)
     checkpoints a short run of the same ranks (:data:`SIMULATED_STEPS` each, built once in
     ``scratch``: windows, series and digests full, so the checkpoint has the size and shape of
-    a long run's), whose marks are then set to the store's last rows; a checkpoint of this
-    tree's layout gets the sample windows and series of the long run's own samples (read
+    a long run's), whose marks are then set to the store's last rows; a checkpoint of the
+    layout its tree writes (:func:`checkpoint_version`: a baseline's too, where this tree's
+    layout is another) gets the sample windows and series of the long run's own samples (read
     whole here, as the aggregator would have folded them in checkpoint by checkpoint). Only
     the time to serving and the finalization's cost mean anything on such a store (the step
     figures the checkpoint holds are the short run's); that a checkpoint's aggregates equal a
@@ -454,7 +465,7 @@ def simulate_checkpoint(
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
         rank_rows = db.execute("SELECT rank, state FROM live_checkpoint_ranks").fetchall()
     state = checkpoint.loads(data)
-    current = state.version == checkpoint.CHECKPOINT_VERSION
+    current = state.version == checkpoint_version(tree or ROOT)
     if current:  # the long run's own sample windows and series, marks at its last rows
         state.windows, state.series = {}, {}
         store = Store(run_dir / "telemetry.sqlite")
