@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import jsonschema
 import pytest
 from helpers import batches
+from helpers.batches import START_US
 
 from traceml import wire
 from traceml.report import read_summary
@@ -20,26 +22,10 @@ SCHEMA = json.loads(
     (Path(__file__).resolve().parents[1] / "docs" / "final_summary.schema.json").read_text()
 )
 GIB = 1024**3
-T0 = 1_700_000_000_000_000  # unix µs
 
 
-def identity(rank: int, restart: int = 0) -> wire.RankIdentity:
-    return wire.RankIdentity(
-        run_name="r",
-        rank=rank,
-        local_rank=rank,
-        node_rank=0,
-        world_size=2,
-        local_world_size=2,
-        hostname="h0",
-        pid=100 + rank,
-        restart_count=restart,
-        start_unix_us=T0,
-        device="cpu",
-        torch_version="2.13.0",
-        backend="gloo",
-        parallelism="ddp",
-    )
+#: The ranks' identities (:func:`batches.rank_identity`), with the torch version they report.
+identity = partial(batches.rank_identity, torch_version="2.13.0")
 
 
 def steps(n: int, input_us: int = 1000) -> list[wire.StepColumns]:
@@ -61,7 +47,7 @@ def node_samples(seq: int) -> wire.Batch:
     """What the node sampler sends for a script that never calls traceml: host and processes."""
     batch = wire.Batch(run_name="r", node_rank=0, seq=seq)
     for k in range(5):
-        t = T0 + k * 1_000_000
+        t = START_US + k * 1_000_000
         batch.system_samples.append(
             wire.SystemSample(
                 unix_us=t,
@@ -102,8 +88,8 @@ def _report(store: Store, run_dir: Path, missing: list[int]) -> dict:
 
 
 def test_zero_code_run_reports_missing_steps_and_system_figures(store, tmp_path):
-    store.write_batches([node_samples(1)], T0)
-    store.write_node_exit(node_exit(), T0)
+    store.write_batches([node_samples(1)], START_US)
+    store.write_node_exit(node_exit(), START_US)
     s = _report(store, tmp_path, [])
     p = s["primary_diagnosis"]
     assert p["kind"] == "INSUFFICIENT_DATA"
@@ -140,7 +126,7 @@ def test_partial_summary_names_the_missing_rank(store, tmp_path):
             ),
             wire.Batch(run_name="r", rank=1, seq=1, identity=identity(1), step_groups=steps(30)),
         ],
-        T0,
+        START_US,
     )
     s = _report(store, tmp_path, [1])
     assert s["run"]["complete"] is False and s["run"]["missing_ranks"] == [1]
@@ -167,7 +153,7 @@ def test_restarted_attempts_stay_apart(store, tmp_path):
             )
             for r in range(2)
         ],
-        T0,
+        START_US,
     )
     store.write_batches(
         [
@@ -181,7 +167,7 @@ def test_restarted_attempts_stay_apart(store, tmp_path):
             )
             for r in range(2)
         ],
-        T0,
+        START_US,
     )
     s = _report(store, tmp_path, [])
     assert s["run"]["attempt"] == 1
@@ -198,9 +184,9 @@ def test_failed_rank_end_state_in_reports(store, tmp_path):
             wire.Batch(run_name="r", rank=r, seq=1, identity=identity(r), step_groups=steps(30))
             for r in range(2)
         ],
-        T0,
+        START_US,
     )
-    store.write_node_exit(node_exit(("failed", "terminated"), code=1), T0)
+    store.write_node_exit(node_exit(("failed", "terminated"), code=1), START_US)
     s = _report(store, tmp_path, [])
     assert [r["end"]["state"] for r in s["ranks"]] == ["failed", "terminated"]
     kinds = [f["kind"] for f in s["findings"]["health"]]
@@ -216,8 +202,8 @@ def test_past_the_finalization_deadline_the_summary_is_written_and_the_html_left
     past it, final_summary.json and .txt are those of a finalization in time, and the HTML
     report is left out with one warning line that says how to draw it later; within it (a
     partial summary written after the budget went to waiting for ranks) it is drawn."""
-    store.write_batches([node_samples(1)], T0)
-    store.write_node_exit(node_exit(), T0)
+    store.write_batches([node_samples(1)], START_US)
+    store.write_node_exit(node_exit(), START_US)
     (tmp_path / "in_time").mkdir(), (tmp_path / "late").mkdir()
     in_time = write_reports(
         store, tmp_path / "in_time", [], html=True, deadline=time.monotonic() - 1

@@ -9,6 +9,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 
 from helpers import batches
+from helpers.batches import START_US
 
 from traceml import wire
 from traceml.analysis.summary import build_summary
@@ -16,26 +17,6 @@ from traceml_aggregator.live import WINDOW_STEPS, LiveAggregates, analysis_proce
 from traceml_aggregator.live import windows as live_windows
 from traceml_aggregator.load import load
 from traceml_aggregator.store import Store
-
-START_US = 1_700_000_000_000_000
-
-
-def identity(rank: int, restart: int = 0) -> wire.RankIdentity:
-    return wire.RankIdentity(
-        run_name="r",
-        rank=rank,
-        local_rank=rank,
-        node_rank=0,
-        world_size=2,
-        local_world_size=2,
-        hostname="h0",
-        pid=100 + rank,
-        restart_count=restart,
-        start_unix_us=START_US,
-        parallelism="ddp",
-        device="cpu",
-        backend="gloo",
-    )
 
 
 def rank_batch(rank: int, seq: int, steps: range, *, restart: int = 0, slow_input=0, **fields):
@@ -58,7 +39,7 @@ def rank_batch(rank: int, seq: int, steps: range, *, restart: int = 0, slow_inpu
         **fields,
     )
     if seq == 1:
-        b.identity.CopyFrom(identity(rank, restart))
+        b.identity.CopyFrom(batches.rank_identity(rank, restart))
     b.process_samples.add(
         unix_us=START_US + 20_000 * steps[-1], cpu_percent=90.0 + rank, rss_bytes=(1 << 30) + seq
     )

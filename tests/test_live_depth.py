@@ -10,34 +10,15 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from helpers.batches import rank_batch
+from helpers.batches import START_US, rank_batch, rank_identity
 
 from traceml import wire
 from traceml_aggregator.live import LiveAggregates, analysis_process
 from traceml_aggregator.live import windows as live_windows
 
-START_US = 1_700_000_000_000_000
 S = 1_000_000  # µs: one step a second
 MIB = 1024 * 1024
 WORLD = 4
-
-
-def _identity(rank: int) -> wire.RankIdentity:
-    return wire.RankIdentity(
-        run_name="r",
-        rank=rank,
-        local_rank=rank,
-        node_rank=0,
-        world_size=WORLD,
-        local_world_size=WORLD,
-        hostname="h0",
-        pid=100 + rank,
-        restart_count=0,
-        start_unix_us=START_US,
-        parallelism="ddp",
-        device="cpu",
-        backend="gloo",
-    )
 
 
 def _step_batch(rank: int, i: int, forward_us: int, rss: int) -> wire.Batch:
@@ -57,7 +38,7 @@ def _step_batch(rank: int, i: int, forward_us: int, rss: int) -> wire.Batch:
             "backward_us": 200_000,
             "optimizer_us": 20_000,
         },
-        **({"identity": _identity(rank)} if i == 0 else {}),
+        **({"identity": rank_identity(rank, world_size=WORLD)} if i == 0 else {}),
     )
     b.process_samples.add(unix_us=START_US + S * (i + 1), rss_bytes=rss)
     return b

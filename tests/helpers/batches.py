@@ -8,6 +8,9 @@ from collections.abc import Callable, Iterable
 from traceml import wire
 from traceml.wire.records import add_steps
 
+#: When the runs built here started, unix µs (2023-11-14 22:13:20 UTC).
+START_US = 1_700_000_000_000_000
+
 
 def tiny_step(i: int) -> dict[str, int]:
     """Step ``i`` as the smallest valid row: 1 µs long, ending at ``i + 1`` µs."""
@@ -30,6 +33,31 @@ def rank_batch(
     batch = wire.Batch(run_name=run_name, rank=rank, restart_count=restart, seq=seq, **fields)
     add_steps(batch, (row(i) for i in steps))
     return batch
+
+
+def rank_identity(
+    rank: int, restart: int = 0, *, world_size: int = 2, **fields
+) -> wire.RankIdentity:
+    """Rank ``rank``'s identity in attempt ``restart`` of run ``r``: DDP on CPU (gloo), one node
+    (``h0``) of ``world_size`` ranks, local rank ``rank``, pid ``100 + rank``, started at
+    :data:`START_US` (unix µs); ``fields`` are more :class:`wire.RankIdentity` fields
+    (``torch_version``...)."""
+    return wire.RankIdentity(
+        run_name="r",
+        rank=rank,
+        local_rank=rank,
+        node_rank=0,
+        world_size=world_size,
+        local_world_size=world_size,
+        hostname="h0",
+        pid=100 + rank,
+        restart_count=restart,
+        start_unix_us=START_US,
+        parallelism="ddp",
+        device="cpu",
+        backend="gloo",
+        **fields,
+    )
 
 
 def node_batch(seq: int, *, node_rank: int = 0, run_name: str = "r", **fields) -> wire.Batch:
