@@ -11,56 +11,15 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers import components, cputime, schedule
-from helpers.aggregator import free_port, query
-from helpers.jobs import (
-    EXAMPLES,
-    GRPC_LINE,
-    ROOT,
-    SCRIPTS,
-    TEST_RUN_TOKEN,
-    aggregator_of,
-    assert_all_gone,
-    assert_rejected,
-    load_summary,
-    process_family,
-    run_traceml,
-    signal_and_wait,
-    start_traceml,
-    traceml_cmd,
-    traceml_env,
-    wait_all,
-    wait_training,
-    wait_training_started,
-)
+from helpers import components, cputime, jobs, schedule
+from helpers.aggregator import free_port
+from helpers.jobs import *  # noqa: F403 (re-exported: see the module docstring)
+from helpers.jobs import TEST_RUN_TOKEN
 from helpers.planted import PlantedRun, run_planted
 from helpers.tls import make_cert
 from helpers.waiting import wait_for
 
-__all__ = [
-    "EXAMPLES",
-    "GRPC_LINE",
-    "ROOT",
-    "SCRIPTS",
-    "TEST_RUN_TOKEN",
-    "aggregator_of",
-    "assert_all_gone",
-    "assert_rejected",
-    "free_port",
-    "load_summary",
-    "make_cert",
-    "process_family",
-    "query",
-    "run_traceml",
-    "signal_and_wait",
-    "start_traceml",
-    "traceml_cmd",
-    "traceml_env",
-    "wait_all",
-    "wait_for",
-    "wait_training",
-    "wait_training_started",
-]
+__all__ = [*jobs.__all__, "free_port", "make_cert", "wait_for"]
 
 os.environ["TRACEML_RUN_TOKEN"] = TEST_RUN_TOKEN
 
