@@ -22,6 +22,7 @@ import socket
 
 import pytest
 from conftest import SCRIPTS, start_traceml, wait_for
+from helpers.batches import node_claim
 from live_aggregator import LiveAggregator, finish, step
 
 from traceml import wire
@@ -37,9 +38,7 @@ BUDGET_S = 2.0
 
 def claim(node_rank: int) -> wire.NodeClaim:
     hostname = socket.gethostname() if node_rank == 0 else "node1"
-    return wire.NodeClaim(
-        run_name="r", node_rank=node_rank, nnodes=2, hostname=hostname, launcher_pid=os.getpid()
-    )
+    return node_claim(node_rank, nnodes=2, hostname=hostname, launcher_pid=os.getpid())
 
 
 def stalled_ranks(session: NodeSession) -> list[int] | None:

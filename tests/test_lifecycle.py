@@ -20,6 +20,7 @@ import grpc
 import psutil
 import pytest
 from conftest import SCRIPTS, assert_rejected, free_port, query
+from helpers.batches import node_claim
 from helpers.waiting import LOADED_CALL_S
 from live_aggregator import LiveAggregator, finish, make_client, step
 
@@ -247,12 +248,8 @@ def test_finalize_is_cut_short_by_a_signal(tmp_path):
     never come, returns within 0.2 s of the launcher's signal; the one that follows (which
     replaces it at the aggregator) writes the partial summary at once, and only it does."""
     with LiveAggregator(tmp_path / "run", "cut", world_size=2) as agg:
-        claim = wire.NodeClaim(
-            run_name="cut",
-            node_rank=0,
-            nnodes=1,
-            hostname=socket.gethostname(),
-            launcher_pid=os.getpid(),
+        claim = node_claim(
+            0, nnodes=1, hostname=socket.gethostname(), launcher_pid=os.getpid(), run_name="cut"
         )
         session = NodeSession(agg.target, claim).start()
         try:

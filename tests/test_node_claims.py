@@ -14,10 +14,12 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 
 import grpc
 import pytest
 from conftest import EXAMPLES, free_port, run_traceml, start_traceml
+from helpers import batches
 from live_aggregator import LiveAggregator
 from test_slurm_flags import STEP_ENV
 
@@ -27,33 +29,18 @@ from traceml.launcher.aggregator import stop, wait_serving
 from traceml.launcher.session import NodeSession
 from traceml_aggregator.nodes import NodeRegistry
 
-
-def node_claim(
-    rank: int,
-    host: str = "n1",
-    pid: int = 100,
-    nnodes: int = 3,
-    refusal: str = "",
-    run_name: str = "r",
-) -> wire.NodeClaim:
-    return wire.NodeClaim(
-        run_name=run_name,
-        node_rank=rank,
-        nnodes=nnodes,
-        hostname=host,
-        launcher_pid=pid,
-        refusal=refusal,
-    )
+#: A claim by the launcher of pid 100 on ``n1`` in a run of 3 nodes, unless the test says otherwise.
+node_claim = partial(batches.node_claim, nnodes=3, hostname="n1", launcher_pid=100)
 
 
 # --- the rules --------------------------------------------------------------------------------
 def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
     nodes = NodeRegistry(own_host="n0", nnodes=3)
-    assert nodes.claim(node_claim(0, host="n0", pid=1)) == (True, "")
-    assert nodes.claim(node_claim(0, host="n0", pid=1)) == (True, "")  # node 0 renews
+    assert nodes.claim(node_claim(0, hostname="n0", launcher_pid=1)) == (True, "")
+    assert nodes.claim(node_claim(0, hostname="n0", launcher_pid=1)) == (True, "")  # node 0 renews
     assert nodes.claim(node_claim(1)) == (True, "")
     assert nodes.claim(node_claim(1)) == (True, "")  # idempotent
-    ok, reason = nodes.claim(node_claim(1, host="n2", pid=200))
+    ok, reason = nodes.claim(node_claim(1, hostname="n2", launcher_pid=200))
     assert not ok
     assert reason == (
         "the launcher on n2 (pid 200) claims node rank 1, which the launcher on n1 (pid 100) holds"
@@ -61,7 +48,7 @@ def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
     # Rank 2 is still unclaimed: node 2 will never join, so the run has failed.
     assert nodes.run_failure == reason and not nodes.complete()
     # Later refusals keep the first reason.
-    assert not nodes.claim(node_claim(0, host="n2"))[0]
+    assert not nodes.claim(node_claim(0, hostname="n2"))[0]
     assert nodes.run_failure == reason
 
 
@@ -69,7 +56,7 @@ def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
     "claim, reason",
     [
         (
-            node_claim(0, host="n2", pid=7),
+            node_claim(0, hostname="n2", launcher_pid=7),
             "the launcher on n2 (pid 7) claims node rank 0, but node 0 is n0, where the aggregator "
             "runs",
         ),
@@ -94,8 +81,8 @@ def test_a_stray_claim_never_fails_a_run_whose_nodes_all_joined():
     nodes = NodeRegistry(own_host="n0", nnodes=2)
     assert nodes.claim(node_claim(1, nnodes=2))[0]
     assert nodes.complete()
-    assert not nodes.claim(node_claim(1, host="late", nnodes=2))[0]
-    assert not nodes.claim(node_claim(0, host="late", nnodes=2, refusal="wrong"))[0]
+    assert not nodes.claim(node_claim(1, hostname="late", nnodes=2))[0]
+    assert not nodes.claim(node_claim(0, hostname="late", nnodes=2, refusal="wrong"))[0]
     assert nodes.run_failure == ""
 
 
@@ -135,11 +122,11 @@ def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
     try:
         wait_serving(target, 60, aggregator)
         here = socket.gethostname()
-        node0 = session(node_claim(0, host=here))
+        node0 = session(node_claim(0, hostname=here))
         reply = node0.wait_claim(30)
         assert (reply.accepted, reply.reason, reply.run_failure) == (True, "", "")
         assert session(node_claim(1)).wait_claim(30).accepted
-        stray = session(node_claim(1, host="n2", pid=5))
+        stray = session(node_claim(1, hostname="n2", launcher_pid=5))
         reply = stray.wait_claim(30)
         refused_at = time.monotonic()
         assert not reply.accepted and reply.run_failure == reply.reason
@@ -151,7 +138,7 @@ def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
         assert time.monotonic() - refused_at < 0.5
         assert node0.run_failure == reply.reason and (node0.opened, node0.breaks) == (1, 0)
         # A session opened later learns it from its claim's verdict.
-        late = session(node_claim(0, host=here)).wait_claim(30)
+        late = session(node_claim(0, hostname=here)).wait_claim(30)
         assert late.accepted and late.run_failure == reply.reason
         other = session(node_claim(1, run_name="other"))
         assert other.wait_claim(30) is None
@@ -171,33 +158,24 @@ def test_a_session_may_report_its_own_nodes_exit_only(tmp_path):
     """Node 1's session reporting node 2's exit is refused (FAILED_PRECONDITION, counted),
     nothing of it stored, while node 2's own session goes on; its own exit is stored."""
 
-    def end(rank: int) -> wire.RankEnd:
-        return wire.RankEnd(
-            rank=rank, local_rank=0, end_state=wire.EndState.END_STATE_FAILED, exit_code=1
-        )
-
     def session(*ups: wire.NodeUp):
         with open_channel(agg.target) as channel:
             return list(wire.AggregatorStub(channel).NodeSession(iter(ups), timeout=10))
 
     def claim(rank: int) -> wire.NodeUp:
-        return wire.NodeUp(claim=node_claim(rank, host=f"n{rank}", pid=rank))
+        return wire.NodeUp(claim=node_claim(rank, hostname=f"n{rank}", launcher_pid=rank))
+
+    def failed(node: int) -> wire.NodeUp:
+        """Node ``node``'s exit report: exit code 1, its one rank (rank ``node``) failed."""
+        ranks = [batches.rank_end(node, "failed", local_rank=0)]
+        return wire.NodeUp(exit=batches.node_exit(ranks, exit_code=1, node_rank=node))
 
     with LiveAggregator(tmp_path / "r", "r", world_size=3, extra_args=("--nnodes", "3")) as agg:
         with pytest.raises(grpc.RpcError) as refused:
-            session(
-                claim(1),
-                wire.NodeUp(
-                    exit=wire.NodeExit(run_name="r", node_rank=2, exit_code=1, ranks=[end(2)])
-                ),
-            )
+            session(claim(1), failed(2))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert refused.value.details() == "node 1's session reported the exit of node 2"
-        replies = session(
-            claim(1),
-            wire.NodeUp(exit=wire.NodeExit(run_name="r", node_rank=1, exit_code=1, ranks=[end(1)])),
-            wire.NodeUp(goodbye=wire.NodeGoodbye()),
-        )
+        replies = session(claim(1), failed(1), wire.NodeUp(goodbye=wire.NodeGoodbye()))
         assert [r.WhichOneof("kind") for r in replies] == ["claim", "exit_stored"]
         assert replies[0].claim.accepted
         assert agg.stop() == 0

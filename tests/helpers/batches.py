@@ -1,5 +1,6 @@
-"""Wire messages built by hand: a rank's batch of steps, a node sampler's batch, a node's exit
-report. Each test module says only what differs (its step rows, its run name)."""
+"""Wire messages built by hand: a rank's identity and batch of steps, a node sampler's batch, a
+node's claim and exit report. Each test module says only what differs (its step rows, its run
+name)."""
 
 from __future__ import annotations
 
@@ -101,4 +102,26 @@ def node_exit(
         hostname=hostname,
         exit_code=exit_code,
         ranks=list(ranks),
+    )
+
+
+def node_claim(
+    node_rank: int,
+    *,
+    nnodes: int,
+    hostname: str,
+    launcher_pid: int,
+    refusal: str = "",
+    run_name: str = "r",
+) -> wire.NodeClaim:
+    """The claim of node rank ``node_rank`` in a run of ``nnodes`` nodes by the launcher
+    ``launcher_pid`` on ``hostname``; ``refusal``: why that launcher refused to start (empty:
+    it did not)."""
+    return wire.NodeClaim(
+        run_name=run_name,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        hostname=hostname,
+        launcher_pid=launcher_pid,
+        refusal=refusal,
     )
