@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 from conftest import EXAMPLES, assert_rejected, free_port
+from helpers.aggregator import listening_port
 
 pytestmark = [pytest.mark.torchrun]
 
@@ -41,16 +40,21 @@ def test_run_name_that_is_not_one_safe_path_segment(tmp_path, name):
     )
 
 
-def test_aggregator_port_already_in_use(tmp_path):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = str(busy.getsockname()[1])
+@pytest.mark.parametrize(
+    "reuseport, name, why",
+    [(False, "busy-port-run", ""), (True, "reuseport-run", " (already in use)")],
+    ids=["plain listener", "SO_REUSEPORT listener"],
+)
+def test_aggregator_port_already_in_use(tmp_path, reuseport, name, why):
+    """Also when the listener has SO_REUSEPORT, as gRPC listens by default: a second server
+    would share the port."""
+    with listening_port(reuseport=reuseport) as taken:
+        port = str(taken)
         assert_rejected(
             tmp_path,
-            [SCRIPT, "--aggregator-port", port, "--run-name", "busy-port-run"],
-            f"aggregator port 127.0.0.1:{port} is not available",
-            marker="busy-port-run",
+            [SCRIPT, "--aggregator-port", port, "--run-name", name],
+            f"aggregator port 127.0.0.1:{port} is not available{why}",
+            marker=name,
         )
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
-import sys
 
 import aiohttp
 import pytest
 from conftest import SCRIPTS, assert_rejected, free_port, traceml_env
+from helpers.aggregator import aggregator_cmd, listening_port
 from helpers.waiting import LOADED_CALL_S
 from rundata_factory import identity, node_exit
 
@@ -284,10 +283,8 @@ def test_a_stored_run_is_read_only_and_a_held_store_is_refused(tmp_path):
 @pytest.fixture
 def busy_port():
     """A port something listens on (127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(1)
-        yield s.getsockname()[1]
+    with listening_port() as port:
+        yield port
 
 
 @pytest.mark.torchrun
@@ -314,19 +311,9 @@ def test_traceml_run_refuses_a_dashboard_port_it_cannot_have(tmp_path, busy_port
 @pytest.mark.aggregator
 def test_the_aggregator_refuses_a_dashboard_port_in_use(tmp_path, busy_port):
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "traceml_aggregator",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--run-name",
-            "r",
-            "--port",
-            str(free_port()),
-            "--dashboard-port",
-            str(busy_port),
-        ],
+        aggregator_cmd(
+            tmp_path / "run", "r", "--port", str(free_port()), "--dashboard-port", str(busy_port)
+        ),
         env=traceml_env(),
         stdin=subprocess.DEVNULL,
         capture_output=True,

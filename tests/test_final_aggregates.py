@@ -17,7 +17,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 from helpers import batches
-from helpers.aggregator import LiveAggregator, finish, make_client
+from helpers.aggregator import LiveAggregator, finish, make_client, run_finalize_only
 from helpers.waiting import LOADED_CALL_S
 from test_live_aggregates import feed, node_batch, rank_batch
 
@@ -369,23 +369,7 @@ def test_offline_finalization_writes_the_live_summary_and_a_restart_keeps_the_st
     live = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert live["ranks"][0]["records_received"] == n
     assert live["ranks"][0]["steps_completed"] == n
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "traceml_aggregator",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--run-name",
-            "restarted",
-            "--world-size",
-            "1",
-            "--finalize-only",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_finalize_only(tmp_path / "run", "restarted")
     assert result.returncode == 0, result.stderr
     offline = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert _comparable(offline) == _comparable(live)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import typer
 from conftest import SCRIPTS, free_port, run_traceml, traceml_env
+from helpers.aggregator import aggregator_cmd
 from typer.testing import CliRunner
 
 from traceml import settings
@@ -459,9 +460,8 @@ AGGREGATOR_REFUSALS = [
 @pytest.mark.aggregator
 @pytest.mark.parametrize("flags, env, expected", AGGREGATOR_REFUSALS, ids=lambda v: str(v)[:40])
 def test_the_aggregator_refuses_a_bad_knob_in_one_line(tmp_path, flags, env, expected):
-    argv = ["--run-dir", str(tmp_path / "r"), "--run-name", "knobs", *flags]
     result = subprocess.run(
-        [sys.executable, "-m", "traceml_aggregator", *argv],
+        aggregator_cmd(tmp_path / "r", "knobs", *flags),
         env=traceml_env(env),
         capture_output=True,
         text=True,

@@ -19,7 +19,8 @@ import time
 import grpc
 import psutil
 import pytest
-from conftest import SCRIPTS, assert_rejected, free_port, query
+from conftest import free_port, query
+from helpers.aggregator import aggregator_cmd, listening_port, run_finalize_only
 from helpers.batches import node_claim
 from helpers.waiting import LOADED_CALL_S
 from live_aggregator import LiveAggregator, finish, make_client, step
@@ -31,24 +32,6 @@ from traceml.launcher.config import LaunchError
 from traceml.launcher.run import check_port_free
 from traceml.launcher.session import NodeSession
 from traceml.sdk.client import STEPS
-
-SCRIPT = str(SCRIPTS / "faulty_ddp.py")
-
-
-@pytest.mark.torchrun
-def test_port_with_a_reuseport_listener_is_refused(tmp_path):
-    """gRPC listens with SO_REUSEPORT by default: a second server would share the port."""
-    with socket.socket() as busy:
-        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = str(busy.getsockname()[1])
-        assert_rejected(
-            tmp_path,
-            [SCRIPT, "--aggregator-port", port, "--run-name", "reuseport-run"],
-            f"aggregator port 127.0.0.1:{port} is not available (already in use)",
-            marker="reuseport-run",
-        )
 
 
 @pytest.mark.aggregator
@@ -86,30 +69,16 @@ def test_port_held_only_by_time_wait_is_free(tmp_path):
 
 
 def test_port_with_a_plain_listener_is_refused():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        with pytest.raises(LaunchError, match="already in use"):
-            check_port_free("127.0.0.1", busy.getsockname()[1])
+    with listening_port() as port, pytest.raises(LaunchError, match="already in use"):
+        check_port_free("127.0.0.1", port)
 
 
 def _owned(tmp_path, name: str, *extra: str) -> subprocess.Popen:
     port = free_port()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "traceml_aggregator",
-            "--run-dir",
-            str(tmp_path / name),
-            "--run-name",
-            name,
-            "--port",
-            str(port),
-            "--owned",
-            "--no-summary-at-stop",
-            *extra,
-        ],
+        aggregator_cmd(
+            tmp_path / name, name, "--port", str(port), "--owned", "--no-summary-at-stop", *extra
+        ),
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / f"{name}.log", "wb"),
@@ -282,42 +251,13 @@ def test_finalize_only_writes_the_summary_from_the_store(tmp_path):
     report = wire.NodeExit(run_name="offline", node_rank=0, exit_code=0)
     report.ranks.add(rank=0, local_rank=0, end_state=wire.EndState.END_STATE_COMPLETED, exit_code=0)
     (tmp_path / "exit.pb").write_bytes(report.SerializeToString())
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "traceml_aggregator",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--run-name",
-            "offline",
-            "--world-size",
-            "1",
-            "--nnodes",
-            "1",
-            "--finalize-only",
-            "--node-exit-file",
-            str(tmp_path / "exit.pb"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_finalize_only(
+        tmp_path / "run", "offline", "--nnodes", "1", "--node-exit-file", str(tmp_path / "exit.pb")
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
     assert summary["run"]["complete"] is True and summary["run"]["status"] == "completed"
     assert "summary written from the store" in result.stderr
-
-
-def _finalize_only(run_dir, run_name: str) -> subprocess.CompletedProcess:
-    """``traceml-aggregator --finalize-only`` on ``run_dir`` (a real process), finished."""
-    return subprocess.run(
-        [sys.executable, "-m", "traceml_aggregator", "--run-dir", str(run_dir)]
-        + ["--run-name", run_name, "--world-size", "1", "--finalize-only"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def _refusal(reason: str) -> str:
@@ -330,7 +270,7 @@ def test_finalize_only_refuses_a_directory_without_a_store_and_creates_nothing(t
     missing, empty = tmp_path / "nope", tmp_path / "empty"
     empty.mkdir()
     for run_dir in (missing, empty):
-        result = _finalize_only(run_dir, "x")
+        result = run_finalize_only(run_dir, "x")
         assert result.returncode == 2, result.stderr
         assert result.stderr == _refusal(f"{run_dir} holds no TraceML store (telemetry.sqlite)")
     assert not missing.exists() and list(empty.iterdir()) == []
@@ -347,7 +287,7 @@ def test_finalize_only_refuses_another_runs_store_and_a_live_one(tmp_path):
         client = make_client(agg.target, "named", warnings)
         client.submit(STEPS, step(0))
         client.flush(30)
-        result = _finalize_only(run_dir, "named")  # the aggregator still holds the store
+        result = run_finalize_only(run_dir, "named")  # the aggregator still holds the store
         assert result.returncode == 2, result.stderr
         assert result.stderr == _refusal(
             f"{database} is locked: another aggregator holds it (a live run's store)"
@@ -355,13 +295,13 @@ def test_finalize_only_refuses_another_runs_store_and_a_live_one(tmp_path):
         assert client.close(finish(1))
         assert agg.stop() == 0
     (run_dir / "final_summary.json").unlink()
-    result = _finalize_only(run_dir, "WRONG")
+    result = run_finalize_only(run_dir, "WRONG")
     assert result.returncode == 2, result.stderr
     assert result.stderr == _refusal(
         f"{database} is the store of run 'named', not of --run-name 'WRONG'"
     )
     assert not (run_dir / "final_summary.json").exists()
-    assert _finalize_only(run_dir, "named").returncode == 0  # its own name is accepted
+    assert run_finalize_only(run_dir, "named").returncode == 0  # its own name is accepted
 
 
 @pytest.mark.aggregator
@@ -371,7 +311,7 @@ def test_finalize_only_refuses_a_corrupt_store_in_one_line(tmp_path):
     noise = tmp_path / "noise"
     noise.mkdir()
     (noise / "telemetry.sqlite").write_bytes(random.Random(7).randbytes(64 * 1024))
-    result = _finalize_only(noise, "x")
+    result = run_finalize_only(noise, "x")
     assert result.returncode == 2, result.stderr
     assert result.stderr == _refusal(
         f"cannot read {noise / 'telemetry.sqlite'}: file is not a database"
@@ -387,7 +327,7 @@ def test_finalize_only_refuses_a_corrupt_store_in_one_line(tmp_path):
     database = cut / "telemetry.sqlite"
     with open(database, "r+b") as file:
         file.truncate(database.stat().st_size // 2)
-    result = _finalize_only(cut, "cut")
+    result = run_finalize_only(cut, "cut")
     assert result.returncode == 2, result.stderr
     assert result.stderr == _refusal(f"cannot read {database}: database disk image is malformed")
 

@@ -17,6 +17,7 @@ import urllib.request
 import psutil
 import pytest
 from conftest import free_port, make_cert
+from helpers.aggregator import aggregator_cmd
 from helpers.batches import node_batch, rank_batch
 from live_aggregator import LiveAggregator
 from loop_hold import LoopHold
@@ -170,20 +171,9 @@ def test_metrics_parse_and_their_step_counts_match_the_store(tmp_path):
 
 def test_a_bad_metrics_port_is_refused_in_one_line(tmp_path):
     import subprocess
-    import sys
 
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "traceml_aggregator",
-            "--run-dir",
-            str(tmp_path),
-            "--run-name",
-            RUN,
-            "--metrics-port",
-            "70000",
-        ],
+        aggregator_cmd(tmp_path, RUN, "--metrics-port", "70000"),
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, run_traceml, start_traceml, wait_for
+from helpers.aggregator import listening_port
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
@@ -190,14 +191,9 @@ def test_traceml_run_refuses_a_bad_metrics_port_or_otlp_endpoint_in_one_line(
 
 
 def test_traceml_run_refuses_a_metrics_port_in_use_before_starting(tmp_path):
-    import socket
-
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen(1)
-        port = busy.getsockname()[1]
+    with listening_port() as port:
         result = run_traceml(
             [
                 "run",

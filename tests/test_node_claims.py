@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import time
 from functools import partial
 
@@ -20,6 +19,7 @@ import grpc
 import pytest
 from conftest import EXAMPLES, free_port, run_traceml, start_traceml
 from helpers import batches
+from helpers.aggregator import aggregator_cmd
 from live_aggregator import LiveAggregator
 from test_slurm_flags import STEP_ENV
 
@@ -96,19 +96,7 @@ def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
     target = f"127.0.0.1:{port}"
     with open(tmp_path / "aggregator.log", "wb") as log:
         aggregator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "traceml_aggregator",
-                "--run-dir",
-                str(tmp_path / "r"),
-                "--run-name",
-                "r",
-                "--port",
-                str(port),
-                "--nnodes",
-                "3",
-            ],
+            aggregator_cmd(tmp_path / "r", "r", "--port", str(port), "--nnodes", "3"),
             stdin=subprocess.DEVNULL,
             stderr=log,
             start_new_session=True,

@@ -32,6 +32,7 @@ from conftest import (
     start_traceml,
     traceml_env,
 )
+from helpers.aggregator import aggregator_cmd
 from helpers.batches import rank_batch
 from live_aggregator import LiveAggregator
 
@@ -435,17 +436,7 @@ def test_a_standalone_aggregator_without_a_token_makes_one_and_says_where(tmp_pa
     env = traceml_env(launcher=True)  # no TRACEML_RUN_TOKEN
     with open(tmp_path / "agg.log", "wb") as log:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "traceml_aggregator",
-                "--run-dir",
-                str(run_dir),
-                "--run-name",
-                "alone",
-                "--port",
-                str(port),
-            ],
+            aggregator_cmd(run_dir, "alone", "--port", str(port)),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,

@@ -10,6 +10,7 @@ import time
 
 import pytest
 from conftest import SCRIPTS, TEST_RUN_TOKEN, free_port
+from helpers.aggregator import aggregator_cmd
 from planted import HAS_TENSORBOARD
 
 
@@ -69,19 +70,7 @@ def test_summary_flushes_the_ranks_own_steps_first(tmp_path):
     """A single rank whose sender would hold every step for 60 s: summary() must flush them."""
     port = free_port()
     aggregator = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "traceml_aggregator",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--run-name",
-            "flush",
-            "--port",
-            str(port),
-            "--world-size",
-            "1",
-        ],
+        aggregator_cmd(tmp_path / "run", "flush", "--port", str(port), "--world-size", "1"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

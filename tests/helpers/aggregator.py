@@ -1,4 +1,5 @@
-"""A real aggregator process for the tests (:class:`LiveAggregator`), a free port, the store.
+"""A real aggregator process for the tests (:class:`LiveAggregator`), its command line, a free
+port and one that something listens on, the store.
 
 One implementation, shared with the benchmarks: ``benchmarks/aggregator_process.py`` (the
 benchmarks import nothing from ``tests/``, so it lives beside them).
@@ -6,7 +7,11 @@ benchmarks import nothing from ``tests/``, so it lives beside them).
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 _BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
@@ -22,7 +27,57 @@ from aggregator_process import (  # noqa: E402
     step,
 )
 
-__all__ = ["LiveAggregator", "finish", "free_port", "make_client", "query", "relay_calls", "step"]
+__all__ = [
+    "LiveAggregator",
+    "aggregator_cmd",
+    "finish",
+    "free_port",
+    "listening_port",
+    "make_client",
+    "query",
+    "relay_calls",
+    "run_finalize_only",
+    "step",
+]
+
+
+def aggregator_cmd(run_dir: Path, run_name: str, *flags: str) -> list[str]:
+    """The command line of a ``traceml-aggregator`` of run ``run_name`` over ``run_dir`` (this
+    environment's Python running ``-m traceml_aggregator``), with more ``flags``."""
+    return [
+        sys.executable,
+        "-m",
+        "traceml_aggregator",
+        "--run-dir",
+        str(run_dir),
+        "--run-name",
+        run_name,
+        *flags,
+    ]
+
+
+def run_finalize_only(run_dir: Path, run_name: str, *flags: str) -> subprocess.CompletedProcess:
+    """``traceml-aggregator --finalize-only`` of run ``run_name`` (world size 1) over
+    ``run_dir``, with more ``flags``, run to its end (at most 120 s); the CompletedProcess
+    (text, captured)."""
+    return subprocess.run(
+        aggregator_cmd(run_dir, run_name, "--world-size", "1", "--finalize-only", *flags),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@contextlib.contextmanager
+def listening_port(*, reuseport: bool = False) -> Iterator[int]:
+    """A port of 127.0.0.1 that a socket listens on while the ``with`` lasts (with
+    ``SO_REUSEPORT`` if ``reuseport``, as a gRPC server listens by default)."""
+    with socket.socket() as busy:
+        if reuseport:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        yield busy.getsockname()[1]
 
 
 def relay_calls(log: str) -> int:
