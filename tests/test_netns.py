@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import SCRIPTS, load_summary, start_traceml, wait_all, wait_for
-from helpers.netns import two_hosts
+from helpers.netns import node_args, two_hosts
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.netns]
 
@@ -52,18 +52,16 @@ def run_nodes(
     procs = {}
     for node in (1, 0):
         logs = tmp_path / ("shared" if shared_logs else f"host{node}")
-        args = [
-            "run",
+        args = node_args(
+            node,
             script[0],
-            "--nnodes=2",
-            f"--nproc-per-node={nproc}",
-            f"--node-rank={node}",
-            f"--master-addr={HOST0}",
-            "--run-name=netns",
-            f"--logs-dir={logs}",
+            "netns",
             *node_flags[node],
             *script[1:],
-        ]
+            nproc=nproc,
+            master_addr=HOST0,
+            logs_dir=logs,
+        )
         env = {"GLOO_SOCKET_IFNAME": hosts.links["train"][node], **(node_env or {}).get(node, {})}
         if not shared_logs:
             env["TRACEML_RUN_TOKEN"] = "netns-token-given-to-both"

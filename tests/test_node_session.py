@@ -38,7 +38,7 @@ from conftest import (
     wait_training_started,
 )
 from helpers.aggregator import relay_calls
-from helpers.netns import two_hosts
+from helpers.netns import node_args, two_hosts
 
 from traceml import settings
 from traceml.core.transport import NODE_HEARTBEAT_INTERVAL_S
@@ -75,19 +75,17 @@ def start_nodes(hosts, tmp_path, name: str, script_args: list[str], extra: list[
     run ``name``, the aggregator on node 0's telemetry address, ``extra`` flags."""
     procs = {}
     for node in (1, 0):
-        args = [
-            "run",
+        args = node_args(
+            node,
             SCRIPT,
-            "--nnodes=2",
-            "--nproc-per-node=1",
-            f"--node-rank={node}",
-            f"--master-addr={TRAIN[0]}",
-            f"--run-name={name}",
-            f"--logs-dir={tmp_path / f'host{node}'}",
+            name,
             f"--aggregator-host={TELEMETRY[0]}",
             *extra,
             *script_args,
-        ]
+            nproc=1,
+            master_addr=TRAIN[0],
+            logs_dir=tmp_path / f"host{node}",
+        )
         if node == 0:
             args.append(f"--aggregator-bind-host={TELEMETRY[0]}")
         env = {

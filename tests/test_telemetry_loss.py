@@ -40,7 +40,7 @@ from conftest import (
     wait_for,
     wait_training_started,
 )
-from helpers.netns import ip, two_hosts
+from helpers.netns import ip, node_args, two_hosts
 
 from traceml import settings
 
@@ -366,15 +366,10 @@ def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links,
         settings.GRPC_KEEPALIVE_TIMEOUT_MS.name: str(PARTITION_KEEPALIVE_TIMEOUT_MS),
     }
     for node in (1, 0):
-        args = [
-            "run",
+        args = node_args(
+            node,
             SCRIPT,
-            "--nnodes=2",
-            "--nproc-per-node=1",
-            f"--node-rank={node}",
-            f"--master-addr={HOST0}",
-            "--run-name=partition",
-            f"--logs-dir={tmp_path / f'host{node}'}",
+            "partition",
             f"--aggregator-host={TEL0}",
             "--steps",
             str(steps),
@@ -382,7 +377,10 @@ def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links,
             str(STEP_SLEEP_S),
             "--step-log",
             str(step_log),
-        ]
+            nproc=1,
+            master_addr=HOST0,
+            logs_dir=tmp_path / f"host{node}",
+        )
         procs[node] = start_traceml(
             args,
             tmp_path,

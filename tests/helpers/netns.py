@@ -16,6 +16,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,26 @@ import pytest
 def ip(*args: str) -> None:
     """Run ``ip ARGS``; raises CalledProcessError (with its stderr) when it fails."""
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def node_args(
+    node: int, script: str, name: str, *more: str, nproc: int, master_addr: str, logs_dir: Path
+) -> list[str]:
+    """The arguments of ``traceml run`` (for :func:`helpers.jobs.start_traceml`) of node
+    ``node`` of a run of 2 nodes: ``script`` on ``nproc`` ranks, the rendezvous at node 0's
+    ``master_addr``, run ``name``, its run directory under ``logs_dir`` (the host's own); then
+    ``more``: more launcher flags, and the script's own arguments."""
+    return [
+        "run",
+        script,
+        "--nnodes=2",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={node}",
+        f"--master-addr={master_addr}",
+        f"--run-name={name}",
+        f"--logs-dir={logs_dir}",
+        *more,
+    ]
 
 
 @dataclass(frozen=True)
