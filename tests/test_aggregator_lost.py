@@ -18,6 +18,7 @@ import time
 
 import pytest
 from conftest import SCRIPTS, start_traceml, wait_for, wait_training_started
+from helpers.jobs import run_args
 from helpers.waiting import LOADED_CALL_S
 
 from traceml.core import transport
@@ -37,22 +38,17 @@ REASON = "exited with code 137 during the run"
 def test_aggregator_lost_mid_run_is_in_the_summary(tmp_path, port, monkeypatch):
     name = "agg-lost"
     run_dir = tmp_path / "logs" / name
-    args = [
-        "run",
+    args = run_args(
+        tmp_path,
         SCRIPT,
-        "--nproc-per-node=2",
-        "--run-name",
         name,
-        "--aggregator-port",
-        str(port),
+        port,
         "--aggregator-max-restarts=0",
-        "--logs-dir",
-        str(tmp_path / "logs"),
         "--steps",
         str(STEPS),
         "--step-sleep",
         "0.2",
-    ]
+    )
     env = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_FINISH_TIMEOUT_SEC": "2"}
     launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=env)
     err_path = tmp_path / "launcher.err"

@@ -39,7 +39,7 @@ from conftest import (
 from conftest import (
     process_family as family,
 )
-from helpers.jobs import signal_all
+from helpers.jobs import run_args, signal_all
 
 # serial: back to back on one port, with a bound of seconds from SIGTERM to the summary, which
 # a machine loaded by other tests' jobs broke once (35 s against 20 s).
@@ -57,19 +57,7 @@ def shared_port() -> int:
 
 
 def launch(tmp_path, name: str, port: int, script_args: list[str]) -> subprocess.Popen:
-    args = [
-        "run",
-        SCRIPT,
-        "--nproc-per-node=2",
-        "--run-name",
-        name,
-        "--aggregator-port",
-        str(port),
-        "--logs-dir",
-        str(tmp_path / "logs"),
-        "--",
-        *script_args,
-    ]
+    args = run_args(tmp_path, SCRIPT, name, port, "--", *script_args)
     return start_traceml(args, tmp_path, tmp_path / name, env=ENV)
 
 

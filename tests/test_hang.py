@@ -22,14 +22,13 @@ import time
 
 import pytest
 from conftest import SCRIPTS, load_summary, query, start_traceml, wait_for
+from helpers.jobs import HANG_AFTER_THE_LAST_STEP, HANG_TIMING_ENV, run_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 BUDGET_S = 6.0
 HANG_S = 2.0
-#: Progress every 0.5 s and batches every 0.2 s: the hang is timed to within a fraction of a second.
-FAST = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_HEARTBEAT_SEC": "0.5"}
 
 
 def read_json(path):
@@ -41,37 +40,16 @@ def read_json(path):
 
 def start_job(tmp_path, port, name: str, *script_args: str, nproc: int = 2, script=SCRIPT):
     """``traceml run`` of the ``nproc``-rank faulty job named ``name``, hang timeout HANG_S."""
-    args = [
-        "run",
-        str(script),
-        f"--nproc-per-node={nproc}",
-        "--run-name",
-        name,
-        "--hang-timeout-sec",
-        str(HANG_S),
-        "--aggregator-port",
-        str(port),
-        "--logs-dir",
-        str(tmp_path / "logs"),
-        *script_args,
-    ]
-    return start_traceml(args, tmp_path, tmp_path / "launcher", env=FAST)
+    args = run_args(
+        tmp_path, script, name, port, "--hang-timeout-sec", str(HANG_S), *script_args, nproc=nproc
+    )
+    return start_traceml(args, tmp_path, tmp_path / "launcher", env=HANG_TIMING_ENV)
 
 
 def test_hung_rank_is_named_in_a_partial_summary(tmp_path, port):
     run_dir = tmp_path / "logs" / "hang"
     launcher = start_job(
-        tmp_path,
-        port,
-        "hang",
-        "--finalize-timeout-sec",
-        str(BUDGET_S),
-        "--fail",
-        "hang",
-        "--fail-rank",
-        "1",
-        "--steps",
-        "6",
+        tmp_path, port, "hang", "--finalize-timeout-sec", str(BUDGET_S), *HANG_AFTER_THE_LAST_STEP
     )
     try:
         partial = wait_for(lambda: read_json(run_dir / "final_summary.json"), 180, "the summary")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import SCRIPTS, assert_rejected, free_port, run_traceml
+from helpers.jobs import run_args
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 
@@ -116,18 +117,7 @@ def test_session_id_names_the_run_and_the_flag_wins_over_the_environment(tmp_pat
 @pytest.mark.slow
 @pytest.mark.torchrun
 def test_environment_sets_the_budget_when_the_flag_is_absent(tmp_path, port):
-    args = [
-        "run",
-        SCRIPT,
-        "--steps",
-        "2",
-        "--run-name",
-        "env-budget",
-        "--aggregator-port",
-        str(port),
-        "--logs-dir",
-        str(tmp_path / "logs"),
-    ]
+    args = run_args(tmp_path, SCRIPT, "env-budget", port, "--steps", "2", nproc=1)
     result = run_traceml(args, tmp_path, env={"TRACEML_FINALIZE_TIMEOUT_SEC": "42.5"})
     assert result.returncode == 0, result.stderr
     manifest = json.loads((tmp_path / "logs" / "env-budget" / "manifest.json").read_text())
@@ -139,22 +129,19 @@ def test_environment_sets_the_budget_when_the_flag_is_absent(tmp_path, port):
 def test_node_without_node0_gives_up_after_the_wait_window(tmp_path, port):
     """Node 1 waits TRACEML_AGGREGATOR_WAIT_SEC for node 0's aggregator, then fails with an
     error naming host:port, and never starts training."""
-    args = [
-        "run",
+    args = run_args(
+        tmp_path,
         SCRIPT,
+        "lonely",
+        port,
         "--nnodes",
         "2",
         "--node-rank",
         "1",
-        "--run-name",
-        "lonely",
         "--master-port",
         str(free_port()),
-        "--aggregator-port",
-        str(port),
-        "--logs-dir",
-        str(tmp_path / "logs"),
-    ]
+        nproc=1,
+    )
     start = time.monotonic()
     result = run_traceml(args, tmp_path, timeout=60, env={"TRACEML_AGGREGATOR_WAIT_SEC": "3"})
     elapsed = time.monotonic() - start

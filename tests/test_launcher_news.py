@@ -23,6 +23,7 @@ import socket
 import pytest
 from conftest import SCRIPTS, start_traceml, wait_for
 from helpers.batches import node_claim
+from helpers.jobs import HANG_AFTER_THE_LAST_STEP, HANG_TIMING_ENV, run_args
 from live_aggregator import LiveAggregator, finish, step
 
 from traceml import wire
@@ -115,29 +116,18 @@ def test_stall_and_partial_summary_come_down_every_session(tmp_path):
 def test_hang_line_partial_and_final_summary_without_the_stall_file(tmp_path, port):
     run_dir = tmp_path / "logs" / "nofile"
     (run_dir / "aggregator" / "stall.json").mkdir(parents=True)  # unreadable as a record
-    args = [
-        "run",
-        str(SCRIPTS / "faulty_ddp.py"),
-        "--nproc-per-node=2",
-        "--run-name",
+    args = run_args(
+        tmp_path,
+        SCRIPTS / "faulty_ddp.py",
         "nofile",
+        port,
         "--hang-timeout-sec",
         "2",
         "--finalize-timeout-sec",
         "6",
-        "--aggregator-port",
-        str(port),
-        "--logs-dir",
-        str(tmp_path / "logs"),
-        "--fail",
-        "hang",
-        "--fail-rank",
-        "1",
-        "--steps",
-        "6",
-    ]
-    fast = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_HEARTBEAT_SEC": "0.5"}
-    launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=fast)
+        *HANG_AFTER_THE_LAST_STEP,
+    )
+    launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=HANG_TIMING_ENV)
     err = tmp_path / "launcher.err"
     try:
         wait_for(lambda: "partial summary written" in err.read_text(), 180, "the partial line")

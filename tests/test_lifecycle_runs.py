@@ -28,7 +28,7 @@ from conftest import (
 from conftest import (
     process_family as family,
 )
-from helpers.jobs import descendant_of, signal_all, tmp_leftovers
+from helpers.jobs import descendant_of, run_args, signal_all, tmp_leftovers
 from helpers.waiting import wait_for
 
 from traceml.launcher.torchrun import STOP_WITHOUT_RANKS_GRACE_S, STOPPED_BY_SIGNAL_CODE
@@ -40,23 +40,9 @@ CHATTY = str(SCRIPTS / "chatty.py")
 ENV = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2"}
 
 
-def run_args(tmp_path, name: str, port: int, script: str = SCRIPT, nproc: int = 2) -> list[str]:
-    return [
-        "run",
-        script,
-        f"--nproc-per-node={nproc}",
-        "--run-name",
-        name,
-        "--aggregator-port",
-        str(port),
-        "--logs-dir",
-        str(tmp_path / "logs"),
-    ]
-
-
 def test_sigkilled_launcher_takes_its_processes_with_it(tmp_path, port):
     # one rank: an orphaned rank is an orphaned rank, and a second one is a second torch start-up
-    args = run_args(tmp_path, "orphans", port, nproc=1) + [
+    args = run_args(tmp_path, SCRIPT, "orphans", port, nproc=1) + [
         "--",
         "--steps",
         "100000",
@@ -84,7 +70,7 @@ def test_a_launcher_sigkilled_as_torchrun_starts_leaves_nothing_in_tmp(tmp_path,
     """Killed while torchrun is still importing torch (its first second or so): torchrun gets
     the parent-death SIGTERM before torch's handlers exist, and still removes the log
     directory the launcher made for it."""
-    args = run_args(tmp_path, "early", port, nproc=1) + ["--", "--steps", "100000"]
+    args = run_args(tmp_path, SCRIPT, "early", port, nproc=1) + ["--", "--steps", "100000"]
     temp = tmp_path / "tmp"
     temp.mkdir()
     launcher = start_traceml(args, tmp_path, tmp_path / "early", env={**ENV, "TMPDIR": str(temp)})
@@ -103,7 +89,7 @@ def test_a_sigkilled_torchrun_takes_its_ranks_with_it(tmp_path, port):
     own SIGTERM would, its telemetry flushed; the launcher then fails as torchrun did."""
     step_log = tmp_path / "steps"
     step_log.mkdir()
-    args = run_args(tmp_path, "headless", port, nproc=1) + [
+    args = run_args(tmp_path, SCRIPT, "headless", port, nproc=1) + [
         "--",
         "--steps",
         "100000",
@@ -190,7 +176,7 @@ def test_a_torchrun_stuck_after_its_launcher_died_is_killed_once_its_ranks_ended
 def test_second_sigterm_ends_at_once(tmp_path, port):
     """The ranks ignore SIGTERM, so torchrun would wait its grace period for them: the second
     SIGTERM to the launcher SIGKILLs them all and ends it at once, without a summary."""
-    args = run_args(tmp_path, "twice", port) + [
+    args = run_args(tmp_path, SCRIPT, "twice", port) + [
         "--",
         "--steps",
         "100000",
@@ -231,7 +217,7 @@ def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port
     exit code torchrun has once it takes a SIGTERM (1), the summary written and nothing left
     running."""
     master_port = free_port()
-    args = run_args(tmp_path, "rdzv", port, nproc=1) + [
+    args = run_args(tmp_path, SCRIPT, "rdzv", port, nproc=1) + [
         "--nnodes=2",
         "--node-rank=0",
         f"--master-port={master_port}",
@@ -277,7 +263,7 @@ def test_closed_stdout_costs_only_the_view(tmp_path, port):
     """``traceml run --mode cli ... | head -n 1``: head exits after one line, and every later
     write to stdout fails (EPIPE). Training, the summary files and the exit code are as
     without the pipe, and nothing is left running."""
-    args = run_args(tmp_path, "piped", port) + [
+    args = run_args(tmp_path, SCRIPT, "piped", port) + [
         "--mode",
         "cli",
         "--",
@@ -323,7 +309,7 @@ def test_full_disk_costs_only_the_training_logs(tmp_path, port):
     node_dir.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(node_dir)], check=True)
     try:
-        args = run_args(tmp_path, "full", port, CHATTY, nproc=1) + [
+        args = run_args(tmp_path, CHATTY, "full", port, nproc=1) + [
             "--",
             "--steps",
             str(steps),
@@ -350,7 +336,7 @@ def test_full_disk_costs_only_the_training_logs(tmp_path, port):
 
 
 def test_no_save_training_output(tmp_path, port):
-    args = run_args(tmp_path, "nosave", port, CHATTY, nproc=1) + [
+    args = run_args(tmp_path, CHATTY, "nosave", port, nproc=1) + [
         "--no-save-training-output",
         "--",
         "--steps",

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, run_traceml, start_traceml, wait_for
 from helpers.aggregator import listening_port
+from helpers.jobs import run_args
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
@@ -41,22 +42,18 @@ def test_traceml_run_serves_metrics_of_its_ranks_with_the_run_token(tmp_path):
     port, hold = free_port(), tmp_path / "hold"
     name = "metrics-run"
     launcher = start_traceml(
-        [
-            "run",
-            "--nproc-per-node",
-            "2",
-            "--run-name",
+        run_args(
+            tmp_path,
+            SCRIPTS / "hold_train.py",
             name,
-            "--aggregator-port",
-            str(free_port()),
+            free_port(),
             "--metrics-port",
             str(port),
-            str(SCRIPTS / "hold_train.py"),
             "--steps",
             str(STEPS),
             "--hold-file",
             str(hold),
-        ],
+        ),
         tmp_path,
         tmp_path / "launcher",
     )

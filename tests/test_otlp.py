@@ -18,6 +18,7 @@ import pytest
 from conftest import SCRIPTS, free_port, load_summary, run_traceml, wait_for
 from helpers.aggregator import LiveAggregator
 from helpers.batches import node_batch
+from helpers.jobs import run_args
 from loop_hold import LoopHold
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from prometheus_client.core import GaugeMetricFamily
@@ -225,21 +226,17 @@ def run_job(
 ):
     """``traceml run`` of tests/scripts/fail_open_train.py on 2 ranks with ``otlp_flag``."""
     return run_traceml(
-        [
-            "run",
-            "--nproc-per-node",
-            "2",
-            "--run-name",
+        run_args(
+            tmp_path,
+            SCRIPTS / "fail_open_train.py",
             name,
-            "--aggregator-port",
-            str(free_port()),
+            free_port(),
             *otlp_flag,
-            str(SCRIPTS / "fail_open_train.py"),
             "--steps",
             str(steps),
             "--step-sleep",
             str(step_sleep),
-        ],
+        ),
         tmp_path,
         timeout=300,
         env={"TRACEML_OTLP_INTERVAL_SEC": "1", **(env or {})},

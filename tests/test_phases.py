@@ -18,6 +18,7 @@ import statistics
 
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, query, run_traceml
+from helpers.jobs import run_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.alone]
 
@@ -35,16 +36,11 @@ def within(measured: float, planted: float) -> bool:
 def planted_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("planted")
     result = run_traceml(
-        [
-            "run",
-            str(SCRIPTS / "planted_phases.py"),
-            "--nproc-per-node=2",
-            "--aggregator-port",
-            str(free_port()),
-            "--logs-dir",
-            str(tmp / "logs"),
-            "--run-name",
+        run_args(
+            tmp,
+            SCRIPTS / "planted_phases.py",
             "planted",
+            free_port(),
             "--",
             "--steps",
             str(STEPS),
@@ -52,7 +48,7 @@ def planted_run(tmp_path_factory):
             "1",
             "--truth-dir",
             str(tmp),
-        ],
+        ),
         cwd=tmp,
     )
     assert result.returncode == 0, result.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, query, run_traceml
+from helpers.jobs import run_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -22,24 +23,19 @@ FIRST_STEPS, STEPS = 3, 5
 def restarted_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     result = run_traceml(
-        [
-            "run",
-            str(SCRIPTS / "fail_once.py"),
-            "--nproc-per-node=2",
+        run_args(
+            tmp,
+            SCRIPTS / "fail_once.py",
+            "restart",
+            free_port(),
             "--max-restarts",
             "1",
-            "--aggregator-port",
-            str(free_port()),
-            "--logs-dir",
-            str(tmp / "logs"),
-            "--run-name",
-            "restart",
             "--",
             "--first-steps",
             str(FIRST_STEPS),
             "--steps",
             str(STEPS),
-        ],
+        ),
         cwd=tmp,
         env={"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_SAMPLE_INTERVAL_SEC": "0.2"},
     )

@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 from conftest import SCRIPTS, load_summary, query, run_traceml
+from helpers.jobs import run_args
 from live_aggregator import LiveAggregator
 
 from traceml.sdk.samplers import Workers
@@ -129,20 +130,7 @@ def test_nvml_unloadable_run_exits_0_with_gpu_fields_null_and_a_reason(tmp_path,
     libdir.mkdir()
     (libdir / "libnvidia-ml.so.1").write_bytes(b"not a shared library\n" * 64)
     result = run_traceml(
-        [
-            "run",
-            str(SCRIPTS / "planted_phases.py"),
-            "--nproc-per-node=2",
-            "--aggregator-port",
-            str(port),
-            "--logs-dir",
-            str(tmp_path / "logs"),
-            "--run-name",
-            "nonvml",
-            "--",
-            "--steps",
-            "3",
-        ],
+        run_args(tmp_path, SCRIPTS / "planted_phases.py", "nonvml", port, "--", "--steps", "3"),
         cwd=tmp_path,
         env={
             "LD_LIBRARY_PATH": f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}",

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from conftest import SCRIPTS, load_summary, query, run_traceml, traceml_env
+from helpers.jobs import run_args
 
 from traceml.sdk import auto, instrumentation
 from traceml.sdk.step import StepTracer
@@ -26,20 +27,7 @@ from traceml.sdk.step import StepTracer
 def zero_code_run(tmp_path, port, *script_args, traceml_args=(), env=None, name="zero"):
     """``traceml run tests/scripts/zero_code.py --nproc-per-node=2 ... -- SCRIPT_ARGS``."""
     return run_traceml(
-        [
-            "run",
-            str(SCRIPTS / "zero_code.py"),
-            "--nproc-per-node=2",
-            "--aggregator-port",
-            str(port),
-            "--logs-dir",
-            str(tmp_path / "logs"),
-            "--run-name",
-            name,
-            *traceml_args,
-            "--",
-            *script_args,
-        ],
+        run_args(tmp_path, SCRIPTS / "zero_code.py", name, port, *traceml_args, "--", *script_args),
         cwd=tmp_path,
         env=env,
     )

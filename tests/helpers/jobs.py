@@ -19,6 +19,8 @@ from helpers.waiting import wait_for
 __all__ = [
     "EXAMPLES",
     "GRPC_LINE",
+    "HANG_AFTER_THE_LAST_STEP",
+    "HANG_TIMING_ENV",
     "ROOT",
     "SCRIPTS",
     "TEST_RUN_TOKEN",
@@ -28,6 +30,7 @@ __all__ = [
     "load_summary",
     "process_family",
     "query",
+    "run_args",
     "run_traceml",
     "signal_and_wait",
     "start_traceml",
@@ -56,6 +59,14 @@ GRPC_LINE = re.compile(
 )
 
 
+#: The arguments of ``tests/scripts/faulty_ddp.py`` for a job whose rank 1 trains its 6 steps and
+#: then sleeps forever, alive (its torchrun, and so the launcher, too): a hang after its last step.
+HANG_AFTER_THE_LAST_STEP = ("--fail", "hang", "--fail-rank", "1", "--steps", "6")
+#: The environment of a job whose hang is timed: batches every 0.2 s and progress every 0.5 s, so
+#: the hang is timed to within a fraction of a second.
+HANG_TIMING_ENV = {"TRACEML_FLUSH_INTERVAL_SEC": "0.2", "TRACEML_HEARTBEAT_SEC": "0.5"}
+
+
 def traceml_cmd() -> list[str]:
     """The `traceml` command of the environment running the tests."""
     return [sys.executable, "-m", "traceml"]
@@ -71,6 +82,28 @@ def traceml_env(env: dict | None = None, *, launcher: bool = False) -> dict:
         full_env.pop("TRACEML_RUN_TOKEN", None)
     full_env.update(env or {})
     return full_env
+
+
+def run_args(
+    tmp_path: Path, script: str | Path, name: str, port: int, *more: str, nproc: int = 2
+) -> list[str]:
+    """The arguments of ``traceml run`` (for :func:`run_traceml`, :func:`start_traceml`) of
+    ``script`` on ``nproc`` ranks of one node: run ``name``, its aggregator on ``port``, its
+    run directory ``tmp_path/logs/name`` (where :func:`wait_training` looks); then ``more``:
+    more launcher flags, and the script's own arguments (after ``--`` where one could be
+    taken for a launcher flag)."""
+    return [
+        "run",
+        str(script),
+        f"--nproc-per-node={nproc}",
+        "--run-name",
+        name,
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        *more,
+    ]
 
 
 def run_traceml(args: list[str], cwd: Path, *, timeout: float = 240, env: dict | None = None):
