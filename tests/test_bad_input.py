@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import EXAMPLES, assert_rejected, free_port
 from helpers.aggregator import listening_port
+from helpers.jobs import assert_rejected_on_a_free_port
 
 pytestmark = [pytest.mark.torchrun]
 
@@ -12,32 +13,21 @@ SCRIPT = str(EXAMPLES / "ddp_minimal.py")
 
 
 def test_missing_script(tmp_path):
-    port = str(free_port())
-    assert_rejected(
-        tmp_path, ["no_such_train.py", "--aggregator-port", port], "not found", marker=port
-    )
+    assert_rejected_on_a_free_port(tmp_path, ["no_such_train.py"], "not found")
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_nproc_per_node_below_one(tmp_path, n):
-    port = str(free_port())
-    assert_rejected(
+    assert_rejected_on_a_free_port(
         tmp_path,
-        [SCRIPT, "--nproc-per-node", n, "--aggregator-port", port],
+        [SCRIPT, "--nproc-per-node", n],
         f"--nproc-per-node must be an integer >= 1 (got {n})",
-        marker=port,
     )
 
 
 @pytest.mark.parametrize("name", ["a/b", "..", "../escape", "x/..", "/abs", "."])
 def test_run_name_that_is_not_one_safe_path_segment(tmp_path, name):
-    port = str(free_port())
-    assert_rejected(
-        tmp_path,
-        [SCRIPT, "--run-name", name, "--aggregator-port", port],
-        f"run name {name!r}",
-        marker=port,
-    )
+    assert_rejected_on_a_free_port(tmp_path, [SCRIPT, "--run-name", name], f"run name {name!r}")
 
 
 @pytest.mark.parametrize(
@@ -59,27 +49,17 @@ def test_aggregator_port_already_in_use(tmp_path, reuseport, name, why):
 
 
 def test_a_directory_is_not_a_script(tmp_path):
-    port = str(free_port())
-    assert_rejected(
-        tmp_path, [str(EXAMPLES), "--aggregator-port", port], "is a directory", marker=port
-    )
+    assert_rejected_on_a_free_port(tmp_path, [str(EXAMPLES)], "is a directory")
 
 
 def test_an_unknown_option_before_the_script(tmp_path):
-    port = str(free_port())
-    assert_rejected(
-        tmp_path,
-        ["--nproc_per_node=2", SCRIPT, "--aggregator-port", port],
-        "unknown option '--nproc_per_node=2'",
-        marker=port,
+    assert_rejected_on_a_free_port(
+        tmp_path, ["--nproc_per_node=2", SCRIPT], "unknown option '--nproc_per_node=2'"
     )
 
 
 def test_an_empty_run_name(tmp_path):
-    port = str(free_port())
-    assert_rejected(
-        tmp_path, [SCRIPT, "--run-name", "", "--aggregator-port", port], "run name ''", marker=port
-    )
+    assert_rejected_on_a_free_port(tmp_path, [SCRIPT, "--run-name", ""], "run name ''")
 
 
 def test_master_port_equal_to_the_aggregator_port(tmp_path):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import SCRIPTS, assert_rejected, free_port, run_traceml
-from helpers.jobs import run_args
+from helpers.jobs import assert_rejected_on_a_free_port, run_args
 
 SCRIPT = str(SCRIPTS / "faulty_ddp.py")
 
@@ -74,13 +74,7 @@ BAD_ENV = [
 @pytest.mark.parametrize("name,value,why", BAD_ENV, ids=[f"{n}={v}" for n, v, _ in BAD_ENV])
 def test_bad_environment_values_are_one_line_errors(tmp_path, monkeypatch, name, value, why):
     monkeypatch.setenv(name, value)  # run_traceml passes the test's environment on
-    port = str(free_port())
-    assert_rejected(
-        tmp_path,
-        [SCRIPT, "--aggregator-port", port],
-        f"{name} must be {why} (got {value!r})",
-        marker=port,
-    )
+    assert_rejected_on_a_free_port(tmp_path, [SCRIPT], f"{name} must be {why} (got {value!r})")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers.aggregator import query
+from helpers.aggregator import free_port, query
 from helpers.waiting import wait_for
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "aggregator_of",
     "assert_all_gone",
     "assert_rejected",
+    "assert_rejected_on_a_free_port",
     "load_summary",
     "process_family",
     "query",
@@ -166,6 +167,13 @@ def assert_rejected(tmp_path, args: list[str], expected: str, *, marker: str) ->
         if any(marker in part for part in (p.info["cmdline"] or []))
     ]
     assert started == []
+
+
+def assert_rejected_on_a_free_port(tmp_path, args: list[str], expected: str) -> None:
+    """:func:`assert_rejected` of ``traceml run ARGS --aggregator-port PORT`` on a free ``PORT``,
+    which only this invocation's processes would carry on their command line (the marker)."""
+    port = str(free_port())
+    assert_rejected(tmp_path, [*args, "--aggregator-port", port], expected, marker=port)
 
 
 def wait_training_started(
