@@ -92,6 +92,8 @@ class _Run:
         self.live = LiveAggregates(RUN, RANKS)
         self.seeded = self.live.seed(self.store)
         self.writer = Writer(self.store, self.live.on_batch)
+        #: Takes its checkpoints, as the aggregator's does.
+        self.checkpointer = ckpt.Checkpointer(self.seeded, self.live, self.writer)
         self.seq: dict[tuple, int] = {}
 
     async def steps(self, rank: int, steps: range, restart: int = 0, per_batch: int = 37):
@@ -134,12 +136,11 @@ def test_seed_from_checkpoint_equals_full_replay(tmp_path, after):
     async def feed() -> int:
         run = _Run(path)
         run.writer.start()
-        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
         for i in range(3):
             await run.node_samples(i + 1, 5_000 * i)
         for r in range(RANKS - 1):  # more than FOLD_STEPS: the series and digest are folded
             await run.steps(r, range(0, 1300 + 100 * r))
-        await checkpointer.write()
+        await run.checkpointer.write()
         covered = run.writer.steps_rowid_seen
         if after == "more_steps":
             for r in range(RANKS):  # rank 3 is new since the checkpoint
@@ -187,18 +188,17 @@ def test_a_cancelled_checkpoint_leaves_the_next_one_whole(tmp_path, monkeypatch,
     async def feed() -> None:
         run = _Run(path)
         run.writer.start()
-        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
         for r in range(RANKS):
             await run.steps(r, range(0, 500))
-        await checkpointer.write()
+        await run.checkpointer.write()
         for r in range(RANKS):
             await run.steps(r, range(500, 900))
         gate = threading.Event()
         busy = asyncio.ensure_future(run.writer.call(gate.wait))  # the writer thread is busy
-        periodic = asyncio.ensure_future(checkpointer.write())
+        periodic = asyncio.ensure_future(run.checkpointer.write())
         await asyncio.sleep(0)  # its copies taken (or the first slice), its row not written
         periodic.cancel()
-        at_stop = asyncio.ensure_future(checkpointer.write())
+        at_stop = asyncio.ensure_future(run.checkpointer.write())
         await asyncio.sleep(0)  # copies taken before the cancelled one's row was written
         gate.set()
         await busy
@@ -243,12 +243,11 @@ def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row
 
         monkeypatch.setattr(run.store, "write_live_checkpoint_ranks", recording)
         run.writer.start()
-        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
         for r in range(RANKS):
             await run.steps(r, range(0, 100))
-        await checkpointer.write()
+        await run.checkpointer.write()
         await run.steps(2, range(100, 150))
-        await checkpointer.write()
+        await run.checkpointer.write()
         await run.steps(1, range(100, 120))
 
         def full_disk(*args):
@@ -256,7 +255,7 @@ def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row
 
         monkeypatch.setattr(run.store, "write_live_checkpoint", full_disk)
         with pytest.raises(sqlite3.OperationalError):
-            await checkpointer.write()
+            await run.checkpointer.write()
         await run.steps(0, range(100, 130))
         await run.writer.close()
 
@@ -284,7 +283,7 @@ def test_unreadable_or_foreign_checkpoint_falls_back_to_a_full_replay(tmp_path):
         run = _Run(path)
         run.writer.start()
         await run.steps(0, range(0, 600))
-        await ckpt.Checkpointer(run.seeded, run.live, run.writer).write()
+        await run.checkpointer.write()
         await run.writer.close()
 
     asyncio.run(feed())
@@ -330,18 +329,17 @@ def test_the_periodic_checkpointer_waits_as_its_last_checkpoint_took(tmp_path, m
         run = _Run(tmp_path / "telemetry.sqlite")
         run.writer.start()
         await run.steps(0, range(0, 100))
-        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
-        periodic = asyncio.ensure_future(checkpointer.run(0.01))
+        periodic = asyncio.ensure_future(run.checkpointer.run(0.01))
 
         async def first_written() -> None:
-            while not checkpointer.written:
+            while not run.checkpointer.written:
                 await asyncio.sleep(0.01)
 
         await asyncio.wait_for(first_written(), 30)
         await asyncio.sleep(0.2)  # twenty intervals: no second checkpoint in them
         periodic.cancel()
         await run.writer.close()
-        return checkpointer
+        return run.checkpointer
 
     checkpointer = asyncio.run(feed())
     assert checkpointer.written == 1
@@ -469,12 +467,11 @@ def test_finalization_reads_no_sample_row_its_checkpoint_covers(tmp_path):
     async def feed() -> None:
         run = _Run(path)
         run.writer.start()
-        checkpointer = ckpt.Checkpointer(run.seeded, run.live, run.writer)
         for i in range(3):
             await run.node_samples(i + 1, 5_000 * i)
         for r in range(RANKS):
             await run.steps(r, range(0, 400))
-        await checkpointer.write()
+        await run.checkpointer.write()
         for r in range(RANKS):  # after the checkpoint: read from the store
             await run.steps(r, range(400, 500))
         await run.node_samples(4, 20_000)

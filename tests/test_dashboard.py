@@ -270,17 +270,23 @@ def test_live_dashboard_then_stored_run(tmp_path):
         _stop(view)
 
 
-def test_view_serve_refuses_a_directory_without_a_store(tmp_path):
+def _view_serve_refusal(run_dir) -> str:
+    """The whole stderr of ``traceml view RUN_DIR --serve`` (a free port), which must refuse
+    the directory (exit code 2)."""
     result = subprocess.run(
-        traceml_cmd() + ["view", str(tmp_path), "--serve", f"--port={free_port()}"],
+        traceml_cmd() + ["view", str(run_dir), "--serve", f"--port={free_port()}"],
         env=traceml_env(launcher=True),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 2
-    assert (
-        result.stderr == f"traceml: error: {tmp_path} holds no TraceML store (telemetry.sqlite)\n"
+    return result.stderr
+
+
+def test_view_serve_refuses_a_directory_without_a_store(tmp_path):
+    assert _view_serve_refusal(tmp_path) == (
+        f"traceml: error: {tmp_path} holds no TraceML store (telemetry.sqlite)\n"
     )
 
 
@@ -288,15 +294,7 @@ def test_view_serve_refuses_a_file_that_is_not_a_database(tmp_path):
     """The same one line as ``traceml-aggregator --finalize-only``'s for the same file
     (traceml_aggregator.store.open_run_store)."""
     (tmp_path / "telemetry.sqlite").write_bytes(random.Random(7).randbytes(64 * 1024))
-    result = subprocess.run(
-        traceml_cmd() + ["view", str(tmp_path), "--serve", f"--port={free_port()}"],
-        env=traceml_env(launcher=True),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert result.stderr == (
+    assert _view_serve_refusal(tmp_path) == (
         f"traceml: error: cannot read {tmp_path / 'telemetry.sqlite'}: file is not a database\n"
     )
 

@@ -35,9 +35,12 @@ from traceml.sdk.timing import BACKWARD, FORWARD, H2D, OPTIMIZER, GpuTimer
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
+
+
 def _load_gpu_check():
     sys.path.insert(0, str(ROOT / "benchmarks"))  # as when it runs: its helpers are beside it
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module
     spec.loader.exec_module(module)
@@ -45,6 +48,17 @@ def _load_gpu_check():
 
 
 gpu_check = _load_gpu_check()
+
+
+def _gpu_check_quick(out_dir, timeout_s: float) -> subprocess.CompletedProcess:
+    """``benchmarks/gpu_check.py --quick --out OUT_DIR`` run to its end (at most ``timeout_s``
+    seconds); the CompletedProcess (text, captured)."""
+    return subprocess.run(
+        [sys.executable, str(GPU_CHECK), "--quick", "--out", str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 # --- a stand-in GPU clock ----------------------------------------------------------------------
@@ -727,18 +741,7 @@ def test_gpu_check_lines_read_pass_fail_skip():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
 def test_gpu_check_without_cuda_says_so_and_exits_3(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu_check.py"),
-            "--quick",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _gpu_check_quick(tmp_path, 300)
     assert result.returncode == gpu_check.EXIT_NO_CUDA == 3, result.stderr
     assert result.stdout.splitlines() == [
         "gpu_check: no CUDA device (a CPU build of torch); nothing checked, exit 3"
@@ -774,18 +777,7 @@ def test_gpu_check_catches_each_breakage(failing):
 @pytest.mark.slow
 @needs_cuda
 def test_gpu_check_quick_passes(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu_check.py"),
-            "--quick",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = _gpu_check_quick(tmp_path, 600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 

@@ -187,52 +187,34 @@ def test_traceml_run_refuses_a_bad_metrics_port_or_otlp_endpoint_in_one_line(
     assert len(result.stderr.splitlines()) == 1 and expected.format(agg=agg) in result.stderr
 
 
-def test_traceml_run_refuses_a_metrics_port_in_use_before_starting(tmp_path):
+def _refusal(tmp_path, *flags: str) -> str:
+    """The error of ``traceml run FLAGS train.py`` (a script that does nothing, a free
+    aggregator port), stripped: it must refuse the flags (exit code 2) before it makes a logs
+    directory."""
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    with listening_port() as port:
-        result = run_traceml(
-            [
-                "run",
-                "--aggregator-port",
-                str(free_port()),
-                "--metrics-port",
-                str(port),
-                str(script),
-            ],
-            tmp_path,
-            timeout=60,
-        )
+    result = run_traceml(
+        ["run", "--aggregator-port", str(free_port()), *flags, str(script)], tmp_path, timeout=60
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == (
+    assert not (tmp_path / "logs").exists()
+    return result.stderr.strip()
+
+
+def test_traceml_run_refuses_a_metrics_port_in_use_before_starting(tmp_path):
+    with listening_port() as port:
+        error = _refusal(tmp_path, "--metrics-port", str(port))
+    assert error == (
         f"traceml: error: /metrics port 127.0.0.1:{port} is not available (already in use); "
         "pick another with --metrics-port"
     )
-    assert not (tmp_path / "logs").exists()
 
 
 def test_traceml_run_refuses_a_metrics_bind_host_that_is_no_address_here(tmp_path):
     """The address is what is wrong, not the port: the one line says which flag to check."""
-    script = tmp_path / "train.py"
-    script.write_text("pass\n")
     port = free_port()
-    result = run_traceml(
-        [
-            "run",
-            "--aggregator-port",
-            str(free_port()),
-            "--metrics-port",
-            str(port),
-            "--metrics-bind-host",
-            "192.0.2.1",
-            str(script),
-        ],
-        tmp_path,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
+    error = _refusal(tmp_path, "--metrics-port", str(port), "--metrics-bind-host", "192.0.2.1")
+    assert error == (
         f"traceml: error: /metrics port 192.0.2.1:{port} is not available (Cannot assign "
         "requested address); check --metrics-bind-host"
     )
-    assert not (tmp_path / "logs").exists()

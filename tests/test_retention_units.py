@@ -120,27 +120,20 @@ def test_a_live_runs_small_prunes_keep_the_last_steps_of_the_run_not_of_every_pr
     assert 0 not in pruner.pending  # the final prune decided them
 
 
-def test_evidence_is_capped_per_rank():
-    policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=10)
-    pruner = Pruner(_Store(), policy)
-    rows = _rows(0, range(1, 1_001), lambda i: STEP_US * (3 if i % 10 == 0 else 1))
-    plans = {0: RankPlan(0, 10_000, 20, float(STEP_US))}
-    pruner.drop(plans, rows)
-    assert pruner.evidence_kept == {0: 10}
-    pruner.drop(plans, _rows(0, range(1_001, 2_001), lambda i: STEP_US * 3, rowid0=1_001))
-    assert pruner.evidence_kept == {0: 10}
-
-
-def test_the_evidence_cap_outlives_a_restart_through_the_stored_state():
+@pytest.mark.parametrize("restart", [False, True], ids=["one pruner", "restarted from its state"])
+def test_evidence_is_capped_per_rank(restart):
+    """And the cap outlives a restart: the pruner that replaces this one (from the stored
+    state) keeps no more evidence steps."""
     policy = Policy(first_steps=0, last_steps=1, sample_every=1 << 20, evidence_steps=10)
     pruner = Pruner(_Store(), policy)
     plans = {0: RankPlan(0, 10_000, 20, float(STEP_US))}
     pruner.drop(plans, _rows(0, range(1, 1_001), lambda i: STEP_US * (3 if i % 10 == 0 else 1)))
-    pruner.held.clear()  # held rows are read back from a real store (tests/test_retention.py)
-    restarted = Pruner(_Store({STATE_META_KEY: pruner.state()}), policy)
-    assert restarted.evidence_kept == {0: 10}
-    restarted.drop(plans, _rows(0, range(1_001, 2_001), lambda i: STEP_US * 3, rowid0=1_001))
-    assert restarted.evidence_kept == {0: 10}
+    if restart:
+        pruner.held.clear()  # held rows are read back from a real store (tests/test_retention.py)
+        pruner = Pruner(_Store({STATE_META_KEY: pruner.state()}), policy)
+    assert pruner.evidence_kept == {0: 10}
+    pruner.drop(plans, _rows(0, range(1_001, 2_001), lambda i: STEP_US * 3, rowid0=1_001))
+    assert pruner.evidence_kept == {0: 10}
 
 
 def test_an_onset_at_a_prunes_boundary_keeps_its_neighbourhood_through_the_held_rows():
