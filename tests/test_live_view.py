@@ -148,31 +148,13 @@ def test_table_groups_ranks_by_node_and_marks_the_stall():
     out = [line.rstrip() for line in drawn.splitlines()]
     assert out[0] == "traceml demo: 3 ranks, 2 nodes, 12 s"
     header = next(line for line in out if "rank" in line and "steps" in line)
-    assert header.replace("┃", " ").split() == [
-        "node",
-        "rank",
-        "steps",
-        "step",
-        "ms",
-        "input",
-        "h2d",
-        "fwd",
-        "bwd",
-        "opt",
-        "comm",
-        "other",
-        "input",
-        "%",
-        "GPU",
-        "%",
-        "GPU",
-        "MiB",
-        "CPU",
-        "%",
-        "idle",
-        "s",
-        "recent",
-    ]
+    assert (
+        header.replace("┃", " ").split()
+        == (
+            "node rank steps step ms input h2d fwd bwd opt comm other input % GPU % GPU MiB CPU % "
+            "idle s recent"
+        ).split()
+    )
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out if line.startswith("│")]
     body = [c for c in cells if c and c[1].isdigit()]
     assert [(c[0], c[1], c[2], c[3], c[4], c[6]) for c in body] == [

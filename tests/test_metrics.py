@@ -78,6 +78,17 @@ def rank_batches(rank: int, n_steps: int, per_batch: int = 200) -> list[wire.Bat
     return out
 
 
+def node_1_batch() -> wire.Batch:
+    """Node 1's sampler batch 1: one system sample of host ``h1`` (42 % CPU, 1 GiB of RAM used)
+    with its GPU 3 (``GPU-x``: 88 % busy, 1 MiB used)."""
+    node = node_batch(1, node_rank=1, run_name=RUN)
+    s = node.system_samples.add(
+        unix_us=START_US, node_rank=1, hostname="h1", cpu_percent=42.0, ram_used_bytes=1 << 30
+    )
+    s.gpus.add(nvml_index=3, uuid="GPU-x", util_percent=88.0, memory_used_bytes=1 << 20)
+    return node
+
+
 def get(url: str, token: str | None = os.environ["TRACEML_RUN_TOKEN"], context=None) -> str:
     """The body of ``url``, the run token (conftest's) as a bearer token unless None."""
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
@@ -117,12 +128,7 @@ def test_metrics_parse_and_their_step_counts_match_the_store(tmp_path):
         late = rank_batch(len(rank_batches(1, 1234)) + 1, rank=1, run_name=RUN)
         late.counts.records_dropped, late.counts.records_produced = 7, 1250
         push(agg.target, late)
-        node = node_batch(1, node_rank=1, run_name=RUN)
-        s = node.system_samples.add(
-            unix_us=START_US, node_rank=1, hostname="h1", cpu_percent=42.0, ram_used_bytes=1 << 30
-        )
-        s.gpus.add(nvml_index=3, uuid="GPU-x", util_percent=88.0, memory_used_bytes=1 << 20)
-        push(agg.target, node)
+        push(agg.target, node_1_batch())
         families = scrape(port)
         text = get(f"http://127.0.0.1:{port}/metrics")
         types = {f.name: f.type for f in text_string_to_metric_families(text)}

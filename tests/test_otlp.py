@@ -17,12 +17,11 @@ import grpc
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, run_traceml, wait_for
 from helpers.aggregator import LiveAggregator
-from helpers.batches import node_batch
 from helpers.jobs import run_args
 from loop_hold import LoopHold
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from prometheus_client.core import GaugeMetricFamily
-from test_metrics import RUN, START_US, push, rank_batches
+from test_metrics import RUN, node_1_batch, push, rank_batches
 from test_metrics_run import get, samples
 
 from traceml_aggregator import otlp
@@ -133,12 +132,7 @@ def test_the_aggregator_pushes_the_metrics_series_through_the_standard_variables
         for rank, n in ((0, 300), (1, 1234)):
             for b in rank_batches(rank, n):
                 push(agg.target, b)
-        node = node_batch(1, node_rank=1, run_name=RUN)
-        s = node.system_samples.add(
-            unix_us=START_US, node_rank=1, hostname="h1", cpu_percent=42.0, ram_used_bytes=1 << 30
-        )
-        s.gpus.add(nvml_index=3, uuid="GPU-x", util_percent=88.0, memory_used_bytes=1 << 20)
-        push(agg.target, node)
+        push(agg.target, node_1_batch())
         # Every push from the second one after the last batch covers all of it.
         arrived = receiver.count()
         wait_for(lambda: receiver.count() >= arrived + 2, 120, "two pushes after the batches")

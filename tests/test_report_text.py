@@ -35,20 +35,9 @@ def test_real_report_and_view_print_the_same_text(planted, tmp_path):
     assert lines[3].endswith("· rank 1")
     assert text in run.process.stdout  # the launcher printed the report
     table = lines.index("Step time per rank (ms, medians over the window; CPU clock)")
-    assert lines[table + 1].split() == [
-        "rank",
-        "node",
-        "steps",
-        "step",
-        "p95",
-        "input",
-        "h2d",
-        "fwd",
-        "bwd",
-        "opt",
-        "comm",
-        "resid",
-    ]
+    assert lines[table + 1].split() == (
+        "rank node steps step p95 input h2d fwd bwd opt comm resid".split()
+    )
     assert lines[table + 2].split()[:3] == ["0", "0", "30"]
     assert lines[table + 3].split()[6] == "-"  # H2D was not measured: "-", not 0
 
