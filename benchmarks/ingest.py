@@ -89,6 +89,14 @@ SESSION = "/traceml.wire.v1.Aggregator/NodeSession"
 WIRES = ("stream", "unary", "relay")
 #: Ranks of a simulated node on the relay wire (its channels 1..8; its sampler's is the next).
 NODE_RANKS = 8
+
+
+def node_count(world: int) -> int:
+    """The simulated nodes of ``world`` ranks, :data:`NODE_RANKS` a node (on the straight wire
+    the last one may hold fewer)."""
+    return -(-world // NODE_RANKS)
+
+
 #: System samples in a node sampler's batch (a sample a second, a batch every 2 s).
 NODE_SAMPLES = 2
 #: The run token's metadata key (traceml.core.transport.TOKEN_METADATA_KEY), spelled out so the
@@ -564,7 +572,7 @@ async def client_main(
     session_channels = [grpc.aio.insecure_channel(target, options=options) for _ in nodes]
     held = [
         asyncio.create_task(
-            session_task(ch, n, -(-world // NODE_RANKS), go, stop, t, wire_kind == "relay")
+            session_task(ch, n, node_count(world), go, stop, t, wire_kind == "relay")
         )
         for ch, n in zip(session_channels, nodes, strict=True)
     ]
@@ -792,7 +800,7 @@ def run_world(
     heartbeats = sum(t["heartbeats"] for t in times)
     carried = sum(t["relayed_heartbeats"] for t in times)
     beats = (
-        f"{heartbeats} heartbeats on {-(-world // NODE_RANKS)} node sessions"
+        f"{heartbeats} heartbeats on {node_count(world)} node sessions"
         + (f", {carried} carried by the relays" if carried else "")
         if heartbeats or carried
         else "no node sessions"

@@ -214,7 +214,7 @@ class NodeSession:
             since_s = time.monotonic() - self._last_beat_m
             if since_s < NODE_HEARTBEAT_INTERVAL_S - RELAY_HEARTBEAT_LEAD_S:
                 return None
-            beat = self._heartbeat(exchange=True).heartbeat
+            beat = self._beat(exchange=True)
             if self._relay_answers:
                 self._last_beat_m = time.monotonic()
             return beat
@@ -225,10 +225,16 @@ class NodeSession:
         received_ns = clock.unix_ns()  # t3
         with self._cond:
             self._relay_answers = True
-            if self.clock.add(
-                echo.sent_unix_ns, echo.received_unix_ns, echo.answered_unix_ns, received_ns
-            ):
-                self._attempt.outbox.put(_ESTIMATE)
+            self._take_echo(echo, received_ns)
+
+    def _take_echo(self, echo, received_ns: int) -> None:
+        """Take node 0's answer ``echo`` (a ClockEcho, received at ``received_ns``: t3) into
+        the clock estimate; a better estimate is told node 0 at once (caller holds the
+        condition)."""
+        if self.clock.add(
+            echo.sent_unix_ns, echo.received_unix_ns, echo.answered_unix_ns, received_ns
+        ):
+            self._attempt.outbox.put(_ESTIMATE)
 
     def relay_lost(self) -> None:
         """The relay's call to node 0 failed: this stream sends its own heartbeats again until
@@ -246,32 +252,35 @@ class NodeSession:
         """The stream's messages: the claim, then what is queued, a heartbeat when idle and
         none was carried by the relay meanwhile."""
         yield self._up(claim=self._claim)
-        yield self._heartbeat(exchange=True, own=True)  # the first clock exchange at once
+        yield self._heartbeat(exchange=True)  # the first clock exchange at once
         while not attempt.done.is_set():
             try:
                 message = attempt.outbox.get(timeout=max(self._beat_due_in(), 0.05))
             except queue.Empty:
                 if self._beat_due_in():
                     continue  # the relay carried one meanwhile
-                message = self._heartbeat(exchange=True, own=True)
+                message = self._heartbeat(exchange=True)
             if message is _CLOSE:
                 return
             if message is _ESTIMATE:
-                message = self._heartbeat(exchange=False, own=True)
+                message = self._heartbeat(exchange=False)
             yield message
 
-    def _heartbeat(self, exchange: bool, own: bool = False):
-        """A heartbeat with the best clock estimate so far, and, with ``exchange``, its send
-        time (t0) for a new exchange; a plain heartbeat if either fails (fail-open: the session
-        never breaks on its clock). ``own``: sent on this stream (counted, and the next one
-        due an interval later)."""
+    def _heartbeat(self, exchange: bool):
+        """This stream's heartbeat message (:meth:`_beat`): counted, and the next one due an
+        interval later."""
+        with self._cond:
+            self._last_beat_m = time.monotonic()
+            if exchange:
+                self.heartbeats_sent += 1
+        return self._up(heartbeat=self._beat(exchange))
+
+    def _beat(self, exchange: bool):
+        """A NodeHeartbeat with the best clock estimate so far, and, with ``exchange``, its
+        send time (t0) for a new exchange; a plain heartbeat if either fails (fail-open: the
+        session never breaks on its clock)."""
         from traceml import wire
 
-        if own:
-            with self._cond:
-                self._last_beat_m = time.monotonic()
-                if exchange:
-                    self.heartbeats_sent += 1
         beat = wire.NodeHeartbeat()
         try:
             best = self.clock.best()
@@ -284,7 +293,7 @@ class NodeSession:
             if not self._clock_warned:
                 self._clock_warned = True
                 _log.warning(f"warning: this node's clock exchange failed ({exc}); going on")
-        return self._up(heartbeat=beat)
+        return beat
 
     def _run(self) -> None:
         try:
@@ -371,10 +380,6 @@ class NodeSession:
             elif kind == "partial_summary":
                 self.partial_summary = down.partial_summary
             elif kind == "clock":
-                echo = down.clock
-                if self.clock.add(
-                    echo.sent_unix_ns, echo.received_unix_ns, echo.answered_unix_ns, received_ns
-                ):  # node 0 hears a better estimate at once
-                    self._attempt.outbox.put(_ESTIMATE)
+                self._take_echo(down.clock, received_ns)
             self._cond.notify_all()
         return kind != "claim" or down.claim.accepted
