@@ -68,6 +68,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -754,7 +755,10 @@ def run_world(
         assert agg.stop(timeout_s=600) == 0
         stop_s = time.perf_counter() - stop_start
         total = world * batches * records
+        collector = ""
         if server == "aggregator":  # gRPC alone stores nothing (every client ended: all acked)
+            found = re.search(r"cyclic garbage collector while serving: ([^\n]*)", agg.log())
+            collector = f"; its cyclic GC while serving: {found.group(1)}" if found else ""
             stored = agg.query("SELECT COUNT(*) FROM steps")[0][0]
             assert stored == total, (stored, total)
             if wire_kind == "relay":  # the node samplers' (the identity message's and each)
@@ -825,7 +829,8 @@ def run_world(
         f"(server CPU {cpu_s / total * 1e6:.1f} µs a record, {message}"
         f"{figures['cpu_batch_us']:.0f} µs a batch, "
         f"{cpu_s / streaming:.0%} of a core); "
-        f"server RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak; "
+        f"server RSS {rss_idle / 2**20:.0f} MiB idle, {rss_peak / 2**20:.0f} MiB peak"
+        f"{collector}; "
         f"failed calls sent again: {errors or 0}; server stop (SIGTERM to exit) {stop_s:.1f} s; "
         f"ack{' (a RelayUp)' if relayed else ''} median {figures['ack_median'] * 1000:.1f} ms, "
         f"p99 {figures['ack_p99'] * 1000:.1f} ms"

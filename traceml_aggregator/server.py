@@ -37,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log, otlp
-from traceml.core.heap import freeze_startup_objects
+from traceml.core.heap import serving_heap
 from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
@@ -816,7 +816,6 @@ async def serve(config: ServerConfig, ready=None) -> int:
     # SERVING nor in the Finalize that the end of the run waits for.
     import traceml.report  # noqa: F401
 
-    freeze_startup_objects()  # start-up is over: see traceml/core/heap.py
     loop = asyncio.get_running_loop()
     if config.owned:
         _stop_at_stdin_eof(loop, stop)
@@ -825,7 +824,9 @@ async def serve(config: ServerConfig, ready=None) -> int:
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    with serving_heap() as collections:  # start-up is over: see traceml/core/heap.py
+        await stop.wait()
+    _log.info(f"cyclic garbage collector while serving: {collections}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     watchdog.cancel()
