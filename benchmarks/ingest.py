@@ -198,15 +198,16 @@ async def node_task(
 async def session_task(
     channel, node: int, nodes: int, go: asyncio.Event, stop: asyncio.Event, t, relayed: bool
 ):
-    """One simulated node's launcher session (``--sessions``): its claim and its first
-    heartbeat (answered before ``go``), then a heartbeat with its clock exchange every
-    ``NODE_HEARTBEAT_INTERVAL_S`` until ``stop``, each answer awaited (the aggregator answers
-    at once), then its goodbye and a half-close; heartbeats counted in ``t["heartbeats"]``. When
-    ``relayed`` (the relay wire), its node's relay carries its heartbeats after the first
+    """One simulated node's launcher session (``--sessions``): its claim, then a heartbeat
+    with its clock exchange every ``NODE_HEARTBEAT_INTERVAL_S`` (and one at ``go``) until
+    ``stop``, each answer awaited (the aggregator answers at once), then its goodbye and a
+    half-close; heartbeats from ``go`` on counted in ``t["heartbeats"]``. When ``relayed``
+    (the relay wire), from ``go`` on its node's relay carries its heartbeats
     (:func:`relayed_heartbeat`) and its stream says nothing more until its goodbye, as the
-    launcher's does while node 0 answers them. A session that fails (a starved client's call
-    does) is opened again with its claim after the launcher's backoff (counted in
-    ``t["errors"]`` as ``session <code>``)."""
+    launcher's does while node 0 answers them; before ``go`` (the relay idle) it sends its
+    own, as the launcher's does when no ``RelayUp`` carried one. A session that fails (a
+    starved client's call does) is opened again with its claim after the launcher's backoff
+    (counted in ``t["errors"]`` as ``session <code>``)."""
     import socket
 
     import grpc
@@ -231,22 +232,22 @@ async def session_task(
             await call.write(claim)
             reply = await call.read()
             assert reply is not grpc_aio_eof() and reply.claim.accepted, reply
-            backoff_s, beats = 0.1, 0
-            while not stop.is_set() and (beats == 0 or not relayed):
+            backoff_s = 0.1
+            while not stop.is_set():
+                after_go = go.is_set()
+                if relayed and after_go:
+                    break  # its node's relay carries them from now on
                 beat = wire.NodeHeartbeat(sent_unix_ns=time.time_ns())
                 await call.write(wire.NodeUp(heartbeat=beat).SerializeToString())
                 down = await call.read()
                 while down is not grpc_aio_eof() and down.WhichOneof("kind") != "clock":
                     down = await call.read()  # what is pushed comes before its echo
                 assert down is not grpc_aio_eof(), "the aggregator ended the session"
-                beats += 1
-                if go.is_set():
-                    t["heartbeats"] += 1
-                else:
-                    await go.wait()
-                    continue
-                try:
-                    await asyncio.wait_for(stop.wait(), NODE_HEARTBEAT_INTERVAL_S)
+                t["heartbeats"] += after_go
+                try:  # the next one in an interval; the first after go at go
+                    await asyncio.wait_for(
+                        (stop if after_go else go).wait(), NODE_HEARTBEAT_INTERVAL_S
+                    )
                 except asyncio.TimeoutError:
                     pass
             await stop.wait()
@@ -757,8 +758,11 @@ def run_world(
         total = world * batches * records
         collector = ""
         if server == "aggregator":  # gRPC alone stores nothing (every client ended: all acked)
-            found = re.search(r"cyclic garbage collector while serving: ([^\n]*)", agg.log())
+            log = agg.log()
+            found = re.search(r"cyclic garbage collector while serving: ([^\n]*)", log)
             collector = f"; its cyclic GC while serving: {found.group(1)}" if found else ""
+            if sessions:  # a node silent for NODE_LOST_AFTER_S: the run would report it
+                collector += f"; nodes marked lost: {log.count('lost: nothing from its')}"
             stored = agg.query("SELECT COUNT(*) FROM steps")[0][0]
             assert stored == total, (stored, total)
             if wire_kind == "relay":  # the node samplers' (the identity message's and each)

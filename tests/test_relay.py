@@ -448,3 +448,44 @@ def test_the_relay_carries_the_sessions_heartbeats_and_the_session_sends_its_own
             session.close()
         assert "lost: nothing" not in agg.log()
     assert agg.query("SELECT COUNT(*) FROM steps") == [(steps,)]
+
+
+def test_a_lost_node_heard_again_through_its_relay_or_its_kept_session_is_back(tmp_path):
+    """Node 1's session stream stays open but silent (a partition shorter than the keepalive
+    drop leaves it so): node 0 marks the node lost after 2 s. A heartbeat its relay carries
+    then brings it back; silent again, it is lost again, and a heartbeat on the session it
+    kept brings it back: two loss records, each with the time it resumed."""
+    from test_launcher_news import claim
+
+    from traceml_aggregator.store import NODE_LOSSES_META_KEY
+
+    env = {"TRACEML_NODE_LOST_AFTER_SEC": "2"}
+    args = ("--nnodes", "2")
+    with LiveAggregator(tmp_path / "run", "r", world_size=2, extra_args=args, env=env) as agg:
+        stub = wire.AggregatorStub(open_channel(agg.target))
+        ups: queue.Queue = queue.Queue()
+        session = stub.NodeSession(iter(ups.get, None))
+        ups.put(wire.NodeUp(claim=claim(1)))
+        assert next(session).claim.accepted
+        try:
+            wait_for(lambda: agg.log().count("node 1 (node1) lost") == 1, 30, "node 1 lost")
+            beat = wire.NodeHeartbeat(sent_unix_ns=time.time_ns())
+            (down,) = list(stub.Relay(iter([wire.RelayUp(node_rank=1, heartbeat=beat)])))
+            assert down.clock.sent_unix_ns == beat.sent_unix_ns  # answered: the node heard
+            back = "node 1 (node1) is back: a heartbeat came through its node relay"
+            wait_for(lambda: back in agg.log(), 30, "node 1 back through its relay")
+            wait_for(lambda: agg.log().count("node 1 (node1) lost") == 2, 30, "lost again")
+            ups.put(wire.NodeUp(heartbeat=wire.NodeHeartbeat(sent_unix_ns=time.time_ns())))
+            assert next(session).WhichOneof("kind") == "clock"
+            back = "node 1 (node1) is back: its session spoke again"
+            wait_for(lambda: back in agg.log(), 30, "node 1 back on its session")
+            ups.put(wire.NodeUp(goodbye=wire.NodeGoodbye()))
+        finally:
+            ups.put(None)
+        assert agg.stop() == 0
+    (text,) = agg.query("SELECT value FROM meta WHERE key = ?", (NODE_LOSSES_META_KEY,))[0]
+    losses = json.loads(text)
+    assert [(loss["node_rank"], loss["lost_after_s"]) for loss in losses] == [(1, 2.0), (1, 2.0)]
+    for loss in losses:
+        assert loss["last_heard_unix_s"] < loss["lost_unix_s"] < loss["resumed_unix_s"]
+    assert losses[0]["resumed_unix_s"] < losses[1]["lost_unix_s"]

@@ -21,9 +21,11 @@ heartbeat through its node relay, :meth:`NodeSessions.relayed_heartbeat`, no new
 :data:`~traceml_aggregator.store.NODE_LOSSES_META_KEY` entry, which the summary's
 ``run.telemetry_health.node_losses`` and the ``NODE_LOST`` finding read. The watch looks every
 :data:`LOST_CHECK_S`, so a node is marked lost between 25 and 26 s after the last message it
-sent, that is at most 25 + 2 + 1 = 28 s after its link went down. A lost node that opens a
-new session resumes: its record gets the time. An aggregator restarted on the run's store
-expects a session from every node whose exit is not stored, from the moment it serves.
+sent, that is at most 25 + 2 + 1 = 28 s after its link went down. A lost node heard again
+resumes (a new session, a message on the session it kept, a heartbeat through its node relay:
+its streams may outlive a partition shorter than the keepalive drop): its record gets the
+time. An aggregator restarted on the run's store expects a session from every node whose exit
+is not stored, from the moment it serves.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class NodeSessions:
         #: Each node's clock offset as stored (a NodeClock record's JSON), by node rank.
         self.clocks: dict[int, dict] = {c["node_rank"]: c for c in clocks or []}
         self._clocks_write: asyncio.Future | None = None
+        self._losses_write: asyncio.Future | None = None  # the latest, held while it runs
         self._clocks_dirty = False
         self._clocks_logged: set[int] = set(self.clocks)
         #: The latest published NodeDown of each kind (``stall``, ``partial_summary``), for
@@ -193,7 +196,7 @@ class NodeSessions:
                 )
             )
             return
-        session = await self._open(claim)
+        session = self._open(claim)
         await context.write(
             wire.NodeDown(
                 claim=wire.NodeClaimReply(accepted=True, run_failure=self.registry.run_failure)
@@ -237,7 +240,7 @@ class NodeSessions:
             received_ns = time.time_ns()  # t1 of a heartbeat's clock exchange
             if up is grpc.aio.EOF:
                 return
-            self._heard(session.node_rank)
+            self._heard(session.node_rank, "its session spoke again")
             kind = up.WhichOneof("kind")
             if kind == "heartbeat":
                 self._clock_exchange(session, up.heartbeat, received_ns)
@@ -278,7 +281,7 @@ class NodeSessions:
         of no node is not counted)."""
         if node_rank not in self.nodes:
             return None
-        self._heard(node_rank)
+        self._heard(node_rank, "a heartbeat came through its node relay")
         self._keep_clock(node_rank, heartbeat)
         return clock_echo(heartbeat, received_ns) if heartbeat.sent_unix_ns else None
 
@@ -338,7 +341,7 @@ class NodeSessions:
         self._published[message.WhichOneof("kind")] = message
         self._push(message)
 
-    async def _open(self, claim) -> _Session:
+    def _open(self, claim) -> _Session:
         """A new session of ``claim``'s node: it replaces an open one, resumes a lost node."""
         rank = claim.node_rank
         session = _Session(rank)
@@ -350,21 +353,34 @@ class NodeSessions:
         node.hostname, node.session, node.ended = claim.hostname, session, False
         for message in self._published.values():  # sent after the claim's verdict
             session.outbox.put_nowait(message)
-        self._heard(rank)
-        if node.lost is not None:
-            node.lost["resumed_unix_s"] = round(time.time(), 3)
-            lost_s = node.lost["resumed_unix_s"] - node.lost["lost_unix_s"]
-            node.lost = None
-            await self._persist(NODE_LOSSES_META_KEY, self.losses)
-            _log.info(
-                f"node {rank} ({claim.hostname}) is back: its session resumed {lost_s:.1f} s "
-                f"after it was marked lost"
-            )
+        self._heard(rank, "its session resumed")
         return session
 
-    def _heard(self, rank: int) -> None:
+    def _heard(self, rank: int, how: str) -> None:
+        """Node ``rank`` spoke now (``how``: on which path, as the log says it). A lost node
+        resumes: its loss record gets the time, and the records are stored
+        (:meth:`_store_losses`, not awaited: a relayed heartbeat is heard inside a relay
+        message's pass)."""
         node = self.nodes[rank]
         node.last_heard_monotonic, node.last_heard_unix_s = time.monotonic(), time.time()
+        if node.lost is None:
+            return
+        node.lost["resumed_unix_s"] = round(node.last_heard_unix_s, 3)
+        lost_s = node.lost["resumed_unix_s"] - node.lost["lost_unix_s"]
+        node.lost = None
+        self._losses_write = asyncio.ensure_future(self._store_losses())
+        _log.info(
+            f"node {rank} ({node.hostname or '?'}) is back: {how} {lost_s:.1f} s after it was "
+            "marked lost"
+        )
+
+    async def _store_losses(self) -> None:
+        """Store every loss record; a failure (the disk) is said, and the next loss or
+        resumption stores them all again."""
+        try:
+            await self._persist(NODE_LOSSES_META_KEY, self.losses)
+        except Exception as exc:
+            _log.warning(f"warning: the node losses were not stored ({exc})")
 
     def _close(self, session: _Session, clean: bool) -> None:
         node = self.nodes.get(session.node_rank)
