@@ -25,7 +25,7 @@ generation that each full collection then walks. Measured at 8,000 ranks through
 collections taking 1.36 s of the 16 (~124 ms a full one): 8.5 % of a core, a fifth of the
 aggregator's CPU. With :data:`SERVING_THRESHOLDS` (:func:`serving_heap`) the same 16 s had
 2 young collections and 0.05 s. Garbage in reference cycles waits longer to be freed: at most
-:data:`SERVING_THRESHOLDS`\\ [0] objects' worth between two young collections.
+:data:`SERVING_YOUNG_THRESHOLD` objects' worth between two young collections.
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+#: Allocations net of frees between two young collections while the aggregator serves
+#: (CPython's default: 700).
+SERVING_YOUNG_THRESHOLD = 50_000
 #: The collector's thresholds while the aggregator serves (:func:`gc.set_threshold`): a young
-#: collection every 50,000 allocations net of frees (CPython's default: 700), a middle one
-#: every 20 young ones, a full one every 10 middle ones (and, CPython's own rule, only when
-#: the objects that survived since the last full one are a quarter of those it walked).
-SERVING_THRESHOLDS = (50_000, 20, 10)
+#: collection every :data:`SERVING_YOUNG_THRESHOLD` allocations, a middle one every 20 young
+#: ones, a full one every 10 middle ones (and, CPython's own rule, only when the objects that
+#: survived since the last full one are a quarter of those it walked).
+SERVING_THRESHOLDS = (SERVING_YOUNG_THRESHOLD, 20, 10)
 
 
 def freeze_startup_objects() -> int:
