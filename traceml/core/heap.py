@@ -56,9 +56,8 @@ def freeze_startup_objects() -> int:
 @dataclass
 class Collections:
     """The cyclic collector's work since :func:`serving_heap` began: collections per
-    generation (0 young, 1 middle, 2 full) and the wall seconds they took (the collector
-    holds the GIL throughout, so it is CPU time of the process's one Python thread at a
-    time)."""
+    generation (0 young, 1 middle, 2 full) and the seconds they took (wall clock, from each
+    one's start to its end, the GIL held throughout)."""
 
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])
     seconds: float = 0.0
