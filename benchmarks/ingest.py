@@ -243,7 +243,8 @@ async def session_task(
                 while down is not grpc_aio_eof() and down.WhichOneof("kind") != "clock":
                     down = await call.read()  # what is pushed comes before its echo
                 assert down is not grpc_aio_eof(), "the aggregator ended the session"
-                t["heartbeats"] += after_go
+                if after_go:
+                    t["heartbeats"] += 1
                 try:  # the next one in an interval; the first after go at go
                     await asyncio.wait_for(
                         (stop if after_go else go).wait(), NODE_HEARTBEAT_INTERVAL_S
