@@ -15,11 +15,14 @@ the default): the cut also breaks node 1's relay call, which comes back with the
 
 And node 1's launcher SIGKILLed mid-run: its relay dies with it (and its torchrun and rank), node
 1 is reported lost with its rank, node 0's summary is written, and nothing of node 0 is lost.
+And node 1's launcher SIGSTOPped past the bound while its rank trains on: lost with its session
+stream still open, back as it thaws without a new session, nothing lost.
 Needs root and ``ip`` (iproute2); skipped otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,6 +66,24 @@ TRAIN = ("10.241.0.1", "10.241.0.2")
 TELEMETRY = ("10.242.0.1", "10.242.0.2")
 
 
+@contextlib.contextmanager
+def reaped(procs: dict):
+    """Kill, on the way out, whichever of ``procs`` (node -> launcher) still runs."""
+    try:
+        yield
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
+def assert_every_step_stored(summary: dict, steps: int) -> None:
+    """Both ranks completed ``steps`` steps and the summary received every one."""
+    ranks = {r["rank"]: r for r in summary["ranks"]}
+    assert {r: v["steps_completed"] for r, v in ranks.items()} == {0: steps, 1: steps}
+    assert {r: v["records_received"] for r, v in ranks.items()} == {0: steps, 1: steps}
+
+
 @pytest.fixture
 def hosts():
     """Namespaces joined by a training and a telemetry link (tests/netns_hosts.py)."""
@@ -70,9 +91,12 @@ def hosts():
         yield two
 
 
-def start_nodes(hosts, tmp_path, name: str, script_args: list[str], extra: list[str]) -> dict:
+def start_nodes(
+    hosts, tmp_path, name: str, script_args: list[str], extra: list[str], **env_of_run: str
+) -> dict:
     """Node 1's launcher, then node 0's, on their hosts: ``SCRIPT`` with ``script_args``,
-    run ``name``, the aggregator on node 0's telemetry address, ``extra`` flags."""
+    run ``name``, the aggregator on node 0's telemetry address, ``extra`` flags;
+    ``env_of_run``: more environment variables of both (over this module's)."""
     procs = {}
     for node in (1, 0):
         args = node_args(
@@ -93,6 +117,7 @@ def start_nodes(hosts, tmp_path, name: str, script_args: list[str], extra: list[
             "TRACEML_RUN_TOKEN": f"{name}-token",
             settings.NODE_LOST_AFTER_SEC.name: f"{LOST_AFTER_S:g}",
             settings.GRPC_KEEPALIVE_TIMEOUT_MS.name: str(KEEPALIVE_TIMEOUT_MS),
+            **env_of_run,
         }
         procs[node] = start_traceml(
             args,
@@ -109,7 +134,7 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
         hosts, tmp_path, "cut", ["--steps", str(STEPS), "--step-sleep", str(STEP_SLEEP_S)], []
     )
     run_dir = tmp_path / "host0" / "cut"
-    try:
+    with reaped(procs):
         wait_training_started(run_dir, procs[0], tmp_path / "node0.err", 180)
         time.sleep(2 * NODE_HEARTBEAT_INTERVAL_S)  # node 1's session and ranks are streaming
         hosts.set_link("tel", 1, "down")
@@ -119,18 +144,13 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
         hosts.set_link("tel", 1, "up")
         up_at = time.time()
         codes = {node: p.wait(300) for node, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
     assert codes == {0: 0, 1: 0}, (tmp_path / "node1.err").read_text()
 
     summary = load_summary(run_dir)
     assert summary["run"]["complete"] is True and summary["run"]["nodes"] == [0, 1]
-    ranks = {r["rank"]: r for r in summary["ranks"]}
-    assert {r: v["steps_completed"] for r, v in ranks.items()} == {0: STEPS, 1: STEPS}
-    assert {r: v["records_received"] for r, v in ranks.items()} == {0: STEPS, 1: STEPS}
-    assert {r: v["end"]["state"] for r, v in ranks.items()} == {0: "completed", 1: "completed"}
+    assert_every_step_stored(summary, STEPS)
+    ends = {r["rank"]: r["end"]["state"] for r in summary["ranks"]}
+    assert ends == {0: "completed", 1: "completed"}
     assert {n["node_rank"]: n["exit_code"] for n in summary["nodes"]} == {0: 0, 1: 0}
     # The aggregator's own record (its store's node_losses, which the summary reports).
     (loss,) = summary["run"]["telemetry_health"]["node_losses"]
@@ -171,6 +191,59 @@ def test_cut_session_is_lost_within_the_bound_then_resumes_with_nothing_lost(hos
     }
 
 
+#: The frozen-launcher run: its ``NODE_LOST_AFTER_S`` (s), and node 0's keepalive interval (ms),
+#: long enough that no ping of node 0's meets the frozen launcher (one left unanswered would
+#: drop the session after the keepalive timeout, and the new session after the thaw would be
+#: what resumes the node): the session stream outlives the freeze, as it may in a real stall.
+FREEZE_LOST_AFTER_S, FREEZE_SERVER_KEEPALIVE_MS = 3.0, 600_000
+FREEZE_STEPS, FREEZE_STEP_SLEEP_S = 30, 0.5
+
+
+def test_a_frozen_launcher_on_node_1_is_lost_then_back_as_it_thaws_and_nothing_is_lost(
+    hosts, tmp_path
+):
+    """Node 1's launcher stopped (SIGSTOP: a stalled host, a paused VM) past the bound while
+    its torchrun and rank train on: node 0 marks the node lost with its session stream still
+    open, and back as soon as the launcher speaks again (on that session or through its relay:
+    no new session comes); both ranks' every step stored, both launchers exit 0, and the loss
+    is a warning."""
+    procs = start_nodes(
+        hosts,
+        tmp_path,
+        "freeze",
+        ["--steps", str(FREEZE_STEPS), "--step-sleep", str(FREEZE_STEP_SLEEP_S)],
+        [],
+        **{
+            settings.NODE_LOST_AFTER_SEC.name: f"{FREEZE_LOST_AFTER_S:g}",
+            settings.GRPC_SERVER_KEEPALIVE_MS.name: str(FREEZE_SERVER_KEEPALIVE_MS),
+        },
+    )
+    run_dir = tmp_path / "host0" / "freeze"
+    aggregator_log = run_dir / "aggregator" / "process.stderr.log"
+    with reaped(procs):
+        wait_training_started(run_dir, procs[0], tmp_path / "node0.err", 180)
+        time.sleep(2 * NODE_HEARTBEAT_INTERVAL_S)  # node 1's relay carries its heartbeats
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        frozen_at = time.time()
+        wait_for(lambda: "lost: nothing from its launcher" in aggregator_log.read_text(), 30)
+        os.kill(procs[1].pid, signal.SIGCONT)
+        thawed_at = time.time()
+        codes = {node: p.wait(300) for node, p in procs.items()}
+    assert codes == {0: 0, 1: 0}, (tmp_path / "node1.err").read_text()
+
+    summary = load_summary(run_dir)
+    assert_every_step_stored(summary, FREEZE_STEPS)
+    (loss,) = summary["run"]["telemetry_health"]["node_losses"]
+    assert (loss["node_rank"], loss["lost_after_s"]) == (1, FREEZE_LOST_AFTER_S)
+    assert frozen_at < loss["lost_unix_s"] < thawed_at < loss["resumed_unix_s"] < thawed_at + 10
+    (finding,) = [f for f in summary["findings"]["health"] if f["kind"] == "NODE_LOST"]
+    assert (finding["severity"], finding["nodes"]) == ("warning", [1])
+    log = aggregator_log.read_text()
+    assert "its session stream is open but silent: the launcher or its host stalled" in log
+    assert "node 1's session broke" not in log  # no new session: the kept one, or the relay
+    assert " is back: " in log
+
+
 #: Steps and step time of the killed-launcher run: long enough that node 1 is killed mid-run.
 KILL_STEPS, KILL_STEP_SLEEP_S = 400, 0.05
 
@@ -189,7 +262,7 @@ def test_a_killed_launcher_on_node_1_is_lost_with_its_rank_and_node_0_loses_noth
         [f"--finalize-timeout-sec={LOST_AFTER_S + 3 * NODE_HEARTBEAT_INTERVAL_S:g}"],
     )
     run_dir = tmp_path / "host0" / "kill"
-    try:
+    with reaped(procs):
         wait_training_started(run_dir, procs[0], tmp_path / "node0.err", 180)
         rank1_log = step_log / "rank1.log"
         wait_for(lambda: rank1_log.exists() and len(rank1_log.read_text().splitlines()) >= 40, 60)
@@ -200,10 +273,6 @@ def test_a_killed_launcher_on_node_1_is_lost_with_its_rank_and_node_0_loses_noth
         assert procs[1].wait(30) == -signal.SIGKILL
         assert_all_gone(node1)  # torchrun and its rank die with their launcher
         code0 = procs[0].wait(180)  # rank 0 fails in gloo as its peer vanished
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
     assert code0 != 0, (tmp_path / "node0.err").read_text()[-3000:]
 
     summary = load_summary(run_dir)

@@ -416,9 +416,14 @@ class NodeSessions:
             ).to_json()
             self.losses.append(node.lost)
             found.append(rank)
+            how = (
+                "its session stream broke and did not come back"
+                if node.session is None
+                else "its session stream is open but silent: the launcher or its host stalled"
+            )
             _log.warning(
                 f"warning: node {rank} ({node.hostname or '?'}) lost: nothing from its launcher "
-                f"for {silent_s:.0f} s (its session stream broke and did not come back)"
+                f"for {silent_s:.0f} s ({how})"
             )
         if found:
             await self._persist(NODE_LOSSES_META_KEY, self.losses)

@@ -180,9 +180,9 @@ class RankDelivery:
 
 @dataclass
 class NodeLoss:
-    """``run.telemetry_health.node_losses[]``: a node the aggregator lost: its launcher's
-    session stream broke and no new one came within ``lost_after_s``
-    (:attr:`~traceml.analysis.rundata.RunData.node_losses`)."""
+    """``run.telemetry_health.node_losses[]``: a node the aggregator lost: nothing came from
+    its launcher for ``lost_after_s`` (its session stream broke, or the launcher or its host
+    stalled) (:attr:`~traceml.analysis.rundata.RunData.node_losses`)."""
 
     node_rank: Count
     hostname: Annotated[str | None, Schema(description="the node's host, as its claim named it")]

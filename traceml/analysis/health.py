@@ -200,8 +200,8 @@ def lost_note(facts: Facts, ranks: Iterable[int]) -> str:
         if loss.resumed_unix_s is None and loss.node_rank in nodes
     ]
     return "".join(
-        f" Node {loss.node_rank} was lost at {_utc(loss.lost_unix_s)}: its launcher's "
-        f"session stream broke and did not come back within {loss.lost_after_s:g} s."
+        f" Node {loss.node_rank} was lost at {_utc(loss.lost_unix_s)}: nothing came from its "
+        f"launcher for {loss.lost_after_s:g} s, and it never came back."
         for loss in lost
     )
 
@@ -563,9 +563,9 @@ def node_failed(facts: Facts) -> Finding | None:
 
 
 def node_lost(facts: Facts) -> Finding | None:
-    """NODE_LOST: nodes whose launcher's session stream broke and did not come back within
-    the bound (:attr:`RunData.node_losses`): critical while one never came back, else a
-    warning (the session resumed and the telemetry was resent)."""
+    """NODE_LOST: nodes whose launcher the aggregator heard nothing from within the bound
+    (:attr:`RunData.node_losses`: its session stream broke, or it stalled): critical while
+    one never came back, else a warning (it was heard again and its telemetry resent)."""
     losses = facts.run.node_losses
     if not losses:
         return None
@@ -581,8 +581,8 @@ def node_lost(facts: Facts) -> Finding | None:
     if gone:
         advice = (
             f"Node {', '.join(map(str, gone))} never came back: its host died or was cut off "
-            "from node 0, or its launcher was killed; its ranks' ends after that time are "
-            "unknown. See that node's launcher stderr and the host's logs."
+            "from node 0, or its launcher was killed or stalled; its ranks' ends after that "
+            "time are unknown. See that node's launcher stderr and the host's logs."
         )
     else:
         advice = (
@@ -593,7 +593,7 @@ def node_lost(facts: Facts) -> Finding | None:
         "NODE_LOST",
         "critical" if gone else "warning",
         f"The aggregator lost {'; '.join(told)}: nothing came from the node's launcher for "
-        f"{losses[0].lost_after_s:g} s (its session stream broke).",
+        f"{losses[0].lost_after_s:g} s.",
         advice,
         evidence={"node_losses": [loss.to_json() for loss in losses]},
         nodes=sorted({loss.node_rank for loss in losses}),

@@ -315,8 +315,8 @@ class RunData:
     #: Node 0's aggregator lost for good (the launcher did not restart it), else None: the
     #: store holds nothing sent after it.
     aggregator_loss: AggregatorLoss | None = None
-    #: Nodes the aggregator lost (a launcher's session stream broke and did not come back in
-    #: time; see traceml_aggregator/sessions.py), in order.
+    #: Nodes the aggregator lost (nothing came from a launcher in time: its session stream
+    #: broke, or it stalled; see traceml_aggregator/sessions.py), in order.
     node_losses: list[LostNode] = field(default_factory=list)
     #: Each node's clock offset from node 0's, as its launcher estimated it (by node rank);
     #: empty when no launcher sent one (ranks without a launcher, an older launcher).

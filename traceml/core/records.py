@@ -777,8 +777,9 @@ class AggregatorLoss(MetaRecord):
 
 @dataclass(frozen=True, slots=True)
 class LostNode(MetaRecord):
-    """A node the aggregator lost: its launcher's session stream broke and no new one came in
-    time (meta key ``node_losses``: a JSON list of these, in order; written by
+    """A node the aggregator lost: nothing came from its launcher in time (its session stream
+    broke and no new one came, or the launcher or its host stalled) (meta key
+    ``node_losses``: a JSON list of these, in order; written by
     ``traceml_aggregator/sessions.py``).
 
     Attributes:
@@ -786,7 +787,7 @@ class LostNode(MetaRecord):
         hostname: its host, as its claim named it (None when unknown).
         last_heard_unix_s: the last message of its launcher (Unix s).
         lost_unix_s: when the aggregator marked it lost (Unix s).
-        resumed_unix_s: when its session came back (Unix s), None: never.
+        resumed_unix_s: when it was heard again (Unix s), None: never.
         lost_after_s: the bound: seconds of silence after which a node is lost (s).
     """
 
