@@ -239,7 +239,7 @@ def test_a_frozen_launcher_on_node_1_is_lost_then_back_as_it_thaws_and_nothing_i
     (finding,) = [f for f in summary["findings"]["health"] if f["kind"] == "NODE_LOST"]
     assert (finding["severity"], finding["nodes"]) == ("warning", [1])
     log = aggregator_log.read_text()
-    assert "its session stream is open but silent: the launcher or its host stalled" in log
+    assert "its session stream is still open but silent" in log
     assert "node 1's session broke" not in log  # no new session: the kept one, or the relay
     assert " is back: " in log
 

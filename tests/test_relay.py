@@ -451,8 +451,8 @@ def test_the_relay_carries_the_sessions_heartbeats_and_the_session_sends_its_own
 
 
 def test_a_lost_node_heard_again_through_its_relay_or_its_kept_session_is_back(tmp_path):
-    """Node 1's session stream stays open but silent (a partition shorter than the keepalive
-    drop leaves it so): node 0 marks the node lost after 2 s. A heartbeat its relay carries
+    """Node 1's session stream stays open but silent (as a stalled launcher leaves it): node 0
+    marks the node lost after 2 s. A heartbeat its relay carries
     then brings it back; silent again, it is lost again, and a heartbeat on the session it
     kept brings it back: two loss records, each with the time it resumed."""
     from test_launcher_news import claim

@@ -22,10 +22,10 @@ heartbeat through its node relay, :meth:`NodeSessions.relayed_heartbeat`, no new
 ``run.telemetry_health.node_losses`` and the ``NODE_LOST`` finding read. The watch looks every
 :data:`LOST_CHECK_S`, so a node is marked lost between 25 and 26 s after the last message it
 sent, that is at most 25 + 2 + 1 = 28 s after its link went down. A lost node heard again
-resumes (a new session, a message on the session it kept, a heartbeat through its node relay:
-its streams may outlive a partition shorter than the keepalive drop): its record gets the
-time. An aggregator restarted on the run's store expects a session from every node whose exit
-is not stored, from the moment it serves.
+resumes (a new session, a message on the session it kept, a heartbeat through its node relay: a
+stalled launcher or host keeps its streams open): its record gets the time. An aggregator
+restarted on the run's store expects a session from every node whose exit is not stored, from
+the moment it serves.
 """
 
 from __future__ import annotations
@@ -419,7 +419,8 @@ class NodeSessions:
             how = (
                 "its session stream broke and did not come back"
                 if node.session is None
-                else "its session stream is open but silent: the launcher or its host stalled"
+                else "its session stream is still open but silent: its host was cut off, or "
+                "its launcher or host stalled"
             )
             _log.warning(
                 f"warning: node {rank} ({node.hostname or '?'}) lost: nothing from its launcher "
