@@ -82,6 +82,8 @@ import psutil
 from _common import LiveAggregator, free_port, median, p99
 from transport_floor import TransportFloor
 
+from traceml.core.heap import SERVING_TALLY
+
 RUN = "ingest-bench"
 PUSH = "/traceml.wire.v1.Aggregator/Push"
 STREAM = "/traceml.wire.v1.Aggregator/Stream"
@@ -760,7 +762,7 @@ def run_world(
         collector = ""
         if server == "aggregator":  # gRPC alone stores nothing (every client ended: all acked)
             log = agg.log()
-            found = re.search(r"cyclic garbage collector while serving: ([^\n]*)", log)
+            found = re.search(rf"{re.escape(SERVING_TALLY)}: ([^\n]*)", log)
             collector = f"; its cyclic GC while serving: {found.group(1)}" if found else ""
             if sessions:  # a node silent for NODE_LOST_AFTER_S: the run would report it
                 collector += f"; nodes marked lost: {log.count('lost: nothing from its')}"

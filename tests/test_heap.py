@@ -10,12 +10,12 @@ import re
 import pytest
 from live_aggregator import LiveAggregator
 
-from traceml.core.heap import SERVING_THRESHOLDS, serving_heap
+from traceml.core.heap import SERVING_TALLY, SERVING_THRESHOLDS, serving_heap
 
 #: The aggregator's stop line of the collector's tally (traceml_aggregator/server.py).
 COLLECTOR_LINE = re.compile(
-    r"cyclic garbage collector while serving: (\d+) young, (\d+) middle, (\d+) full "
-    r"collections, \d+\.\d\d s"
+    rf"{re.escape(SERVING_TALLY)}: (\d+) young, (\d+) middle, (\d+) full collections, "
+    r"\d+\.\d\d s"
 )
 
 

@@ -22,7 +22,6 @@ Needs root and ``ip`` (iproute2); skipped otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -36,6 +35,7 @@ from conftest import (
     load_summary,
     process_family,
     query,
+    reaped,
     start_traceml,
     wait_for,
     wait_training_started,
@@ -64,17 +64,6 @@ STEP_SLEEP_S = 1.0
 CUT_S = LOST_AFTER_S + NODE_HEARTBEAT_INTERVAL_S + LOST_CHECK_S + 4.0
 TRAIN = ("10.241.0.1", "10.241.0.2")
 TELEMETRY = ("10.242.0.1", "10.242.0.2")
-
-
-@contextlib.contextmanager
-def reaped(procs: dict):
-    """Kill, on the way out, whichever of ``procs`` (node -> launcher) still runs."""
-    try:
-        yield
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
 
 
 def assert_every_step_stored(summary: dict, steps: int) -> None:

@@ -34,6 +34,7 @@ from conftest import (
     load_summary,
     process_family,
     query,
+    reaped,
     signal_and_wait,
     start_traceml,
     wait_all,
@@ -390,7 +391,7 @@ def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links,
         )
     err1 = tmp_path / "node1.err"
     rss: list[tuple[float, dict[int, int]]] = []  # (unix s, rank -> RSS bytes)
-    try:
+    with reaped(procs):
         wait_logged(step_log, 1, 100, procs[1], err1)
         pids = {rank: rank_process(procs[rank], rank).pid for rank in (0, 1)}
         end_before = time.time() + 6.0
@@ -405,10 +406,6 @@ def test_a_partition_between_node_1_and_node_0_costs_training_nothing(two_links,
         ip("-n", netns[1], "link", "set", links["tel"][1], "up")
         restored_at = time.time()
         codes = wait_all(procs, 300)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
     assert codes == {0: 0, 1: 0}, (tmp_path / "node0.err").read_text()[-2000:] + err1.read_text()[
         -2000:
     ]

@@ -37,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import endpoint, log, otlp
-from traceml.core.heap import serving_heap
+from traceml.core.heap import SERVING_TALLY, serving_heap
 from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
@@ -826,7 +826,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
             loop.add_signal_handler(sig, stop.set)
     with serving_heap() as collections:  # start-up is over: see traceml/core/heap.py
         await stop.wait()
-    _log.info(f"cyclic garbage collector while serving: {collections}")
+    _log.info(f"{SERVING_TALLY}: {collections}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     watchdog.cancel()

@@ -3,6 +3,7 @@ the command, its environment, its artifacts (summary, store), its processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "load_summary",
     "process_family",
     "query",
+    "reaped",
     "run_args",
     "run_traceml",
     "signal_and_wait",
@@ -196,21 +198,29 @@ def wait_training(tmp_path: Path, name: str, launcher: subprocess.Popen) -> None
     wait_training_started(tmp_path / "logs" / name, launcher, tmp_path / f"{name}.err")
 
 
+@contextlib.contextmanager
+def reaped(procs: dict):
+    """On the way out (also when the block fails), kill whichever of ``procs`` (name ->
+    Popen) still runs, and wait for it."""
+    try:
+        yield
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def wait_all(procs: dict, timeout_s: float) -> dict:
     """Exit codes of ``procs`` (name -> Popen) once all have exited; kills the rest and
     fails after ``timeout_s``."""
-    try:
+    with reaped(procs):
         wait_for(
             lambda: all(p.poll() is not None for p in procs.values()),
             timeout_s,
             "every process to exit",
             poll_s=0.2,
         )
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     return {n: p.returncode for n, p in procs.items()}
 
 

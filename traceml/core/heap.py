@@ -44,6 +44,8 @@ SERVING_YOUNG_THRESHOLD = 50_000
 #: ones, a full one every 10 middle ones (and, CPython's own rule, only when the objects that
 #: survived since the last full one are a quarter of those it walked).
 SERVING_THRESHOLDS = (SERVING_YOUNG_THRESHOLD, 20, 10)
+#: How the aggregator's stop line of :class:`Collections` begins (``<this>: <the tally>``).
+SERVING_TALLY = "cyclic garbage collector while serving"
 
 
 def freeze_startup_objects() -> int:
