@@ -9,6 +9,7 @@ as duplicates: lost without a word. Needs root (``mount -t tmpfs``); skipped oth
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import subprocess
@@ -17,7 +18,9 @@ import pytest
 from helpers.batches import rank_batch
 
 from traceml import wire
-from traceml_aggregator.store import Store
+from traceml_aggregator.nodes import NodeRegistry
+from traceml_aggregator.sessions import NodeSessions
+from traceml_aggregator.store import NODE_LOSSES_META_KEY, Store
 from traceml_aggregator.writer import Writer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -101,3 +104,41 @@ def test_the_writer_acknowledges_nothing_on_a_full_disk_and_everything_after(sma
     assert [(r.stored_seq, r.duplicate) for r in again] == [(2, False), (1, False), (1, False)]
     assert steps == {0: 400, 1: 200, 2: 200}
     assert sorted(acked) == [0, 0, 1, 2]
+
+
+def test_node_loss_detection_goes_on_through_a_full_disk(small_fs, caplog):
+    """Node 1 is lost while the disk is full: its loss record cannot be stored, the check says
+    so and returns (before, the store's error ended the watch that runs the check, and no node
+    was marked lost for the rest of the run). Node 2, lost once the disk has room, is marked,
+    and both records are stored."""
+
+    async def main():
+        writer = Writer(Store(small_fs / "t.sqlite"), lambda b, _: None)
+        writer.start()
+
+        async def persist(key, value):
+            await writer.call(writer.store.set_meta, key, json.dumps(value))
+
+        sessions = NodeSessions(
+            NodeRegistry(own_host="node0", nnodes=3),
+            store_exit=None,
+            finalize=None,
+            persist=persist,
+            foreign=None,
+            refuse=None,
+            lost_after_s=0.0,  # silent for any time at all: lost at the next check
+        )
+        sessions.expect({1})
+        fill(small_fs)
+        on_full_disk = await sessions.check_lost()
+        (small_fs / "filler").unlink()
+        sessions.expect({2})
+        with_room = await sessions.check_lost()
+        stored = await writer.call(writer.store.meta)
+        await writer.close()
+        return on_full_disk, with_room, json.loads(stored[NODE_LOSSES_META_KEY])
+
+    on_full_disk, with_room, losses = asyncio.run(main())
+    assert (on_full_disk, with_room) == ([1], [2])
+    assert "warning: the node losses were not stored (database or disk is full)" in caplog.text
+    assert [(r["node_rank"], r["resumed_unix_s"]) for r in losses] == [(1, None), (2, None)]

@@ -397,7 +397,10 @@ class NodeSessions:
 
     # --- liveness ----------------------------------------------------------------------------
     async def check_lost(self) -> list[int]:
-        """Mark lost every expected node silent for :attr:`lost_after_s`; the newly lost."""
+        """Mark lost every expected node silent for :attr:`lost_after_s`; the newly lost.
+
+        The loss records are stored (:meth:`_store_losses`): a store that fails (a full disk)
+        is said and retried with the next loss or resumption, and the watch goes on."""
         now_m, now = time.monotonic(), time.time()
         found = []
         for rank, node in sorted(self.nodes.items()):
@@ -427,7 +430,7 @@ class NodeSessions:
                 f"for {silent_s:.0f} s ({how})"
             )
         if found:
-            await self._persist(NODE_LOSSES_META_KEY, self.losses)
+            await self._store_losses()
         return found
 
     async def watch(self) -> None:
