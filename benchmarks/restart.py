@@ -197,8 +197,9 @@ def build_store(
 
 
 #: The store's tables that hold the live aggregates' checkpoint (the ranks' rows since its
-#: layout 3; :func:`build_store` makes both, with this tree's schema, whatever tree is timed).
-CHECKPOINT_TABLES = ("live_checkpoint", "live_checkpoint_ranks")
+#: layout 3, their series since 6; :func:`build_store` makes them all, with this tree's schema,
+#: whatever tree is timed).
+CHECKPOINT_TABLES = ("live_checkpoint", "live_checkpoint_ranks", "live_checkpoint_series")
 
 
 def drop_checkpoint(run_dir: Path) -> None:
@@ -222,7 +223,8 @@ def restore_checkpoint(run_dir: Path, path: Path) -> None:
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
         for table in CHECKPOINT_TABLES:
             db.execute(f"DELETE FROM {table}")
-            db.executemany(f"INSERT INTO {table} VALUES (?, ?, ?)", rows.get(table, []))
+            for row in rows.get(table, []):
+                db.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
         db.commit()
 
 
@@ -464,6 +466,7 @@ def simulate_checkpoint(
     with contextlib.closing(sqlite3.connect(scratch / "telemetry.sqlite")) as db:
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
         rank_rows = db.execute("SELECT rank, state FROM live_checkpoint_ranks").fetchall()
+        series_rows = db.execute("SELECT * FROM live_checkpoint_series").fetchall()  # from 6
     state = checkpoint.loads(data)
     current = state.version == checkpoint_version(tree or ROOT)
     if current:  # the long run's own sample windows and series, marks at its last rows
@@ -483,6 +486,10 @@ def simulate_checkpoint(
             "INSERT OR REPLACE INTO live_checkpoint_ranks VALUES (?, ?, ?)",
             [(r, top["steps"], part) for r, part in rank_rows],
         )
+        if series_rows:
+            db.executemany(
+                "INSERT OR REPLACE INTO live_checkpoint_series VALUES (?, ?, ?, ?)", series_rows
+            )
         if not current:
             state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
         db.execute(

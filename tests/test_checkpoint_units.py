@@ -226,27 +226,30 @@ def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row
     tmp_path, monkeypatch
 ):
     """The ranks' rows are written a slice at a time (one rank a slice here), only for ranks
-    whose steps moved since their rows; a checkpoint whose own row then fails (as a kill
-    between the two) leaves the previous ``steps_from`` with newer ranks' rows, and seeding
-    from that is still exactly a full replay."""
+    whose steps moved since their rows, and a rank's series (digest and sample) only when a
+    chunk of its steps was folded into it since its series row; a checkpoint whose own row
+    then fails (as a kill between the two) leaves the previous ``steps_from`` with newer
+    ranks' rows, some beside older series rows, and seeding from that is still exactly a
+    full replay."""
     monkeypatch.setattr(ckpt, "SNAPSHOT_SLICE_RANKS", 1)
     path = tmp_path / "telemetry.sqlite"
-    slices: list[list[tuple[int, int]]] = []
+    slices: list[tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = []
 
     async def feed() -> None:
         run = _Run(path)
         write_ranks = run.store.write_live_checkpoint_ranks
 
-        def recording(rows):
-            slices.append([(rank, mark) for rank, mark, _ in rows])
-            write_ranks(rows)
+        def recording(rows, series):
+            slices.append(([row[:2] for row in rows], [row[:3] for row in series]))
+            write_ranks(rows, series)
 
         monkeypatch.setattr(run.store, "write_live_checkpoint_ranks", recording)
         run.writer.start()
         for r in range(RANKS):
             await run.steps(r, range(0, 100))
         await run.checkpointer.write()
-        await run.steps(2, range(100, 150))
+        # rank 2's first chunk (FOLD_STEPS less its offset, 2) is folded into its series
+        await run.steps(2, range(100, 550))
         await run.checkpointer.write()
         await run.steps(1, range(100, 120))
 
@@ -260,19 +263,24 @@ def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row
         await run.writer.close()
 
     asyncio.run(feed())
-    first = RANKS * 100
-    assert slices == [[(r, first)] for r in range(RANKS)] + [[(2, first + 50)], [(1, first + 70)]]
+    first, second = RANKS * 100, RANKS * 100 + 450
+    assert slices == [([(r, first)], [(r, 0, 0)]) for r in range(RANKS)] + [
+        ([(2, second)], [(2, 0, 1)]),
+        ([(1, second + 20)], []),
+    ]
     store = Store(path)
-    assert ckpt.read(store).steps_from == first + 50
-    assert {r: mark for r, (mark, _) in ckpt.read_ranks(store).items()} == {
+    assert ckpt.read(store).steps_from == second
+    ranks = ckpt.read_ranks(store)
+    assert {r: mark for r, (mark, _) in ranks.items()} == {
         0: first,
-        1: first + 70,
-        2: first + 50,
+        1: second + 20,
+        2: second,
         3: first,
     }
+    assert [ranks[r][1][1].series.folds for r in range(RANKS)] == [0, 0, 1, 0]
     restarted = _seeded(store, ckpt.read(store))
     assert state_of(restarted) == state_of(_seeded(store))
-    assert [restarted.ranks[r].steps_stored for r in range(RANKS)] == [130, 120, 150, 100]
+    assert [restarted.ranks[r].steps_stored for r in range(RANKS)] == [130, 120, 550, 100]
     store.close()
 
 
@@ -297,11 +305,26 @@ def test_unreadable_or_foreign_checkpoint_falls_back_to_a_full_replay(tmp_path):
         checkpoint = ckpt.read(store)
         assert checkpoint == ckpt.Checkpoint()
         assert state_of(_seeded(store, checkpoint)) == full
-    # ... in a rank's row too: the whole checkpoint is set aside
+    # ... in a rank's row too, or in its series row, or a rank's row that names another
+    # series than its series row holds: the whole checkpoint is set aside
     store.write_live_checkpoint(pickle.dumps(good, 5), 0)
-    for data in (b"not a pickle", pickle.dumps(print)):
-        store.write_live_checkpoint_ranks([(0, 600, data)])
+    ((row, folds, series),) = store.query(
+        "SELECT r.state, s.folds, s.state FROM live_checkpoint_ranks r "
+        "JOIN live_checkpoint_series s",
+        by_name=False,
+    )
+    assert folds == 1  # 600 steps: one chunk of FOLD_STEPS folded into the series
+    for rows, series_rows in (
+        ([(0, 600, b"not a pickle")], []),
+        ([(0, 600, pickle.dumps(print))], []),
+        ([(0, 600, row)], [(0, 0, 2, series)]),  # a series of 2 chunks: not the row's
+        ([(0, 600, row)], [(0, 0, 1, pickle.dumps(print))]),
+    ):
+        store.write_live_checkpoint_ranks(rows, series_rows)
         assert state_of(_seeded(store, ckpt.read(store))) == full
+    store.write_live_checkpoint_ranks([], [(0, 0, 1, series)])
+    assert state_of(_seeded(store, ckpt.read(store))) == full
+    assert ckpt.read_ranks(store)[0][1][2] == 600  # the good rows read back: 600 steps stored
     store.close()
 
 

@@ -30,6 +30,7 @@ rank, whatever the run's length.
 from __future__ import annotations
 
 import copy
+import copyreg
 import operator
 from array import array
 from collections import deque
@@ -105,13 +106,24 @@ def _floats(chunk: dict[str, list]) -> dict[str, np.ndarray]:
 
 
 class _Series:
-    """The digest and the sample (see the module docstring), folded a chunk at a time."""
+    """The digest and the sample (see the module docstring), folded a chunk at a time: a
+    rank attempt's final series (:attr:`StepState.series`)."""
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
         self.digest = RankDigest()
         self.level = 0
         self.sample: dict[str, list] = {name: [] for name in STEP_FIELDS}
+        #: Chunks folded in so far: the series changes only as one is (a checkpoint writes
+        #: it again only then: :mod:`traceml_aggregator.checkpoint`).
+        self.folds = 0
+
+    def __setstate__(self, state: dict) -> None:
+        """Restore a checkpointed series; a step field added since it was written (a new
+        phase) reads as not measured at every step it holds, as a replay would."""
+        self.__dict__.update(state)
+        for name in STEP_FIELDS:
+            self.sample.setdefault(name, [None] * len(self.sample["step"]))
 
     def copy(self) -> _Series:
         """An independent copy."""
@@ -122,6 +134,7 @@ class _Series:
 
     def fold(self, chunk: dict[str, list]) -> None:
         """Fold ``chunk`` (step field -> its values, None where not measured) in."""
+        self.folds += 1
         self.digest.fold(_floats(chunk))
         if self.level == 0:
             for name, kept in self.sample.items():
@@ -183,9 +196,28 @@ class StepState:
         if self.last is not None:
             for name in STEP_FIELDS:
                 self.last.setdefault(name, None)
-        sample = self._series.sample
-        for name in STEP_FIELDS:
-            sample.setdefault(name, [None] * len(sample["step"]))
+
+    def reduce_without_series(self) -> tuple:
+        """This state's pickle reduction with its series left out, named by ``series.folds``
+        (a checkpoint keeps the series in a row of its own, written only when it changed:
+        :mod:`traceml_aggregator.checkpoint`); unpickled, the state waits for
+        :meth:`attach_series`."""
+        state = self.__getstate__()
+        state["_series"] = self._series.folds
+        return copyreg.__newobj__, (StepState,), state
+
+    def attach_series(self, series: _Series) -> None:
+        """Give a state unpickled from :meth:`reduce_without_series` its series back.
+
+        Raises:
+            ValueError: ``series`` is not the one the state was pickled with (another count
+                of folded chunks).
+        """
+        if self._series != series.folds:
+            raise ValueError(
+                f"a rank's steps name a series of {self._series} folded chunks, not {series.folds}"
+            )
+        self._series = series
 
     @property
     def measured(self) -> KeysView[str]:
@@ -293,6 +325,12 @@ class StepState:
                 values = [None if v == UNMEASURED else v for v in values]
             out[name] = values
         return out
+
+    @property
+    def series(self) -> _Series:
+        """The digest and the sample, as folded so far (the pending steps not yet: see
+        :meth:`final`); it changes only as a chunk is folded in (``series.folds``)."""
+        return self._series
 
     @property
     def series_level(self) -> int:

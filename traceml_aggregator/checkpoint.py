@@ -49,14 +49,25 @@ time, at most :data:`CHECKPOINT_MAX_INTERVALS` intervals) and at a clean stop:
   aggregates at one go after its commit and notes the transaction's highest ``steps`` rowid
   (:attr:`Writer.steps_rowid_seen`), so a rank's copy covers exactly the step rows at or below
   the mark noted when it was copied. A rank whose step count and attempt did not move since
-  its row was written is not written again (a finished rank costs nothing);
+  its row was written is not written again (a finished rank costs nothing). A rank's final
+  series (its digest and sample: :class:`~traceml_aggregator.aggregates.StepState`) changes
+  only as a chunk of :data:`~traceml_aggregator.aggregates.FOLD_STEPS` steps is folded in,
+  so it is a row of its own (``live_checkpoint_series``: the rank's attempt, the chunks
+  folded, the series), written in the same transaction as the rank's row when it changed
+  since its last row; the rank's row names it by those two numbers, and a restart that
+  finds another series beside a row replays every step. In steady state (a checkpoint
+  interval of 30 steps a rank) that is 0.44 times the CPU and 0.65 times the bytes of a
+  checkpoint that pickled each rank's series again every time, at an 8,000-rank world's
+  series bound, and 0.24 and 0.35 times at 64 ranks' (``benchmarks/checkpoint_cost.py``);
 * the sample windows and series are kept here, from the store: each checkpoint reads the
   sample rows stored since the previous one (on the writer thread, O(those rows)) into them,
   the same way a restart and a finalization do.
 
-Cost (``benchmarks/restart.py``, the 2-core machine): the copy is ~0.6 ms of the event loop
-per rank that moved when the machine is quiet (4-20 ms under a load average of 7-11) and
-~97 KB of the store per rank (98.8 MiB in all at 1,024 ranks, the series included); a
+Cost (the 2-core machine, quiet): a checkpoint in steady state takes ~0.19 ms of CPU (the
+loop's pickling and the writer thread's SQLite) and ~30 KiB of the store per rank that moved,
+the first ~0.48 ms and ~46 KiB (every series written; ``benchmarks/checkpoint_cost.py``: 1,024
+ranks of an 8,000-rank world, 2,048 steps each, then 30 a checkpoint); the store holds ~97 KB
+a rank in all (98.8 MiB at 1,024 ranks of a 1,024-rank world, ``benchmarks/restart.py``); a
 restart unpickles the rows, one at a time, at about the same cost per rank and folds the
 steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
 a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
@@ -76,6 +87,7 @@ aggregator run code.
 from __future__ import annotations
 
 import asyncio
+import copyreg
 import io
 import operator
 import pickle
@@ -87,6 +99,7 @@ import numpy as np
 from traceml.analysis.rundata import RunData, SampleColumns
 from traceml.core import log
 from traceml.core.records import GpuSample, ProcessSample, Record, SystemSample
+from traceml_aggregator.aggregates import StepState
 from traceml_aggregator.live.analysis_process import WINDOW_GPU_SAMPLES, WINDOW_SAMPLES
 from traceml_aggregator.load import sample_groups
 from traceml_aggregator.sample_series import SampleSeries, pack, unpack
@@ -96,16 +109,19 @@ _log = log.get("aggregator")
 #: Layout of :class:`Checkpoint` and the ranks' rows; a checkpoint of another version is not
 #: read (full replay). 3: the ranks' states in rows of their own (2 held them in the one row);
 #: 4: their windows in packed columns (3 held one deque of Python ints per step field); 5: a
-#: digest's sketches as plain bytes (4 pickled their NumPy arrays).
-CHECKPOINT_VERSION = 5
+#: digest's sketches as plain bytes (4 pickled their NumPy arrays); 6: each rank's series (its
+#: digest and sample) in a row of its own, written only when it changed (5 held it in the
+#: rank's row, pickled again at every checkpoint).
+CHECKPOINT_VERSION = 6
 #: Ranks copied between two returns to the event loop while a checkpoint is taken, and written
 #: in one transaction (at ~0.5 ms and ~97 KB a rank, ~16 ms of the loop and ~3 MB at a time).
 SNAPSHOT_SLICE_RANKS = 32
 #: The most of the aggregator's wall time its periodic checkpoints take, %. A checkpoint costs
-#: O(the ranks that moved since the last one) (~0.6 ms of the event loop a rank, quiet: the
-#: module docstring), so at 8,000 ranks one every 30 s would take ~16 % of the one core that
-#: also ingests; past that the checkpoints are spaced out instead (:func:`next_checkpoint_in`),
-#: and a restart folds in that many more seconds of steps.
+#: O(the ranks that moved since the last one) (~0.19 ms of CPU a rank in steady state, quiet:
+#: the module docstring), so at 8,000 ranks one every 30 s takes ~5 % of the one core that
+#: also ingests, more on a slower or busier core; past this the checkpoints are spaced out
+#: instead (:func:`next_checkpoint_in`), and a restart folds in that many more seconds of
+#: steps.
 CHECKPOINT_MAX_PCT = 5.0
 #: The longest gap between two periodic checkpoints, in checkpoint intervals: a stall of the
 #: disk or the writer under one checkpoint does not put off the next (and the retention's
@@ -156,6 +172,21 @@ class _Unpickler(pickle.Unpickler):
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"a checkpoint does not hold {module}.{name}")
         return super().find_class(module, name)
+
+
+#: How a rank's row pickles (a copy of :mod:`copyreg`'s, the pickler's default): its steps
+#: without their series (:meth:`~traceml_aggregator.aggregates.StepState.reduce_without_series`).
+_RANK_ROW_REDUCERS = copyreg.dispatch_table | {StepState: StepState.reduce_without_series}
+
+
+def _rank_row(part: tuple) -> bytes:
+    """A rank's row: its :meth:`~traceml_aggregator.live.windows.RankLive.steps_part`, pickled
+    without its steps' series (a row of its own)."""
+    data = io.BytesIO()
+    pickler = pickle.Pickler(data, 5)
+    pickler.dispatch_table = _RANK_ROW_REDUCERS
+    pickler.dump(part)
+    return data.getvalue()
 
 
 def loads(data: bytes):
@@ -282,7 +313,15 @@ def read_ranks(store) -> dict[int, tuple[int, tuple]]:
     Raises:
         Exception: what :func:`loads` raises for a row that cannot be read.
     """
-    return {rank: (mark, loads(state)) for rank, mark, state in store.live_checkpoint_ranks()}
+    ranks = {}
+    for rank, mark, state, attempt, _, series in store.live_checkpoint_ranks():
+        part = loads(state)
+        if part[1] is not None:  # its steps, which wait for their series
+            if series is None or attempt != part[0]:
+                raise ValueError(f"rank {rank}'s series row is not its attempt {part[0]}'s")
+            part[1].attach_series(loads(series))
+        ranks[rank] = (mark, part)
+    return ranks
 
 
 def read(store) -> Checkpoint:
@@ -321,6 +360,8 @@ class Checkpointer:
         #: rank -> (attempt, steps stored) when its row was written, set once that row
         #: committed: a write cancelled (a stop) before then leaves the rank to the next one.
         self._row_of: dict[int, tuple[int, int]] = {}
+        #: rank -> (attempt, series.folds) of its series row, set once it committed.
+        self._series_of: dict[int, tuple[int, int]] = {}
         #: Checkpoints written, and the bytes the last one wrote (its ranks' rows and its row).
         self.written = 0
         #: The ``steps_from`` of the latest checkpoint committed (0: none yet).
@@ -334,25 +375,35 @@ class Checkpointer:
         self.next_in_s: float | None = None
 
     async def _write_ranks(self) -> tuple[int, int]:
-        """Write the rows of the ranks that moved since their rows were written, a slice at a
-        time (pickled on the loop, written on the writer thread), once a replacement's
-        catch-up is over (before, the aggregates lack steps below the mark); returns (the mark
-        every rank's row now covers its steps up to, bytes written)."""
+        """Write the rows of the ranks that moved since their rows were written, and the
+        series rows of those whose series changed (a chunk folded in), a slice at a time
+        (pickled on the loop, written on the writer thread), once a replacement's catch-up is
+        over (before, the aggregates lack steps below the mark); returns (the mark every
+        rank's row now covers its steps up to, bytes written)."""
         await self.live.caught_up()
         steps_from = self.writer.steps_rowid_seen
         ranks = list(self.live.ranks.items())
         written = 0
         for first in range(0, len(ranks), SNAPSHOT_SLICE_RANKS):
-            rows, moved = [], {}
+            rows, series_rows, moved, series_moved = [], [], {}, {}
             for r, rl in ranks[first : first + SNAPSHOT_SLICE_RANKS]:
                 state = (rl.restart, rl.steps_stored)
-                if self._row_of.get(r) != state:  # else no step stored since: its row holds
-                    moved[r] = state
-                    rows.append((r, self.writer.steps_rowid_seen, pickle.dumps(rl.steps_part(), 5)))
+                if self._row_of.get(r) == state:  # no step stored since: its row holds
+                    continue
+                moved[r] = state
+                rows.append((r, self.writer.steps_rowid_seen, _rank_row(rl.steps_part())))
+                key = None if rl.steps is None else (rl.restart, rl.steps.series.folds)
+                if key is not None and self._series_of.get(r) != key:
+                    series_moved[r] = key
+                    series_rows.append((r, *key, pickle.dumps(rl.steps.series, 5)))
             if rows:
-                await self.writer.call(self.writer.store.write_live_checkpoint_ranks, rows)
+                await self.writer.call(
+                    self.writer.store.write_live_checkpoint_ranks, rows, series_rows
+                )
                 self._row_of.update(moved)
+                self._series_of.update(series_moved)
                 written += sum(len(row[2]) for row in rows)
+                written += sum(len(row[3]) for row in series_rows)
             else:
                 await asyncio.sleep(0)
         return steps_from, written

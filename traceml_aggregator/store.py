@@ -85,6 +85,8 @@ _SCHEMA = "\n".join(
         " written_unix_us INTEGER NOT NULL, state BLOB NOT NULL);",
         "CREATE TABLE IF NOT EXISTS live_checkpoint_ranks (rank INTEGER PRIMARY KEY,"
         " mark INTEGER NOT NULL, state BLOB NOT NULL);",
+        "CREATE TABLE IF NOT EXISTS live_checkpoint_series (rank INTEGER PRIMARY KEY,"
+        " attempt INTEGER NOT NULL, folds INTEGER NOT NULL, state BLOB NOT NULL);",
     ]
 )
 #: The INSERT of one row of each record (:func:`traceml.core.records.insert`).
@@ -589,21 +591,35 @@ class Store:
                 "INSERT OR REPLACE INTO live_checkpoint VALUES (0, ?, ?)", (written_unix_us, state)
             )
 
-    def write_live_checkpoint_ranks(self, rows: list[tuple[int, int, bytes]]) -> None:
+    def write_live_checkpoint_ranks(
+        self,
+        rows: list[tuple[int, int, bytes]],
+        series: list[tuple[int, int, int, bytes]],
+    ) -> None:
         """Replace the checkpointed states of some ranks (:mod:`traceml_aggregator.checkpoint`),
-        ``(rank, mark, state)`` each, in one transaction of its own; each row names the
-        ``steps`` rowid its state covers, so it is whole on its own, whatever the other rows.
+        ``(rank, mark, state)`` each, and the series of some of them, ``(rank, attempt, folds,
+        series)`` each, in one transaction of its own; each rank row names the ``steps``
+        rowid its state covers and the series it goes with, so it is whole on its own,
+        whatever the other rows.
 
         Raises:
             sqlite3.Error: the disk (full, I/O error); the previous rows stay.
         """
         with self._transaction() as db:
             db.executemany("INSERT OR REPLACE INTO live_checkpoint_ranks VALUES (?, ?, ?)", rows)
+            db.executemany(
+                "INSERT OR REPLACE INTO live_checkpoint_series VALUES (?, ?, ?, ?)", series
+            )
 
-    def live_checkpoint_ranks(self) -> Iterator[tuple[int, int, bytes]]:
-        """Each checkpointed rank's ``(rank, mark, state)`` (see
-        :meth:`write_live_checkpoint_ranks`), read one row at a time, by rank."""
-        yield from self._db.execute("SELECT rank, mark, state FROM live_checkpoint_ranks")
+    def live_checkpoint_ranks(self) -> Iterator[tuple]:
+        """Each checkpointed rank's ``(rank, mark, state, attempt, folds, series)`` (see
+        :meth:`write_live_checkpoint_ranks`; the last three None where it has no series
+        row), read one row at a time, by rank."""
+        yield from self._db.execute(
+            "SELECT r.rank, r.mark, r.state, s.attempt, s.folds, s.state "
+            "FROM live_checkpoint_ranks r LEFT JOIN live_checkpoint_series s USING (rank) "
+            "ORDER BY r.rank"
+        )
 
     def live_checkpoint(self) -> bytes | None:
         """The live aggregates' latest checkpoint (see :meth:`write_live_checkpoint`), None
