@@ -371,7 +371,8 @@ def test_the_periodic_checkpointer_waits_as_its_last_checkpoint_took(tmp_path, m
 
 def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
     """A store an older TraceML wrote has no ``live_checkpoint`` table, nor the ranks' rows'
-    table: they are added on open, the checkpoint is empty, and seeding replays every step."""
+    and their series' tables: they are added on open, the checkpoint is empty, and seeding
+    replays every step."""
     path = tmp_path / "telemetry.sqlite"
 
     async def feed() -> None:
@@ -384,6 +385,7 @@ def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
     db = sqlite3.connect(path)
     db.execute("DROP TABLE live_checkpoint")
     db.execute("DROP TABLE live_checkpoint_ranks")
+    db.execute("DROP TABLE live_checkpoint_series")
     db.commit()
     db.close()
     store = Store(path)

@@ -475,8 +475,10 @@ def test_every_meta_record_is_written_as_its_declared_schema(tmp_path):
 #: sha256 of the tables each store schema version creates (sqlite_master's SQL, whitespace
 #: normalized; tests/test_records.py's _layout_digest): version 3 is 963fd02's hand-written
 #: DDL, which the model's must equal so that an existing store loads. The checkpoint's ranks'
-#: rows (``live_checkpoint_ranks``) are left out: that table is added on open to a store of the
-#: same version that lacks it, as ``live_checkpoint`` was (tests/test_checkpoint_units.py).
+#: rows and their series (``live_checkpoint_ranks``, ``live_checkpoint_series``) are left out:
+#: those tables are added on open to a store of the same version that lacks them, as
+#: ``live_checkpoint`` was, and their layout is ``CHECKPOINT_VERSION``'s
+#: (tests/test_checkpoint_units.py).
 SCHEMA_DIGESTS = {
     3: "f625c03b0316c2c8b3faa156c39ab22ea68f1021e006e27c852e38165cc455c4",
     4: "91cd9e213155ef8ee6cee85be8cfaaa2e4ad169ebc0deb62e80d8a58cc9e2df6",  # comm_us
@@ -494,7 +496,7 @@ def _layout_digest(path) -> str:
         re.sub(r"\s+", " ", sql).replace("( ", "(").replace(" )", ")")
         for (sql,) in db.execute(
             "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL "
-            "AND name != 'live_checkpoint_ranks' ORDER BY name"
+            "AND name NOT IN ('live_checkpoint_ranks', 'live_checkpoint_series') ORDER BY name"
         )
     )
     db.close()
