@@ -587,6 +587,144 @@ class BindError(RuntimeError):
     """The aggregator could not listen on its host:port (in use, or no such address)."""
 
 
+class Aggregator:
+    """Node 0's aggregator wired, not yet serving: its store, run state, hang watch, live
+    aggregates, stream ledger, writer, checkpointer, retention and refusal counts, restored
+    from what an earlier aggregator of the run stored, with the finalizer and the gRPC
+    service (:class:`AggregatorService`) over them. :func:`serve` binds it to its ports and
+    runs its tasks; ``benchmarks/node0_cost.py`` drives its service in one process, without
+    gRPC. Opens (and creates) the run's store; nothing runs until :func:`serve` starts it.
+
+    Raises:
+        sqlite3.Error, StoreVersionError: the run's store cannot be opened.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = store = Store(config.run_dir / DATABASE_NAME)
+        store.set_meta("run_name", config.run_name)
+        script_world = ScriptWorld.restore(store.meta())  # adopted by an earlier aggregator
+        world_size = script_world.world_size(config.world_size)
+        if world_size:
+            store.set_meta("world_size", str(world_size))
+        self.state = RunState(world_size=world_size, nnodes=config.nnodes)
+        self.state.restore(store)  # what an aggregator of this run stored before this one
+        self.hangs = HangWatch(
+            config.hang_timeout_s, self.state.is_done, RunDir(config.run_dir, 0).stall_file
+        )
+        stall = store.meta().get(STALL_META_KEY)
+        self.hangs.restore(json.loads(stall) if stall else None)  # an earlier one's stall
+        self.live = LiveAggregates(config.run_name, world_size)
+        self.streams = StreamLedger()
+        self.streams.restore(store.meta().get(STREAMS_META_KEY))
+        # After a restart, what the earlier aggregator stored: the checkpoint now, the steps
+        # stored after it once serving (LiveAggregates.catch_up, in serve).
+        checkpoint, self.replay = restore(self.live, store)
+        self.writer = Writer(store, self._on_stored, config.max_queued_bytes)
+        self.checkpointer = Checkpointer(checkpoint, self.live, self.writer)
+        self.retention = None if config.keep_all_steps else Retention(store, config.retention)
+        self.rejections = Rejections()
+        self.rejections.restore(
+            store.meta().get(REJECTED_META_KEY), store.meta().get(REJECTED_REASONS_META_KEY)
+        )
+        self.finalizer = Finalizer(
+            self.state, self.writer, self._reports, config.finalize_timeout_s, self._final_steps
+        )
+        self.service = AggregatorService(
+            config,
+            self.writer,
+            self.state,
+            self.finalizer,
+            self.rejections,
+            self.live,
+            self.streams,
+            script_world,
+        )
+        self.finalizer.on_partial = self._publish_partial
+        if self.hangs.record is not None:  # an earlier one's stall: heard as sessions open
+            publish_stall(self.service.sessions, self.hangs.record)
+        #: This run's aggregator restarts so far (RESTARTS_META_KEY's entries).
+        self.restarts: list[dict] = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
+        self.live.run_records = lambda: {
+            "stall": self.hangs.record,
+            "node_losses": list(self.service.sessions.losses),
+            "node_clocks": self.service.sessions.clock_records(),
+            "rejected": dict(self.rejections.counts),
+            "rejected_reasons": dict(self.rejections.reasons),
+            "aggregator_restarts": list(self.restarts),
+            "script_world": script_world.record,
+        }
+
+    def _on_stored(self, batch, groups: list[tuple]) -> None:
+        """The writer's hook after each committed batch (see :class:`Writer`)."""
+        self.state.on_batch(batch)
+        self.hangs.on_batch(batch)
+        self.live.on_batch(batch, groups)
+
+    def _write_run_records(self, store: Store) -> None:
+        """The refusal counts and the stream ledger into ``store`` (on the writer thread:
+        copies taken now, each in one step, while the event loop may change them)."""
+        counts, reasons = dict(self.rejections.counts), dict(self.rejections.reasons)
+        store.set_meta(REJECTED_META_KEY, json.dumps(counts, sort_keys=True))
+        store.set_meta(REJECTED_REASONS_META_KEY, json.dumps(reasons, sort_keys=True))
+        store.set_meta(STREAMS_META_KEY, self.streams.to_json())
+
+    async def store_run_records(self) -> bool:
+        """:meth:`_write_run_records` on the writer thread; False (said) when the store
+        failed (a full disk)."""
+        try:
+            await self.writer.call(self._write_run_records, self.store)
+        except Exception as exc:
+            _log.warning(f"cannot store the stream ledger and refusal counts: {exc}")
+            return False
+        return True
+
+    async def keep_run_records(self) -> None:
+        """Store them every :data:`RUN_RECORDS_PERSIST_S` when they changed (again at the
+        next check after a failed write); runs until cancelled."""
+        written = (self.streams.changes, self.rejections.total)
+        while True:
+            await asyncio.sleep(RUN_RECORDS_PERSIST_S)
+            now = (self.streams.changes, self.rejections.total)
+            if now != written and await self.store_run_records():
+                written = now
+
+    async def persist_stall(self, record: dict | None) -> None:
+        """Store the stall record (None: the stall is over), then push it to the node
+        sessions."""
+        if record is None:
+            await self.writer.call(self.store.delete_meta, STALL_META_KEY)
+        else:
+            await self.writer.call(self.store.set_meta, STALL_META_KEY, json.dumps(record))
+        publish_stall(self.service.sessions, record)
+
+    def _reports(self, store: Store, missing, steps, deadline):
+        from traceml_aggregator.reports import write_reports
+
+        self._write_run_records(store)
+        return write_reports(
+            store,
+            self.config.run_dir,
+            missing,
+            html=self.config.html_report,
+            steps=steps,
+            samples=self.checkpointer.checkpoint,
+            deadline=deadline,
+        )
+
+    async def _final_steps(self) -> dict[int, tuple]:
+        """The final summary's steps, once every stored step is folded in."""
+        await self.live.caught_up()
+        return self.live.final_steps()
+
+    def _publish_partial(self, outcome: Outcome) -> None:
+        """Push the watchdog's partial summary down every node session (its paths and missing
+        ranks; not its text, which no launcher prints while training runs)."""
+        reply = finalize_reply(outcome)
+        reply.summary_text = ""
+        self.service.sessions.publish(wire.NodeDown(partial_summary=reply))
+
+
 async def serve(config: ServerConfig, ready=None) -> int:
     """Run the aggregator until SIGTERM/SIGINT; returns the process exit code.
 
@@ -598,120 +736,11 @@ async def serve(config: ServerConfig, ready=None) -> int:
         BindError: the port cannot be bound.
     """
     raise_open_files_limit()
-    store = Store(config.run_dir / DATABASE_NAME)
-    store.set_meta("run_name", config.run_name)
-    script_world = ScriptWorld.restore(store.meta())  # adopted by an earlier aggregator
-    world_size = script_world.world_size(config.world_size)
-    if world_size:
-        store.set_meta("world_size", str(world_size))
-    state = RunState(world_size=world_size, nnodes=config.nnodes)
-    state.restore(store)  # what an aggregator of this run stored before this one
-    hangs = HangWatch(config.hang_timeout_s, state.is_done, RunDir(config.run_dir, 0).stall_file)
-    stall = store.meta().get(STALL_META_KEY)
-    hangs.restore(json.loads(stall) if stall else None)  # a stall an earlier aggregator left
-
-    live = LiveAggregates(config.run_name, world_size)
-    streams = StreamLedger()
-    streams.restore(store.meta().get(STREAMS_META_KEY))
-    # After a restart, what the earlier aggregator stored: the checkpoint now, the steps
-    # stored after it once serving (catch_up, below).
-    checkpoint, replay = restore(live, store)
-
-    def on_stored(batch, groups: list[tuple]) -> None:
-        state.on_batch(batch)
-        hangs.on_batch(batch)
-        live.on_batch(batch, groups)
-
-    writer = Writer(store, on_stored, config.max_queued_bytes)
-    checkpointer = Checkpointer(checkpoint, live, writer)
-    retention = None if config.keep_all_steps else Retention(store, config.retention)
-    rejections = Rejections()
-    rejections.restore(
-        store.meta().get(REJECTED_META_KEY), store.meta().get(REJECTED_REASONS_META_KEY)
-    )
-
-    def write_run_records(store_) -> None:
-        """The refusal counts and the stream ledger into the store (on the writer thread:
-        copies taken now, each in one step, while the event loop may change them)."""
-        store_.set_meta(REJECTED_META_KEY, json.dumps(dict(rejections.counts), sort_keys=True))
-        store_.set_meta(
-            REJECTED_REASONS_META_KEY, json.dumps(dict(rejections.reasons), sort_keys=True)
-        )
-        store_.set_meta(STREAMS_META_KEY, streams.to_json())
-
-    async def store_run_records() -> bool:
-        """:func:`write_run_records` on the writer thread; False (said) when the store
-        failed (a full disk)."""
-        try:
-            await writer.call(write_run_records, store)
-        except Exception as exc:
-            _log.warning(f"cannot store the stream ledger and refusal counts: {exc}")
-            return False
-        return True
-
-    async def keep_run_records() -> None:
-        """Store them every :data:`RUN_RECORDS_PERSIST_S` when they changed (again at the
-        next check after a failed write)."""
-        written = (streams.changes, rejections.total)
-        while True:
-            await asyncio.sleep(RUN_RECORDS_PERSIST_S)
-            now = (streams.changes, rejections.total)
-            if now != written and await store_run_records():
-                written = now
-
-    async def persist_stall(record: dict | None) -> None:
-        """Store the stall record, then push it to the node sessions."""
-        if record is None:
-            await writer.call(store.delete_meta, STALL_META_KEY)
-        else:
-            await writer.call(store.set_meta, STALL_META_KEY, json.dumps(record))
-        publish_stall(service.sessions, record)
-
-    def reports(store_, missing, steps, deadline):
-        from traceml_aggregator.reports import write_reports
-
-        write_run_records(store_)
-        return write_reports(
-            store_,
-            config.run_dir,
-            missing,
-            html=config.html_report,
-            steps=steps,
-            samples=checkpointer.checkpoint,
-            deadline=deadline,
-        )
-
-    async def final_steps() -> dict[int, tuple]:
-        """The final summary's steps, once every stored step is folded in."""
-        await live.caught_up()
-        return live.final_steps()
-
-    finalizer = Finalizer(state, writer, reports, config.finalize_timeout_s, final_steps)
-    server = grpc_server(config.run_token, rejections, config.max_concurrent_rpcs)
-    service = AggregatorService(
-        config, writer, state, finalizer, rejections, live, streams, script_world
-    )
-
-    def publish_partial(outcome: Outcome) -> None:
-        """Push the watchdog's partial summary down every node session (its paths and missing
-        ranks; not its text, which no launcher prints while training runs)."""
-        reply = finalize_reply(outcome)
-        reply.summary_text = ""
-        service.sessions.publish(wire.NodeDown(partial_summary=reply))
-
-    finalizer.on_partial = publish_partial
-    if hangs.record is not None:  # an earlier aggregator's stall: sessions hear it on opening
-        publish_stall(service.sessions, hangs.record)
-    restarts = json.loads(store.meta().get(RESTARTS_META_KEY) or "[]")
-    live.run_records = lambda: {
-        "stall": hangs.record,
-        "node_losses": list(service.sessions.losses),
-        "node_clocks": service.sessions.clock_records(),
-        "rejected": dict(rejections.counts),
-        "rejected_reasons": dict(rejections.reasons),
-        "aggregator_restarts": list(restarts),
-        "script_world": script_world.record,
-    }
+    aggregator = Aggregator(config)
+    store, writer, live = aggregator.store, aggregator.writer, aggregator.live
+    service, finalizer = aggregator.service, aggregator.finalizer
+    checkpointer, retention = aggregator.checkpointer, aggregator.retention
+    server = grpc_server(config.run_token, aggregator.rejections, config.max_concurrent_rpcs)
     wire.add_AggregatorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -776,7 +805,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
             config.down_since_unix_s if config.down_since_unix_s is not None else time.time()
         )
         entry = await writer.call(record_restart, store, config.restart_reason, down_since)
-        restarts.append(entry)
+        aggregator.restarts.append(entry)
         _log.info(
             f"restarted on the run's store after {entry['gap_s']:g} s "
             f"without an aggregator ({config.restart_reason})"
@@ -787,7 +816,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     # The steps stored after the checkpoint, folded in while serving: a replacement serves
     # in the same time whatever the run's length (the live views, the checkpoints, the
     # retention and the final summary wait for it; batches that come meanwhile are held).
-    catching_up = asyncio.get_running_loop().create_task(live.catch_up(replay, writer))
+    catching_up = asyncio.get_running_loop().create_task(live.catch_up(aggregator.replay, writer))
 
     def stop_if_failed(task: asyncio.Task) -> None:
         """A catch-up that failed (the store cannot be read) stops the aggregator (exit 1: the
@@ -797,9 +826,11 @@ async def serve(config: ServerConfig, ready=None) -> int:
 
     catching_up.add_done_callback(stop_if_failed)
     watchdog = asyncio.get_running_loop().create_task(finalizer.watchdog())
-    hang_watch = asyncio.get_running_loop().create_task(hangs.run(persist_stall, _log.warning))
+    hang_watch = asyncio.get_running_loop().create_task(
+        aggregator.hangs.run(aggregator.persist_stall, _log.warning)
+    )
     node_watch = asyncio.get_running_loop().create_task(service.sessions.watch())
-    records_keeper = asyncio.get_running_loop().create_task(keep_run_records())
+    records_keeper = asyncio.get_running_loop().create_task(aggregator.keep_run_records())
     checkpoints = asyncio.get_running_loop().create_task(
         checkpointer.run(config.checkpoint_interval_s)
     )
@@ -853,7 +884,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
             config, checkpointer, finalizer, otlp_push, retention, pruning, live
         )
         exit_code = 0
-    await store_run_records()  # the latest, also without reports
+    await aggregator.store_run_records()  # the latest, also without reports
     await writer.close()
     live.close()
     _log.info(
@@ -861,7 +892,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
         f"{writer.batches_duplicate} resent batches were already stored"
     )
     _log.info(f"node relays: {service.relay_calls} calls carried {service.relay_messages} messages")
-    refused = ", ".join(f"{k} {v}" for k, v in sorted(rejections.counts.items())) or "none"
+    refused_counts = sorted(aggregator.rejections.counts.items())
+    refused = ", ".join(f"{k} {v}" for k, v in refused_counts) or "none"
     _log.info(
         f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (writer "
         f"behind); queue peak {writer.peak_queued_bytes} bytes (bound {writer.max_queued_bytes})"
