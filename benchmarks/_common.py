@@ -7,14 +7,18 @@ it. Nothing here imports from ``tests/``.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 from aggregator_process import LiveAggregator, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ROOT", "LiveAggregator", "free_port", "median", "p99"]
+__all__ = ["ROOT", "LiveAggregator", "free_port", "in_tree", "median", "p99"]
 
 
 def median(values) -> float:
@@ -25,3 +29,22 @@ def median(values) -> float:
 def p99(values) -> float:
     """99th percentile (linear interpolation) of a series of at least two values."""
     return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+def in_tree(script: str, tree: Path, args: list[str]) -> dict:
+    """Run the benchmark ``script`` (its path) with ``--json`` and ``args`` in a fresh
+    process that imports the TraceML source tree ``tree`` (``--baseline``: another tree, or
+    this one), and return the JSON object its last line of output is.
+
+    Raises:
+        subprocess.CalledProcessError: it exited with another code than 0.
+    """
+    out = subprocess.run(
+        [sys.executable, script, "--json", *args],
+        env=dict(os.environ, PYTHONPATH=str(tree)),
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    ).stdout
+    return json.loads(out.splitlines()[-1])

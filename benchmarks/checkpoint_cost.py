@@ -27,16 +27,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ROOT, in_tree  # noqa: E402
 
 #: Steps a rank's batch carries while warming up (a sender's batch of ~1 s at ~50 steps/s).
 WARM_STEPS_PER_BATCH = 64
@@ -131,16 +131,7 @@ def main() -> int:
     trees = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     results = {}
     for name, tree in reversed(trees.items()):  # the baseline first, then this tree
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        out = subprocess.run(
-            [sys.executable, __file__, "--json", *sys.argv[1:]],
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-            cwd=tree,
-        ).stdout
-        results[name] = r = json.loads(out.splitlines()[-1])
+        results[name] = r = in_tree(__file__, tree, sys.argv[1:])
         per_rank = {k: v / args.ranks for k, v in r.items()}
         print(
             f"{name}: steady state {r['ms']:.0f} ms of CPU a checkpoint, "

@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import ROOT, in_tree  # noqa: E402
 from ingest import NODE_RANKS, RUN, node_messages, relayed_heartbeat, step_blocks  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Context:
@@ -133,15 +130,7 @@ def main() -> int:
     per_message: dict[str, list[float]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():
-            out = subprocess.run(
-                [sys.executable, __file__, "--json", *sys.argv[1:]],
-                env=dict(os.environ, PYTHONPATH=str(tree)),
-                check=True,
-                capture_output=True,
-                text=True,
-                cwd=tree,
-            ).stdout
-            r = json.loads(out.splitlines()[-1])
+            r = in_tree(__file__, tree, sys.argv[1:])
             per_message[name].append(r["us_per_message"])
             print(
                 f"{name}: {r['us_per_message']:.0f} µs of CPU a relay message, "
