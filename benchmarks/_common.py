@@ -31,16 +31,16 @@ def p99(values) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def in_tree(script: str, tree: Path, args: list[str]) -> dict:
-    """Run the benchmark ``script`` (its path) with ``--json`` and ``args`` in a fresh
-    process that imports the TraceML source tree ``tree`` (``--baseline``: another tree, or
-    this one), and return the JSON object its last line of output is.
+def in_tree(tree: Path, argv: list[str]) -> dict:
+    """Run ``python argv`` in a fresh process that imports the TraceML source tree ``tree``
+    (``--baseline``: another tree, or this one; its working directory), and return the JSON
+    object its last line of output is.
 
     Raises:
         subprocess.CalledProcessError: it exited with another code than 0.
     """
     out = subprocess.run(
-        [sys.executable, script, "--json", *args],
+        [sys.executable, *argv],
         env=dict(os.environ, PYTHONPATH=str(tree)),
         check=True,
         capture_output=True,

@@ -131,7 +131,7 @@ def main() -> int:
     trees = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     results = {}
     for name, tree in reversed(trees.items()):  # the baseline first, then this tree
-        results[name] = r = in_tree(__file__, tree, sys.argv[1:])
+        results[name] = r = in_tree(tree, [__file__, "--json", *sys.argv[1:]])
         per_rank = {k: v / args.ranks for k, v in r.items()}
         print(
             f"{name}: steady state {r['ms']:.0f} ms of CPU a checkpoint, "

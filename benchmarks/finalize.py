@@ -28,16 +28,15 @@ Usage: ``python benchmarks/finalize.py [--ranks 1024] [--steps 10000] [--trials 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ROOT, in_tree  # noqa: E402
 
 #: Timed in the child process: argv[1] is the store; prints one JSON line.
 _CHILD = """
@@ -112,15 +111,7 @@ def _step(i: int, rank: int) -> dict:
 
 def trial(tree: Path, store: Path) -> dict:
     """One timed analysis of ``store`` by the TraceML source tree ``tree``, in a new process."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(store)],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return json.loads(out.splitlines()[-1])
+    return in_tree(tree, ["-c", _CHILD, str(store)])
 
 
 def _comparable(summary: dict) -> dict:
