@@ -483,8 +483,11 @@ def step_group_columns(group: Any) -> tuple[tuple[str, ...], list[Sequence[int]]
     """The names and columns of the fields measured in ``group`` (a StepColumns).
 
     Returns:
-        ``(names, columns)``: the non-empty columns in field order, each with one entry per
-        step of the group (µs or bytes); ``((), [])`` for an empty group.
+        ``(names, columns)``: the non-empty columns in field order, each a list of ints with
+        one entry per step of the group (µs or bytes); ``((), [])`` for an empty group. Each
+        column is copied out of the message at once (a C slice): every later pass over a
+        protobuf repeated field (the store's rows, the live fold's window, its maximum) cost
+        ~0.4-1.3 µs of wrapper calls a column, four times what the copy costs.
 
     Raises:
         ValueError: the group is malformed: a required column is missing, or the columns
@@ -504,7 +507,7 @@ def step_group_columns(group: Any) -> tuple[tuple[str, ...], list[Sequence[int]]
             + ("; " if lacking and uneven else "")
             + (f"columns of another length: {', '.join(uneven)}" if uneven else "")
         )
-    return names, list(columns)
+    return names, [column[:] for column in columns]
 
 
 @functools.lru_cache(maxsize=256)
