@@ -174,7 +174,9 @@ class StepState:
         self.fold_steps = min(FOLD_STEPS, window_steps)
         self.pending = 0  # steps at the window's end not folded into the series yet
         self.chunk = self.fold_steps - offset % self.fold_steps  # steps the next fold takes
-        self.last: dict[str, int | None] | None = None  # the highest step stored
+        #: The highest step stored: its measured fields' values (a field it did not measure
+        #: is absent, or None), None before the first.
+        self.last: dict[str, int | None] | None = None
         self._plan: tuple | None = None  # how the latest group was folded: see _plan_of
         self._series = _Series(series_steps)
 
@@ -189,13 +191,10 @@ class StepState:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        """Restore a checkpointed state; a step field added since it was written (a new phase)
-        reads as not measured at every step it holds, as a replay of those steps would."""
+        """Restore a checkpointed state (a step field added since it was written, a new phase,
+        reads as not measured at every step it holds, as a replay of those steps would)."""
         self._plan = None
         self.__dict__.update(state)
-        if self.last is not None:
-            for name in STEP_FIELDS:
-                self.last.setdefault(name, None)
 
     def reduce_without_series(self) -> tuple:
         """This state's pickle reduction with its series left out, named by ``series.folds``
@@ -247,11 +246,8 @@ class StepState:
         steps = columns[given[0][1]]
         highest = max(steps)
         if self.last is None or highest >= self.last["step"]:
-            top = n - 1 if steps[n - 1] == highest else list(steps).index(highest)
-            last = dict.fromkeys(STEP_FIELDS)
-            for name, index, _ in given:
-                last[name] = columns[index][top]
-            self.last = last
+            top = n - 1 if steps[n - 1] == highest else steps.index(highest)
+            self.last = dict(zip(names, [column[top] for column in columns], strict=True))
         start = 0
         while start < n:  # pieces that fill the pending chunk at most
             end = min(n, start + self.chunk - self.pending)
@@ -353,7 +349,7 @@ class StepState:
         columns = series.sample
         if self.last is not None and self.last["step"] not in set(columns["step"]):
             for name, column in columns.items():
-                column.append(self.last[name])
+                column.append(self.last.get(name))
         return in_step_order(columns), (series.digest if series.level else None)
 
 

@@ -130,15 +130,18 @@ def check_batch(batch, world_size: int | None, nnodes: int | None) -> tuple[str,
                 f"rank {ident.rank}'s identity on node {ident.node_rank}: the run has {nnodes} "
                 f"nodes"
             )
-    if sender != "rank":
+    # (each repeated field is looked at before it is iterated: iterating an empty one costs
+    # three times the look, and most batches carry only steps or only samples)
+    if sender != "rank" and world_size is not None and batch.process_samples:
         for s in batch.process_samples:
-            if world_size is not None and s.rank >= world_size:
+            if s.rank >= world_size:
                 return "rank_out_of_range", (
                     f"a process sample of rank {s.rank}: world size is {world_size}"
                 )
-    for s in batch.system_samples:
-        if nnodes is not None and s.node_rank >= nnodes:
-            return "node_rank_out_of_range", (
-                f"a system sample of node {s.node_rank}: the run has {nnodes} nodes"
-            )
+    if nnodes is not None and batch.system_samples:
+        for s in batch.system_samples:
+            if s.node_rank >= nnodes:
+                return "node_rank_out_of_range", (
+                    f"a system sample of node {s.node_rank}: the run has {nnodes} nodes"
+                )
     return None

@@ -344,46 +344,53 @@ class LiveAggregates:
         if sender == "rank":
             self._rank_data(batch, groups, self._rank(batch.rank), restart, received_unix_us)
             self._changed_ranks.add(batch.rank)
-        for s in batch.process_samples:
-            # A node sampler reports for its local workers; a rank for itself.
-            rank, attempt = (
-                (s.rank, s.restart_count) if sender == "node_rank" else (batch.rank, restart)
-            )
-            # Kept whatever the attempt: a sampler's rows of a new attempt may come before the
-            # rank's own first batch; run_data() keeps those of the rank's latest attempt.
-            self._rank(rank).process_samples.append(
-                records.ProcessSample.wire_dict(s, rank=rank, restart=attempt)
-            )
-            self._changed_ranks.add(rank)
-        for s in batch.system_samples:
-            self.system_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_SAMPLES)).append(
-                records.SystemSample.wire_dict(s)
-            )
-            gpus = self.gpu_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_GPU_SAMPLES))
-            gpus.extend(
-                records.GpuSample.wire_dict(g, node_rank=s.node_rank, unix_us=s.unix_us)
-                for g in s.gpus
-            )
+        if batch.process_samples:  # (a look first: iterating an empty one costs 3 times it)
+            for s in batch.process_samples:
+                # A node sampler reports for its local workers; a rank for itself.
+                rank, attempt = (
+                    (s.rank, s.restart_count) if sender == "node_rank" else (batch.rank, restart)
+                )
+                # Kept whatever the attempt: a sampler's rows of a new attempt may come before
+                # the rank's own first batch; run_data() keeps those of its latest attempt.
+                self._rank(rank).process_samples.append(
+                    records.ProcessSample.wire_dict(s, rank=rank, restart=attempt)
+                )
+                self._changed_ranks.add(rank)
+        if batch.system_samples:
+            for s in batch.system_samples:
+                self.system_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_SAMPLES)).append(
+                    records.SystemSample.wire_dict(s)
+                )
+                gpus = self.gpu_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_GPU_SAMPLES))
+                gpus.extend(
+                    records.GpuSample.wire_dict(g, node_rank=s.node_rank, unix_us=s.unix_us)
+                    for g in s.gpus
+                )
 
     def _rank_data(
         self, batch, groups: list[tuple] | None, rl: RankLive, restart: int, received_unix_us: int
     ) -> None:
         if not rl.attempt(restart):
             return
-        limit = analysis_steps(self._world())
         if batch.HasField("identity"):
             rl.identity = records.Identity.from_wire(batch.identity)
         decoded = map(step_group_columns, batch.step_groups) if groups is None else groups
-        for group, (names, columns) in zip(batch.step_groups, decoded, strict=True):
+        for names, columns in decoded:
             if names:
                 rl.fold_steps(names, columns)
-                rl.hold(group, limit)
+        if rl.unshipped is not None:  # (the batch's groups are touched again only then)
+            limit = analysis_steps(self._world())
+            for group in batch.step_groups:
+                if group.step:
+                    rl.hold(group, limit)
         if batch.HasField("counts"):
             rl.counts = records.SenderCounts.from_wire(
                 batch.counts, rank=rl.rank, restart=restart, seq=batch.seq
             )
-        for count in batch.flops_counts:
-            rl.flops = records.Flops.from_wire(count, rank=rl.rank, restart=restart)
+        if batch.flops_counts:  # the latest count is the rank's
+            rl.flops = records.Flops.from_wire(
+                batch.flops_counts[-1], rank=rl.rank, restart=restart
+            )
         if batch.HasField("finish"):
             rl.finish = records.Finish.from_wire(
                 batch.finish,
