@@ -58,6 +58,30 @@ def test_the_key_is_sender_restart_and_seq(tmp_path):
     assert count(store, "SELECT COUNT(*) FROM streams") == 4
 
 
+def test_records_stored_counts_what_committed_and_nothing_else(tmp_path):
+    """The aggregator's closing line reports ``records_stored``: steps, process samples,
+    system samples and FLOPs counts of the batches committed; a duplicate, a refusal and a
+    rolled-back transaction add nothing."""
+    store = Store(tmp_path / "t.sqlite")
+    steps = batch(1, range(3), rank=0, restart=1)
+    steps.flops_counts.add(step=0, forward_flops=10, count_us=5)
+    steps.process_samples.add(unix_us=1, rank=0)
+    node = node_batch(1)
+    for i in range(2):
+        node.system_samples.add(unix_us=1 + i, node_rank=0, hostname="h")
+        node.process_samples.add(unix_us=1 + i, rank=1)
+    assert results(store, steps, node) == [(1, False), (1, False)]
+    assert store.records_stored == 3 + 1 + 1 + 2 + 2
+    # a duplicate, and a batch of an attempt older than the stored one (refused)
+    stored = store.write_batches([steps, batch(1, range(4), rank=0, restart=0)], 0)
+    assert [(r.duplicate, r.kind) for r in stored] == [(True, ""), (False, "restart_regressed")]
+    overflow = batch(1, [0], rank=2, row=lambda i: {"step": i, "end_us": 2**64 - 1, "step_us": 1})
+    with pytest.raises(OverflowError):  # rolled back
+        store.write_batches([batch(1, range(5), rank=1), overflow], 0)
+    assert store.records_stored == 9
+    assert count(store, "SELECT COUNT(*) FROM steps") == 3
+
+
 def test_idempotency_survives_a_reopen(tmp_path):
     path = tmp_path / "t.sqlite"
     store = Store(path)

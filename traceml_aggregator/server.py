@@ -888,7 +888,7 @@ async def serve(config: ServerConfig, ready=None) -> int:
     await writer.close()
     live.close()
     _log.info(
-        f"stored {writer.records_stored} records in {writer.batches_stored} batches; "
+        f"stored {aggregator.store.records_stored} records in {writer.batches_stored} batches; "
         f"{writer.batches_duplicate} resent batches were already stored"
     )
     _log.info(f"node relays: {service.relay_calls} calls carried {service.relay_messages} messages")

@@ -245,17 +245,24 @@ def _batch_rows(batch, sender: str, received_unix_us: int, rows: dict[type, list
         ValueError: an unknown end state.
     """
     rank, restart = batch.rank, batch.restart_count
-    process = rows[ProcessSample]
-    for s in batch.process_samples:
-        if sender == "node_rank":  # a node sampler reports for its local workers
-            process.append(ProcessSample.wire_row(s, rank=s.rank, restart=s.restart_count))
-        else:  # a rank for itself
-            process.append(ProcessSample.wire_row(s, rank=rank, restart=restart))
-    gpus = rows[GpuSample]
-    for s in batch.system_samples:
-        rows[SystemSample].append(SystemSample.wire_row(s))
-        gpus += [GpuSample.wire_row(g, node_rank=s.node_rank, unix_us=s.unix_us) for g in s.gpus]
-    rows[Flops] += [Flops.wire_row(c, rank=rank, restart=restart) for c in batch.flops_counts]
+    # (each repeated field is looked at before it is iterated: iterating an empty one costs
+    # three times the look, and most batches carry only steps or only samples)
+    if batch.process_samples:
+        process = rows[ProcessSample]
+        for s in batch.process_samples:
+            if sender == "node_rank":  # a node sampler reports for its local workers
+                process.append(ProcessSample.wire_row(s, rank=s.rank, restart=s.restart_count))
+            else:  # a rank for itself
+                process.append(ProcessSample.wire_row(s, rank=rank, restart=restart))
+    if batch.system_samples:
+        gpus = rows[GpuSample]
+        for s in batch.system_samples:
+            rows[SystemSample].append(SystemSample.wire_row(s))
+            gpus += [
+                GpuSample.wire_row(g, node_rank=s.node_rank, unix_us=s.unix_us) for g in s.gpus
+            ]
+    if batch.flops_counts:
+        rows[Flops] += [Flops.wire_row(c, rank=rank, restart=restart) for c in batch.flops_counts]
     if batch.HasField("finish"):
         rows[Finish].append(
             Finish.wire_row(
@@ -350,6 +357,9 @@ class Store:
         #: The highest rowid of ``steps`` committed (0: none): the steps of every committed
         #: transaction lie at or below it (see :mod:`traceml_aggregator.checkpoint`).
         self.steps_rowid = self.max_rowid("steps")
+        #: Records stored by :meth:`write_batches` since this store was opened: steps,
+        #: process samples, system samples and FLOPs counts (a Batch's records).
+        self.records_stored = 0
 
     def _load_streams(self) -> None:
         """Read the stored sequence numbers and latest attempts back from ``streams``."""
@@ -456,6 +466,9 @@ class Store:
             steps_rowid = self.max_rowid("steps") if steps else self.steps_rowid
             db.execute("COMMIT")
             self.steps_rowid = steps_rowid
+            self.records_stored += sum(len(group[3][0]) for group in steps if group[2]) + sum(
+                len(rows[record]) for record in (ProcessSample, SystemSample, Flops)
+            )
         except BaseException:
             # Forget the sequence numbers of what was rolled back, from memory: after an I/O
             # error the database may not answer a read either.

@@ -56,7 +56,6 @@ from typing import Any
 
 from traceml import settings
 from traceml.core import log
-from traceml.wire.records import record_count
 from traceml_aggregator.store import Store, WriteResult, drop_unstorable
 
 #: Upper bound of batches folded into one transaction (keeps a transaction under ~100 ms).
@@ -135,9 +134,8 @@ class Writer:
         self._queued_total = 0
         self._written_total = 0
         self._written: asyncio.Condition | None = None
-        #: Batches and records stored, and resent batches found already stored (not stored).
+        #: Batches stored, and resent batches found already stored (not stored).
         self.batches_stored = 0
-        self.records_stored = 0
         self.batches_duplicate = 0
         #: Batches refused because the queue was full (their senders send them again).
         self.batches_pushed_back = 0
@@ -318,7 +316,6 @@ class Writer:
                 self.batches_duplicate += 1
             else:
                 self.batches_stored += 1
-                self.records_stored += record_count(batch)
                 self._stored_hook(batch, outcome.groups)
         first = 0
         for batches_of, future, single in items:
