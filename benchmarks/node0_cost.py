@@ -11,8 +11,9 @@ nodes are expected, as the sessions' claims make them). One message in flight a 
 next once its ``RelayDown`` came, as fast as they are answered. Every node's first message
 (its ranks' identities) goes before the clock; then ``--messages`` more a node are timed, the
 cyclic collector set as a serving aggregator sets it (:func:`traceml.core.heap.serving_heap`):
-the process's CPU (event loop and writer thread) per message and per rank batch, and the
-steps stored and folded into the live aggregates, each checked exactly against what was sent.
+the process's CPU (event loop and writer thread) per message and per rank batch, the cyclic
+collector's work in it, and the steps stored and folded into the live aggregates, each checked
+exactly against what was sent.
 
 Beside ``ingest.py --wire relay --transport-floor`` (the same messages through gRPC, and gRPC
 alone) this splits node 0's CPU a ``RelayUp`` into the transport's and the aggregator's own.
@@ -91,7 +92,7 @@ def measure(nodes: int, messages: int, records: int) -> dict:
         for _ in range(nodes):
             await first_answered.acquire()
         await asyncio.sleep(0)  # the last first answer's writes done
-        with serving_heap():  # as serve() does once it serves
+        with serving_heap() as collections:  # as serve() does once it serves
             cpu, wall = time.process_time(), time.perf_counter()
             started.set()
             await asyncio.gather(*calls)
@@ -109,6 +110,7 @@ def measure(nodes: int, messages: int, records: int) -> dict:
             "cpu_s": cpu,
             "stored_steps": stored,
             "folded_steps": folded,
+            "collections": str(collections),
         }
 
     with tempfile.TemporaryDirectory() as directory:
@@ -138,7 +140,7 @@ def main() -> int:
                 f"{name}: {r['us_per_message']:.0f} µs of CPU a relay message, "
                 f"{r['us_per_rank_batch']:.1f} µs a rank's batch ({r['cpu_s']:.2f} s of CPU in "
                 f"{r['wall_s']:.2f} s); steps stored {r['stored_steps']} and folded into the "
-                f"live aggregates {r['folded_steps']} of {sent}",
+                f"live aggregates {r['folded_steps']} of {sent}; cyclic GC: {r['collections']}",
                 flush=True,
             )
             if r["stored_steps"] != sent or r["folded_steps"] != sent:
