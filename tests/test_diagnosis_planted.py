@@ -98,10 +98,12 @@ def test_compute_straggler_names_rank_1(run):
     assert wait["1"] < DELAY_MS / 4
     assert "COMM_BOUND" not in _step_kinds(s)
     # rank 1 arrives last at the gradient all-reduce, by its planted delay (one node: no
-    # clock offset to correct)
+    # clock offset to correct), at nearly every one: rank 0 arrives last only at a step where
+    # it was itself held up longer than the delay (descheduled on the loaded 2-core CI
+    # machine: 88 % once, 100 % on a quiet one); a broken attribution gives ~50 % or 0 %
     skew = s["analysis"]["skew"]
     assert (skew["collectives"], skew["mismatched"], skew["clock_error_ms"]) == (STEPS - 5, 0, 0)
-    assert skew["last_pct"]["1"] >= 90.0
+    assert skew["last_pct"]["1"] >= 80.0
     (late,) = [f for f in s["findings"]["step_time"] if f["kind"] == "LATE_ARRIVAL"]
     assert late["ranks"] == [1]
     assert GAP_RANGE_MS[0] <= late["evidence"]["late_ms"] <= GAP_RANGE_MS[1]
