@@ -14,7 +14,8 @@ def test_the_node0_cost_benchmark_stores_every_step_it_sends():
     result = run_benchmark("node0_cost.py", "--nodes", "4", "--messages", "3", timeout_s=120)
     (line,) = re.findall(
         r"^this: \d+ µs of CPU a relay message, [\d.]+ µs a rank's batch \([\d.]+ s of CPU in "
-        r"[\d.]+ s\); steps stored (\d+) and folded into the live aggregates (\d+) of (\d+)$",
+        r"[\d.]+ s\); steps stored (\d+) and folded into the live aggregates (\d+) of (\d+); "
+        r"cyclic GC: \d+ young, \d+ middle, \d+ full collections, [\d.]+ s$",
         result.stdout,
         re.MULTILINE,
     )
