@@ -258,9 +258,10 @@ def _batch_rows(batch, sender: str, received_unix_us: int, rows: dict[type, list
         gpus = rows[GpuSample]
         for s in batch.system_samples:
             rows[SystemSample].append(SystemSample.wire_row(s))
-            gpus += [
-                GpuSample.wire_row(g, node_rank=s.node_rank, unix_us=s.unix_us) for g in s.gpus
-            ]
+            if s.gpus:
+                gpus += [
+                    GpuSample.wire_row(g, node_rank=s.node_rank, unix_us=s.unix_us) for g in s.gpus
+                ]
     if batch.flops_counts:
         rows[Flops] += [Flops.wire_row(c, rank=rank, restart=restart) for c in batch.flops_counts]
     if batch.HasField("finish"):

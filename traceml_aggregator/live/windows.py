@@ -362,10 +362,11 @@ class LiveAggregates:
                     records.SystemSample.wire_dict(s)
                 )
                 gpus = self.gpu_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_GPU_SAMPLES))
-                gpus.extend(
-                    records.GpuSample.wire_dict(g, node_rank=s.node_rank, unix_us=s.unix_us)
-                    for g in s.gpus
-                )
+                if s.gpus:
+                    gpus.extend(
+                        records.GpuSample.wire_dict(g, node_rank=s.node_rank, unix_us=s.unix_us)
+                        for g in s.gpus
+                    )
 
     def _rank_data(
         self, batch, groups: list[tuple] | None, rl: RankLive, restart: int, received_unix_us: int
