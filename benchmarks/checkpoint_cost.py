@@ -10,8 +10,11 @@ its :class:`~traceml_aggregator.writer.Writer` folding each committed batch into
 nodes x 8) each store ``--warm-steps`` steps (digests, samples and windows full), then the
 first checkpoint is taken (every rank's row written whole); then ``--repeat`` times each rank
 stores ``--steps-between`` more steps (30: one checkpoint interval of the default 30 s at 1
-step/s) and a checkpoint is taken: those are the steady state's, whose medians are printed
-(CPU ms per checkpoint and µs per rank, bytes per rank; the first checkpoint's beside them).
+step/s) and a checkpoint is taken: those are the steady state's, whose means are printed (CPU
+ms per checkpoint and µs per rank, bytes per rank; the first checkpoint's beside them): each
+rank's window is written whole again every
+:data:`~traceml_aggregator.checkpoint.WINDOW_ROWS` checkpoints (16, the default ``--repeat``,
+covers two of those), so the mean is what checkpoints cost over time.
 The steps' µs values are drawn at random (a fixed seed), so the digests' sketches are as wide
 as a real run's.
 
@@ -106,8 +109,8 @@ def measure(ranks: int, world_size: int, warm_steps: int, between: int, repeat: 
         return {
             "first_ms": first_ms,
             "first_bytes": first_bytes,
-            "ms": statistics.median(ms for ms, _ in steady),
-            "bytes": statistics.median(b for _, b in steady),
+            "ms": statistics.mean(ms for ms, _ in steady),
+            "bytes": statistics.mean(b for _, b in steady),
         }
 
     with tempfile.TemporaryDirectory() as directory:
@@ -120,7 +123,7 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=8000)
     parser.add_argument("--warm-steps", type=int, default=2048)
     parser.add_argument("--steps-between", type=int, default=30)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=16)
     parser.add_argument("--baseline", type=Path, help="another TraceML source tree")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one tree's run
     args = parser.parse_args()
