@@ -197,9 +197,14 @@ def build_store(
 
 
 #: The store's tables that hold the live aggregates' checkpoint (the ranks' rows since its
-#: layout 3, their series since 6; :func:`build_store` makes them all, with this tree's schema,
-#: whatever tree is timed).
-CHECKPOINT_TABLES = ("live_checkpoint", "live_checkpoint_ranks", "live_checkpoint_series")
+#: layout 3, their series since 6, their windows since 7; :func:`build_store` makes them all,
+#: with this tree's schema, whatever tree is timed).
+CHECKPOINT_TABLES = (
+    "live_checkpoint",
+    "live_checkpoint_ranks",
+    "live_checkpoint_series",
+    "live_checkpoint_window",
+)
 
 
 def drop_checkpoint(run_dir: Path) -> None:
@@ -467,6 +472,7 @@ def simulate_checkpoint(
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
         rank_rows = db.execute("SELECT rank, state FROM live_checkpoint_ranks").fetchall()
         series_rows = db.execute("SELECT * FROM live_checkpoint_series").fetchall()  # from 6
+        window_rows = db.execute("SELECT * FROM live_checkpoint_window").fetchall()  # from 7
     state = checkpoint.loads(data)
     current = state.version == checkpoint_version(tree or ROOT)
     if current:  # the long run's own sample windows and series, marks at its last rows
@@ -489,6 +495,11 @@ def simulate_checkpoint(
         if series_rows:
             db.executemany(
                 "INSERT OR REPLACE INTO live_checkpoint_series VALUES (?, ?, ?, ?)", series_rows
+            )
+        if window_rows:
+            db.executemany(
+                "INSERT OR REPLACE INTO live_checkpoint_window VALUES (?, ?, ?, ?, ?)",
+                window_rows,
             )
         if not current:
             state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}

@@ -226,22 +226,30 @@ def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row
     tmp_path, monkeypatch
 ):
     """The ranks' rows are written a slice at a time (one rank a slice here), only for ranks
-    whose steps moved since their rows, and a rank's series (digest and sample) only when a
+    whose steps moved since their rows, with the span of their windows since (the rows that
+    end before the window deleted), and a rank's series (digest and sample) only when a
     chunk of its steps was folded into it since its series row; a checkpoint whose own row
     then fails (as a kill between the two) leaves the previous ``steps_from`` with newer
     ranks' rows, some beside older series rows, and seeding from that is still exactly a
-    full replay."""
+    full replay (rank 2's window of 512 steps from its two window rows, of 100 and 450)."""
     monkeypatch.setattr(ckpt, "SNAPSHOT_SLICE_RANKS", 1)
     path = tmp_path / "telemetry.sqlite"
-    slices: list[tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = []
+    slices: list[tuple[list, list, list, list]] = []
 
     async def feed() -> None:
         run = _Run(path)
         write_ranks = run.store.write_live_checkpoint_ranks
 
-        def recording(rows, series):
-            slices.append(([row[:2] for row in rows], [row[:3] for row in series]))
-            write_ranks(rows, series)
+        def recording(rows, series, windows, dropped):
+            slices.append(
+                (
+                    [row[:2] for row in rows],
+                    [row[:3] for row in series],
+                    [row[:4] for row in windows],  # rank, upto, attempt, steps
+                    dropped,
+                )
+            )
+            write_ranks(rows, series, windows, dropped)
 
         monkeypatch.setattr(run.store, "write_live_checkpoint_ranks", recording)
         run.writer.start()
@@ -264,10 +272,24 @@ def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row
 
     asyncio.run(feed())
     first, second = RANKS * 100, RANKS * 100 + 450
-    assert slices == [([(r, first)], [(r, 0, 0)]) for r in range(RANKS)] + [
-        ([(2, second)], [(2, 0, 1)]),
-        ([(1, second + 20)], []),
+    whole = (ckpt.STORE_INT_MAX, ckpt.STORE_INT_MAX)  # a window written whole: every row
+    assert slices == [
+        ([(r, first)], [(r, 0, 0)], [(r, 100, 0, 100)], [(r, *whole)]) for r in range(RANKS)
+    ] + [
+        # the rows that end before the window, or within the new row's steps
+        ([(2, second)], [(2, 0, 1)], [(2, 550, 0, 450)], [(2, 550 - 512, 100)]),
+        ([(1, second + 20)], [], [(1, 120, 0, 20)], [(1, 0, 100)]),
     ]
+    store = Store(path)
+    assert [row[:3] for r in range(RANKS) for row in store.live_checkpoint_window(r)] == [
+        (100, 0, 100),
+        (100, 0, 100),
+        (120, 0, 20),
+        (100, 0, 100),
+        (550, 0, 450),
+        (100, 0, 100),
+    ]
+    store.close()
     store = Store(path)
     assert ckpt.read(store).steps_from == second
     ranks = ckpt.read_ranks(store)
@@ -281,6 +303,103 @@ def test_a_checkpoint_writes_only_the_ranks_that_moved_and_a_kill_before_its_row
     restarted = _seeded(store, ckpt.read(store))
     assert state_of(restarted) == state_of(_seeded(store))
     assert [restarted.ranks[r].steps_stored for r in range(RANKS)] == [130, 120, 550, 100]
+    store.close()
+
+
+def test_a_ranks_window_is_written_a_span_at_a_time_and_whole_every_window_rows(
+    tmp_path, monkeypatch
+):
+    """Each checkpoint adds the steps a rank stored since the last one to its window rows,
+    deleting those that end before its window (512 steps); past WINDOW_ROWS rows the window is
+    written whole again, in one row, and so is a new attempt's (the last one's rows deleted);
+    seeding from each equals a full replay; a window row missing sets the checkpoint aside (a
+    full replay)."""
+    monkeypatch.setattr(ckpt, "WINDOW_ROWS", 3)
+    path = tmp_path / "telemetry.sqlite"
+    rows: list[list[tuple[int, int, int]]] = []  # rank 0's (upto, attempt, steps) each time
+
+    async def feed(spans: list[range], restart: int) -> None:
+        run = _Run(path)
+        run.writer.start()
+        for steps in spans:
+            await run.steps(0, steps, restart=restart, per_batch=50)
+            await run.checkpointer.write()
+            window = await run.writer.call(run.store.live_checkpoint_window, 0)
+            rows.append([row[:3] for row in window])
+        await run.writer.close()
+
+    asyncio.run(feed([range(150 * i, 150 * (i + 1)) for i in range(5)] + [range(750, 1200)], 0))
+    assert rows == [
+        [(150, 0, 150)],
+        [(150, 0, 150), (300, 0, 150)],
+        [(150, 0, 150), (300, 0, 150), (450, 0, 150)],
+        [(600, 0, 512)],  # a fourth row: the window whole instead
+        [(600, 0, 512), (750, 0, 150)],
+        [(750, 0, 150), (1200, 0, 450)],  # the row ending at step 600 is before the window
+    ]
+    store = Store(path)
+    full = state_of(_seeded(store))
+    assert state_of(_seeded(store, ckpt.read(store))) == full
+    assert ckpt.read_ranks(store)[0][1][1].size == 512
+    store.close()
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("DELETE FROM live_checkpoint_window WHERE upto = 750")
+    store = Store(path)
+    with pytest.raises(ValueError, match="window rows hold fewer than its 512 steps"):
+        ckpt.read_ranks(store)
+    assert state_of(_seeded(store, ckpt.read(store))) == full
+    store.close()
+    # a new attempt: its window whole, the last attempt's rows deleted
+    rows.clear()
+    asyncio.run(feed([range(0, 30)], 1))
+    assert rows == [[(30, 1, 30)]]
+    store = Store(path)
+    assert state_of(_seeded(store, ckpt.read(store))) == state_of(_seeded(store))
+    store.close()
+
+
+def test_a_window_row_of_a_checkpoint_cancelled_after_its_commit_is_superseded(
+    tmp_path, monkeypatch
+):
+    """A stop cancels a checkpoint while the writer thread commits its ranks' rows, so this
+    aggregator does not count them written; the next checkpoint writes the steps since the
+    last one it counted, and deletes the cancelled one's window row (within those steps), so
+    the rows still chain and seeding from them is exactly a full replay."""
+    path = tmp_path / "telemetry.sqlite"
+
+    async def feed() -> list[tuple]:
+        run = _Run(path)
+        run.writer.start()
+        await run.steps(0, range(0, 100))
+        await run.checkpointer.write()
+        await run.steps(0, range(100, 200))
+        write_ranks = run.store.write_live_checkpoint_ranks
+        committed, release = threading.Event(), threading.Event()
+
+        def commit_then_wait(*rows) -> None:
+            write_ranks(*rows)
+            committed.set()
+            release.wait()
+
+        monkeypatch.setattr(run.store, "write_live_checkpoint_ranks", commit_then_wait)
+        cancelled = asyncio.ensure_future(run.checkpointer.write())
+        await asyncio.get_running_loop().run_in_executor(None, committed.wait)
+        cancelled.cancel()
+        monkeypatch.setattr(run.store, "write_live_checkpoint_ranks", write_ranks)
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        window = await run.writer.call(run.store.live_checkpoint_window, 0)
+        assert [row[:3] for row in window] == [(100, 0, 100), (200, 0, 100)]
+        await run.steps(0, range(200, 260))
+        await run.checkpointer.write()
+        window = await run.writer.call(run.store.live_checkpoint_window, 0)
+        await run.writer.close()
+        return [row[:3] for row in window]
+
+    assert asyncio.run(feed()) == [(100, 0, 100), (260, 0, 160)]
+    store = Store(path)
+    assert state_of(_seeded(store, ckpt.read(store))) == state_of(_seeded(store))
     store.close()
 
 
@@ -320,9 +439,9 @@ def test_unreadable_or_foreign_checkpoint_falls_back_to_a_full_replay(tmp_path):
         ([(0, 600, row)], [(0, 0, 2, series)]),  # a series of 2 chunks: not the row's
         ([(0, 600, row)], [(0, 0, 1, pickle.dumps(print))]),
     ):
-        store.write_live_checkpoint_ranks(rows, series_rows)
+        store.write_live_checkpoint_ranks(rows, series_rows, [], [])
         assert state_of(_seeded(store, ckpt.read(store))) == full
-    store.write_live_checkpoint_ranks([], [(0, 0, 1, series)])
+    store.write_live_checkpoint_ranks([], [(0, 0, 1, series)], [], [])
     assert state_of(_seeded(store, ckpt.read(store))) == full
     assert ckpt.read_ranks(store)[0][1][2] == 600  # the good rows read back: 600 steps stored
     store.close()
@@ -370,9 +489,9 @@ def test_the_periodic_checkpointer_waits_as_its_last_checkpoint_took(tmp_path, m
 
 
 def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
-    """A store an older TraceML wrote has no ``live_checkpoint`` table, nor the ranks' rows'
-    and their series' tables: they are added on open, the checkpoint is empty, and seeding
-    replays every step."""
+    """A store an older TraceML wrote has no ``live_checkpoint`` table, nor the ranks' rows',
+    their series' and windows' tables: they are added on open, the checkpoint is empty, and
+    seeding replays every step."""
     path = tmp_path / "telemetry.sqlite"
 
     async def feed() -> None:
@@ -386,6 +505,7 @@ def test_a_store_without_the_checkpoint_table_opens_and_replays(tmp_path):
     db.execute("DROP TABLE live_checkpoint")
     db.execute("DROP TABLE live_checkpoint_ranks")
     db.execute("DROP TABLE live_checkpoint_series")
+    db.execute("DROP TABLE live_checkpoint_window")
     db.commit()
     db.close()
     store = Store(path)

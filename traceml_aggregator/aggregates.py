@@ -196,17 +196,48 @@ class StepState:
         self._plan = None
         self.__dict__.update(state)
 
-    def reduce_without_series(self) -> tuple:
-        """This state's pickle reduction with its series left out, named by ``series.folds``
-        (a checkpoint keeps the series in a row of its own, written only when it changed:
-        :mod:`traceml_aggregator.checkpoint`); unpickled, the state waits for
-        :meth:`attach_series`."""
-        state = self.__getstate__()
+    def reduce_to_row(self) -> tuple:
+        """This state's pickle reduction for its rank's checkpoint row: its series and its
+        window left out (a checkpoint keeps them in rows of their own, written as they change:
+        :mod:`traceml_aggregator.checkpoint`), named by ``series.folds`` and by the window's
+        fields and size (steps); unpickled, the state waits for :meth:`attach_series` and
+        :meth:`attach_window`."""
+        state = dict(self.__dict__)
+        state.pop("_plan", None)
         state["_series"] = self._series.folds
+        state["columns"] = (tuple(self.columns), self.size)
         return copyreg.__newobj__, (StepState,), state
 
+    def window_tail(self, count: int) -> dict[str, array]:
+        """The window's last ``count`` steps (at most :attr:`size`), each measured field's as
+        a packed int64 column (:data:`UNMEASURED` at a step that did not measure it): what a
+        checkpoint writes of the window, a span of the steps since its last one at a time."""
+        return {name: column[len(column) - count :] for name, column in self.columns.items()}
+
+    def attach_window(self, spans: list[tuple[int, dict[str, array]]]) -> None:
+        """Give a state unpickled from :meth:`reduce_to_row` its window back, from ``spans``:
+        ``(steps, columns)`` of consecutive spans of the attempt's steps (each as
+        :meth:`window_tail` gave it), oldest first, the last ending at its latest step; a
+        field absent from a span was not measured at its steps (it was first measured
+        later).
+
+        Raises:
+            ValueError: the spans hold fewer steps than the window.
+        """
+        names, size = self.columns
+        if sum(steps for steps, _ in spans) < size:
+            raise ValueError(f"a rank's window rows hold fewer than its {size} steps")
+        columns = {}
+        for name in names:
+            column = array("q")
+            for steps, span in spans:
+                values = span.get(name)
+                column.extend(array("q", (UNMEASURED,)) * steps if values is None else values)
+            columns[name] = column[len(column) - size :]
+        self.columns = columns
+
     def attach_series(self, series: _Series) -> None:
-        """Give a state unpickled from :meth:`reduce_without_series` its series back.
+        """Give a state unpickled from :meth:`reduce_to_row` its series back.
 
         Raises:
             ValueError: ``series`` is not the one the state was pickled with (another count

@@ -58,18 +58,30 @@ time, at most :data:`CHECKPOINT_MAX_INTERVALS` intervals) and at a clean stop:
   finds another series beside a row replays every step. In steady state (a checkpoint
   interval of 30 steps a rank) that is 0.44 times the CPU and 0.65 times the bytes of a
   checkpoint that pickled each rank's series again every time, at an 8,000-rank world's
-  series bound, and 0.24 and 0.35 times at 64 ranks' (``benchmarks/checkpoint_cost.py``);
+  series bound, and 0.24 and 0.35 times at 64 ranks' (``benchmarks/checkpoint_cost.py``).
+  A rank's window (its latest steps, up to 512) is in rows of its own too
+  (``live_checkpoint_window``: spans of the attempt's steps, each ending where the next
+  begins): a checkpoint adds a row of the steps the rank stored since its last one and
+  deletes the rows the window no longer reaches, and writes the window whole, in one row,
+  once it is in :data:`WINDOW_ROWS` rows, or for a new attempt; the rank's row names the
+  window's fields and steps, and a restart that finds fewer steps in the rows that chain
+  back from the rank's latest one replays every step. In steady state that is 0.66 times
+  the CPU and 0.22 times the bytes of a checkpoint that wrote each window whole every time
+  (113 against 171 µs, 6.5 against 29.5 KiB a rank, at 30 steps a rank between two);
 * the sample windows and series are kept here, from the store: each checkpoint reads the
   sample rows stored since the previous one (on the writer thread, O(those rows)) into them,
   the same way a restart and a finalization do.
 
-Cost (the 2-core machine, quiet): a checkpoint in steady state takes ~0.19 ms of CPU (the
-loop's pickling and the writer thread's SQLite) and ~30 KiB of the store per rank that moved,
-the first ~0.48 ms and ~46 KiB (every series written; ``benchmarks/checkpoint_cost.py``: 1,024
-ranks of an 8,000-rank world, 2,048 steps each, then 30 a checkpoint); the store holds ~97 KB
-a rank in all (98.8 MiB at 1,024 ranks of a 1,024-rank world, ``benchmarks/restart.py``); a
-restart unpickles the rows, one at a time, at about the same cost per rank and folds the
-steps stored after it, about ``checkpoint interval x steps stored per second`` of them. So
+Cost (the 2-core machine, quiet): a checkpoint in steady state takes ~0.11 ms of CPU (the
+loop's pickling and the writer thread's SQLite) and ~6.5 KiB of the store per rank that moved,
+on average over :data:`WINDOW_ROWS` checkpoints, the first ~0.4 ms and ~46 KiB (every series
+and window written whole; ``benchmarks/checkpoint_cost.py``: 1,024 ranks of an 8,000-rank
+world, 2,048 steps each, then 30 a checkpoint, the means of 16); the store holds ~97 KB a rank
+in all after a whole write (98.8 MiB at 1,024 ranks of a 1,024-rank world,
+``benchmarks/restart.py``), up to :data:`WINDOW_ROWS` - 1 spans of steps more between two; a
+restart unpickles the rows, a rank at a time, at about the cost of its first checkpoint a
+rank and folds the steps stored after it, about ``checkpoint interval x steps stored per
+second`` of them. So
 a restart is O(ranks), not O(the run): at 64 ranks 2.8 s to serving at 10 M stored steps
 (against 273-381 s of replay); at 1,024 ranks 0.96 s at 10 M stored steps (median of 3,
 ``--simulate``), most of it unpickling the ranks' windows and digests. Since the windows are
@@ -91,7 +103,9 @@ import copyreg
 import io
 import operator
 import pickle
+import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,6 +117,7 @@ from traceml_aggregator.aggregates import StepState
 from traceml_aggregator.live.analysis_process import WINDOW_GPU_SAMPLES, WINDOW_SAMPLES
 from traceml_aggregator.load import sample_groups
 from traceml_aggregator.sample_series import SampleSeries, pack, unpack
+from traceml_aggregator.store import STORE_INT_MAX
 
 _log = log.get("aggregator")
 
@@ -111,14 +126,21 @@ _log = log.get("aggregator")
 #: 4: their windows in packed columns (3 held one deque of Python ints per step field); 5: a
 #: digest's sketches as plain bytes (4 pickled their NumPy arrays); 6: each rank's series (its
 #: digest and sample) in a row of its own, written only when it changed (5 held it in the
-#: rank's row, pickled again at every checkpoint).
-CHECKPOINT_VERSION = 6
+#: rank's row, pickled again at every checkpoint); 7: each rank's window in rows of its own, a
+#: span of the steps since the last checkpoint at a time (6 held the whole window in the rank's
+#: row, pickled again at every checkpoint).
+CHECKPOINT_VERSION = 7
+#: Most rows a rank's checkpointed window is written in since it was last written whole: past
+#: this the next checkpoint writes it whole again (one row), so a restart reads at most this
+#: many rows a rank, and a checkpoint writes on average ~1/this of a window a rank beside the
+#: steps since the last one.
+WINDOW_ROWS = 8
 #: Ranks copied between two returns to the event loop while a checkpoint is taken, and written
 #: in one transaction (at ~0.5 ms and ~97 KB a rank, ~16 ms of the loop and ~3 MB at a time).
 SNAPSHOT_SLICE_RANKS = 32
 #: The most of the aggregator's wall time its periodic checkpoints take, %. A checkpoint costs
-#: O(the ranks that moved since the last one) (~0.19 ms of CPU a rank in steady state, quiet:
-#: the module docstring), so at 8,000 ranks one every 30 s takes ~5 % of the one core that
+#: O(the ranks that moved since the last one) (~0.11 ms of CPU a rank in steady state, quiet:
+#: the module docstring), so at 8,000 ranks one every 30 s takes ~3 % of the one core that
 #: also ingests, more on a slower or busier core; past this the checkpoints are spaced out
 #: instead (:func:`next_checkpoint_in`), and a restart folds in that many more seconds of
 #: steps.
@@ -175,13 +197,14 @@ class _Unpickler(pickle.Unpickler):
 
 
 #: How a rank's row pickles (a copy of :mod:`copyreg`'s, the pickler's default): its steps
-#: without their series (:meth:`~traceml_aggregator.aggregates.StepState.reduce_without_series`).
-_RANK_ROW_REDUCERS = copyreg.dispatch_table | {StepState: StepState.reduce_without_series}
+#: without their series and window (:meth:`~traceml_aggregator.aggregates.StepState.
+#: reduce_to_row`).
+_RANK_ROW_REDUCERS = copyreg.dispatch_table | {StepState: StepState.reduce_to_row}
 
 
 def _rank_row(part: tuple) -> bytes:
     """A rank's row: its :meth:`~traceml_aggregator.live.windows.RankLive.steps_part`, pickled
-    without its steps' series (a row of its own)."""
+    without its steps' series and window (rows of their own)."""
     data = io.BytesIO()
     pickler = pickle.Pickler(data, 5)
     pickler.dispatch_table = _RANK_ROW_REDUCERS
@@ -316,12 +339,69 @@ def read_ranks(store) -> dict[int, tuple[int, tuple]]:
     ranks = {}
     for rank, mark, state, attempt, _, series in store.live_checkpoint_ranks():
         part = loads(state)
-        if part[1] is not None:  # its steps, which wait for their series
+        if part[1] is not None:  # its steps, which wait for their series and window
             if series is None or attempt != part[0]:
                 raise ValueError(f"rank {rank}'s series row is not its attempt {part[0]}'s")
             part[1].attach_series(loads(series))
+            part[1].attach_window(_window_spans(store.live_checkpoint_window(rank), part))
         ranks[rank] = (mark, part)
     return ranks
+
+
+def _window_spans(rows: list[tuple], part: tuple) -> list[tuple[int, dict]]:
+    """The spans of a rank's window rows (``(upto, attempt, steps, columns)`` by ``upto``)
+    that its state ``part`` (:meth:`~traceml_aggregator.live.windows.RankLive.steps_part`,
+    unpickled) needs: from the latest back, each ending where the next one begins, until they
+    hold its window's steps, oldest first.
+
+    Raises:
+        ValueError: a row of another attempt, or one that does not end where the next one
+            begins (a row missing).
+    """
+    attempt, stored, size = part[0], part[2], part[1].columns[1]
+    spans: list[tuple[int, dict]] = []
+    held = 0
+    for upto, row_attempt, steps, columns in reversed(rows):
+        if held >= size:
+            break
+        if row_attempt != attempt or upto != stored - held:
+            raise ValueError(
+                f"a rank's window row of attempt {row_attempt} ending at step {upto}, not one "
+                f"of attempt {attempt} ending at {stored - held}"
+            )
+        spans.append((steps, _window_columns(columns, steps)))
+        held += steps
+    return spans[::-1]
+
+
+def _window_row_columns(columns: dict[str, array]) -> bytes:
+    """A window row's columns (field -> packed int64, one length): the fields' names and their
+    values, one field after the other, little-endian, pickled (no class to look up: a row
+    reads back in ~60 % of the time a pickled dict of arrays took, most of a restart's time
+    a rank)."""
+    packed = array("q")
+    for column in columns.values():
+        packed.extend(column)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return pickle.dumps((tuple(columns), packed.tobytes()), 5)
+
+
+def _window_columns(data: bytes, steps: int) -> dict[str, array]:
+    """The columns of a window row of ``steps`` steps (:func:`_window_row_columns`).
+
+    Raises:
+        ValueError: its values are not ``steps`` a field.
+        Exception: what :func:`loads` raises for a row that cannot be read.
+    """
+    names, values = loads(data)
+    packed = array("q")
+    packed.frombytes(values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    if len(packed) != steps * len(names):
+        raise ValueError(f"a rank's window row of {steps} steps holds {len(packed)} values")
+    return {name: packed[i * steps : (i + 1) * steps] for i, name in enumerate(names)}
 
 
 def read(store) -> Checkpoint:
@@ -357,9 +437,10 @@ class Checkpointer:
         self.checkpoint = checkpoint
         self.live = live
         self.writer = writer
-        #: rank -> (attempt, steps stored) when its row was written, set once that row
-        #: committed: a write cancelled (a stop) before then leaves the rank to the next one.
-        self._row_of: dict[int, tuple[int, int]] = {}
+        #: rank -> (attempt, steps stored, its window's rows since it was written whole) when
+        #: its row was written, set once that row committed: a write cancelled (a stop)
+        #: before then leaves the rank to the next one.
+        self._row_of: dict[int, tuple[int, int, int]] = {}
         #: rank -> (attempt, series.folds) of its series row, set once it committed.
         self._series_of: dict[int, tuple[int, int]] = {}
         #: Checkpoints written, and the bytes the last one wrote (its ranks' rows and its row).
@@ -375,38 +456,75 @@ class Checkpointer:
         self.next_in_s: float | None = None
 
     async def _write_ranks(self) -> tuple[int, int]:
-        """Write the rows of the ranks that moved since their rows were written, and the
-        series rows of those whose series changed (a chunk folded in), a slice at a time
-        (pickled on the loop, written on the writer thread), once a replacement's catch-up is
-        over (before, the aggregates lack steps below the mark); returns (the mark every
-        rank's row now covers its steps up to, bytes written)."""
+        """Write the rows of the ranks that moved since their rows were written, with the
+        span of their windows since (:meth:`_window_row`), and the series rows of those
+        whose series changed (a chunk folded in), a slice at a time (pickled on the loop,
+        written on the writer thread), once a replacement's catch-up is over (before, the
+        aggregates lack steps below the mark); returns (the mark every rank's row now covers
+        its steps up to, bytes written)."""
         await self.live.caught_up()
         steps_from = self.writer.steps_rowid_seen
         ranks = list(self.live.ranks.items())
         written = 0
         for first in range(0, len(ranks), SNAPSHOT_SLICE_RANKS):
-            rows, series_rows, moved, series_moved = [], [], {}, {}
+            rows, series_rows, windows, dropped = [], [], [], []
+            moved, series_moved = {}, {}
             for r, rl in ranks[first : first + SNAPSHOT_SLICE_RANKS]:
-                state = (rl.restart, rl.steps_stored)
-                if self._row_of.get(r) == state:  # no step stored since: its row holds
-                    continue
-                moved[r] = state
+                before = self._row_of.get(r)
+                if before is not None and before[:2] == (rl.restart, rl.steps_stored):
+                    continue  # no step stored since: its rows hold
                 rows.append((r, self.writer.steps_rowid_seen, _rank_row(rl.steps_part())))
-                key = None if rl.steps is None else (rl.restart, rl.steps.series.folds)
-                if key is not None and self._series_of.get(r) != key:
-                    series_moved[r] = key
-                    series_rows.append((r, *key, pickle.dumps(rl.steps.series, 5)))
+                spans = 1
+                if rl.steps is not None:
+                    spans, drop, window = self._window_row(rl, before)
+                    dropped.append(drop)
+                    if window is not None:
+                        windows.append(window)
+                    key = (rl.restart, rl.steps.series.folds)
+                    if self._series_of.get(r) != key:
+                        series_moved[r] = key
+                        series_rows.append((r, *key, pickle.dumps(rl.steps.series, 5)))
+                moved[r] = (rl.restart, rl.steps_stored, spans)
             if rows:
                 await self.writer.call(
-                    self.writer.store.write_live_checkpoint_ranks, rows, series_rows
+                    self.writer.store.write_live_checkpoint_ranks,
+                    rows,
+                    series_rows,
+                    windows,
+                    dropped,
                 )
                 self._row_of.update(moved)
                 self._series_of.update(series_moved)
                 written += sum(len(row[2]) for row in rows)
                 written += sum(len(row[3]) for row in series_rows)
+                written += sum(len(row[4]) for row in windows)
             else:
                 await asyncio.sleep(0)
         return steps_from, written
+
+    @staticmethod
+    def _window_row(
+        rl, before: tuple[int, int, int] | None
+    ) -> tuple[int, tuple[int, int, int], tuple | None]:
+        """What a checkpoint writes of the window of ``rl`` (a RankLive that moved; ``before``:
+        its attempt, steps stored and window rows when its row was last written, None if never
+        by this aggregator): ``(its window's rows after, the rows to delete (the store's
+        ``dropped``), the row to add (None: no step to add))``. The steps stored since
+        ``before`` in a row of their own, the rows that end before the window deleted, and
+        any that ends within the new row's steps (a checkpoint cancelled after its rows
+        committed: its row is superseded); the whole window in one row, every earlier row
+        deleted, where ``before`` is of another attempt or none, the steps since fill the
+        window, or the window is in :data:`WINDOW_ROWS` rows already."""
+        steps, stored, size = rl.steps, rl.steps_stored, rl.steps.size
+        new = stored - before[1] if before is not None and before[0] == rl.restart else size
+        if new >= size or before is None or before[2] >= WINDOW_ROWS:
+            spans, new, dropped = 1, size, (rl.rank, STORE_INT_MAX, STORE_INT_MAX)
+        else:
+            spans, dropped = before[2] + 1, (rl.rank, stored - size, stored - new)
+        if not new:
+            return spans, dropped, None
+        columns = _window_row_columns(steps.window_tail(new))
+        return spans, dropped, (rl.rank, stored, rl.restart, new, columns)
 
     async def write(self) -> None:
         """Take a checkpoint and store it: the ranks' rows, then the sample windows advanced

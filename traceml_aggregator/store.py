@@ -87,6 +87,9 @@ _SCHEMA = "\n".join(
         " mark INTEGER NOT NULL, state BLOB NOT NULL);",
         "CREATE TABLE IF NOT EXISTS live_checkpoint_series (rank INTEGER PRIMARY KEY,"
         " attempt INTEGER NOT NULL, folds INTEGER NOT NULL, state BLOB NOT NULL);",
+        "CREATE TABLE IF NOT EXISTS live_checkpoint_window (rank INTEGER NOT NULL,"
+        " upto INTEGER NOT NULL, attempt INTEGER NOT NULL, steps INTEGER NOT NULL,"
+        " columns BLOB NOT NULL, PRIMARY KEY (rank, upto));",
     ]
 )
 #: The INSERT of one row of each record (:func:`traceml.core.records.insert`).
@@ -609,12 +612,17 @@ class Store:
         self,
         rows: list[tuple[int, int, bytes]],
         series: list[tuple[int, int, int, bytes]],
+        windows: list[tuple[int, int, int, int, bytes]],
+        dropped: list[tuple[int, int, int]],
     ) -> None:
         """Replace the checkpointed states of some ranks (:mod:`traceml_aggregator.checkpoint`),
         ``(rank, mark, state)`` each, and the series of some of them, ``(rank, attempt, folds,
-        series)`` each, in one transaction of its own; each rank row names the ``steps``
-        rowid its state covers and the series it goes with, so it is whole on its own,
-        whatever the other rows.
+        series)`` each; delete the window rows of some, ``(rank, before, after)``: those ending
+        at or below its ``before``-th step or after its ``after``-th; and add window rows,
+        ``(rank, upto, attempt, steps, columns)`` each: a span of ``steps`` steps of the rank's
+        attempt, ending at its ``upto``-th. In one transaction of its own; each rank row names
+        the ``steps`` rowid its state covers, the series it goes with and its window's steps,
+        so it is whole on its own, whatever the other rows.
 
         Raises:
             sqlite3.Error: the disk (full, I/O error); the previous rows stay.
@@ -623,6 +631,13 @@ class Store:
             db.executemany("INSERT OR REPLACE INTO live_checkpoint_ranks VALUES (?, ?, ?)", rows)
             db.executemany(
                 "INSERT OR REPLACE INTO live_checkpoint_series VALUES (?, ?, ?, ?)", series
+            )
+            db.executemany(
+                "DELETE FROM live_checkpoint_window WHERE rank = ? AND (upto <= ? OR upto > ?)",
+                dropped,
+            )
+            db.executemany(
+                "INSERT OR REPLACE INTO live_checkpoint_window VALUES (?, ?, ?, ?, ?)", windows
             )
 
     def live_checkpoint_ranks(self) -> Iterator[tuple]:
@@ -634,6 +649,15 @@ class Store:
             "FROM live_checkpoint_ranks r LEFT JOIN live_checkpoint_series s USING (rank) "
             "ORDER BY r.rank"
         )
+
+    def live_checkpoint_window(self, rank: int) -> list[tuple[int, int, int, bytes]]:
+        """The window rows of ``rank`` (see :meth:`write_live_checkpoint_ranks`), ``(upto,
+        attempt, steps, columns)`` each, by ``upto``."""
+        return self._db.execute(
+            "SELECT upto, attempt, steps, columns FROM live_checkpoint_window WHERE rank = ? "
+            "ORDER BY upto",
+            (rank,),
+        ).fetchall()
 
     def live_checkpoint(self) -> bytes | None:
         """The live aggregates' latest checkpoint (see :meth:`write_live_checkpoint`), None
