@@ -6,7 +6,8 @@ prune costs the writer.
    step, the GPU-clock and memory fields one step in ten as the defaults read them), the file
    closed (WAL folded in), its size divided by the rows.
 2. Bytes a rank's checkpoint costs: a rank's live steps state (window full, series and digest
-   folded over ``--steps`` steps) pickled as the checkpoint pickles it.
+   folded over ``--steps`` steps) pickled whole (a checkpoint keeps it in three rows, the
+   rank's, its series' and its window's, about as many bytes when the window is written whole).
 3. The prune of that store with the default policy: rows kept, and the longest call on the
    writer's thread (the longest a transaction of batches waits behind the prune), run by the
    real :class:`Pruner` with its calls timed in line.
