@@ -14,7 +14,10 @@ step/s) and a checkpoint is taken: those are the steady state's, whose means are
 ms per checkpoint and µs per rank, bytes per rank; the first checkpoint's beside them): each
 rank's window is written whole again every
 :data:`~traceml_aggregator.checkpoint.WINDOW_ROWS` checkpoints (16, the default ``--repeat``,
-covers two of those), so the mean is what checkpoints cost over time.
+covers two of those), so the mean is what checkpoints cost over time. After each steady-state
+checkpoint it also times what a restart would read of it (the ranks' rows, their series and
+windows: :func:`~traceml_aggregator.checkpoint.read_ranks`), CPU µs a rank, the mean and the
+most (a rank's window in the most rows).
 The steps' µs values are drawn at random (a fixed seed), so the digests' sketches are as wide
 as a real run's.
 
@@ -49,7 +52,7 @@ def measure(ranks: int, world_size: int, warm_steps: int, between: int, repeat: 
     """The checkpoints' costs with the tree this process imports (see the module)."""
     from traceml import wire
     from traceml.wire.records import add_steps
-    from traceml_aggregator.checkpoint import Checkpointer
+    from traceml_aggregator.checkpoint import Checkpointer, read_ranks
     from traceml_aggregator.live import LiveAggregates
     from traceml_aggregator.store import Store
     from traceml_aggregator.writer import Writer
@@ -99,18 +102,26 @@ def measure(ranks: int, world_size: int, warm_steps: int, between: int, repeat: 
             await checkpointer.write()
             return (time.process_time() - cpu) * 1000, checkpointer.last_bytes
 
+        async def restart_read() -> float:
+            cpu = time.process_time()
+            await writer.call(read_ranks, store)
+            return (time.process_time() - cpu) * 1000
+
         await store_steps(warm_steps, WARM_STEPS_PER_BATCH)
         first_ms, first_bytes = await checkpoint()
-        steady = []
+        steady, reads = [], []
         for _ in range(repeat):
             await store_steps(between, between)
             steady.append(await checkpoint())
+            reads.append(await restart_read())
         await writer.close()  # closes the store
         return {
             "first_ms": first_ms,
             "first_bytes": first_bytes,
             "ms": statistics.mean(ms for ms, _ in steady),
             "bytes": statistics.mean(b for _, b in steady),
+            "read_ms": statistics.mean(reads),
+            "read_max_ms": max(reads),
         }
 
     with tempfile.TemporaryDirectory() as directory:
@@ -140,7 +151,8 @@ def main() -> int:
             f"{name}: steady state {r['ms']:.0f} ms of CPU a checkpoint, "
             f"{per_rank['ms'] * 1000:.0f} µs a rank, {per_rank['bytes'] / 1024:.1f} KiB a rank "
             f"(the first: {per_rank['first_ms'] * 1000:.0f} µs, "
-            f"{per_rank['first_bytes'] / 1024:.1f} KiB a rank)",
+            f"{per_rank['first_bytes'] / 1024:.1f} KiB a rank); a restart reads a rank's rows in "
+            f"{per_rank['read_ms'] * 1000:.0f} µs (at most {per_rank['read_max_ms'] * 1000:.0f})",
             flush=True,
         )
     if args.baseline:
