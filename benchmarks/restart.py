@@ -228,9 +228,14 @@ def restore_checkpoint(run_dir: Path, path: Path) -> None:
     with contextlib.closing(sqlite3.connect(run_dir / "telemetry.sqlite")) as db:
         for table in CHECKPOINT_TABLES:
             db.execute(f"DELETE FROM {table}")
-            for row in rows.get(table, []):
-                db.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
+            _insert(db, table, rows.get(table, []))
         db.commit()
+
+
+def _insert(db: sqlite3.Connection, table: str, rows: list[tuple]) -> None:
+    """Insert (or replace) ``rows``, whole rows of ``table``."""
+    for row in rows:
+        db.execute(f"INSERT OR REPLACE INTO {table} VALUES ({', '.join('?' * len(row))})", row)
 
 
 def _env(tree: Path | None) -> dict[str, str]:
@@ -471,8 +476,8 @@ def simulate_checkpoint(
     with contextlib.closing(sqlite3.connect(scratch / "telemetry.sqlite")) as db:
         written, data = db.execute("SELECT written_unix_us, state FROM live_checkpoint").fetchone()
         rank_rows = db.execute("SELECT rank, state FROM live_checkpoint_ranks").fetchall()
-        series_rows = db.execute("SELECT * FROM live_checkpoint_series").fetchall()  # from 6
-        window_rows = db.execute("SELECT * FROM live_checkpoint_window").fetchall()  # from 7
+        # the rows a rank's row names, copied as they are (series from layout 6, windows 7)
+        copied = {t: db.execute(f"SELECT * FROM {t}").fetchall() for t in CHECKPOINT_TABLES[2:]}
     state = checkpoint.loads(data)
     current = state.version == checkpoint_version(tree or ROOT)
     if current:  # the long run's own sample windows and series, marks at its last rows
@@ -492,15 +497,8 @@ def simulate_checkpoint(
             "INSERT OR REPLACE INTO live_checkpoint_ranks VALUES (?, ?, ?)",
             [(r, top["steps"], part) for r, part in rank_rows],
         )
-        if series_rows:
-            db.executemany(
-                "INSERT OR REPLACE INTO live_checkpoint_series VALUES (?, ?, ?, ?)", series_rows
-            )
-        if window_rows:
-            db.executemany(
-                "INSERT OR REPLACE INTO live_checkpoint_window VALUES (?, ?, ?, ?, ?)",
-                window_rows,
-            )
+        for table, rows in copied.items():
+            _insert(db, table, rows)
         if not current:
             state.windows = {t: (top[t], w) for t, (_, w) in state.windows.items()}
         db.execute(
