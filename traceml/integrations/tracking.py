@@ -187,8 +187,9 @@ class Tracker:
         the other ranks call ``traceml.shutdown()``, then a ``torch.distributed.barrier()`` on
         all, before this (otherwise their steps of up to the last ``TRACEML_FLUSH_INTERVAL_SEC``
         may be missing). The node sampler's samples of the last seconds may still be on their
-        way: a finding from them (a busy CPU, host memory) can be in the final summary only,
-        one more in its ``findings_warning`` or ``findings_critical``.
+        way: they can add a finding made from the samples (a busy CPU, host memory) to the final
+        summary or take one away (a median they pull under its threshold), one more or one
+        fewer in its ``findings_warning`` or ``findings_critical`` than this write.
 
         Args:
             timeout_s: bound of the ``traceml.summary()`` call, s (default
