@@ -475,16 +475,14 @@ class Checkpointer:
                 if before is not None and before[:2] == (rl.restart, rl.steps_stored):
                     continue  # no step stored since: its rows hold
                 rows.append((r, self.writer.steps_rowid_seen, _rank_row(rl.steps_part())))
-                spans = 1
-                if rl.steps is not None:
-                    spans, drop, window = self._window_row(rl, before)
-                    dropped.append(drop)
-                    if window is not None:
-                        windows.append(window)
-                    key = (rl.restart, rl.steps.series.folds)
-                    if self._series_of.get(r) != key:
-                        series_moved[r] = key
-                        series_rows.append((r, *key, pickle.dumps(rl.steps.series, 5)))
+                spans, drop, window = self._window_row(rl, before)
+                dropped.append(drop)
+                if window is not None:
+                    windows.append(window)
+                key = (rl.restart, rl.steps.series.folds)
+                if self._series_of.get(r) != key:
+                    series_moved[r] = key
+                    series_rows.append((r, *key, pickle.dumps(rl.steps.series, 5)))
                 moved[r] = (rl.restart, rl.steps_stored, spans)
             if rows:
                 await self.writer.call(

@@ -160,7 +160,7 @@ class RankLive:
     identity: records.Identity | None = None
     finish: records.Finish | None = None
     series_steps: int = SERIES_STEPS
-    steps: StepState | None = None
+    steps: StepState = field(init=False)
     steps_stored: int = 0
     last_step: int | None = None
     last_step_unix_s: float | None = None
@@ -179,8 +179,7 @@ class RankLive:
     unshipped_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps is None:
-            self.steps = StepState(WINDOW_STEPS, self.series_steps, offset=self.rank)
+        self.steps = StepState(WINDOW_STEPS, self.series_steps, offset=self.rank)
 
     def latest(self, count: int) -> dict[str, list]:
         """The window's last ``count`` steps (:meth:`StepState.latest`)."""
