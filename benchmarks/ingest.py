@@ -207,9 +207,9 @@ async def session_task(
     (the relay wire), from ``go`` on its node's relay carries its heartbeats
     (:func:`relayed_heartbeat`) and its stream says nothing more until its goodbye, as the
     launcher's does while node 0 answers them; before ``go`` (the relay idle) it sends its
-    own, as the launcher's does when no ``RelayUp`` carried one. A session that fails (a
-    starved client's call does) is opened again with its claim after the launcher's backoff
-    (counted in ``t["errors"]`` as ``session <code>``)."""
+    own, as the launcher's does when no ``RelayUp`` carried one. A session that fails is
+    opened again with its claim after the launcher's backoff (counted in ``t["errors"]`` as
+    ``session <code>``)."""
     import socket
 
     import grpc

@@ -557,13 +557,27 @@ def grpc_server(
 ) -> grpc.aio.Server:
     """The aggregator's ``grpc.aio`` server, no service or port added yet: the run token
     checked on every call (:class:`~traceml_aggregator.auth.TokenInterceptor`, refusals counted
-    in ``rejections``), at most ``max_concurrent_rpcs`` calls in flight, the wire's message
-    bounds and keepalive policy (:func:`~traceml.core.transport.server_options`), and the port
-    never shared (``so_reuseport`` 0: a second aggregator on it must fail to bind)."""
+    in ``rejections``), at most ``max_concurrent_rpcs`` calls in flight, as many waiting to be
+    served, the wire's message bounds and keepalive policy
+    (:func:`~traceml.core.transport.server_options`), and the port never shared
+    (``so_reuseport`` 0: a second aggregator on it must fail to bind).
+
+    Calls waiting to be served: ``grpc.aio`` takes the calls gRPC's core received one at a time,
+    on the event loop, and the core drops calls that arrive while more than
+    ``grpc.server.max_pending_requests`` wait (1,000 by default, all of them beyond its hard
+    limit, 3,000), without a status: the client sees CANCELLED, or INTERNAL from its next write.
+    A start of 1,000 node relays opens ~2,000 calls within a second (each relay and session);
+    at the defaults a tenth of them failed and went again
+    (``tests/test_connect_burst.py``). The bound is ``max_concurrent_rpcs`` instead, the
+    number of calls the server takes in flight anyway."""
+    pending = [
+        ("grpc.server.max_pending_requests", max_concurrent_rpcs),
+        ("grpc.server.max_pending_requests_hard_limit", max_concurrent_rpcs),
+    ]
     return grpc.aio.server(
         interceptors=[TokenInterceptor(run_token, rejections)],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
-        options=[("grpc.so_reuseport", 0)] + server_options(),
+        options=[("grpc.so_reuseport", 0), *pending, *server_options()],
     )
 
 
