@@ -563,13 +563,13 @@ def grpc_server(
     (``so_reuseport`` 0: a second aggregator on it must fail to bind).
 
     Calls waiting to be served: ``grpc.aio`` takes the calls gRPC's core received one at a time,
-    on the event loop, and the core drops calls that arrive while more than
-    ``grpc.server.max_pending_requests`` wait (1,000 by default, all of them beyond its hard
-    limit, 3,000), without a status: the client sees CANCELLED, or INTERNAL from its next write.
-    A start of 1,000 node relays opens ~2,000 calls within a second (each relay and session);
-    at the defaults a tenth of them failed and went again
-    (``tests/test_connect_burst.py``). The bound is ``max_concurrent_rpcs`` instead, the
-    number of calls the server takes in flight anyway."""
+    on the event loop, and the core drops some of the calls that arrive while more than
+    ``grpc.server.max_pending_requests`` wait (1,000 by default), every one beyond its hard
+    limit (3,000), without a status: the client sees CANCELLED, or INTERNAL from its next
+    write. A start of 1,000 node relays opens ~2,000 calls within a second (each relay and
+    session); at the defaults a tenth of them failed and went again (docs/scale.md, "A burst of
+    calls"; ``tests/test_connect_burst.py``). Both bounds are ``max_concurrent_rpcs`` instead,
+    the number of calls the server takes in flight anyway."""
     pending = [
         ("grpc.server.max_pending_requests", max_concurrent_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", max_concurrent_rpcs),
