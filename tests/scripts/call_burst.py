@@ -6,7 +6,8 @@ on a line on stdin (the test's "go", told every process at once) each opens one 
 sends rank ``--first + i``'s one batch (its identity and one step), then its ``closing``
 message, and half-closes. Prints one JSON line: how the calls ended, ``{"codes": {status
 name: calls}, "acked": calls whose batch was acknowledged stored}``. A call is tried once:
-nothing is sent again. The run token is the environment's (``TRACEML_RUN_TOKEN``).
+nothing is sent again. The run token is the environment's (``TRACEML_RUN_TOKEN``); the
+open-files soft limit is raised to the hard limit first, as the aggregator raises its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 from traceml import wire
 from traceml.core.transport import Credentials, call_metadata, open_aio_channel
 from traceml.wire.records import add_steps
+from traceml_aggregator.server import raise_open_files_limit
 
 
 def rank_batch(run_name: str, rank: int, world_size: int) -> wire.Batch:
@@ -84,6 +86,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--first", type=int, required=True, help="the first channel's rank")
     p.add_argument("--channels", type=int, required=True)
+    raise_open_files_limit()  # a connection is a descriptor, as on the aggregator's side
     print(json.dumps(asyncio.run(burst(p.parse_args()))), flush=True)
 
 
