@@ -27,6 +27,11 @@ BAD_FLAGS = [
     (["--nnodes", "2", "--node-rank", "1"], "--run-name is required with --nnodes > 1"),
     (["--nnodes", "2", "--session-id", "../up"], "run name '../up' must be one path segment"),
     (
+        ["--run-name", "r", "--logs-dir", "/proc/traceml"],  # no directory can be made there
+        "cannot make the run directory /proc/traceml/r (--logs-dir /proc/traceml): No such file "
+        "or directory",
+    ),
+    (
         ["--finalize-timeout-sec", "0"],
         "--finalize-timeout-sec must be a finite number > 0 (got 0.0)",
     ),

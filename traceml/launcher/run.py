@@ -128,16 +128,20 @@ def preflight(config: LaunchConfig) -> None:
     The node-rank claim comes first: a second node 0 would otherwise only learn that the
     aggregator port is taken (on machines that share one port space).
 
+    The run directory is made last, so that one that cannot be (``--logs-dir`` not writable,
+    a file, under ``/proc``) is a LaunchError too, and a launch refused earlier makes none.
+
     Raises:
         ClaimError: this node's ``--node-rank`` cannot be right (see
             :func:`traceml.launcher.claim.check`).
     """
     claim.check(config)
+    run_dir = RunDir(config.run_dir, config.node_rank)
+    if config.owns_aggregator and run_dir.database.exists():
+        raise LaunchError(
+            f"{config.run_dir} already holds a run's telemetry; use another --run-name"
+        )
     if config.owns_aggregator:
-        if RunDir(config.run_dir, config.node_rank).database.exists():
-            raise LaunchError(
-                f"{config.run_dir} already holds a run's telemetry; use another --run-name"
-            )
         check_port_free(config.aggregator_bind_host, config.aggregator_port)
         if config.mode == "dashboard":
             check_port_free(config.aggregator_bind_host, config.dashboard_port, "--dashboard-port")
@@ -148,6 +152,13 @@ def preflight(config: LaunchConfig) -> None:
                 "--metrics-port",
                 "--metrics-bind-host",
             )
+    try:
+        run_dir.create(owner=config.owns_aggregator)
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot make the run directory {config.run_dir} (--logs-dir "
+            f"{config.logs_dir}): {exc.strerror or exc}"
+        ) from None
 
 
 class Launch:
@@ -177,9 +188,9 @@ class Launch:
         self._overdue: threading.Timer | None = None
 
     def run(self) -> int:
-        """Launch, wait, finish; returns the exit code for the launcher."""
+        """Launch, wait, finish (the run directory made by :func:`preflight`); returns the exit
+        code for the launcher."""
         owner = self.config.owns_aggregator
-        self.run_dir.create(owner=owner)
         node_manifest = self._node_manifest()
         run_manifest = self._run_manifest() if owner else None
         refused = self._start(node_manifest, run_manifest)
