@@ -7,6 +7,8 @@ signals, real network namespaces), and what is then counted:
   the counts its batches carried, though no finish marker came;
 * Ctrl-C while node 0 finalizes against an aggregator that no longer answers: the launcher
   returns within seconds and leaves no process and no port behind;
+* no Ctrl-C: the launcher waits the finalization's budget and slack, stops the aggregator and
+  writes the summary from the store, with every step it held;
 * a partition between node 1 and node 0's aggregator, longer than the aggregator's bound for a
   lost node (set short, ``TRACEML_NODE_LOST_AFTER_SEC``) and twice what node 1's buffer holds:
   node 1's step time and memory do not move, it is lost and resumes, its telemetry resumes,
@@ -305,6 +307,74 @@ def test_ctrl_c_while_finalizing_against_a_stopped_aggregator_returns_within_sec
     assert "got SIGINT: writing the summary with what is stored now" in text
     assert "ending now" in text
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "abandoned"
+
+
+@pytest.mark.serial
+def test_an_aggregator_paused_through_the_finalization_is_stopped_and_the_summary_is_written(
+    tmp_path, port
+):
+    """The aggregator is SIGSTOPped while training runs and stays so: node 0's launcher waits
+    for its summary the budget (``--finalize-timeout-sec 2``) and FINALIZE_SLACK_S, then stops
+    it and writes the summary from the store (``--finalize-only``): torchrun's exit code (0),
+    each rank's steps in the summary those the store held when it was paused (some, not all
+    of its 200), nothing left running, the port free."""
+    from traceml.core.transport import FINALIZE_SLACK_S
+
+    budget_s = 2.0
+    steps = 200  # 10 s: the aggregator is paused long before the end
+    run_dir, step_log = tmp_path / "logs" / "paused", tmp_path / "steps"
+    step_log.mkdir()
+    args = [
+        "run",
+        SCRIPT,
+        "--nproc-per-node=2",
+        "--run-name",
+        "paused",
+        "--aggregator-port",
+        str(port),
+        "--logs-dir",
+        str(tmp_path / "logs"),
+        "--finalize-timeout-sec",
+        str(budget_s),
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        "0.05",
+        "--step-log",
+        str(step_log),
+    ]
+    err = tmp_path / "paused.err"
+    launcher = start_traceml(
+        args, tmp_path, tmp_path / "paused", env={"TRACEML_FINISH_TIMEOUT_SEC": "1"}
+    )
+    try:
+        wait_training_started(run_dir, launcher, err)
+        family = process_family(launcher.pid)
+        aggregator = aggregator_of(launcher)
+        for rank in (0, 1):  # 100 steps: 5 s, past two flushes of each rank's steps
+            wait_logged(step_log, rank, steps // 2, launcher, err)
+        aggregator.send_signal(signal.SIGSTOP)
+        code = launcher.wait(timeout=budget_s + FINALIZE_SLACK_S + 120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = err.read_text()
+    assert code == 0, text[-3000:]
+    assert_all_gone(family, timeout_s=5)
+    with socket.socket() as s:  # nothing listens on the aggregator's port any more
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert (
+        f"the aggregator did not write the summary (no finalization result within "
+        f"{budget_s + FINALIZE_SLACK_S:g} s); writing it from the store"
+    ) in text
+    assert "summary (written from the store: the aggregator was lost)" in text
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert "finalized" in manifest["lifecycle"], manifest
+    assert manifest["aggregator"]["status"] == "failed", manifest
+    summary = load_summary(run_dir)
+    stored = dict(query(run_dir, "SELECT rank, count(*) FROM steps GROUP BY rank"))
+    assert sorted(stored) == [0, 1] and max(stored.values()) < steps, stored  # then paused
+    assert {r["rank"]: r["steps_completed"] for r in summary["ranks"]} == stored
 
 
 # --- 2. a partition between node 1 and node 0 ---------------------------------------------------

@@ -2,7 +2,8 @@
 
 :meth:`Finalization.run` asks node 0's aggregator over the node session (the summary's text
 comes back down the stream and is printed). When the aggregator is gone for good (it died and
-may not be restarted, or never served), the summary is written from the run's store by
+may not be restarted, or never served) or gives no answer within the budget and its slack (it
+is paused or stalled; it is then stopped), the summary is written from the run's store by
 ``traceml-aggregator --finalize-only``, a process the launcher runs and waits for: the one
 place the launcher reads summary files (that process's output), since no aggregator is left
 to send anything.
@@ -72,8 +73,8 @@ class Finalization:
         once the launcher was interrupted.
 
         Returns:
-            False when the aggregator could not finalize because it is gone (the caller
-            writes the summary from the store), True otherwise.
+            False when the aggregator could not finalize because it is gone, or gave no answer
+            (the caller writes the summary from the store), True otherwise.
         """
         supervisor = self.supervisor
         supervisor.watch(manifest)
@@ -105,10 +106,15 @@ class Finalization:
                 ):
                     return self._from_aggregator(manifest, session)  # a replacement serves
                 return False
+            # Alive but no answer within the budget and its slack (paused, stalled on its
+            # disk): the store holds what it committed, and the summary is written from it.
             supervisor.fail(f"finalize failed: {exc}")
             manifest.update(aggregator=supervisor.health)
-            _log.warning(f"warning: no final summary: the aggregator failed ({exc})")
-            return True
+            _log.warning(
+                f"warning: the aggregator did not write the summary ({exc}); writing it from "
+                "the store"
+            )
+            return False
         if reply.error:
             supervisor.fail(reply.error)
             _log.warning(f"warning: no final summary: {reply.error}")
@@ -131,7 +137,8 @@ class Finalization:
         return True
 
     def _from_store(self, manifest: Manifest, report) -> None:
-        """The aggregator is gone for good: write the summary from the run's store with
+        """The aggregator is gone for good, or silent: stop it (SIGKILL after 2 s: its store
+        lock must be released), then write the summary from the run's store with
         ``traceml-aggregator --finalize-only`` (this node's exit report and, when the
         supervisor lost it, why and since when included), print it. It has the budget of a
         live finalization (``--finalize-timeout-sec``, its own deadline too) and is killed
@@ -140,7 +147,7 @@ class Finalization:
         from traceml.core.transport import FINALIZE_SLACK_S
 
         supervisor = self.supervisor
-        aggregator.stop(supervisor.process, 2.0)  # its store lock must be released
+        aggregator.stop(supervisor.process, 2.0)
         node_exit_file = self.run_dir.node_dir / "node_exit.pb"
         node_exit_file.write_bytes(report.SerializeToString())
         root = self.run_dir.root
