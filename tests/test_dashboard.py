@@ -229,6 +229,7 @@ def test_live_dashboard_then_stored_run(tmp_path):
     assert summary["primary_diagnosis"]["kind"] == "INPUT_STRAGGLER"
 
     # After the run: the same page over the stored run (a fresh token: the process's own).
+    stored_files = sorted(p.name for p in run_dir.iterdir())
     view_port = free_port()
     view, err = _start(["view", str(run_dir), "--serve", f"--port={view_port}"], tmp_path)
     chrome = None
@@ -268,6 +269,7 @@ def test_live_dashboard_then_stored_run(tmp_path):
         if chrome is not None:
             chrome.close()
         _stop(view)
+    assert sorted(p.name for p in run_dir.iterdir()) == stored_files  # read-only: no -wal, -shm
 
 
 def _view_serve_refusal(run_dir) -> str:

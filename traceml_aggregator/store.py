@@ -326,8 +326,12 @@ class Store:
     Args:
         path: database file; created with its parent directory if missing.
         read_only: open an existing file for reading only (``traceml view --serve``): no
-            lock beyond SQLite's shared one, no table or row written, no checkpoint at close
-            (SQLite may leave the empty ``-wal`` and ``-shm`` files of WAL mode).
+            lock beyond SQLite's shared one, no table or row written, no checkpoint at close.
+            A store its aggregator closed is one file (its close checkpointed the ``-wal``
+            and removed it) and is read as immutable, so that SQLite makes no ``-wal`` or
+            ``-shm`` file beside it (a read-only connection to a WAL database makes both and
+            leaves them); with a ``-wal`` (an aggregator that died, or one still running)
+            it is read through it, and a running aggregator's lock refuses the read.
 
     Raises:
         StoreVersionError: the file holds another schema version than :data:`SCHEMA_VERSION`.
@@ -339,8 +343,10 @@ class Store:
         self.path = Path(path)
         self.read_only = read_only
         if read_only:
+            wal = self.path.with_name(self.path.name + "-wal")
+            mode = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
             self._db = sqlite3.connect(
-                f"{self.path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False
+                f"{self.path.absolute().as_uri()}?{mode}", uri=True, check_same_thread=False
             )
             self._check_version()
             self._seqs, self._latest = {}, {}
