@@ -37,6 +37,7 @@ from conftest import (
     process_family,
     query,
     reaped,
+    run_args,
     signal_and_wait,
     start_traceml,
     wait_all,
@@ -324,25 +325,16 @@ def test_an_aggregator_paused_through_the_finalization_is_stopped_and_the_summar
     steps = 200  # 10 s: the aggregator is paused long before the end
     run_dir, step_log = tmp_path / "logs" / "paused", tmp_path / "steps"
     step_log.mkdir()
-    args = [
-        "run",
+    args = run_args(
+        tmp_path,
         SCRIPT,
-        "--nproc-per-node=2",
-        "--run-name",
         "paused",
-        "--aggregator-port",
-        str(port),
-        "--logs-dir",
-        str(tmp_path / "logs"),
-        "--finalize-timeout-sec",
-        str(budget_s),
-        "--steps",
-        str(steps),
-        "--step-sleep",
-        "0.05",
-        "--step-log",
-        str(step_log),
-    ]
+        port,
+        f"--finalize-timeout-sec={budget_s}",
+        f"--steps={steps}",
+        "--step-sleep=0.05",
+        f"--step-log={step_log}",
+    )
     err = tmp_path / "paused.err"
     launcher = start_traceml(
         args, tmp_path, tmp_path / "paused", env={"TRACEML_FINISH_TIMEOUT_SEC": "1"}
