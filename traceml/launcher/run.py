@@ -137,11 +137,11 @@ def preflight(config: LaunchConfig) -> None:
     """
     claim.check(config)
     run_dir = RunDir(config.run_dir, config.node_rank)
-    if config.owns_aggregator and run_dir.database.exists():
-        raise LaunchError(
-            f"{config.run_dir} already holds a run's telemetry; use another --run-name"
-        )
     if config.owns_aggregator:
+        if run_dir.database.exists():
+            raise LaunchError(
+                f"{config.run_dir} already holds a run's telemetry; use another --run-name"
+            )
         check_port_free(config.aggregator_bind_host, config.aggregator_port)
         if config.mode == "dashboard":
             check_port_free(config.aggregator_bind_host, config.dashboard_port, "--dashboard-port")
