@@ -32,14 +32,13 @@ def test_two_thousand_calls_at_once_are_all_served_the_first_time(tmp_path):
     with its batch acknowledged, each of the 2,000 ranks' one step is stored, and the ledger
     holds each rank's one stream, closed (a call that failed and went again would be two)."""
     world = PROCESSES * CHANNELS
-    with LiveAggregator(tmp_path / "run", "burst", world_size=world) as agg:
+    with LiveAggregator(tmp_path / "run", "r", world_size=world) as agg:
         clients = [
             subprocess.Popen(
                 [
                     sys.executable,
                     str(SCRIPTS / "call_burst.py"),
                     f"--target={agg.target}",
-                    "--run-name=burst",
                     f"--world-size={world}",
                     f"--first={p * CHANNELS}",
                     f"--channels={CHANNELS}",

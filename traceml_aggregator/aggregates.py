@@ -180,12 +180,18 @@ class StepState:
         self._plan: tuple | None = None  # how the latest group was folded: see _plan_of
         self._series = _Series(series_steps)
 
+    def _state(self) -> dict:
+        """A copy of the instance's fields but the fold's plan (made again at the next fold):
+        what both pickling paths start from."""
+        state = dict(self.__dict__)
+        state.pop("_plan", None)
+        return state
+
     def __getstate__(self) -> dict:
         """What a checkpoint keeps: the window's steps (not the columns' slack beyond them:
         :data:`WINDOW_SLACK`) and all the rest but the fold's plan (made again at the next
         fold)."""
-        state = dict(self.__dict__)
-        state.pop("_plan", None)
+        state = self._state()
         size = self.size
         state["columns"] = {name: c[len(c) - size :] for name, c in self.columns.items()}
         return state
@@ -202,8 +208,7 @@ class StepState:
         :mod:`traceml_aggregator.checkpoint`), named by ``series.folds`` and by the window's
         fields and size (steps); unpickled, the state waits for :meth:`attach_series` and
         :meth:`attach_window`."""
-        state = dict(self.__dict__)
-        state.pop("_plan", None)
+        state = self._state()
         state["_series"] = self._series.folds
         state["columns"] = (tuple(self.columns), self.size)
         return copyreg.__newobj__, (StepState,), state

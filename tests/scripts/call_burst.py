@@ -3,11 +3,12 @@
 ``--channels`` connections to the aggregator at ``--target`` (one TCP connection each, as
 separate nodes' launchers would hold), all made and ready first; then ``ready`` on stdout, and
 on a line on stdin (the test's "go", told every process at once) each opens one ``Stream`` and
-sends rank ``--first + i``'s one batch (its identity and one step), then its ``closing``
-message, and half-closes. Prints one JSON line: how the calls ended, ``{"codes": {status
-name: calls}, "acked": calls whose batch was acknowledged stored}``. A call is tried once:
-nothing is sent again. The run token is the environment's (``TRACEML_RUN_TOKEN``); the
-open-files soft limit is raised to the hard limit first, as the aggregator raises its own.
+sends rank ``--first + i``'s one batch of run ``r`` (its identity and one step: the suite's
+``helpers.batches``), then its ``closing`` message, and half-closes. Prints one JSON line:
+how the calls ended, ``{"codes": {status name: calls}, "acked": calls whose batch was
+acknowledged stored}``. A call is tried once: nothing is sent again. The run token is the
+environment's (``TRACEML_RUN_TOKEN``); the open-files soft limit is raised to the hard limit
+first, as the aggregator raises its own.
 """
 
 from __future__ import annotations
@@ -16,34 +17,16 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 import grpc
 
 from traceml import wire
 from traceml.core.transport import Credentials, call_metadata, open_aio_channel
-from traceml.wire.records import add_steps
 from traceml_aggregator.server import raise_open_files_limit
 
-
-def rank_batch(run_name: str, rank: int, world_size: int) -> wire.Batch:
-    """Rank ``rank``'s first batch: its identity and step 0."""
-    batch = wire.Batch(
-        run_name=run_name,
-        rank=rank,
-        seq=1,
-        identity=wire.RankIdentity(
-            run_name=run_name,
-            rank=rank,
-            local_rank=rank % 8,
-            node_rank=rank // 8,
-            world_size=world_size,
-            local_world_size=8,
-            hostname="burst",
-            pid=1000 + rank,
-        ),
-    )
-    add_steps(batch, [{"step": 0, "end_us": 1000, "step_us": 1000}])
-    return batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the suite's helpers
+from helpers.batches import rank_batch, rank_identity  # noqa: E402
 
 
 async def burst(args: argparse.Namespace) -> dict:
@@ -63,7 +46,9 @@ async def burst(args: argparse.Namespace) -> dict:
         nonlocal acked
         stream = wire.AggregatorStub(channel).Stream(metadata=metadata)
         try:
-            await stream.write(rank_batch(args.run_name, args.first + i, args.world_size))
+            rank = args.first + i
+            identity = rank_identity(rank, world_size=args.world_size)
+            await stream.write(rank_batch(1, [0], rank=rank, identity=identity))
             ack = await stream.read()
             acked += ack != grpc.aio.EOF and ack.stored_seq == 1 and not ack.rejected
             await stream.write(wire.Batch(closing=True))
@@ -82,7 +67,6 @@ async def burst(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--run-name", required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--first", type=int, required=True, help="the first channel's rank")
     p.add_argument("--channels", type=int, required=True)
