@@ -45,6 +45,28 @@ def aggregator(tmp_path):
         yield agg
 
 
+def test_a_nodes_senders_share_its_flush_ticks_and_the_nodes_ticks_are_spread():
+    """:func:`~traceml.sdk.client.flush_wait_s`: node 0's ticks are the multiples of the interval
+    on the monotonic clock, node n's ``n * NODE_PHASE_STEP`` intervals (its fraction) later; a
+    sender on a tick waits a whole interval; 1,000 nodes' ticks are spread evenly (gaps of
+    0.45 to 1.19 thousandths of the interval: none shared)."""
+    wait = client_mod.flush_wait_s
+    assert wait(10.5, 2.0, 0) == pytest.approx(1.5)
+    assert wait(10.0, 2.0, 0) == pytest.approx(2.0)
+    assert wait(10.5, 2.0, 1) == pytest.approx(0.7360679775)  # its ticks: 1.2360679775 + 2k
+    assert wait(10.5, 2.0, 8) == pytest.approx(2.0 - (10.5 - 2 * (8 * 0.6180339887 % 1)) % 2)
+    for node in (0, 1, 7, 999):
+        for now in (0.0, 3.3, 12345.678):
+            due = wait(now, 2.0, node)
+            assert 0 < due <= 2.0
+            assert wait(now + due, 2.0, node) == pytest.approx(2.0)  # now + due is a tick
+    phases = sorted(2.0 - wait(0.0, 2.0, node) for node in range(1000))
+    gaps = [b - a for a, b in zip(phases, phases[1:], strict=False)] + [
+        2.0 - phases[-1] + phases[0]
+    ]
+    assert 0.45e-3 * 2.0 <= min(gaps) and max(gaps) <= 1.19e-3 * 2.0
+
+
 def test_full_buffer_drops_are_counted_and_reported_in_the_finish_marker(aggregator):
     warnings: list[str] = []
     # The sender sleeps an hour between wakes: only close() makes it send.

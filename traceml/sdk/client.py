@@ -3,11 +3,13 @@
 One :class:`TelemetryClient` serves one sender (a rank's SDK, or a node's sampler). The
 training thread only calls :meth:`TelemetryClient.submit`, which appends to a bounded deque
 (no lock, no I/O, no allocation beyond the deque slot). A daemon thread wakes every
-``TRACEML_FLUSH_INTERVAL_SEC`` (or when ``TRACEML_BATCH_MAX_RECORDS`` records wait, and, for a
-rank, at its first record: see :attr:`ClientConfig.first_record_at_once`), turns
-buffered items into one :class:`~traceml.wire.Batch` with the next sequence number, and sends it
-on the sender's one bidirectional ``Stream`` (:class:`traceml.sdk.stream.BatchStream`, the
-transport: opened lazily, reopened after a failure). One batch is in flight at a time: the
+``TRACEML_FLUSH_INTERVAL_SEC``, on its node's ticks of the monotonic clock (:func:`flush_wait_s`:
+a node's senders flush together, the nodes apart), or when ``TRACEML_BATCH_MAX_RECORDS``
+records wait, and, for a rank, at its first record (see
+:attr:`ClientConfig.first_record_at_once`); it turns buffered items into one
+:class:`~traceml.wire.Batch` with the next sequence number, and sends it on the sender's one
+bidirectional ``Stream`` (:class:`traceml.sdk.stream.BatchStream`, the transport: opened
+lazily, reopened after a failure). One batch is in flight at a time: the
 aggregator acknowledges the highest sequence number it has durably stored, and until the batch
 is covered by an acknowledgement it is resent (after a failed stream, on a new one, with
 exponential backoff from 0.2 s to 5 s); new records wait in the buffer meanwhile. The
@@ -125,8 +127,27 @@ FINISH_RESERVE_S = 0.5
 _CLOSE_WAIT_S = 1.0
 #: First pause before the sender reconnects after a failed send, s (then doubling).
 FIRST_BACKOFF_S = 0.2
+#: How far apart the flush ticks of successive nodes are, in flush intervals (see
+#: :func:`flush_wait_s`): the golden ratio's fraction, so the ticks of any number of nodes lie
+#: evenly spread over the interval, never two nodes on one tick.
+NODE_PHASE_STEP = 0.6180339887498949
 
 _STEP_FIELDS = frozenset(STEP_FIELDS)
+
+
+def flush_wait_s(now_s: float, interval_s: float, node_rank: int) -> float:
+    """Seconds from ``now_s`` (``time.monotonic()``) to node ``node_rank``'s next flush tick:
+    the instants ``phase + k * interval_s`` of the system's monotonic clock, ``phase`` being
+    ``node_rank * NODE_PHASE_STEP`` intervals (its fraction); in ``(0, interval_s]``.
+
+    Every sender of a node (its ranks and its sampler) reads the same clock (``CLOCK_MONOTONIC``
+    is one per host), so they flush within a few ms of each other and the node relay carries
+    their batches in one message (:mod:`traceml.launcher.relay`), while the nodes' ticks are
+    spread over the interval, so node 0 is not sent every node's message at once.
+    """
+    phase_s = (node_rank * NODE_PHASE_STEP) % 1.0 * interval_s
+    return interval_s - (now_s - phase_s) % interval_s
+
 
 #: Kinds of record a client can carry (the Batch fields they go to).
 STEPS = "step_groups"
@@ -280,7 +301,8 @@ class TelemetryClient:
         target: ``host:port`` of the aggregator.
         run_name: run the records belong to; the aggregator rejects other runs.
         rank: global rank of the sending SDK, or None for a node sampler.
-        node_rank: node rank of a node sampler (ignored when ``rank`` is given).
+        node_rank: the sender's node rank: a node sampler's sender id, and for every sender
+            the phase of its flushes (:func:`flush_wait_s`).
         restart_count: torchrun attempt (``TORCHELASTIC_RESTART_COUNT``); keeps attempts apart.
         identity: callable returning the :class:`~traceml.wire.RankIdentity` to send with the
             first batch (called on the sender thread when that batch is built), or None.
@@ -519,7 +541,8 @@ class TelemetryClient:
             except ImportError:
                 pass  # the first send fails on it and says so
             while not self._dead:
-                self._wake.wait(wait or self.config.flush_interval_s)
+                interval_s = self.config.flush_interval_s
+                self._wake.wait(wait or flush_wait_s(time.monotonic(), interval_s, self.node_rank))
                 self._wake.clear()
                 if self._dead:
                     return
@@ -553,17 +576,25 @@ class TelemetryClient:
         return not ok and not (self._ever_acked or self._pushed_back_ever)
 
     def _flush(self) -> bool:
-        """Send the pending batch, then new ones, until the buffer is drained or a send fails."""
+        """Send the pending batch, then the records buffered when this flush began (all of them
+        when closing) in as many batches as they take; False once a send fails. Records
+        buffered meanwhile wait for the next flush, so a sender's flushes stay on its node's
+        ticks (:func:`flush_wait_s`) however long node 0 takes to answer."""
         if self._rejected:
             self._buffer.clear()
             return True
+        due = len(self._buffer)
         while True:
             if self._pending is None:
+                buffered = len(self._buffer)
                 self._pending = self._take_batch()
                 if self._pending is None:
                     return True
+                due -= buffered - len(self._buffer)
             if not self._send(self._pending):
                 return False
+            if due <= 0 and not self._closing:
+                return True
 
     def _take_batch(self):
         from traceml import wire

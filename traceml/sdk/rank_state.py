@@ -54,6 +54,7 @@ class RankState:
             target,
             run_name,
             rank=info.rank,
+            node_rank=info.node_rank,
             restart_count=info.restart_count,
             identity=self._identity,
             progress=self._progress,
