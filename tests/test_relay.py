@@ -72,12 +72,14 @@ def steps_by_rank(agg: LiveAggregator) -> list[tuple]:
     return agg.query("SELECT rank, COUNT(*), MIN(step), MAX(step) FROM steps GROUP BY rank")
 
 
-def assert_each_step_stored_once(agg: LiveAggregator, clients: list, steps: int) -> None:
-    """Every rank's ``steps`` steps are in the store, and the aggregator's one life stored each
-    acknowledged batch once, none found stored already (nothing was resent)."""
-    assert steps_by_rank(agg) == [(r, steps, 0, steps - 1) for r in range(RANKS)]
+def assert_each_step_stored_once(
+    agg: LiveAggregator, clients: list, steps: int, ranks: int = RANKS
+) -> None:
+    """Each of ``ranks`` ranks' ``steps`` steps is in the store, and the aggregator's one life
+    stored each acknowledged batch once, none found stored already (nothing was resent)."""
+    assert steps_by_rank(agg) == [(r, steps, 0, steps - 1) for r in range(ranks)]
     batches = sum(c.stats.batches_acked for c in clients)
-    assert agg.counters() == [{"records": RANKS * steps, "batches": batches, "duplicates": 0}]
+    assert agg.counters() == [{"records": ranks * steps, "batches": batches, "duplicates": 0}]
 
 
 def ledger(agg: LiveAggregator) -> list[dict]:
@@ -101,6 +103,50 @@ def test_eight_ranks_through_one_relay_call_are_stored_once_and_closed(agg):
     assert relay.stats.messages_up < relay.stats.frames_up
     entries = [(e["sender"], e["id"], e["state"], e["finished"], e["streams"]) for e in ledger(agg)]
     assert entries == [("rank", r, "closed", True, 1) for r in range(RANKS)]
+
+
+def test_a_nodes_senders_flush_on_its_ticks_and_cross_the_relay_together(agg, monkeypatch):
+    """Four ranks' clients of one node, each started at its own moment, submitting a step every
+    10 ms: once their streams are open, every flush falls on the node's ticks
+    (:func:`~traceml.sdk.client.flush_wait_s`, 0.5 s here), and the relay gathers each tick's
+    batches into one ``RelayUp``, every one of which then carries the four (each sender
+    flushing at its own moment went up a message each). The gather's bound is widened for the
+    test (a loaded host may wake a client's thread late), kept below the interval."""
+    monkeypatch.setattr(relay_mod, "RELAY_GATHER_S", 0.3)
+    ranks, interval_s, steps = 4, 0.5, 300
+    relay = start_relay(agg.target)
+    warnings: list[str] = []
+    clients = []
+    try:
+        for r in range(ranks):  # started 0.13 s apart: unaligned, each would flush on its own
+            clients.append(
+                make_client(
+                    agg.target,
+                    "relay",
+                    warnings,
+                    rank=r,
+                    relay=relay.address,
+                    flush_interval_s=interval_s,
+                )  # fmt: skip
+            )
+            clients[-1].submit(client_mod.STEPS, step(0))
+            time.sleep(0.13)
+        wait_for(lambda: all(c.stats.batches_acked for c in clients), 30, "every stream open")
+        before = (relay.stats.messages_up, relay.stats.frames_up)
+        for i in range(1, steps):
+            for client in clients:
+                client.submit(client_mod.STEPS, step(i))
+            time.sleep(0.01)
+        messages, frames = (relay.stats.messages_up - before[0], relay.stats.frames_up - before[1])
+        for client in clients:
+            assert client.close(finish(steps), timeout_s=60) is True
+    finally:
+        relay.close()
+    assert agg.stop() == 0
+    assert warnings == []
+    assert_each_step_stored_once(agg, clients, steps, ranks)
+    assert messages >= 3  # the ~3 s of steps crossed at least 3 ticks
+    assert frames == ranks * messages, (messages, frames)
 
 
 def test_pending_frames_are_taken_in_order_up_to_the_bound_and_at_least_one(monkeypatch):

@@ -17,9 +17,13 @@ node 0 stores it once (its (sender, attempt, seq) check). The relay tries node 0
 first frame they send, on a new channel: it adds no wait to theirs.
 
 Flow: one ``RelayUp`` is in flight at a time; what the local senders write meanwhile goes in
-the next one, so a burst of the node's ranks (they flush together) crosses as one message, and
-the writer stores it in one transaction. Node 0 answers each ``RelayUp`` with one
-``RelayDown``.
+the next one. The node's senders flush on the same ticks (:func:`traceml.sdk.client.
+flush_wait_s`), within a few ms of each other, so the relay gathers before it sends: a
+``RelayUp`` goes once every open local stream has a frame waiting, or
+:data:`RELAY_GATHER_S` after the oldest one came, whichever is first. A flush of the node's
+ranks and sampler so crosses as one message, which node 0's writer stores in one transaction
+(each sender's batches apart were a message each: node 0 pays gRPC per message). Node 0
+answers each ``RelayUp`` with one ``RelayDown``.
 
 Liveness: a local stream that ends is told to node 0 (``ended``): closed after its ``closing``
 message, lost otherwise (the rank died: its socket is reset at once). When the relay's call
@@ -82,6 +86,10 @@ FRAME_OVERHEAD_BYTES = 8
 #: (``RESOURCE_EXHAUSTED``) to its sender alone, as node 0 would, never failing the relay's
 #: call and with it every stream of the node.
 FRAME_HEADROOM_BYTES = 1024
+#: Longest a local stream's frame waits for the other local streams' before it goes up, s (see
+#: the module): they flush on the same tick, so this bounds only a stream that sends off the
+#: tick (a full batch, a resend, a first step) or whose node's others have nothing to send.
+RELAY_GATHER_S = 0.05
 #: Longest wait at :meth:`NodeRelay.close` for the local streams' last frames to reach node 0, s.
 CLOSE_FLUSH_S = 1.0
 _DONE = object()  # a local stream's last answer: it half-closed and every Ack was passed down
@@ -151,6 +159,7 @@ class NodeRelay:
         self._wake: asyncio.Event | None = None
         self._locals: dict[int, _Local] = {}
         self._pending: list = []  # RelayFrames for the next RelayUp
+        self._pending_since = 0.0  # when the oldest of them was queued (loop time)
         self._in_flight = False  # a RelayUp waits for its RelayDown
         self._next_channel = 1
         self.session = None
@@ -276,9 +285,27 @@ class NodeRelay:
             await asyncio.sleep(0.01)
 
     def _queue(self, frame) -> None:
+        if not self._pending:
+            self._pending_since = asyncio.get_running_loop().time()
         self._pending.append(frame)
         assert self._wake is not None
         self._wake.set()
+
+    async def _gather(self) -> None:
+        """Return once every open local stream has a frame pending, or :data:`RELAY_GATHER_S`
+        after the oldest pending frame was queued, or at once when the relay stops."""
+        assert self._wake is not None and self._stop is not None
+        deadline = self._pending_since + RELAY_GATHER_S
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set() and (left := deadline - loop.time()) > 0:
+            framed = {frame.channel for frame in self._pending}
+            if all(c in framed for c, local in self._locals.items() if not local.half_closed):
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def _pump(self) -> None:
         """Send what the local senders wrote, one ``RelayUp`` at a time, and pass node 0's
@@ -297,6 +324,7 @@ class NodeRelay:
                 self._wake.clear()
                 if not self._pending:
                     continue
+                await self._gather()
                 frames = self._take_frames()
                 self._in_flight = True
                 try:
