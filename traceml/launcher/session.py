@@ -54,9 +54,10 @@ _PERMANENT = ("FAILED_PRECONDITION", "UNAUTHENTICATED", "UNIMPLEMENTED", "INVALI
 _CLOSE = object()
 #: Queued to send the best clock estimate now (a heartbeat without a new exchange).
 _ESTIMATE = object()
-#: The node relay's heartbeat is due this much before this stream's own would be, s, so that
-#: the relay (whose messages the ranks' flushes send every 2 s) carries them all while node 0
-#: answers it: node 0 then hears each node on its relay's call, not on two streams.
+#: The node relay's heartbeat is due this much before :data:`NODE_HEARTBEAT_INTERVAL_S`, and
+#: while node 0 answers the relay's this stream's own is due this much after it, s, so that the
+#: relay (whose messages the node's flush ticks send every 2 s) carries them all: node 0 then
+#: hears each node on its relay's call, not on two streams.
 RELAY_HEARTBEAT_LEAD_S = 0.5
 
 
@@ -205,14 +206,15 @@ class NodeSession:
     # --- the node relay's thread ---------------------------------------------------------------
     def relay_heartbeat(self):
         """A heartbeat for the node relay to carry in its next ``RelayUp`` (a NodeHeartbeat
-        with a clock exchange), or None when none is due: one is due
-        :data:`RELAY_HEARTBEAT_LEAD_S` before this stream's own would be, so that while node 0
-        answers the relay's (:meth:`relay_answered`), the relay carries every heartbeat and
-        this stream sends none; until then, and once the relay's call failed
-        (:meth:`relay_lost`), this stream sends its own as well."""
+        with a clock exchange), or None when none is due. While node 0 answers the relay's
+        (:meth:`relay_answered`), one is due :data:`RELAY_HEARTBEAT_LEAD_S` before the
+        heartbeat interval's end and this stream's own as long after it (:meth:`_beat_due_in`):
+        the relay carries every heartbeat and this stream sends none. Until then (the relay
+        carries one in each ``RelayUp`` until one is answered), and once the relay's call
+        failed (:meth:`relay_lost`), this stream sends its own as well."""
         with self._cond:
             since_s = time.monotonic() - self._last_beat_m
-            if since_s < NODE_HEARTBEAT_INTERVAL_S - RELAY_HEARTBEAT_LEAD_S:
+            if self._relay_answers and since_s < NODE_HEARTBEAT_INTERVAL_S - RELAY_HEARTBEAT_LEAD_S:
                 return None
             beat = self._beat(exchange=True)
             if self._relay_answers:
@@ -244,9 +246,15 @@ class NodeSession:
 
     # --- the session's thread ------------------------------------------------------------------
     def _beat_due_in(self) -> float:
-        """Seconds until this stream's next heartbeat (0: due now)."""
+        """Seconds until this stream's next heartbeat (0: due now):
+        :data:`NODE_HEARTBEAT_INTERVAL_S` after the last one on either path, and
+        :data:`RELAY_HEARTBEAT_LEAD_S` more while node 0 answers those the relay carries, so
+        that the relay's next ``RelayUp`` (the node's next flush tick, every 2 s) carries it,
+        and not this stream a few ms before that."""
         with self._cond:
-            return max(0.0, self._last_beat_m + NODE_HEARTBEAT_INTERVAL_S - time.monotonic())
+            lead_s = RELAY_HEARTBEAT_LEAD_S if self._relay_answers else 0.0
+            due_m = self._last_beat_m + NODE_HEARTBEAT_INTERVAL_S + lead_s
+            return max(0.0, due_m - time.monotonic())
 
     def _requests(self, attempt: _Attempt):
         """The stream's messages: the claim, then what is queued, a heartbeat when idle and
