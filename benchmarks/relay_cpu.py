@@ -9,11 +9,14 @@ and the threads it starts, read from ``/proc`` between rank 0's ``at step K`` li
 (``--mark-step``, after the start) and its ``trained`` line, as ``ddp_overhead.py`` reads its
 components (:class:`ddp_overhead.Run`). Printed: the window's length and step rate, the relay's
 CPU as % of one core over the window, µs per step and per rank-step, and the other
-components' % of a core for scale. ``--repeat`` runs, each printed, then the median.
+components' % of a core for scale; and, over the whole run, the batches node 0 stored and the
+``RelayUp`` messages that carried them (the aggregator's closing lines). ``--repeat`` runs,
+each printed, then the median.
 
-The ranks send a batch every ``TRACEML_FLUSH_INTERVAL_SEC`` (2 s) or 512 records, so the relay
-carries a ``RelayUp`` of its ranks' batches about every 2 s: its cost is per message, and the
-window wants tens of seconds (the default: 600 steps, 60 s).
+The ranks and the node sampler send a batch on the node's flush ticks, every
+``TRACEML_FLUSH_INTERVAL_SEC`` (2 s; or at 512 records), and the relay gathers them
+(``traceml.launcher.relay``), so it carries one ``RelayUp`` of the node's batches a tick: its
+cost is per message, and the window wants tens of seconds (the default: 600 steps, 60 s).
 
 Usage: ``python benchmarks/relay_cpu.py [--nproc 8] [--step-ms 100] [--steps 700]
 [--mark-step 100] [--repeat 1]``.
@@ -22,6 +25,7 @@ Usage: ``python benchmarks/relay_cpu.py [--nproc 8] [--step-ms 100] [--steps 700
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 from pathlib import Path
 
@@ -31,6 +35,15 @@ from ddp_overhead import Run, traceml_job
 #: Issue 26's target for the relay's own CPU, % of one core (8 ranks at 10 steps/s each).
 TARGET_PERCENT = 2.0
 RELAY = "launcher relay"
+
+
+def carried(log: str) -> tuple[int, int]:
+    """``(batches stored, RelayUp messages)`` of a run, from its aggregator's ``log``."""
+    batches = re.search(r"stored \d+ records in (\d+) batches", log)
+    messages = re.search(r"node relays: \d+ calls carried (\d+) messages", log)
+    if batches is None or messages is None:
+        raise SystemExit("the aggregator's log lacks its closing lines")
+    return int(batches.group(1)), int(messages.group(1))
 
 
 def main() -> None:
@@ -62,6 +75,8 @@ def main() -> None:
             )
             run = Run(argv, Path(tmp), window, traced=True)
             rate = window / run.window_s
+            log = (Path(tmp) / f"relay-cpu-{i}" / "aggregator" / "process.stderr.log").read_text()
+            batches, messages = carried(log)
             percent = run.core_percent(RELAY)
             percents.append(percent)
             others = {
@@ -75,7 +90,9 @@ def main() -> None:
                 f"% of a core: the launcher's other threads "
                 f"{others['launcher'] * window / 1e4 / run.window_s:.2f}, the aggregator "
                 f"{others['aggregator'] * window / 1e4 / run.window_s:.2f}, a rank "
-                f"{others['rank'] * window / 1e4 / run.window_s:.2f}",
+                f"{others['rank'] * window / 1e4 / run.window_s:.2f}; over the run, node 0 "
+                f"stored {batches} batches from {messages} RelayUps "
+                f"({batches / max(messages, 1):.1f} a message)",
                 flush=True,
             )
     verdict = "met" if median(percents) <= TARGET_PERCENT else "not met"

@@ -35,4 +35,9 @@ def test_the_relay_cpu_benchmark_reads_the_relays_thread_over_a_paced_window():
     assert 3.9 <= window_s <= 16.0 and 5.0 <= rate <= 21.0, line
     # the relay's thread was found and read: it carried the ranks' flushes (every 2 s)
     assert 0.0 < percent < 50.0, line
+    # node 0's count of what the relay carried: each RelayUp held one batch or more
+    batches, messages = map(
+        int, re.search(r"stored (\d+) batches from (\d+) RelayUps", line).groups()
+    )
+    assert batches >= messages >= 1, line
     assert re.search(r"^  median [\d.]+ % of a core: (met|not met)$", result.stdout, re.MULTILINE)
