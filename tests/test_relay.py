@@ -496,6 +496,52 @@ def test_the_relay_carries_the_sessions_heartbeats_and_the_session_sends_its_own
     assert agg.query("SELECT COUNT(*) FROM steps") == [(steps,)]
 
 
+@pytest.mark.slow
+def test_at_the_default_flush_the_relay_carries_every_heartbeat_and_the_session_sends_none(
+    tmp_path,
+):
+    """Node 1's session and relay, a rank's client flushing every 2 s (the default, as the
+    heartbeat interval): once node 0 answered a heartbeat the relay carried, the next five
+    ride the relay's ``RelayUp``s and the session's own stream sends none. (Its own, due 2 s
+    after the last as the relay's was, raced the node's flush tick and, once ahead, kept the
+    relay from carrying any.)"""
+    from test_launcher_news import claim
+
+    from traceml.launcher.session import NodeSession
+
+    with LiveAggregator(tmp_path / "run", "r", world_size=2, extra_args=("--nnodes", "2")) as agg:
+        session = NodeSession(agg.target, claim(1)).start()
+        relay = NodeRelay(agg.target, Credentials.from_env(), 60.0)
+        relay.start()
+        relay.carry_heartbeats(session, 1)
+        warnings: list[str] = []
+        client = make_client(
+            agg.target, "r", warnings, rank=1, relay=relay.address, flush_interval_s=2.0
+        )
+        steps = 0
+
+        def stepping(done) -> bool:
+            nonlocal steps
+            client.submit(client_mod.STEPS, step(steps))
+            steps += 1
+            time.sleep(0.05)
+            return done()
+
+        answered = relay.stats
+        try:
+            assert session.wait_claim(30).accepted
+            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= 1), 30, "one")
+            own, carried = session.heartbeats_sent, answered.heartbeats_answered
+            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= carried + 5), 30, "5")
+            assert session.heartbeats_sent == own
+            assert client.close(finish(steps), timeout_s=60) is True
+        finally:
+            relay.close()
+            session.close()
+    assert warnings == []
+    assert agg.query("SELECT COUNT(*) FROM steps") == [(steps,)]
+
+
 def test_a_lost_node_heard_again_through_its_relay_or_its_kept_session_is_back(tmp_path):
     """Node 1's session stream stays open but silent (as a stalled launcher leaves it): node 0
     marks the node lost after 2 s. A heartbeat its relay carries

@@ -223,9 +223,12 @@ class NodeSession:
 
     def relay_answered(self, echo) -> None:
         """Node 0's answer (a ClockEcho) to a heartbeat the relay carried: its clock exchange
-        taken, and the relay's heartbeats now stand for this stream's."""
+        taken, and the relay's heartbeats now stand for this stream's (the answered one counts
+        as the latest heartbeat, so the relay's next, at the node's next flush tick, comes
+        before this stream's own)."""
         received_ns = clock.unix_ns()  # t3
         with self._cond:
+            self._last_beat_m = time.monotonic()
             self._relay_answers = True
             self._take_echo(echo, received_ns)
 
