@@ -149,6 +149,40 @@ def test_a_nodes_senders_flush_on_its_ticks_and_cross_the_relay_together(agg, mo
     assert frames == ranks * messages, (messages, frames)
 
 
+def test_a_rank_whose_relay_is_gone_streams_straight_to_node_0_and_loses_nothing(agg):
+    """The relay closes (its socket goes, as with its launcher's death) while a rank streams
+    through it: the rank says so once, sends the rest straight to node 0 (its stream's status
+    did not come from the relay, which names itself in what it answers), and every step is
+    stored once. Node 0's ledger: the relay's channel lost, the rank's own stream closed."""
+    relay = start_relay(agg.target)
+    warnings: list[str] = []
+    client = make_client(agg.target, "relay", warnings, rank=0, relay=relay.address)
+    try:
+        for i in range(50):
+            client.submit(client_mod.STEPS, step(i))
+        wait_for(lambda: client.stats.acked == 50, 30, "the first 50 steps through the relay")
+    finally:
+        relay.close()
+    for i in range(50, 100):
+        client.submit(client_mod.STEPS, step(i))
+    assert client.close(finish(100), timeout_s=60) is True
+    assert agg.stop() == 0
+    assert warnings == [
+        f"the node relay {relay.address} is gone (its launcher exited); telemetry goes "
+        f"straight to the aggregator at {agg.target}"
+    ]
+    assert client.relay == ""
+    assert steps_by_rank(agg) == [(0, 100, 0, 99)]
+    assert agg.counters()[0]["duplicates"] == 0 and agg.counters()[0]["records"] == 100
+    [entry] = ledger(agg)
+    assert (entry["sender"], entry["id"], entry["state"], entry["streams"]) == (
+        "rank",
+        0,
+        "closed",
+        2,
+    )
+
+
 def test_pending_frames_are_taken_in_order_up_to_the_bound_and_at_least_one(monkeypatch):
     monkeypatch.setattr(relay_mod, "RELAY_UP_MAX_BYTES", 1_000)
     relay = NodeRelay("127.0.0.1:1", Credentials(token="t"), 1.0)  # not started

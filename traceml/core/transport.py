@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 #: Metadata key of the run token on every call (gRPC metadata keys are lower case).
 TOKEN_METADATA_KEY = "traceml-run-token"
+#: How the node relay's own answers to a local stream's failure begin (the reason follows):
+#: any other failure of a stream to the relay is the relay's socket itself, gone with its
+#: launcher (traceml/launcher/relay.py, traceml/sdk/client.py).
+RELAY_STATUS_PREFIX = "through the node relay: "
 #: Largest message either side sends or receives, bytes (both sides set it: 4 MiB, gRPC's
 #: usual receive bound, about 80 times a full batch of 512 steps).
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024

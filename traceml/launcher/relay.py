@@ -58,6 +58,7 @@ from traceml.core import log
 from traceml.core.threads import name_os_thread
 from traceml.core.transport import (
     MAX_MESSAGE_BYTES,
+    RELAY_STATUS_PREFIX,
     TOKEN_METADATA_KEY,
     Credentials,
     call_metadata,
@@ -273,7 +274,7 @@ class NodeRelay:
                 local.framed = True
                 self._queue(wire.RelayFrame(channel=local.channel, batch=batch))
         except Exception as exc:  # a message that is no Batch (gRPC's decode failed)
-            reason = f"through the node relay: unreadable message ({type(exc).__name__})"
+            reason = f"{RELAY_STATUS_PREFIX}unreadable message ({type(exc).__name__})"
             local.answers.put_nowait((grpc.StatusCode.INVALID_ARGUMENT, reason))
             return
         local.half_closed = True
@@ -353,7 +354,7 @@ class NodeRelay:
                             "and resend it"
                         )
                     reached = False
-                    self._fail_locals((failure[0], f"through the node relay: {failure[1]}"))
+                    self._fail_locals((failure[0], f"{RELAY_STATUS_PREFIX}{failure[1]}"))
                     if self.session is not None:
                         self.session.relay_lost()
                     continue

@@ -78,6 +78,7 @@ from traceml.core.phases import STEP_FIELDS
 from traceml.core.threads import name_os_thread
 from traceml.core.transport import (
     MAX_MESSAGE_BYTES,
+    RELAY_STATUS_PREFIX,
     RETRY_AFTER_METADATA_KEY,
     disable_grpc_fork_handlers,
 )
@@ -805,7 +806,20 @@ class TelemetryClient:
         channel kept would wait out gRPC's own reconnect backoff once node 0 is back). A
         channel to the node relay is kept: its local socket is up while the launcher lives
         (the relay said why node 0 failed), and a new connection per retry cost the rank
-        ~300 KiB of RSS over a 15 s partition (tests/test_telemetry_loss.py)."""
+        ~300 KiB of RSS over a 15 s partition (tests/test_telemetry_loss.py). A relay that
+        failed the stream without saying why (``UNAVAILABLE`` without
+        :data:`~traceml.core.transport.RELAY_STATUS_PREFIX`: its socket closed or refused)
+        is gone with its launcher: the sender says so once and streams straight to node 0
+        from then on, so that what it still has (a rank stopped by its torchrun as the
+        launcher died: its last steps and finish marker) reaches node 0, stored once."""
+        if self.relay and _relay_gone(exc):
+            self._warn(
+                f"the node relay {self.relay} is gone (its launcher exited); telemetry goes "
+                f"straight to the aggregator at {self.target}"
+            )
+            self.relay = ""
+            self._close_channel()
+            return
         self._unreachable_sends += 1
         if self._unreachable_sends == 1:
             if self.target not in _unreachable_targets:
@@ -828,6 +842,16 @@ class TelemetryClient:
                 _close_quietly(self._channel)
             self._channel = None
             self._stream = None
+
+
+def _relay_gone(exc) -> bool:
+    """Whether ``exc`` (a failed stream to the node relay) is the relay's socket failing, not
+    the relay answering (see :meth:`TelemetryClient._on_unreachable`)."""
+    import grpc
+
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    return code == grpc.StatusCode.UNAVAILABLE and not details.startswith(RELAY_STATUS_PREFIX)
 
 
 def _close_quietly(channel) -> None:
