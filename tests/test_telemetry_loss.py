@@ -318,7 +318,8 @@ def test_an_aggregator_paused_through_the_finalization_is_stopped_and_the_summar
     for its summary the budget (``--finalize-timeout-sec 2``) and FINALIZE_SLACK_S, then stops
     it and writes the summary from the store (``--finalize-only``): torchrun's exit code (0),
     each rank's steps in the summary those the store held when it was paused (some, not all
-    of its 200), nothing left running, the port free."""
+    of its 200), the aggregator lost when it last answered (its node's heartbeats, every 2 s)
+    and the summary warning so, nothing left running, the port free."""
     from traceml.core.transport import FINALIZE_SLACK_S
 
     budget_s = 2.0
@@ -346,6 +347,7 @@ def test_an_aggregator_paused_through_the_finalization_is_stopped_and_the_summar
         for rank in (0, 1):  # 100 steps: 5 s, past two flushes of each rank's steps
             wait_logged(step_log, rank, steps // 2, launcher, err)
         aggregator.send_signal(signal.SIGSTOP)
+        paused_unix_s = time.time()
         code = launcher.wait(timeout=budget_s + FINALIZE_SLACK_S + 120)
     finally:
         if launcher.poll() is None:
@@ -367,6 +369,13 @@ def test_an_aggregator_paused_through_the_finalization_is_stopped_and_the_summar
     stored = dict(query(run_dir, "SELECT rank, count(*) FROM steps GROUP BY rank"))
     assert sorted(stored) == [0, 1] and max(stored.values()) < steps, stored  # then paused
     assert {r["rank"]: r["steps_completed"] for r in summary["ranks"]} == stored
+    loss = summary["run"]["telemetry_health"]["aggregator_loss"]
+    assert loss["reason"] == (
+        f"gave no answer (no finalization result within {budget_s + FINALIZE_SLACK_S:g} s)"
+    )
+    assert paused_unix_s - 10 < loss["lost_unix_s"] <= paused_unix_s, loss
+    (lost,) = [f for f in summary["findings"]["health"] if f["kind"] == "AGGREGATOR_LOST"]
+    assert lost["evidence"]["steps_stored"] == {str(r): n for r, n in stored.items()}
 
 
 # --- 2. a partition between node 1 and node 0 ---------------------------------------------------

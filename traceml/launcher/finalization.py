@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 
 from traceml.core import log
@@ -107,8 +108,9 @@ class Finalization:
                     return self._from_aggregator(manifest, session)  # a replacement serves
                 return False
             # Alive but no answer within the budget and its slack (paused, stalled on its
-            # disk): the store holds what it committed, and the summary is written from it.
-            supervisor.fail(f"finalize failed: {exc}")
+            # disk): the store holds what it committed, and the summary is written from it,
+            # saying that the aggregator was lost when it last answered anything.
+            supervisor.fail(f"gave no answer ({exc})", session.last_answer_unix_s or time.time())
             manifest.update(aggregator=supervisor.health)
             _log.warning(
                 f"warning: the aggregator did not write the summary ({exc}); writing it from "

@@ -114,6 +114,9 @@ class NodeSession:
         #: the relay while node 0 answers those (see :meth:`relay_heartbeat`).
         self._last_beat_m = float("-inf")
         self._relay_answers = False  # node 0 answered a heartbeat the relay carried
+        #: Unix s of node 0's latest answer: a message on this session's stream, or its answer
+        #: to a heartbeat the relay carried; None before the first.
+        self.last_answer_unix_s: float | None = None
         self._clock_warned = False
         self._exit = None
         self._exit_stored = False
@@ -228,6 +231,7 @@ class NodeSession:
         before this stream's own)."""
         received_ns = clock.unix_ns()  # t3
         with self._cond:
+            self.last_answer_unix_s = received_ns / 1e9
             self._last_beat_m = time.monotonic()
             self._relay_answers = True
             self._take_echo(echo, received_ns)
@@ -375,6 +379,7 @@ class NodeSession:
         received_ns = clock.unix_ns()  # t3 of a clock exchange
         kind = down.WhichOneof("kind")
         with self._cond:
+            self.last_answer_unix_s = received_ns / 1e9
             if kind == "claim":
                 if self.claim_reply is None:
                     self.claim_reply = down.claim

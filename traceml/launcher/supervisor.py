@@ -142,8 +142,12 @@ class AggregatorSupervisor:
             f"summary will hold what was stored until now (see {self.run_dir.aggregator_stderr})"
         )
 
-    def fail(self, reason: str) -> None:
-        """It serves but could not write the summary (``reason``)."""
+    def fail(self, reason: str, silent_since_unix_s: float | None = None) -> None:
+        """It serves but could not write the summary (``reason``); with
+        ``silent_since_unix_s`` (Unix s), it gave no answer at all since then: lost then, as
+        :meth:`lost` records it (the summary written from the store says what it lacks)."""
+        if silent_since_unix_s is not None:
+            self.lost_unix_s = silent_since_unix_s
         self._move(AggregatorStatus.FAILED, reason=reason)
 
     def stop(self, timeout_s: float = 10.0) -> None:
