@@ -57,7 +57,10 @@ def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, 
         "--step-sleep",
         str(STEP_SLEEP_S),
     ]
-    launcher = start_traceml(args, tmp_path, tmp_path / "launcher")
+    # Nodes lost after 5 s of silence: the pause is longer, and the aggregator must not blame
+    # its node for its own (the node's messages wait unread in its sockets meanwhile).
+    env = {"TRACEML_NODE_LOST_AFTER_SEC": "5"}
+    launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=env)
     try:
         aggregator = aggregator_of(launcher)
         wait_training_started(run_dir, launcher, tmp_path / "launcher.err", 120)
@@ -74,6 +77,8 @@ def test_a_paused_aggregator_costs_training_nothing_and_loses_nothing(tmp_path, 
             launcher.kill()
     assert code == 0, (tmp_path / "launcher.err").read_text()[-2000:]
     summary = load_summary(run_dir)
+    assert summary["run"]["telemetry_health"]["node_losses"] == []
+    assert [f for f in summary["findings"]["health"] if f["kind"] == "NODE_LOST"] == []
     for r in summary["ranks"]:
         # received + dropped = produced, exactly, and nothing dropped
         assert (r["steps_completed"], r["records_received"], r["records_dropped"]) == (

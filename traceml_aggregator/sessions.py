@@ -21,7 +21,9 @@ heartbeat through its node relay, :meth:`NodeSessions.relayed_heartbeat`, no new
 :data:`~traceml_aggregator.store.NODE_LOSSES_META_KEY` entry, which the summary's
 ``run.telemetry_health.node_losses`` and the ``NODE_LOST`` finding read. The watch looks every
 :data:`LOST_CHECK_S`, so a node is marked lost between 25 and 26 s after the last message it
-sent, that is at most 25 + 2 + 1 = 28 s after its link went down. A lost node heard again
+sent, that is at most 25 + 2 + 1 = 28 s after its link went down; time the aggregator itself
+did not run (stopped, its event loop held) is not counted (:meth:`NodeSessions.watch`). A lost
+node heard again
 resumes (a new session, a message on the session it kept, a heartbeat through its node relay: a
 stalled launcher or host keeps its streams open): its record gets the time. An aggregator
 restarted on the run's store expects a session from every node whose exit is not stored, from
@@ -434,7 +436,17 @@ class NodeSessions:
         return found
 
     async def watch(self) -> None:
-        """Run :meth:`check_lost` every :data:`LOST_CHECK_S` (until cancelled)."""
+        """Run :meth:`check_lost` every :data:`LOST_CHECK_S` (until cancelled). A check that
+        comes more than a whole period late (this process was stopped, or its event loop held)
+        first moves every node's last message that much later: the nodes' messages of that
+        time wait unread in its sockets, so a node is not blamed for the aggregator's own
+        pause (each is heard again as they are read)."""
+        checked_m = time.monotonic()
         while True:
             await asyncio.sleep(LOST_CHECK_S)
+            late_s = time.monotonic() - checked_m - LOST_CHECK_S
+            if late_s > LOST_CHECK_S:
+                for node in self.nodes.values():
+                    node.last_heard_monotonic += late_s
             await self.check_lost()
+            checked_m = time.monotonic()

@@ -1,0 +1,52 @@
+"""The node-loss watch (``NodeSessions.watch``, traceml_aggregator/sessions.py) on its own:
+the aggregator's own pause is not counted as its nodes' silence, and a silent node is still
+lost once the bound passed without it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from traceml_aggregator.nodes import NodeRegistry
+from traceml_aggregator.sessions import LOST_CHECK_S, NodeSessions
+
+
+def test_a_held_aggregator_blames_no_node_and_a_silent_node_is_lost_a_bound_later():
+    """Node 1 is expected (heard) just before the aggregator's event loop is held for three
+    checks' time, as a SIGSTOP holds it (nothing read, no check run); nodes are lost after
+    two checks' time of silence. The overdue check after the hold loses no node: of the
+    node's silence, what the hold took past one check's time is not counted. Heard no more,
+    the node is lost at the check after its counted silence passed the bound: one check
+    later."""
+
+    async def persist(key, value) -> None:
+        pass
+
+    async def main() -> tuple[list[int], float]:
+        sessions = NodeSessions(
+            NodeRegistry(own_host="node0", nnodes=2),
+            store_exit=None,
+            finalize=None,
+            persist=persist,
+            foreign=None,
+            refuse=None,
+            lost_after_s=2 * LOST_CHECK_S,
+        )
+        sessions.expect({1})
+        watch = asyncio.ensure_future(sessions.watch())
+        await asyncio.sleep(0)  # the watch begins its first period
+        time.sleep(3 * LOST_CHECK_S)  # the event loop held
+        resumed_m = time.monotonic()
+        await asyncio.sleep(0.2 * LOST_CHECK_S)  # the overdue check runs
+        after_hold = [loss["node_rank"] for loss in sessions.losses]
+        while not sessions.losses:
+            await asyncio.sleep(0.02)
+        lost_after_s = time.monotonic() - resumed_m
+        watch.cancel()
+        return after_hold, lost_after_s
+
+    after_hold, lost_after_s = asyncio.run(main())
+    assert after_hold == []
+    # counted silence: 1 check's time before the hold's overdue check, then 1 more; lost at
+    # the check after it passes 2 (the watch's checks are 1 check's time apart)
+    assert 0.9 * LOST_CHECK_S <= lost_after_s <= 2.5 * LOST_CHECK_S
