@@ -89,16 +89,37 @@ class RunDir:
             self.aggregator_dir.mkdir(parents=True, exist_ok=True)
 
 
-def write_atomic(path: Path, content: str) -> None:
-    """Write ``content`` to ``path`` through a temporary file and a rename: a reader (or a
-    node sharing the directory) sees the old file or the new one, never half of one.
+def write_atomic(
+    path: Path, content: str | bytes, *, mode: int | None = None, sync: bool = False
+) -> None:
+    """Write ``content`` (text as UTF-8) to ``path`` through a temporary file beside it and a
+    rename: a reader (or a node sharing the directory) sees the old file or the new one, never
+    half of one. ``mode``: the file's permission bits from its creation (default: the umask's);
+    ``sync``: flushed to the disk before the rename. A write that fails (a full disk) removes
+    its temporary file.
 
     Raises:
-        OSError: the directory is not writable.
+        OSError: the directory is not writable, or the disk is full.
     """
+    path = Path(path)
+    data = content.encode("utf-8") if isinstance(content, str) else content
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(content, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)  # O_CREAT's mode does not apply to a file left over
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: Path, data: Mapping[str, object]) -> None:

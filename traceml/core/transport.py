@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traceml import settings
+from traceml.core.rundir import write_atomic
 
 if TYPE_CHECKING:
     import grpc
@@ -182,16 +183,7 @@ def write_token_file(path: Path, token: str) -> None:
     Raises:
         OSError: the directory is not writable.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file left over
-        os.write(fd, token.encode("ascii"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(Path(path), token.encode("ascii"), mode=0o600, sync=True)
 
 
 def read_token_file(path: Path) -> str | None:

@@ -14,7 +14,6 @@ run ``--module traceml.sdk.autorun SCRIPT`` (zero-code steps), its "... FAILED" 
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import shutil
@@ -22,8 +21,10 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from traceml.core import log, orphans
+from traceml.core.rundir import write_json
 
 #: Environment variable naming the JSON file this wrapper writes (set by the launcher).
 RANK_ENDS_FILE_ENV = "TRACEML_RANK_ENDS_FILE"
@@ -177,10 +178,7 @@ def _write_failures(path: str, failures: dict) -> None:
                 "stopped": marked and not getattr(failure, _BEFORE_STOP, False),
             }
         )
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"failed": ranks}, f)
-    os.replace(tmp, path)
+    write_json(Path(path), {"failed": ranks})
 
 
 #: The module torchrun runs in each rank for zero-code steps (``SCRIPT ARGS`` follow).
