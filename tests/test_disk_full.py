@@ -142,3 +142,19 @@ def test_node_loss_detection_goes_on_through_a_full_disk(small_fs, caplog):
     assert (on_full_disk, with_room) == ([1], [2])
     assert "warning: the node losses were not stored (database or disk is full)" in caplog.text
     assert [(r["node_rank"], r["resumed_unix_s"]) for r in losses] == [(1, None), (2, None)]
+
+
+def test_an_atomic_write_on_a_full_disk_raises_and_leaves_no_temporary_file(small_fs):
+    """The run directory's files (manifests, the run token, the reports) are written through a
+    temporary file and a rename: on a full disk the write raises ENOSPC, the file keeps its
+    old content, and the temporary file is gone."""
+    from traceml.core.rundir import write_atomic
+
+    path = small_fs / "manifest.json"
+    write_atomic(path, "old\n", mode=0o600, sync=True)
+    fill(small_fs)
+    with pytest.raises(OSError) as raised:
+        write_atomic(path, "x" * 65536, mode=0o600, sync=True)
+    assert raised.value.errno == 28  # ENOSPC
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler", "manifest.json"]
+    assert path.read_text() == "old\n" and oct(path.stat().st_mode & 0o777) == "0o600"
