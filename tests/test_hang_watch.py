@@ -99,6 +99,24 @@ def test_set_up_before_the_first_step_is_never_a_hang_and_progress_ends_a_stall(
     assert w.check(now=1013.0) is None
 
 
+def test_a_stall_is_over_for_all_its_ranks_when_its_suspect_moves():
+    """Rank 1 stopped (SIGSTOP), rank 0 waits for it in backward's all-reduce: both stalled,
+    rank 1 the suspect. Rank 1 resumes and its batch comes first (rank 0's trails it by up to
+    a flush interval): the stall is over, and rank 0, silent 27 s but waiting for rank 1 all
+    along, is not named a new stall of its own; it is watched afresh, a whole timeout."""
+    w = watch()
+    w.on_batch(progress(0, 105, "backward"), now=100.0)
+    w.on_batch(progress(1, 105, "forward"), now=100.0)
+    record = w.check(now=110.0)
+    assert sorted(where(record)) == [0, 1] and record["suspects"] == [1]
+    w.on_batch(progress(1, 106, "step"), now=127.0)
+    assert w.check(now=127.5) is None
+    w.on_batch(progress(1, 110, "step"), now=137.0)
+    assert w.check(now=137.4) is None  # rank 0 still unheard: less than a timeout since
+    record = w.check(now=137.6)  # a whole timeout: it stalls now, on its own
+    assert where(record) == {0: (105, "backward", 10.1, False)} and record["suspects"] == [0]
+
+
 def test_a_stall_is_rewritten_only_on_change_and_frozen_once_its_ranks_ended():
     done: set[int] = set()
     w = HangWatch(10.0, lambda r, attempt: r in done, "/nonexistent/stall.json")

@@ -178,7 +178,8 @@ class HangWatch:
         ranks moved again.
 
         A record changes only when a stall begins, when another rank joins it, when every
-        stalled rank ended (frozen from then on, with ``ended_unix_s``), or when it is over:
+        stalled rank ended (frozen from then on, with ``ended_unix_s``), or when it is over
+        (one of its ranks moved; the others' silence counts from then on):
         each rank's entry is its state when it was found stalled, and the suspects are chosen
         on those states (a rank that dies after the stall was detected, as the user stops the
         job, is no evidence). A new stall waits while another watched rank that is not yet
@@ -190,7 +191,14 @@ class HangWatch:
         record = self.record
         if record is not None:
             if any(self._moved(e) for e in record["ranks"]):
-                record = None  # progress again
+                # Progress again: the stall is over for all its ranks. Those not heard moving
+                # yet (their batches trail the mover's by up to a flush interval) wait a whole
+                # timeout from now before they can stall again: each waited for the suspect
+                # and is no suspect of a stall of its own in the meantime.
+                for e in record["ranks"]:
+                    if not self._moved(e):
+                        self.ranks[e["rank"]].changed_unix_s = now
+                record = None
             elif record.get("ended_unix_s") is not None:
                 return record  # frozen: the stalled ranks ended without moving
             elif all(self._is_done(e["rank"], e.get("attempt", 0)) for e in record["ranks"]):
