@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 
 import pytest
+from conftest import EXAMPLES, free_port, run_traceml
 from helpers.batches import rank_batch
 
 from traceml import wire
@@ -158,3 +159,20 @@ def test_an_atomic_write_on_a_full_disk_raises_and_leaves_no_temporary_file(smal
     assert raised.value.errno == 28  # ENOSPC
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler", "manifest.json"]
     assert path.read_text() == "old\n" and oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.torchrun
+def test_a_launch_on_a_full_disk_is_refused_in_one_line_and_leaves_nothing(tmp_path, small_fs):
+    """``traceml run --logs-dir`` on a full disk: node 0 cannot write the run token, so the
+    launch is refused before anything starts (one line, exit code 2) and the directories it
+    made for the run are removed: the disk holds what it held."""
+    fill(small_fs)
+    args = ["run", str(EXAMPLES / "ddp_minimal.py"), "--run-name", "full"]
+    args += ["--logs-dir", str(small_fs), "--aggregator-port", str(free_port())]
+    result = run_traceml(args, tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"traceml: error: cannot write the run token to {small_fs / 'full' / 'run_token'}: "
+        "No space left on device"
+    ]
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]

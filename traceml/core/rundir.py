@@ -82,11 +82,14 @@ class RunDir:
         self.token_file = self.root / TOKEN_FILE_NAME
         self.dashboard_link = self.root / DASHBOARD_LINK_FILE_NAME
 
-    def create(self, *, owner: bool) -> None:
-        """Create the directories this node writes into."""
-        self.node_dir.mkdir(parents=True, exist_ok=True)
-        if owner:
-            self.aggregator_dir.mkdir(parents=True, exist_ok=True)
+    def create(self, *, owner: bool) -> list[Path]:
+        """Create the directories this node writes into; those it made, deepest first (what
+        undoing a launch refused after it removes)."""
+        made: set[Path] = set()
+        for directory in [self.node_dir] + ([self.aggregator_dir] if owner else []):
+            made.update(d for d in (directory, *directory.parents) if not d.exists())
+            directory.mkdir(parents=True, exist_ok=True)
+        return sorted(made, key=lambda d: len(d.parts), reverse=True)
 
 
 def write_atomic(

@@ -50,6 +50,7 @@ gRPC (about 0.2 s of imports) is imported where it is first used, after torchrun
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -129,7 +130,9 @@ def preflight(config: LaunchConfig) -> None:
     aggregator port is taken (on machines that share one port space).
 
     The run directory is made last, so that one that cannot be (``--logs-dir`` not writable,
-    a file, under ``/proc``) is a LaunchError too, and a launch refused earlier makes none.
+    a file, under ``/proc``) is a LaunchError too, and a launch refused earlier makes none;
+    then node 0 writes the run token into it (a full disk: a LaunchError, and the directories
+    just made, empty, are removed).
 
     Raises:
         ClaimError: this node's ``--node-rank`` cannot be right (see
@@ -153,12 +156,22 @@ def preflight(config: LaunchConfig) -> None:
                 "--metrics-bind-host",
             )
     try:
-        run_dir.create(owner=config.owns_aggregator)
+        made = run_dir.create(owner=config.owns_aggregator)
     except OSError as exc:
         raise LaunchError(
             f"cannot make the run directory {config.run_dir} (--logs-dir "
             f"{config.logs_dir}): {exc.strerror or exc}"
         ) from None
+    if config.owns_aggregator:
+        try:
+            credentials.prepare_owner(config, run_dir)
+        except OSError as exc:
+            for directory in made:
+                with contextlib.suppress(OSError):  # not empty: another node's files
+                    directory.rmdir()
+            raise LaunchError(
+                f"cannot write the run token to {run_dir.token_file}: {exc.strerror or exc}"
+            ) from None
 
 
 class Launch:
@@ -199,18 +212,10 @@ class Launch:
         return self._train_and_finish(node_manifest, run_manifest)
 
     def _start(self, node_manifest: Manifest, run_manifest: Manifest | None) -> int | None:
-        """Phase starting: node 0 writes the run token and starts its aggregator; node r > 0
-        waits for it and claims its rank. None to go on, else the launch's exit code (it
-        failed, said on stderr and recorded)."""
-        config, run_dir = self.config, self.run_dir
+        """Phase starting: node 0 starts its aggregator (its run token written by
+        :func:`preflight`); node r > 0 waits for it and claims its rank. None to go on, else
+        the launch's exit code (it failed, said on stderr and recorded)."""
         if run_manifest is not None:
-            try:
-                credentials.prepare_owner(config, run_dir)
-            except OSError as exc:
-                _log.info(f"error: cannot write the run token to {run_dir.token_file}: {exc}")
-                self.phase.to(Phase.FAILED, "no run token")
-                run_manifest.event("ended", status=Phase.FAILED.value, exit_code=1)
-                return 1
             self.supervisor.start()
         elif failure := self.node.join():
             self.phase.to(Phase.FAILED, failure)
