@@ -338,7 +338,8 @@ class Launch:
             self._overdue.daemon = True
             self._overdue.start()
         else:
-            _log.info(f"got {name}: stopping training; the summary follows (again: end at once)")
+            then = "the summary follows" if self.config.owns_aggregator else "node 0 sums up"
+            _log.info(f"got {name}: stopping training; {then} (again: end at once)")
             self.node.torchrun.forward_signal(signum)
 
     def _end_overdue(self, signum: int) -> None:
