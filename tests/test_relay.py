@@ -12,6 +12,7 @@ primary key would hide it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -127,7 +128,7 @@ def test_a_nodes_senders_flush_on_its_ticks_and_cross_the_relay_together(agg, mo
                     rank=r,
                     relay=relay.address,
                     flush_interval_s=interval_s,
-                )  # fmt: skip
+                )
             )
             clients[-1].submit(client_mod.STEPS, step(0))
             time.sleep(0.13)
@@ -470,6 +471,44 @@ def test_an_aggregator_restarted_mid_stream_behind_the_relay_stores_each_step_on
     assert second["records"] == RANKS * total - stored_before
 
 
+class Stepping:
+    """A rank's ``client`` that submits its next step each time :meth:`until` is polled."""
+
+    def __init__(self, client, pause_s: float) -> None:
+        self.client, self.pause_s, self.steps = client, pause_s, 0
+
+    def until(self, done) -> bool:
+        """Submit the next step, pause ``pause_s``, then ``done()``: a :func:`wait_for`
+        condition that steps the rank while it waits."""
+        self.client.submit(client_mod.STEPS, step(self.steps))
+        self.steps += 1
+        time.sleep(self.pause_s)
+        return done()
+
+
+@contextlib.contextmanager
+def node_1_through_its_relay(agg, warnings: list[str], flush_interval_s: float, pause_s: float):
+    """Node 1's session and relay (carrying the session's heartbeats) in this process, against
+    ``agg``, and rank 1's client streaming through the relay (its warnings to ``warnings``):
+    yields ``(session, relay, Stepping)``; the relay and the session are closed after."""
+    from test_launcher_news import claim
+
+    from traceml.launcher.session import NodeSession
+
+    session = NodeSession(agg.target, claim(1)).start()
+    relay = NodeRelay(agg.target, Credentials.from_env(), 60.0)
+    relay.start()
+    relay.carry_heartbeats(session, 1)
+    client = make_client(
+        agg.target, "r", warnings, rank=1, relay=relay.address, flush_interval_s=flush_interval_s
+    )
+    try:
+        yield session, relay, Stepping(client, pause_s)
+    finally:
+        relay.close()
+        session.close()
+
+
 @pytest.mark.slow
 def test_the_relay_carries_the_sessions_heartbeats_and_the_session_sends_its_own_without_it(
     tmp_path,
@@ -480,54 +519,36 @@ def test_the_relay_carries_the_sessions_heartbeats_and_the_session_sends_its_own
     stalls, node 0 still hears the node (its ``RelayUp``s are read, and pushed back after 2 s):
     with nodes lost after 3 s of silence, a 5 s stall loses none. Once the relay is gone, the
     session sends its own heartbeats again."""
-    from test_launcher_news import claim
-
-    from traceml.launcher.session import NodeSession
-
     stall = tmp_path / "stall"
     env = {COMMIT_STALL_FILE_ENV: str(stall), "TRACEML_NODE_LOST_AFTER_SEC": "3"}
     args = ("--nnodes", "2")
     with LiveAggregator(tmp_path / "run", "r", world_size=2, extra_args=args, env=env) as agg:
-        session = NodeSession(agg.target, claim(1)).start()
-        relay = NodeRelay(agg.target, Credentials.from_env(), 60.0)
-        relay.start()
-        relay.carry_heartbeats(session, 1)
         warnings: list[str] = []
-        client = make_client(agg.target, "r", warnings, rank=1, relay=relay.address)
-        steps = 0
-
-        def stepping(done) -> bool:
-            nonlocal steps
-            client.submit(client_mod.STEPS, step(steps))  # a RelayUp every 20 ms or so
-            steps += 1
-            time.sleep(0.02)
-            return done()
-
-        try:
-            assert session.wait_claim(30).accepted
-            answered = relay.stats
-            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= 2), 30, "two")
-            own = session.heartbeats_sent
-            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= 5), 30, "3 more")
-            # 3 more heartbeats through the relay, >= 1.5 s apart: the session's stream, which
-            # would have sent 2 or more in that time, sent none (one, at most, if a RelayUp
-            # took over 0.5 s on a loaded machine and its own came due first)
-            assert session.heartbeats_sent - own <= 1
-            assert session.clock.best() is not None
-            stall.touch()
-            stalled = time.monotonic()
-            wait_for(lambda: stepping(lambda: time.monotonic() - stalled > 5), 30, "the stall")
-            stall.unlink()
-            assert "lost: nothing" not in agg.log()
-            assert client.close(finish(steps), timeout_s=60) is True
-            relay.close()
-            wait_for(lambda: session.heartbeats_sent >= own + 2, 30, "its own heartbeats")
-        finally:
-            stall.unlink(missing_ok=True)
-            relay.close()
-            session.close()
+        # a RelayUp every 20 ms or so
+        with node_1_through_its_relay(agg, warnings, 0.02, 0.02) as (session, relay, rank):
+            try:
+                assert session.wait_claim(30).accepted
+                answered = relay.stats
+                wait_for(lambda: rank.until(lambda: answered.heartbeats_answered >= 2), 30, "2")
+                own = session.heartbeats_sent
+                wait_for(lambda: rank.until(lambda: answered.heartbeats_answered >= 5), 30, "3")
+                # 3 more heartbeats through the relay, >= 1.5 s apart: the session's stream,
+                # which would have sent 2 or more in that time, sent none (one, at most, if a
+                # RelayUp took over 0.5 s on a loaded machine and its own came due first)
+                assert session.heartbeats_sent - own <= 1
+                assert session.clock.best() is not None
+                stall.touch()
+                stalled = time.monotonic()
+                wait_for(lambda: rank.until(lambda: time.monotonic() - stalled > 5), 30, "stall")
+                stall.unlink()
+                assert "lost: nothing" not in agg.log()
+                assert rank.client.close(finish(rank.steps), timeout_s=60) is True
+                relay.close()
+                wait_for(lambda: session.heartbeats_sent >= own + 2, 30, "its own heartbeats")
+            finally:
+                stall.unlink(missing_ok=True)
         assert "lost: nothing" not in agg.log()
-    assert agg.query("SELECT COUNT(*) FROM steps") == [(steps,)]
+    assert agg.query("SELECT COUNT(*) FROM steps") == [(rank.steps,)]
 
 
 @pytest.mark.slow
@@ -539,41 +560,20 @@ def test_at_the_default_flush_the_relay_carries_every_heartbeat_and_the_session_
     ride the relay's ``RelayUp``s and the session's own stream sends none. (Its own, due 2 s
     after the last as the relay's was, raced the node's flush tick and, once ahead, kept the
     relay from carrying any.)"""
-    from test_launcher_news import claim
-
-    from traceml.launcher.session import NodeSession
-
     with LiveAggregator(tmp_path / "run", "r", world_size=2, extra_args=("--nnodes", "2")) as agg:
-        session = NodeSession(agg.target, claim(1)).start()
-        relay = NodeRelay(agg.target, Credentials.from_env(), 60.0)
-        relay.start()
-        relay.carry_heartbeats(session, 1)
         warnings: list[str] = []
-        client = make_client(
-            agg.target, "r", warnings, rank=1, relay=relay.address, flush_interval_s=2.0
-        )
-        steps = 0
-
-        def stepping(done) -> bool:
-            nonlocal steps
-            client.submit(client_mod.STEPS, step(steps))
-            steps += 1
-            time.sleep(0.05)
-            return done()
-
-        answered = relay.stats
-        try:
+        with node_1_through_its_relay(agg, warnings, 2.0, 0.05) as (session, relay, rank):
             assert session.wait_claim(30).accepted
-            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= 1), 30, "one")
+            answered = relay.stats
+            wait_for(lambda: rank.until(lambda: answered.heartbeats_answered >= 1), 30, "one")
             own, carried = session.heartbeats_sent, answered.heartbeats_answered
-            wait_for(lambda: stepping(lambda: answered.heartbeats_answered >= carried + 5), 30, "5")
+            wait_for(
+                lambda: rank.until(lambda: answered.heartbeats_answered >= carried + 5), 30, "5"
+            )
             assert session.heartbeats_sent == own
-            assert client.close(finish(steps), timeout_s=60) is True
-        finally:
-            relay.close()
-            session.close()
+            assert rank.client.close(finish(rank.steps), timeout_s=60) is True
     assert warnings == []
-    assert agg.query("SELECT COUNT(*) FROM steps") == [(steps,)]
+    assert agg.query("SELECT COUNT(*) FROM steps") == [(rank.steps,)]
 
 
 def test_a_lost_node_heard_again_through_its_relay_or_its_kept_session_is_back(tmp_path):
