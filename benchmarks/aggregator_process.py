@@ -82,6 +82,25 @@ _STORED_LINE = re.compile(
     r"stored (?P<records>\d+) records in (?P<batches>\d+) batches; "
     r"(?P<duplicates>\d+) resent batches were already stored"
 )
+#: Its line of what the node relays carried (see traceml_aggregator.server.serve).
+_RELAY_LINE = re.compile(r"node relays: (\d+) calls carried (\d+) messages")
+
+
+def stored_counters(log: str) -> list[dict[str, int]]:
+    """``{"records", "batches", "duplicates"}`` of each clean stop in an aggregator's ``log``
+    (its stderr), in order."""
+    return [{k: int(v) for k, v in m.groupdict().items()} for m in _STORED_LINE.finditer(log)]
+
+
+def relay_counts(log: str) -> tuple[int, int]:
+    """``(Relay calls, RelayUp messages)`` an aggregator served, from the last clean stop in
+    its ``log`` (its stderr).
+
+    Raises:
+        IndexError: the log has no such line (the aggregator did not stop cleanly).
+    """
+    calls, messages = _RELAY_LINE.findall(log)[-1]
+    return int(calls), int(messages)
 
 
 class LiveAggregator:
@@ -179,9 +198,7 @@ class LiveAggregator:
 
     def counters(self) -> list[dict[str, int]]:
         """``{"records", "batches", "duplicates"}`` of each clean stop, in order."""
-        return [
-            {k: int(v) for k, v in m.groupdict().items()} for m in _STORED_LINE.finditer(self.log())
-        ]
+        return stored_counters(self.log())
 
     def query(self, sql: str, params: tuple = ()) -> list[tuple]:
         """Rows of ``sql`` on the store; the aggregator must be stopped."""

@@ -25,25 +25,16 @@ Usage: ``python benchmarks/relay_cpu.py [--nproc 8] [--step-ms 100] [--steps 700
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 from pathlib import Path
 
 from _common import median
+from aggregator_process import relay_counts, stored_counters
 from ddp_overhead import Run, traceml_job
 
 #: Issue 26's target for the relay's own CPU, % of one core (8 ranks at 10 steps/s each).
 TARGET_PERCENT = 2.0
 RELAY = "launcher relay"
-
-
-def carried(log: str) -> tuple[int, int]:
-    """``(batches stored, RelayUp messages)`` of a run, from its aggregator's ``log``."""
-    batches = re.search(r"stored \d+ records in (\d+) batches", log)
-    messages = re.search(r"node relays: \d+ calls carried (\d+) messages", log)
-    if batches is None or messages is None:
-        raise SystemExit("the aggregator's log lacks its closing lines")
-    return int(batches.group(1)), int(messages.group(1))
 
 
 def main() -> None:
@@ -76,7 +67,7 @@ def main() -> None:
             run = Run(argv, Path(tmp), window, traced=True)
             rate = window / run.window_s
             log = (Path(tmp) / f"relay-cpu-{i}" / "aggregator" / "process.stderr.log").read_text()
-            batches, messages = carried(log)
+            batches, messages = stored_counters(log)[-1]["batches"], relay_counts(log)[1]
             percent = run.core_percent(RELAY)
             percents.append(percent)
             others = {

@@ -190,14 +190,14 @@ class HangWatch:
         now = time.time() if now is None else now
         record = self.record
         if record is not None:
-            if any(self._moved(e) for e in record["ranks"]):
+            still = [e["rank"] for e in record["ranks"] if not self._moved(e)]
+            if len(still) < len(record["ranks"]):
                 # Progress again: the stall is over for all its ranks. Those not heard moving
                 # yet (their batches trail the mover's by up to a flush interval) wait a whole
                 # timeout from now before they can stall again: each waited for the suspect
                 # and is no suspect of a stall of its own in the meantime.
-                for e in record["ranks"]:
-                    if not self._moved(e):
-                        self.ranks[e["rank"]].changed_unix_s = now
+                for rank in still:
+                    self.ranks[rank].changed_unix_s = now
                 record = None
             elif record.get("ended_unix_s") is not None:
                 return record  # frozen: the stalled ranks ended without moving

@@ -24,6 +24,7 @@ from aggregator_process import (  # noqa: E402
     free_port,
     make_client,
     query,
+    relay_counts,
     step,
 )
 
@@ -87,4 +88,4 @@ def relay_calls(log: str) -> int:
     Raises:
         IndexError: the log has no such line (the aggregator did not stop cleanly).
     """
-    return int(log.rsplit("node relays: ", 1)[1].split(" calls", 1)[0])
+    return relay_counts(log)[0]
