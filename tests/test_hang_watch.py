@@ -114,7 +114,9 @@ def test_a_stall_is_over_for_all_its_ranks_when_its_suspect_moves():
     w.on_batch(progress(1, 110, "step"), now=137.0)
     assert w.check(now=137.4) is None  # rank 0 still unheard: less than a timeout since
     record = w.check(now=137.6)  # a whole timeout: it stalls now, on its own
-    assert where(record) == {0: (105, "backward", 10.1, False)} and record["suspects"] == [0]
+    # Its record dates its silence from its real last step (100.0), not from the wait's end.
+    assert where(record) == {0: (105, "backward", 37.6, False)} and record["suspects"] == [0]
+    assert record["ranks"][0]["last_progress_unix_s"] == 100.0
 
 
 def test_a_stall_is_rewritten_only_on_change_and_frozen_once_its_ranks_ended():

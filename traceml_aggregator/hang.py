@@ -75,6 +75,13 @@ class RankProgress:
     attempt: int = 0  # torchrun's restart_count
     collective: CollectiveWait | None = None  # the collective it last said it is inside
     stack: str | None = None  # the main thread's stack it last sent (None: none)
+    #: When a stall it waited in ended without it being heard moving: its silence counts
+    #: towards the hang timeout from then, not from ``changed_unix_s`` (None: not so).
+    waited_until_unix_s: float | None = None
+
+    def silent_s(self, now: float) -> float:
+        """Seconds it counts as silent at ``now`` towards the hang timeout."""
+        return now - max(self.changed_unix_s, self.waited_until_unix_s or 0.0)
 
 
 class HangWatch:
@@ -197,7 +204,7 @@ class HangWatch:
                 # timeout from now before they can stall again: each waited for the suspect
                 # and is no suspect of a stall of its own in the meantime.
                 for rank in still:
-                    self.ranks[rank].changed_unix_s = now
+                    self.ranks[rank].waited_until_unix_s = now
                 record = None
             elif record.get("ended_unix_s") is not None:
                 return record  # frozen: the stalled ranks ended without moving
@@ -220,13 +227,11 @@ class HangWatch:
         }
         joined = {e["rank"] for e in record["ranks"]} if record else set()
         stalled = sorted(
-            r
-            for r, p in watched.items()
-            if r not in joined and now - p.changed_unix_s >= self.timeout_s
+            r for r, p in watched.items() if r not in joined and p.silent_s(now) >= self.timeout_s
         )
         quiet = any(
             r not in joined
-            and self.timeout_s * ABOUT_TO_STALL_SHARE <= now - p.changed_unix_s < self.timeout_s
+            and self.timeout_s * ABOUT_TO_STALL_SHARE <= p.silent_s(now) < self.timeout_s
             for r, p in watched.items()
         )
         if not stalled or (record is None and quiet):
