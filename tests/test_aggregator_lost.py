@@ -89,9 +89,9 @@ def test_aggregator_lost_mid_run_is_in_the_summary(tmp_path, port, monkeypatch):
     at = time.strftime("%H:%M:%S UTC", time.gmtime(loss["lost_unix_s"]))
     assert lost["severity"] == "warning"
     assert lost["summary"] == (
-        f"The aggregator was lost at {at} ({REASON}) and not restarted: this summary covers "
-        f"only the steps stored until then (rank 0: {stored[0]}, rank 1: {stored[1]}); the "
-        "telemetry sent after it was not received."
+        f"Node 0's aggregator stopped storing at {at} ({REASON}): this summary covers only the "
+        f"steps stored until then (rank 0: {stored[0]}, rank 1: {stored[1]}); the telemetry "
+        "sent after it was not stored."
     )
     assert lost["evidence"] == {
         "statistic": "events",

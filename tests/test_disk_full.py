@@ -9,34 +9,44 @@ as duplicates: lost without a word. Needs root (``mount -t tmpfs``); skipped oth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
 import subprocess
+import time
 
 import pytest
-from conftest import EXAMPLES, free_port, run_traceml
+from conftest import EXAMPLES, free_port, run_traceml, start_traceml, wait_for
 from helpers.batches import rank_batch
 
 from traceml import wire
 from traceml_aggregator.nodes import NodeRegistry
+from traceml_aggregator.reserve import RESERVE_BYTES
 from traceml_aggregator.sessions import NodeSessions
 from traceml_aggregator.store import NODE_LOSSES_META_KEY, Store
-from traceml_aggregator.writer import Writer
+from traceml_aggregator.writer import QueueFull, Writer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs at ``tmp_path/fs``, unmounted afterwards."""
-    mount = tmp_path / "fs"
+@contextlib.contextmanager
+def tmpfs(mount, size: str):
+    """A tmpfs of ``size`` (``mount -o size=``) at the new directory ``mount``, unmounted
+    afterwards."""
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs at ``tmp_path/fs``."""
+    with tmpfs(tmp_path / "fs", "1m") as mount:
+        yield mount
 
 
 def fill(directory) -> None:
@@ -78,8 +88,9 @@ def test_a_full_disk_fails_the_transaction_and_forgets_its_seqs(small_fs):
 
 def test_the_writer_acknowledges_nothing_on_a_full_disk_and_everything_after(small_fs):
     """Batches of three ranks share a transaction that the full disk fails; the writer's retry
-    one by one fails too, so every handler learns of the error (the rank resends) and none is
-    acknowledged; resent once the disk has room, each is stored exactly once."""
+    one by one fails too, so every handler hears a push-back (the rank keeps the batch and
+    sends it again) and none is acknowledged; the writer says since when the store fails.
+    Resent once the disk has room, each is stored exactly once, and the failure is over."""
     acked: list[int] = []
 
     async def main():
@@ -87,21 +98,26 @@ def test_the_writer_acknowledges_nothing_on_a_full_disk_and_everything_after(sma
         writer.start()
         first = await writer.queue_batch(batch(1, 0))
         fill(small_fs)
+        before_s = time.time()
         full = await asyncio.gather(
             *(writer.queue_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1))),
             return_exceptions=True,
         )
+        failure = writer.store_failure
         (small_fs / "filler").unlink()
         again = await asyncio.gather(
             *(writer.queue_batch(batch(s, r)) for r, s in ((0, 2), (1, 1), (2, 1)))
         )
         steps = await writer.call(stored_steps, writer.store)
         await writer.close()
-        return first, full, again, steps
+        return first, full, (before_s, failure, writer.store_failure), again, steps
 
-    first, full, again, steps = asyncio.run(main())
+    first, full, (before_s, failure, after), again, steps = asyncio.run(main())
     assert (first.stored_seq, first.duplicate) == (1, False)
-    assert [type(e) for e in full] == [sqlite3.OperationalError] * 3
+    error = "OperationalError: database or disk is full"
+    assert [(type(e), str(e)) for e in full] == [(QueueFull, f"the store failed ({error})")] * 3
+    assert failure[1] == error and before_s <= failure[0] <= time.time()
+    assert after is None
     assert [(r.stored_seq, r.duplicate) for r in again] == [(2, False), (1, False), (1, False)]
     assert steps == {0: 400, 1: 200, 2: 200}
     assert sorted(acked) == [0, 0, 1, 2]
@@ -176,3 +192,65 @@ def test_a_launch_on_a_full_disk_is_refused_in_one_line_and_leaves_nothing(tmp_p
         "No space left on device"
     ]
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_a_disk_that_fills_mid_run_ends_the_run_at_once_with_a_summary_of_what_was_stored(
+    tmp_path,
+):
+    """The run directory's disk fills while 2 ranks train (under the relay, the default). Node
+    0's store stops committing; the ranks' batches are pushed back (kept, sent again), not
+    taken for a lost aggregator. When training ends, the node's exit is counted though it
+    cannot be stored, so finalization does not wait its budget for finish markers the store
+    cannot take (before: 330 s, then no summary). The aggregator gives back the room it held
+    (``.disk_reserve``) and writes into it the node's exit, the summary, and why the summary
+    covers only the steps stored before the disk filled (``AGGREGATOR_LOST``)."""
+    with tmpfs(tmp_path / "fs", "48m") as fs:
+        run_dir = fs / "filled"
+        args = ["run", str(EXAMPLES / "ddp_minimal.py"), "--nproc-per-node=2"]
+        args += ["--run-name", "filled", "--logs-dir", str(fs)]
+        args += ["--aggregator-port", str(free_port()), "--finalize-timeout-sec", "120"]
+        launcher = start_traceml(
+            args + ["--", "--steps", "300", "--step-ms", "30", "--mark-step", "150"],
+            tmp_path,
+            tmp_path / "launcher",
+        )
+        try:
+            reserve = run_dir / ".disk_reserve"
+            held = RESERVE_BYTES
+            wait_for(lambda: reserve.exists() and reserve.stat().st_size == held, 60, "a reserve")
+            assert reserve.stat().st_blocks * 512 == held  # taken, not sparse
+
+            out = tmp_path / "launcher.out"  # halfway, after a few flushes (every 2 s)
+            wait_for(lambda: "at step 150" in out.read_text(), 60, "step 150")
+            filled_s = time.time()
+            fill(fs)
+            code = launcher.wait(timeout=200)
+        finally:
+            launcher.kill()
+            launcher.wait()
+        err = (tmp_path / "launcher.err").read_text()
+        assert code == 0, err
+        summary = json.loads((run_dir / "final_summary.json").read_text())
+        listing = sorted(p.name for p in run_dir.iterdir())
+    error = "OperationalError: database or disk is full"
+    loss = summary["run"]["telemetry_health"]["aggregator_loss"]
+    assert loss["reason"] == f"its store failed to commit: {error}"
+    assert filled_s <= loss["lost_unix_s"] <= filled_s + 5
+    at = time.strftime("%H:%M:%S UTC", time.gmtime(loss["lost_unix_s"]))
+    assert (
+        f"traceml: warning: the summary above: the store has failed to commit since {at} "
+        f"({error}): the summary covers only what was stored before"
+    ) in err.splitlines()
+    assert "lost node 0's aggregator" not in err and "unreachable" not in err
+    assert "no finalization result" not in err
+    assert [(r["rank"], r["end"]["state"]) for r in summary["ranks"]] == [
+        (0, "completed"),
+        (1, "completed"),
+    ]
+    stored = {r["rank"]: r["records_received"] for r in summary["ranks"]}
+    assert sorted(stored) == [0, 1] and all(0 < n < 300 for n in stored.values()), stored
+    (lost,) = [f for f in summary["findings"]["health"] if f["kind"] == "AGGREGATOR_LOST"]
+    assert lost["evidence"]["steps_stored"] == {str(r): n for r, n in stored.items()}
+    assert ".disk_reserve" not in listing and "final_summary.txt" in listing

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,16 +220,30 @@ class Finalizer:
         return await self._write(missing, deadline)
 
     async def _write(self, missing: list[int], deadline: float) -> Outcome:
+        """Drain the writer, fold the WAL in, write the reports; an outcome that says when the
+        store stopped committing, if it has (:attr:`~traceml_aggregator.writer.Writer.
+        store_failure`: the summary then covers only what was stored before)."""
         async with self._lock:
             await self.writer.drain(max(0.5, deadline - time.monotonic()))
             try:
-                await self.writer.call(self.writer.store.checkpoint)
+                try:
+                    await self.writer.call(self.writer.store.checkpoint)
+                except (sqlite3.Error, OSError):
+                    pass  # a full disk: the WAL stays (SQLite reads it), the summary is written
                 steps = await self._steps()
                 outcome = await self.writer.call(
                     self._write_reports, self.writer.store, missing, steps, deadline
                 )
             except Exception as exc:
                 outcome = Outcome(missing, error=f"{type(exc).__name__}: {exc}")
+            if self.writer.store_failure is not None:
+                since, error = self.writer.store_failure
+                at = time.strftime("%H:%M:%S UTC", time.gmtime(since))
+                failure = (
+                    f"the store has failed to commit since {at} ({error}): the summary covers "
+                    "only what was stored before"
+                )
+                outcome.error = "; ".join(e for e in (failure, outcome.error) if e)
             self.last = outcome
             return outcome
 

@@ -46,7 +46,8 @@ def write_reports(
     samples: Checkpoint | None = None,
     deadline: float | None = None,
 ) -> Outcome:
-    """Build the summary and write the report files into ``run_dir``.
+    """Build the summary and write the report files into ``run_dir``; when they cannot be
+    written (``OSError``: a full disk), the outcome has the summary's text and the error.
 
     The summary (``final_summary.json`` and ``.txt``) is always written: what it reads is
     bounded per rank (above), so its time grows with the ranks, not the run. The HTML report
@@ -87,19 +88,23 @@ def write_reports(
     summary = build_summary(run)
     text = render_text(summary)
     outcome = Outcome(missing, text=text)
-    outcome.json_path = run_dir / SUMMARY_JSON_NAME
-    write_atomic(outcome.json_path, to_json(summary))
-    outcome.text_path = run_dir / SUMMARY_TEXT_NAME
-    write_atomic(outcome.text_path, text)
-    if html and deadline is not None and time.monotonic() > deadline + HTML_AFTER_DEADLINE_S:
-        _log.warning(
-            f"warning: {SUMMARY_HTML_NAME} left out: the summary was written more than "
-            f"{HTML_AFTER_DEADLINE_S:g} s past the finalization's deadline (traceml view "
-            f"{run_dir} --html PATH draws it)"
-        )
-    elif html:
-        from traceml.report.html import render_html
+    path = run_dir / SUMMARY_JSON_NAME
+    try:
+        write_atomic(path, to_json(summary))
+        outcome.json_path, path = path, run_dir / SUMMARY_TEXT_NAME
+        write_atomic(path, text)
+        outcome.text_path, path = path, run_dir / SUMMARY_HTML_NAME
+        if html and deadline is not None and time.monotonic() > deadline + HTML_AFTER_DEADLINE_S:
+            _log.warning(
+                f"warning: {SUMMARY_HTML_NAME} left out: the summary was written more than "
+                f"{HTML_AFTER_DEADLINE_S:g} s past the finalization's deadline (traceml view "
+                f"{run_dir} --html PATH draws it)"
+            )
+        elif html:
+            from traceml.report.html import render_html
 
-        outcome.html_path = run_dir / SUMMARY_HTML_NAME
-        write_atomic(outcome.html_path, render_html(summary))
+            write_atomic(path, render_html(summary))
+            outcome.html_path = path
+    except OSError as exc:  # a full disk: the text still goes to node 0's launcher
+        outcome.error = f"{path} not written ({exc.strerror})"
     return outcome

@@ -41,6 +41,7 @@ from traceml.core.heap import SERVING_TALLY, serving_heap
 from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
+from traceml_aggregator import reserve
 from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
 from traceml_aggregator.checkpoint import Checkpoint, Checkpointer
 from traceml_aggregator.checkpoint import read as read_checkpoint
@@ -232,6 +233,9 @@ class AggregatorService(wire.AggregatorServicer):
         self.rejections = rejections
         #: Node relays' ``Relay`` calls opened, and the ``RelayUp`` messages they carried.
         self.relay_calls = self.relay_messages = 0
+        #: ``(NodeExit, received µs)`` of node exits the store could not commit yet (the
+        #: summary's commit tries them again).
+        self.unstored_exits: list[tuple] = []
         store = writer.store
         self.sessions = NodeSessions(
             NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes),
@@ -317,13 +321,14 @@ class AggregatorService(wire.AggregatorServicer):
     async def _stored(stored: asyncio.Future, context):
         """What the writer's future ``stored`` came to: its result, or the
         :class:`~traceml_aggregator.writer.QueueFull` of a batch (a relay message) that waited
-        too long; a failed store aborts the call (``UNAVAILABLE``)."""
+        too long, or whose store failed to commit (a full disk); an error of the writer itself
+        (a bug) aborts the call (``UNAVAILABLE``)."""
         try:
             return await stored
         except QueueFull as exc:
             return exc
         except Exception as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store failed: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"writer error: {exc}")
 
     def _ack(self, request, result: WriteResult):
         """The Ack of ``request`` (a Batch) that the writer's ``result`` answers; a refusal and
@@ -420,8 +425,8 @@ class AggregatorService(wire.AggregatorServicer):
         the message; its other frames (a refusal, a push-back, a ``closing``, an ``ended``)
         at once, so a call cancelled while the writer is behind loses no stream's clean end.
         A message queued when the call is cancelled stays queued, unanswered, as a Stream's
-        batch would; a store that failed aborts the call (``UNAVAILABLE``), as it does a
-        Stream."""
+        batch would; a store that cannot commit pushes its batches back, as a full queue
+        does."""
         checked: list[tuple] = []  # (frame, its Ack, or its index among the batches to queue)
         batches: list = []
         for frame in frames:
@@ -485,13 +490,25 @@ class AggregatorService(wire.AggregatorServicer):
         return ""
 
     async def _store_node_exit(self, report) -> str:
-        """Store a node's exit (``ReportNodeExit``, or a node session's); the refusal, or ""."""
+        """Take a node's exit (``ReportNodeExit``, or a node session's) and store it; the
+        refusal, or "". One the store cannot commit (a full disk) is counted all the same
+        (logged), so that finalization does not wait for finish markers the store cannot
+        take, and kept in :attr:`unstored_exits` for the summary's commit (an aggregator
+        restarted before it never learns it)."""
         reason = self._foreign(report.run_name) or self._node_exit_refusal(report)
         if reason:
             return reason
-        await self.writer.call(self.writer.store.write_node_exit, report, time.time_ns() // 1000)
         self.state.on_node_exit(report)
         self.live.on_node_exit(report)
+        received_unix_us = time.time_ns() // 1000
+        try:
+            await self.writer.call(self.writer.store.write_node_exit, report, received_unix_us)
+        except (sqlite3.Error, OSError) as exc:
+            self.unstored_exits.append((report, received_unix_us))
+            _log.warning(
+                f"warning: node {report.node_rank}'s exit is not stored yet ({type(exc).__name__}"
+                f": {exc}); this aggregator counts its ranks done"
+            )
         return ""
 
     async def _persist_meta(self, key: str, value) -> None:
@@ -715,7 +732,17 @@ class Aggregator:
     def _reports(self, store: Store, missing, steps, deadline):
         from traceml_aggregator.reports import write_reports
 
-        self._write_run_records(store)
+        reserve.release(RunDir(self.config.run_dir, 0).disk_reserve)  # room on a full disk
+        try:
+            for report, received_unix_us in list(self.service.unstored_exits):
+                store.write_node_exit(report, received_unix_us)
+                self.service.unstored_exits.remove((report, received_unix_us))
+            self._write_run_records(store)
+            if self.writer.store_failure is not None:  # the summary says what it lacks
+                since, error = self.writer.store_failure
+                record_loss(store, f"its store failed to commit: {error}", since)
+        except (sqlite3.Error, OSError) as exc:  # the summary has what was stored before
+            _log.warning(f"cannot store the node exits, stream ledger and refusal counts: {exc}")
         return write_reports(
             store,
             self.config.run_dir,
@@ -869,8 +896,10 @@ async def serve(config: ServerConfig, ready=None) -> int:
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    reserve.hold(RunDir(config.run_dir, 0).disk_reserve)
     with serving_heap() as collections:  # start-up is over: see traceml/core/heap.py
         await stop.wait()
+    reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # the stop's last commits
     _log.info(f"{SERVING_TALLY}: {collections}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -1004,6 +1033,7 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
     from traceml_aggregator.reports import write_reports
 
     deadline = time.monotonic() + config.finalize_timeout_s
+    reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # a killed aggregator's
     try:
         store = open_run_store(config.run_dir)
         stored_name = store.meta().get("run_name", config.run_name)

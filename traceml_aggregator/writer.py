@@ -12,7 +12,9 @@ highest stored sequence number, whether the batch was a duplicate or refused; a 
 future with the list of its batches' results), from which the handler builds the
 acknowledgement. A batch is acknowledged only after its transaction committed, so
 an acknowledged batch survives the aggregator process dying in any way; a commit that fails (a
-full disk) acknowledges nothing, and its senders resend. The store commits with
+full disk, an I/O error) acknowledges nothing: its batches are pushed back as a full queue's are
+(below), and their senders keep them and send them again, until the store commits again
+(:attr:`Writer.store_failure` says since when it has not). The store commits with
 ``synchronous=NORMAL`` (see :mod:`traceml_aggregator.store` for why): an operating-system crash
 of node 0 can lose the last commits, a process crash cannot.
 
@@ -50,6 +52,7 @@ import asyncio
 import collections
 import concurrent.futures
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
@@ -141,6 +144,9 @@ class Writer:
         self.batches_pushed_back = 0
         #: Stored batches whose ``on_stored`` call raised (see :meth:`_stored_hook`).
         self.on_stored_errors = 0
+        #: ``(since, error)``: the store has failed every commit since ``since`` (Unix s), the
+        #: first failure's ``error`` (one line); None while it commits.
+        self.store_failure: tuple[float, str] | None = None
         #: The store's highest ``steps`` rowid whose batches ``on_stored`` has seen (read on
         #: the event loop: every step row at or below it reached the live aggregates, none
         #: above it did; see :mod:`traceml_aggregator.checkpoint`).
@@ -165,9 +171,9 @@ class Writer:
 
         The future's exceptions:
             QueueFull: the batch was not stored within :attr:`pushback_after_s` (it stays
-                queued): the sender must send it again later.
-            sqlite3.Error: the store could not take it (disk full, I/O error); nothing of it
-                was stored.
+                queued), or the store failed to commit it (a full disk, an I/O error: nothing
+                of it was stored; see :attr:`store_failure`): the sender must send it again
+                later.
         """
         refusal = self._take(batch)
         if refusal is not None:
@@ -311,8 +317,9 @@ class Writer:
         outcomes, steps_rowid = await self._store(batches, time.time_ns() // 1000)
         for batch, outcome in zip(batches, outcomes, strict=True):
             if isinstance(outcome, BaseException) or outcome.rejected:
-                pass
-            elif outcome.duplicate:
+                continue
+            self._store_committed()
+            if outcome.duplicate:
                 self.batches_duplicate += 1
             else:
                 self.batches_stored += 1
@@ -368,12 +375,37 @@ class Writer:
                 return outcomes, steps_rowid
             if isinstance(exc, (ValueError, OverflowError)):
                 return [WriteResult(0, False, f"a malformed batch ({exc})", "malformed")], 0
+            if isinstance(exc, (sqlite3.Error, OSError)):  # rolled back: sent again later
+                return [self._store_failed(exc)], 0
             return [exc], 0
         if values_dropped:
             for batch, result in zip(batches, results, strict=True):
                 if not (result.rejected or result.duplicate):
                     result.values_dropped = values_dropped.get(id(batch), 0)
         return results, steps_rowid
+
+    def _store_failed(self, exc: Exception) -> QueueFull:
+        """A batch's transaction failed on the store itself (``exc``: a full disk, an I/O
+        error; SQLite rolled it back): the :class:`QueueFull` that pushes the batch back to
+        its sender; the first failure since the last commit starts :attr:`store_failure` and
+        is logged."""
+        error = f"{type(exc).__name__}: {exc}"
+        if self.store_failure is None:
+            self.store_failure = (time.time(), error)
+            _log.warning(
+                f"warning: the store cannot commit ({error}); batches are pushed back to their "
+                "senders, who keep them and send them again"
+            )
+        return QueueFull(f"the store failed ({error})")
+
+    def _store_committed(self) -> None:
+        """A transaction committed: a :attr:`store_failure` is over (logged)."""
+        if self.store_failure is not None:
+            since, error = self.store_failure
+            self.store_failure = None
+            _log.info(
+                f"the store commits again ({time.time() - since:.1f} s after it failed: {error})"
+            )
 
     def _write_batches(self, batches: list, received_unix_us: int) -> tuple[list[WriteResult], int]:
         """:meth:`Store.write_batches` on the writer thread, after the test-only stall (see

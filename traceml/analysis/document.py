@@ -124,14 +124,24 @@ class AggregatorOutage:
 
 @dataclass
 class AggregatorLoss:
-    """``run.telemetry_health.aggregator_loss``: node 0's aggregator lost for good (the
-    launcher did not restart it) and the summary written from the store
+    """``run.telemetry_health.aggregator_loss``: node 0's aggregator stopped storing for good
+    (it died and the launcher did not restart it, or its store stopped committing)
     (:attr:`~traceml.analysis.rundata.RunData.aggregator_loss`): the telemetry sent after
-    ``lost_unix_s`` was not received."""
+    ``lost_unix_s`` was not stored."""
 
-    reason: Annotated[str, Schema(description="why it was lost, as the launcher said it")]
+    reason: Annotated[
+        str,
+        Schema(
+            description="why: the launcher's words, or `its store failed to commit: ERROR` (a "
+            "full disk)"
+        ),
+    ]
     lost_unix_s: Annotated[
-        float, Schema(description="when the launcher saw the aggregator lost, unix seconds")
+        float,
+        Schema(
+            description="when the launcher saw the aggregator lost, or the store's first "
+            "failed commit, unix seconds"
+        ),
     ]
 
 
@@ -251,7 +261,8 @@ class TelemetryHealth:
     aggregator_loss: Annotated[
         AggregatorLoss | None,
         Schema(
-            description="node 0's aggregator lost for good (not restarted): the summary covers "
+            description="node 0's aggregator stopped storing for good (not restarted, or its "
+            "store failed): the summary covers "
             "only what was stored until then; null: not lost"
         ),
     ]

@@ -619,8 +619,9 @@ def aggregator_restarted(facts: Facts) -> Finding | None:
 
 
 def aggregator_lost(facts: Facts) -> Finding | None:
-    """AGGREGATOR_LOST: node 0's aggregator died and was not restarted (no restart allowed,
-    or none left), so the summary was written from the store and covers only the steps stored
+    """AGGREGATOR_LOST: node 0's aggregator stopped storing for good: it died and was not
+    restarted (no restart allowed, or none left; the summary was written from the store), or
+    its store stopped committing (a full disk), so the summary covers only the steps stored
     until then (:attr:`RunData.aggregator_loss`)."""
     loss = facts.run.aggregator_loss
     if loss is None:
@@ -630,12 +631,12 @@ def aggregator_lost(facts: Facts) -> Finding | None:
     return Finding(
         "AGGREGATOR_LOST",
         "warning",
-        f"The aggregator was lost at {_utc(loss.lost_unix_s)} ({loss.reason}) and not "
-        f"restarted: this summary covers only the steps stored until then ({told}); the "
-        "telemetry sent after it was not received.",
+        f"Node 0's aggregator stopped storing at {_utc(loss.lost_unix_s)} ({loss.reason}): "
+        f"this summary covers only the steps stored until then ({told}); the telemetry sent "
+        "after it was not stored.",
         "Read the verdict as one of the run's first part only. See aggregator/process.stderr.log "
-        "for why it died; --aggregator-max-restarts lets the launcher restart it on the run's "
-        "store.",
+        "for the cause: a full disk needs room in the run directory's; for an aggregator that "
+        "died, --aggregator-max-restarts lets the launcher restart it on the run's store.",
         evidence={
             "aggregator_loss": loss.to_json(),
             "steps_stored": {str(rank): n for rank, n in stored.items()},

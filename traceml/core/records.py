@@ -762,13 +762,16 @@ class AggregatorRestart(MetaRecord):
 @dataclass(frozen=True, slots=True)
 class AggregatorLoss(MetaRecord):
     """Node 0's aggregator lost for good: it died (or a replacement did not serve) and the
-    launcher did not restart it, so nothing sent after ``lost_unix_s`` was stored (meta key
-    ``aggregator_loss``: one JSON object; written by ``traceml-aggregator --finalize-only``
-    from the launcher's supervisor, ``traceml_aggregator/server.py``).
+    launcher did not restart it, or its store stopped committing (a full disk), so nothing
+    sent after ``lost_unix_s`` was stored (meta key ``aggregator_loss``: one JSON object;
+    written by ``traceml-aggregator --finalize-only`` from the launcher's supervisor, or by
+    the aggregator's own finalization, ``traceml_aggregator/server.py``).
 
     Attributes:
-        reason: why it was lost, as the launcher's warning says it (one line).
-        lost_unix_s: when the launcher saw the death that ended the telemetry (Unix s).
+        reason: why it was lost, as the launcher's warning says it, or ``its store failed to
+            commit: ERROR`` (one line).
+        lost_unix_s: when the launcher saw the death that ended the telemetry, or the store's
+            first failed commit (Unix s).
     """
 
     reason: str

@@ -35,6 +35,10 @@ SUMMARY_HTML_NAME = "final_summary.html"
 #: The aggregator's current stall record (a hang), under ``aggregator/``; node 0's launcher
 #: prints one line when it appears.
 STALL_NAME = "stall.json"
+#: Bytes the aggregator holds on the run's disk for the end of the run, at the top of the run
+#: directory (:mod:`traceml_aggregator.reserve`); node 0's launcher removes one a killed
+#: aggregator left.
+DISK_RESERVE_NAME = ".disk_reserve"
 #: Node 0's launcher writes the run's token there (mode 0600, atomically); the other nodes read
 #: it (:func:`traceml.core.transport.write_token_file`, :func:`~.transport.read_token_file`).
 TOKEN_FILE_NAME = "run_token"
@@ -77,6 +81,7 @@ class RunDir:
         self.aggregator_dir = self.root / "aggregator"
         self.aggregator_stderr = self.aggregator_dir / "process.stderr.log"
         self.stall_file = self.aggregator_dir / STALL_NAME
+        self.disk_reserve = self.root / DISK_RESERVE_NAME
         self.database = self.root / DATABASE_NAME
         self.final_summary_json = self.root / SUMMARY_JSON_NAME
         self.token_file = self.root / TOKEN_FILE_NAME

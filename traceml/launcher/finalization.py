@@ -117,13 +117,15 @@ class Finalization:
                 "the store"
             )
             return False
-        if reply.error:
-            supervisor.fail(reply.error)
-            _log.warning(f"warning: no final summary: {reply.error}")
-        else:
+        if reply.summary_text:  # with an error too: node 0's disk is full, or its store failed
             print_summary(reply.summary_text)
             if reply.missing_ranks:
                 _log.info(f"partial summary: ranks {list(reply.missing_ranks)} never finished")
+        if reply.error:
+            supervisor.fail(reply.error)
+            what = "the summary above" if reply.summary_text else "no final summary"
+            _log.warning(f"warning: {what}: {reply.error}")
+        if reply.summary_json_path:
             _log.info(f"summary: {reply.summary_json_path}")
         self._record(
             manifest,
@@ -132,7 +134,7 @@ class Finalization:
                 "final_summary_txt": reply.summary_text_path,
                 "final_summary_html": reply.summary_html_path,
             },
-            status="finalize_failed" if reply.error else "finalized",
+            status="finalized" if reply.summary_json_path else "finalize_failed",
             complete=reply.complete,
             missing_ranks=list(reply.missing_ranks),
         )
