@@ -12,6 +12,7 @@ launcher removes a file that a killed aggregator left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -42,5 +43,7 @@ def hold(path: Path, size: int = RESERVE_BYTES) -> None:
 
 
 def release(path: Path) -> None:
-    """Give the bytes held in ``path`` back (nothing when none are)."""
-    path.unlink(missing_ok=True)
+    """Give the bytes held in ``path`` back (nothing when none are, or the directory cannot be
+    written any more: what follows fails on its own, and says so)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)

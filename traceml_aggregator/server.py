@@ -896,7 +896,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    reserve.hold(RunDir(config.run_dir, 0).disk_reserve)
+    # Off the event loop: a filesystem without fallocate has glibc write a byte a block.
+    await asyncio.to_thread(reserve.hold, RunDir(config.run_dir, 0).disk_reserve)
     with serving_heap() as collections:  # start-up is over: see traceml/core/heap.py
         await stop.wait()
     reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # the stop's last commits

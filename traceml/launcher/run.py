@@ -507,7 +507,8 @@ class Launch:
             finally:
                 node.close_session()
                 supervisor.stop(2.0 if self.interrupted else 10.0)
-                self.run_dir.disk_reserve.unlink(missing_ok=True)  # a killed one's
+                with contextlib.suppress(OSError):  # a killed aggregator's
+                    self.run_dir.disk_reserve.unlink(missing_ok=True)
             run_manifest.event(
                 "ended", status=outcome.value, exit_code=code, aggregator=supervisor.health
             )
