@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import time
@@ -21,11 +22,11 @@ from conftest import EXAMPLES, free_port, run_traceml, start_traceml, wait_for
 from helpers.batches import rank_batch
 
 from traceml import wire
+from traceml.core.disk_reserve import RESERVE_BYTES
 from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.reserve import RESERVE_BYTES
 from traceml_aggregator.sessions import NodeSessions
 from traceml_aggregator.store import NODE_LOSSES_META_KEY, Store
-from traceml_aggregator.writer import QueueFull, Writer
+from traceml_aggregator.writer import StoreFailed, Writer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -115,7 +116,8 @@ def test_the_writer_acknowledges_nothing_on_a_full_disk_and_everything_after(sma
     first, full, (before_s, failure, after), again, steps = asyncio.run(main())
     assert (first.stored_seq, first.duplicate) == (1, False)
     error = "OperationalError: database or disk is full"
-    assert [(type(e), str(e)) for e in full] == [(QueueFull, f"the store failed ({error})")] * 3
+    failed = f"node 0's store cannot commit ({error})"
+    assert [(type(e), str(e)) for e in full] == [(StoreFailed, failed)] * 3
     assert failure[1] == error and before_s <= failure[0] <= time.time()
     assert after is None
     assert [(r.stored_seq, r.duplicate) for r in again] == [(2, False), (1, False), (1, False)]
@@ -194,18 +196,11 @@ def test_a_launch_on_a_full_disk_is_refused_in_one_line_and_leaves_nothing(tmp_p
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
-@pytest.mark.slow
-@pytest.mark.torchrun
-def test_a_disk_that_fills_mid_run_ends_the_run_at_once_with_a_summary_of_what_was_stored(
-    tmp_path,
-):
-    """The run directory's disk fills while 2 ranks train (under the relay, the default). Node
-    0's store stops committing; the ranks' batches are pushed back (kept, sent again), not
-    taken for a lost aggregator. When training ends, the node's exit is counted though it
-    cannot be stored, so finalization does not wait its budget for finish markers the store
-    cannot take (before: 330 s, then no summary). The aggregator gives back the room it held
-    (``.disk_reserve``) and writes into it the node's exit, the summary, and why the summary
-    covers only the steps stored before the disk filled (``AGGREGATOR_LOST``)."""
+def run_filling_the_disk(tmp_path, after_fill=None) -> tuple[float, str, dict, list]:
+    """``traceml run`` of 2 ranks, 300 steps of 30 ms, with its run directory on a 48 MiB tmpfs
+    that fills at step 150 (after a few flushes, every 2 s), then ``after_fill(run_dir)``; returns
+    when the fill began (Unix s), the launcher's stderr, the summary, and the run directory's
+    listing. The launcher exits 0, and the aggregator held :data:`RESERVE_BYTES`, allocated."""
     with tmpfs(tmp_path / "fs", "48m") as fs:
         run_dir = fs / "filled"
         args = ["run", str(EXAMPLES / "ddp_minimal.py"), "--nproc-per-node=2"]
@@ -221,11 +216,12 @@ def test_a_disk_that_fills_mid_run_ends_the_run_at_once_with_a_summary_of_what_w
             held = RESERVE_BYTES
             wait_for(lambda: reserve.exists() and reserve.stat().st_size == held, 60, "a reserve")
             assert reserve.stat().st_blocks * 512 == held  # taken, not sparse
-
-            out = tmp_path / "launcher.out"  # halfway, after a few flushes (every 2 s)
+            out = tmp_path / "launcher.out"
             wait_for(lambda: "at step 150" in out.read_text(), 60, "step 150")
             filled_s = time.time()
             fill(fs)
+            if after_fill is not None:
+                after_fill(run_dir)
             code = launcher.wait(timeout=200)
         finally:
             launcher.kill()
@@ -233,16 +229,38 @@ def test_a_disk_that_fills_mid_run_ends_the_run_at_once_with_a_summary_of_what_w
         err = (tmp_path / "launcher.err").read_text()
         assert code == 0, err
         summary = json.loads((run_dir / "final_summary.json").read_text())
-        listing = sorted(p.name for p in run_dir.iterdir())
+        return filled_s, err, summary, sorted(p.name for p in run_dir.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_a_disk_that_fills_mid_run_ends_the_run_at_once_with_a_summary_of_what_was_stored(
+    tmp_path,
+):
+    """The run directory's disk fills while 2 ranks train (under the relay, the default). Node
+    0's store stops committing; the ranks' batches are pushed back (kept, sent again), not
+    taken for a lost aggregator, and saying why: at exit the ranks and the node's sampler stop
+    waiting for acknowledgements that cannot come (before: 10 s each). The node's exit is
+    counted though it cannot be stored, so finalization does not wait its budget for finish
+    markers the store cannot take (before: 330 s, then no summary). The aggregator gives back
+    the room it held (``.disk_reserve``) and writes into it the node's exit, the summary, and
+    why the summary covers only the steps stored before the disk filled
+    (``AGGREGATOR_LOST``)."""
+    filled_s, err, summary, listing = run_filling_the_disk(tmp_path)
     error = "OperationalError: database or disk is full"
     loss = summary["run"]["telemetry_health"]["aggregator_loss"]
     assert loss["reason"] == f"its store failed to commit: {error}"
     assert filled_s <= loss["lost_unix_s"] <= filled_s + 5
     at = time.strftime("%H:%M:%S UTC", time.gmtime(loss["lost_unix_s"]))
+    lines = err.splitlines()
     assert (
         f"traceml: warning: the summary above: the store has failed to commit since {at} "
         f"({error}): the summary covers only what was stored before"
-    ) in err.splitlines()
+    ) in lines
+    undelivered = [line for line in lines if "not delivered at exit" in line]
+    assert len(undelivered) == 3, err  # the 2 ranks and the node's sampler
+    for line in undelivered:
+        assert line.endswith(f" records (node 0's store cannot commit ({error})); 0 dropped before")
     assert "lost node 0's aggregator" not in err and "unreachable" not in err
     assert "no finalization result" not in err
     assert [(r["rank"], r["end"]["state"]) for r in summary["ranks"]] == [
@@ -254,3 +272,31 @@ def test_a_disk_that_fills_mid_run_ends_the_run_at_once_with_a_summary_of_what_w
     (lost,) = [f for f in summary["findings"]["health"] if f["kind"] == "AGGREGATOR_LOST"]
     assert lost["evidence"]["steps_stored"] == {str(r): n for r, n in stored.items()}
     assert ".disk_reserve" not in listing and "final_summary.txt" in listing
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_an_aggregator_killed_on_a_full_disk_leaves_its_room_to_its_replacement(tmp_path):
+    """The disk fills, then node 0's aggregator is SIGKILLed. Its launcher gives the bytes the
+    dead one held back before it restarts it (before, every replacement failed to open the
+    store on the full disk, and the summary written from the store failed too: no summary).
+    The replacement serves on the room, the ranks resend what was pushed back, and the
+    summary is written, with every step."""
+
+    def kill_the_aggregator(run_dir):
+        (pid,) = [int(p) for p in _pgrep("-f", f"traceml_aggregator --run-dir {run_dir} ")]
+        os.kill(pid, signal.SIGKILL)
+
+    _, err, summary, listing = run_filling_the_disk(tmp_path, kill_the_aggregator)
+    assert "the aggregator exited with code 137 during the run; restarted it" in err, err
+    assert summary["run"]["telemetry_health"]["aggregator_restarts"] == 1
+    assert summary["run"]["telemetry_health"]["aggregator_loss"] is None
+    assert [(r["rank"], r["end"]["state"], r["steps_completed"]) for r in summary["ranks"]] == [
+        (0, "completed", 300),
+        (1, "completed", 300),
+    ]
+    assert ".disk_reserve" not in listing
+
+
+def _pgrep(*args: str) -> list[str]:
+    return subprocess.run(["pgrep", *args], capture_output=True, text=True).stdout.split()

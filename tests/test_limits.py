@@ -53,7 +53,7 @@ def test_a_full_writer_queue_pushes_back_and_every_record_arrives(tmp_path):
     assert agg.query("SELECT COUNT(*), COUNT(DISTINCT rank || '/' || step) FROM steps") == [
         (senders * steps, senders * steps)
     ]
-    assert f"{pushed_back} batches pushed back (writer behind)" in agg.log()
+    assert f"{pushed_back} batches pushed back (writer behind, or its store failing)" in agg.log()
 
 
 def test_batches_stay_below_the_bound_and_an_oversized_record_is_dropped_with_a_warning(tmp_path):

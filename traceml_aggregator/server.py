@@ -36,12 +36,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
-from traceml.core import endpoint, log, otlp
+from traceml.core import disk_reserve, endpoint, log, otlp
 from traceml.core.heap import SERVING_TALLY, serving_heap
 from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
 from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
-from traceml_aggregator import reserve
 from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
 from traceml_aggregator.checkpoint import Checkpoint, Checkpointer
 from traceml_aggregator.checkpoint import read as read_checkpoint
@@ -71,7 +70,7 @@ from traceml_aggregator.store import (
     unreadable,
 )
 from traceml_aggregator.streams import STREAMS_META_KEY, SenderStream, StreamLedger
-from traceml_aggregator.writer import QueueFull, Writer
+from traceml_aggregator.writer import QueueFull, StoreFailed, Writer
 
 _log = log.get("aggregator")
 
@@ -299,10 +298,11 @@ class AggregatorService(wire.AggregatorServicer):
         return None
 
     async def _pushed_back(self, exc: QueueFull, context, on_stream: bool):
-        """A full writer queue's answer: on a stream an Ack carrying ``retry_after_ms``; a Push
-        is aborted with ``RESOURCE_EXHAUSTED`` and the retry-after in trailing metadata."""
+        """A full writer queue's answer: on a stream an Ack carrying ``retry_after_ms``
+        (:func:`push_back`); a Push is aborted with ``RESOURCE_EXHAUSTED`` and the retry-after
+        in trailing metadata."""
         if on_stream:
-            return PUSHED_BACK
+            return push_back(exc)
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"the aggregator is behind: {exc}; send again later",
@@ -450,11 +450,12 @@ class AggregatorService(wire.AggregatorServicer):
                 self._relay_answered(channels, frame, answer, acks)
         if stored is not None:
             results = await self._stored(stored, context)  # a QueueFull: each pushed back
+            pushed = push_back(results) if isinstance(results, QueueFull) else PUSHED_BACK
             taken = iter(() if isinstance(results, QueueFull) else results)
             for frame, answer in later:
                 if isinstance(answer, int):
                     result = next(taken, None)
-                    answer = PUSHED_BACK if result is None else self._ack(frame.batch, result)
+                    answer = pushed if result is None else self._ack(frame.batch, result)
                 self._relay_answered(channels, frame, answer, acks)
 
     def _relay_answered(self, channels: dict[int, SenderStream], frame, answer, acks) -> None:
@@ -545,6 +546,15 @@ class AggregatorService(wire.AggregatorServicer):
             return summarize_reply(await self.live.summary(), self.live, rows)
         except Exception as exc:  # an analysis bug must not take the aggregator down
             return wire.SummarizeReply(error=f"{type(exc).__name__}: {exc}")
+
+
+def push_back(exc: QueueFull):
+    """The Ack that pushes a stream's batch back for ``exc``: ``retry_after_ms``, and for a
+    store that failed (:class:`~traceml_aggregator.writer.StoreFailed`) why, in ``reason``
+    (a closing sender then stops waiting: its batches would not be stored either)."""
+    if isinstance(exc, StoreFailed):
+        return wire.Ack(retry_after_ms=RETRY_AFTER_MS, reason=str(exc))
+    return PUSHED_BACK
 
 
 def finalize_reply(outcome: Outcome):
@@ -655,6 +665,7 @@ class Aggregator:
         self.checkpointer = Checkpointer(checkpoint, self.live, self.writer)
         self.retention = None if config.keep_all_steps else Retention(store, config.retention)
         self.rejections = Rejections()
+        self._run_records_failing = False  # the last store of them failed (said once)
         self.rejections.restore(
             store.meta().get(REJECTED_META_KEY), store.meta().get(REJECTED_REASONS_META_KEY)
         )
@@ -701,13 +712,16 @@ class Aggregator:
         store.set_meta(STREAMS_META_KEY, self.streams.to_json())
 
     async def store_run_records(self) -> bool:
-        """:meth:`_write_run_records` on the writer thread; False (said) when the store
-        failed (a full disk)."""
+        """:meth:`_write_run_records` on the writer thread; False when the store failed (a
+        full disk: said once while the failures last)."""
         try:
             await self.writer.call(self._write_run_records, self.store)
         except Exception as exc:
-            _log.warning(f"cannot store the stream ledger and refusal counts: {exc}")
+            if not self._run_records_failing:
+                _log.warning(f"cannot store the stream ledger and refusal counts: {exc}")
+            self._run_records_failing = True
             return False
+        self._run_records_failing = False
         return True
 
     async def keep_run_records(self) -> None:
@@ -732,7 +746,7 @@ class Aggregator:
     def _reports(self, store: Store, missing, steps, deadline):
         from traceml_aggregator.reports import write_reports
 
-        reserve.release(RunDir(self.config.run_dir, 0).disk_reserve)  # room on a full disk
+        disk_reserve.release(RunDir(self.config.run_dir, 0).disk_reserve)  # room on a full disk
         try:
             for report, received_unix_us in list(self.service.unstored_exits):
                 store.write_node_exit(report, received_unix_us)
@@ -897,10 +911,10 @@ async def serve(config: ServerConfig, ready=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     # Off the event loop: a filesystem without fallocate has glibc write a byte a block.
-    await asyncio.to_thread(reserve.hold, RunDir(config.run_dir, 0).disk_reserve)
+    await asyncio.to_thread(disk_reserve.hold, RunDir(config.run_dir, 0).disk_reserve)
     with serving_heap() as collections:  # start-up is over: see traceml/core/heap.py
         await stop.wait()
-    reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # the stop's last commits
+    disk_reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # the stop's last commits
     _log.info(f"{SERVING_TALLY}: {collections}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -940,7 +954,8 @@ async def serve(config: ServerConfig, ready=None) -> int:
     refused = ", ".join(f"{k} {v}" for k, v in refused_counts) or "none"
     _log.info(
         f"refused calls: {refused}; {writer.batches_pushed_back} batches pushed back (writer "
-        f"behind); queue peak {writer.peak_queued_bytes} bytes (bound {writer.max_queued_bytes})"
+        f"behind, or its store failing); queue peak {writer.peak_queued_bytes} bytes (bound "
+        f"{writer.max_queued_bytes})"
     )
     return exit_code
 
@@ -1034,7 +1049,7 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
     from traceml_aggregator.reports import write_reports
 
     deadline = time.monotonic() + config.finalize_timeout_s
-    reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # a killed aggregator's
+    disk_reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # a killed aggregator's
     try:
         store = open_run_store(config.run_dir)
         stored_name = store.meta().get("run_name", config.run_name)

@@ -84,6 +84,11 @@ class QueueFull(RuntimeError):
     or a copy of the batch is still queued, or it has waited :data:`PUSHBACK_AFTER_S` (queued)."""
 
 
+class StoreFailed(QueueFull):
+    """Send the batch again later: the store failed to commit it (a full disk, an I/O error;
+    nothing of it was stored). Its text says why (see :attr:`Writer.store_failure`)."""
+
+
 def batch_key(batch) -> tuple[str, int, int, int]:
     """``(sender kind, sender id, attempt, sequence number)`` of a Batch: its identity for
     resends (the store's own key for idempotency, plus the sequence number)."""
@@ -140,7 +145,8 @@ class Writer:
         #: Batches stored, and resent batches found already stored (not stored).
         self.batches_stored = 0
         self.batches_duplicate = 0
-        #: Batches refused because the queue was full (their senders send them again).
+        #: Batches pushed back because the queue was full, or the store failed (their senders
+        #: send them again).
         self.batches_pushed_back = 0
         #: Stored batches whose ``on_stored`` call raised (see :meth:`_stored_hook`).
         self.on_stored_errors = 0
@@ -171,9 +177,9 @@ class Writer:
 
         The future's exceptions:
             QueueFull: the batch was not stored within :attr:`pushback_after_s` (it stays
-                queued), or the store failed to commit it (a full disk, an I/O error: nothing
-                of it was stored; see :attr:`store_failure`): the sender must send it again
-                later.
+                queued): the sender must send it again later.
+            StoreFailed: the store failed to commit it (a full disk, an I/O error: nothing of
+                it was stored; see :attr:`store_failure`): the same, and it says why.
         """
         refusal = self._take(batch)
         if refusal is not None:
@@ -384,9 +390,9 @@ class Writer:
                     result.values_dropped = values_dropped.get(id(batch), 0)
         return results, steps_rowid
 
-    def _store_failed(self, exc: Exception) -> QueueFull:
+    def _store_failed(self, exc: Exception) -> StoreFailed:
         """A batch's transaction failed on the store itself (``exc``: a full disk, an I/O
-        error; SQLite rolled it back): the :class:`QueueFull` that pushes the batch back to
+        error; SQLite rolled it back): the :class:`StoreFailed` that pushes the batch back to
         its sender; the first failure since the last commit starts :attr:`store_failure` and
         is logged."""
         error = f"{type(exc).__name__}: {exc}"
@@ -396,7 +402,8 @@ class Writer:
                 f"warning: the store cannot commit ({error}); batches are pushed back to their "
                 "senders, who keep them and send them again"
             )
-        return QueueFull(f"the store failed ({error})")
+        self.batches_pushed_back += 1
+        return StoreFailed(f"node 0's store cannot commit ({error})")
 
     def _store_committed(self) -> None:
         """A transaction committed: a :attr:`store_failure` is over (logged)."""

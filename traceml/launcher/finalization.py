@@ -16,13 +16,14 @@ import sys
 import time
 from collections.abc import Callable
 
-from traceml.core import log
+from traceml.core import disk_reserve, log
 from traceml.core.rundir import (
     SUMMARY_HTML_NAME,
     SUMMARY_JSON_NAME,
     SUMMARY_TEXT_NAME,
     Manifest,
     RunDir,
+    write_atomic,
 )
 from traceml.launcher import aggregator
 from traceml.launcher.config import LaunchConfig
@@ -152,11 +153,12 @@ class Finalization:
 
         supervisor = self.supervisor
         aggregator.stop(supervisor.process, 2.0)
-        node_exit_file = self.run_dir.node_dir / "node_exit.pb"
-        node_exit_file.write_bytes(report.SerializeToString())
+        disk_reserve.release(self.run_dir.disk_reserve)  # room on a full disk
         root = self.run_dir.root
         lost = supervisor.lost_unix_s is not None  # the summary says what it lacks
         try:
+            node_exit_file = self.run_dir.node_dir / "node_exit.pb"
+            write_atomic(node_exit_file, report.SerializeToString())
             code = aggregator.finalize_offline(
                 self.config,
                 self.run_dir,
@@ -165,7 +167,7 @@ class Finalization:
                 lost_reason=str(supervisor.health["reason"]) if lost else "",
                 lost_unix_s=supervisor.lost_unix_s,
             )
-        except Exception as exc:  # fail-open: a timeout, or no python to run
+        except Exception as exc:  # fail-open: a full disk, a timeout, or no python to run
             code = f"{type(exc).__name__}: {exc}"
         if code != 0:
             _log.warning(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from traceml.core import log
+from traceml.core import disk_reserve, log
 from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher import aggregator
 from traceml.launcher.config import LaunchConfig
@@ -96,6 +96,7 @@ class AggregatorSupervisor:
         if returncode is None or self.status is not AggregatorStatus.SERVING:
             return
         down_since = time.time()
+        disk_reserve.release(self.run_dir.disk_reserve)  # room for its replacement's store
         code = exit_code(returncode)
         self.health["exit_code"] = code
         reason = f"exited with code {code} during the run"

@@ -363,6 +363,9 @@ class TelemetryClient:
         self._rejected = False
         self._dead = False  # set in a forked child, or once the client is closed
         self._closing = False  # set by close(): the sender thread finishes the stream
+        #: Why node 0 last pushed a batch back because its store cannot commit (a full disk),
+        #: "" otherwise: a closing client then stops waiting for acknowledgements.
+        self._store_failing = ""
         self._unreachable_sends = 0  # sends that found no aggregator (the first one warns)
         self._retry_after_s = 0.0  # the aggregator's retry-after, once it pushed back
         self._finish = None  # RankFinish to send last, set by close()
@@ -420,10 +423,12 @@ class TelemetryClient:
         was said already).
 
         Returns True when every batch was acknowledged. Returns False without waiting longer
-        when the aggregator rejected the run, or when a send fails and the aggregator was never
-        reached (training has paid the warning, not the time); False after ``timeout_s`` when
-        the aggregator stopped answering. Afterwards the client is closed: :meth:`submit` is a
-        no-op, the sender thread ends, a second ``close()`` returns False at once.
+        when the aggregator rejected the run, when a send fails and the aggregator was never
+        reached (training has paid the warning, not the time), or when node 0 pushed the last
+        batch back because its store cannot commit (a full disk: the warning says so); False
+        after ``timeout_s`` when the aggregator stopped answering. Afterwards the client is
+        closed: :meth:`submit` is a no-op, the sender thread ends, a second ``close()`` returns
+        False at once.
         """
         if self._dead:
             return False
@@ -446,9 +451,10 @@ class TelemetryClient:
         pending = self._pending
         waiting = len(self._buffer) + (record_count(pending) if pending is not None else 0)
         if waiting:
+            why = self._store_failing or f"no acknowledgement within {waited_s:.1f} s"
             self._warn(
-                f"telemetry not delivered at exit: {waiting} records (no acknowledgement "
-                f"within {waited_s:.1f} s); {self.stats.dropped} dropped before"
+                f"telemetry not delivered at exit: {waiting} records ({why}); "
+                f"{self.stats.dropped} dropped before"
             )
 
     def wait_closed(self, timeout_s: float) -> bool:
@@ -573,6 +579,8 @@ class TelemetryClient:
             return True
         if ok and self._pending is None and not self._buffer and self._finish is None:
             self._delivered = self.stats.batches_refused == 0  # a refused one was not
+            return True
+        if not ok and self._store_failing:  # node 0's store cannot take them: waiting is vain
             return True
         return not ok and not (self._ever_acked or self._pushed_back_ever)
 
@@ -722,7 +730,9 @@ class TelemetryClient:
             self.stats.pushed_back += 1
             self._pushed_back_ever = True
             self._retry_after_s = min(ack.retry_after_ms / 1000.0, 30.0)
+            self._store_failing = ack.reason  # "": the queue is full; else the store failed
             return False
+        self._store_failing = ""
         if not self._ever_acked and self.target in _unreachable_targets:
             _unreachable_targets.discard(self.target)
             self._warn(f"aggregator at {self.target} reached; telemetry flowing")

@@ -7,7 +7,8 @@ summary. So the aggregator holds :data:`RESERVE_BYTES` in a file of the run dire
 (:attr:`~traceml.core.rundir.RunDir.disk_reserve`), allocated when it starts serving
 (``posix_fallocate``: the blocks are taken, as a sparse file's would not be, and count against
 a quota), and gives them back just before it writes a summary, and when it stops. Node 0's
-launcher removes a file that a killed aggregator left.
+launcher gives back the bytes of an aggregator that died, before it starts a replacement or
+writes the summary from the store.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from traceml.core import log
 #: Bytes held for the end of a run: the store's last commits and the report files.
 RESERVE_BYTES = 32 * 1024 * 1024
 
-_log = log.get("aggregator")
+_log = log.get("aggregator")  # the aggregator holds; the launcher only releases
 
 
 def hold(path: Path, size: int = RESERVE_BYTES) -> None:
