@@ -10,10 +10,13 @@ else (identities, ends) from the store's small tables.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from traceml.analysis.rundata import RunData
 from traceml.analysis.summary import build_summary
 from traceml.core import log
+from traceml.core.records import AggregatorLoss, NodeExit, RankEnd
 from traceml.core.rundir import (
     SUMMARY_HTML_NAME,
     SUMMARY_JSON_NAME,
@@ -36,6 +39,34 @@ _log = log.get("aggregator")
 HTML_AFTER_DEADLINE_S = FINALIZE_SLACK_S / 2
 
 
+@dataclass
+class Unstored:
+    """What the aggregator knows at finalization that its store may not hold (a full disk,
+    with no room even in :mod:`~traceml.core.disk_reserve`'s): the summary takes it all the
+    same (:func:`with_unstored`)."""
+
+    #: ``(NodeExit, received µs)`` of the node exits taken (:attr:`AggregatorService.
+    #: unstored_exits <traceml_aggregator.server.AggregatorService.unstored_exits>`).
+    node_exits: list[tuple] = field(default_factory=list)
+    #: The store's failure to commit, as the summary records it (None: it commits).
+    loss: AggregatorLoss | None = None
+
+
+def with_unstored(run: RunData, unstored: Unstored) -> RunData:
+    """``run`` with ``unstored``'s node exits (and their ranks' end states) and loss over what
+    the store held (the same facts where the store did take them)."""
+    for report, received_unix_us in unstored.node_exits:
+        run.node_exits[report.node_rank] = NodeExit.from_wire(
+            report, received_unix_us=received_unix_us
+        )
+        for end in report.ranks:
+            if end.rank in run.ranks:
+                run.ranks[end.rank].end = RankEnd.from_wire(end, node_rank=report.node_rank)
+    if unstored.loss is not None:
+        run.aggregator_loss = unstored.loss
+    return run
+
+
 def write_reports(
     store,
     run_dir: Path,
@@ -45,6 +76,7 @@ def write_reports(
     steps: dict | None = None,
     samples: Checkpoint | None = None,
     deadline: float | None = None,
+    unstored: Unstored | None = None,
 ) -> Outcome:
     """Build the summary and write the report files into ``run_dir``; when they cannot be
     written (``OSError``: a full disk), the outcome has the summary's text and the error.
@@ -70,6 +102,7 @@ def write_reports(
             advanced first over the sample rows stored since it (O(those rows)); None reads
             every stored sample instead (O(stored samples)).
         deadline: the finalization's deadline (see above).
+        unstored: what the store may lack (:func:`with_unstored`); None: nothing.
     """
     if samples is not None:
         samples.advance_windows(store)
@@ -85,6 +118,8 @@ def write_reports(
         run = load.load(store, missing, steps=steps is None)
     if steps is not None:
         run = with_steps(run, steps)
+    if unstored is not None:
+        run = with_unstored(run, unstored)
     summary = build_summary(run)
     text = render_text(summary)
     outcome = Outcome(missing, text=text)

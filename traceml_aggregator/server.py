@@ -744,18 +744,21 @@ class Aggregator:
         publish_stall(self.service.sessions, record)
 
     def _reports(self, store: Store, missing, steps, deadline):
-        from traceml_aggregator.reports import write_reports
+        from traceml_aggregator.reports import Unstored, write_reports
 
         disk_reserve.release(RunDir(self.config.run_dir, 0).disk_reserve)  # room on a full disk
+        unstored = Unstored(list(self.service.unstored_exits))
+        if self.writer.store_failure is not None:  # the summary says what it lacks
+            since, error = self.writer.store_failure
+            unstored.loss = AggregatorLoss(f"its store failed to commit: {error}", round(since, 3))
         try:
-            for report, received_unix_us in list(self.service.unstored_exits):
+            for report, received_unix_us in unstored.node_exits:
                 store.write_node_exit(report, received_unix_us)
                 self.service.unstored_exits.remove((report, received_unix_us))
             self._write_run_records(store)
-            if self.writer.store_failure is not None:  # the summary says what it lacks
-                since, error = self.writer.store_failure
-                record_loss(store, f"its store failed to commit: {error}", since)
-        except (sqlite3.Error, OSError) as exc:  # the summary has what was stored before
+            if unstored.loss is not None:
+                record_loss(store, unstored.loss.reason, unstored.loss.lost_unix_s)
+        except (sqlite3.Error, OSError) as exc:  # the summary is told them all the same
             _log.warning(f"cannot store the node exits, stream ledger and refusal counts: {exc}")
         return write_reports(
             store,
@@ -765,6 +768,7 @@ class Aggregator:
             steps=steps,
             samples=self.checkpointer.checkpoint,
             deadline=deadline,
+            unstored=unstored,
         )
 
     async def _final_steps(self) -> dict[int, tuple]:
