@@ -1053,7 +1053,6 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
     from traceml_aggregator.reports import write_reports
 
     deadline = time.monotonic() + config.finalize_timeout_s
-    disk_reserve.release(RunDir(config.run_dir, 0).disk_reserve)  # a killed aggregator's
     try:
         store = open_run_store(config.run_dir)
         stored_name = store.meta().get("run_name", config.run_name)
