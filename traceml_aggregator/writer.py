@@ -321,15 +321,18 @@ class Writer:
         ``single``), or with the first exception one of its batches met."""
         batches = [batch for item in items for batch in item[0]]
         outcomes, steps_rowid = await self._store(batches, time.time_ns() // 1000)
+        committed = False
         for batch, outcome in zip(batches, outcomes, strict=True):
             if isinstance(outcome, BaseException) or outcome.rejected:
                 continue
-            self._store_committed()
+            committed = True
             if outcome.duplicate:
                 self.batches_duplicate += 1
             else:
                 self.batches_stored += 1
                 self._stored_hook(batch, outcome.groups)
+        if committed and self.store_failure is not None:
+            self._store_committed()
         first = 0
         for batches_of, future, single in items:
             mine = outcomes[first : first + len(batches_of)]
@@ -406,13 +409,11 @@ class Writer:
         return StoreFailed(f"node 0's store cannot commit ({error})")
 
     def _store_committed(self) -> None:
-        """A transaction committed: a :attr:`store_failure` is over (logged)."""
-        if self.store_failure is not None:
-            since, error = self.store_failure
-            self.store_failure = None
-            _log.info(
-                f"the store commits again ({time.time() - since:.1f} s after it failed: {error})"
-            )
+        """A transaction committed while :attr:`store_failure` was set: the failure is over
+        (logged)."""
+        since, error = self.store_failure
+        self.store_failure = None
+        _log.info(f"the store commits again ({time.time() - since:.1f} s after it failed: {error})")
 
     def _write_batches(self, batches: list, received_unix_us: int) -> tuple[list[WriteResult], int]:
         """:meth:`Store.write_batches` on the writer thread, after the test-only stall (see

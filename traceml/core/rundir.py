@@ -36,7 +36,7 @@ SUMMARY_HTML_NAME = "final_summary.html"
 #: prints one line when it appears.
 STALL_NAME = "stall.json"
 #: Bytes the aggregator holds on the run's disk for the end of the run, at the top of the run
-#: directory (:mod:`traceml_aggregator.reserve`); node 0's launcher removes one a killed
+#: directory (:mod:`traceml.core.disk_reserve`); node 0's launcher removes one a killed
 #: aggregator left.
 DISK_RESERVE_NAME = ".disk_reserve"
 #: Node 0's launcher writes the run's token there (mode 0600, atomically); the other nodes read

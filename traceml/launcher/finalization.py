@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from traceml.core import disk_reserve, log
+from traceml.core import log
 from traceml.core.rundir import (
     SUMMARY_HTML_NAME,
     SUMMARY_JSON_NAME,
@@ -152,8 +152,7 @@ class Finalization:
         from traceml.core.transport import FINALIZE_SLACK_S
 
         supervisor = self.supervisor
-        aggregator.stop(supervisor.process, 2.0)
-        disk_reserve.release(self.run_dir.disk_reserve)  # room on a full disk
+        supervisor.halt(2.0)  # its disk room given back too: a full disk's summary needs it
         root = self.run_dir.root
         lost = supervisor.lost_unix_s is not None  # the summary says what it lacks
         try:

@@ -59,7 +59,7 @@ import threading
 import time
 
 from traceml import __version__
-from traceml.core import disk_reserve, log
+from traceml.core import log
 from traceml.core.heap import freeze_startup_objects
 from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher import claim, credentials
@@ -507,7 +507,6 @@ class Launch:
             finally:
                 node.close_session()
                 supervisor.stop(2.0 if self.interrupted else 10.0)
-                disk_reserve.release(self.run_dir.disk_reserve)  # a killed aggregator's
             run_manifest.event(
                 "ended", status=outcome.value, exit_code=code, aggregator=supervisor.health
             )

@@ -116,7 +116,7 @@ class AggregatorSupervisor:
         restarts.append({"reason": reason, "gap_s": None})
         self._move(AggregatorStatus.STARTING, pid=self.process.pid, exit_code=None)
         if not self._wait(config.aggregator_start_sec):
-            self.health["exit_code"] = exit_code(aggregator.stop(self.process, 2.0))
+            self.halt(2.0)
             reason = f"restart did not serve ({self.health['reason']})"
             self._move(AggregatorStatus.FAILED, reason=reason)
             return False
@@ -151,14 +151,20 @@ class AggregatorSupervisor:
             self.lost_unix_s = silent_since_unix_s
         self._move(AggregatorStatus.FAILED, reason=reason)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def halt(self, timeout_s: float) -> None:
         """Close its pipe (it drains and stops), SIGKILL it after ``timeout_s``; its exit code
-        goes into the health fields, and one that served is ``stopped``."""
+        goes into the health fields, and the disk room it held is given back (one it killed
+        could not: :mod:`traceml.core.disk_reserve`)."""
         self.health["exit_code"] = exit_code(aggregator.stop(self.process, timeout_s))
+        disk_reserve.release(self.run_dir.disk_reserve)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """:meth:`halt`; one that served is ``stopped``."""
+        self.halt(timeout_s)
         if self.status is AggregatorStatus.SERVING:
             self._move(AggregatorStatus.STOPPED)
 
     def abandon(self) -> None:
-        """A second signal: stop it within 2 s, whatever its state (no summary)."""
-        self.health["exit_code"] = exit_code(aggregator.stop(self.process, 2.0))
+        """A second signal: :meth:`halt` within 2 s, whatever its state (no summary)."""
+        self.halt(2.0)
         self._move(AggregatorStatus.STOPPED)
