@@ -10,12 +10,22 @@ by torchrun (or fails in gloo) and completed exactly 5 steps.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import SCRIPTS, free_port, load_summary, run_traceml, start_traceml, traceml_env
+from conftest import (
+    SCRIPTS,
+    free_port,
+    load_summary,
+    run_args,
+    run_traceml,
+    start_traceml,
+    traceml_env,
+)
+from helpers.aggregator import listening_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -107,6 +117,44 @@ def test_rank_death(tmp_path, port, fail):
     # The text report names the dead rank and how it ended.
     text = (tmp_path / "logs" / f"crash-{fail}" / "final_summary.txt").read_text()
     assert f"rank 1: {state}" in text
+
+
+def test_a_rendezvous_port_in_use_is_said_as_the_verdict_not_as_ranks_terminated(tmp_path, port):
+    """torchrun cannot start: its --master-port is held by another process. The launcher exits
+    1 as plain torchrun does, and the summary says the run failed before training: the
+    verdict is NODE_FAILED with torchrun's error, both ranks ``not_started`` (before:
+    ``terminated``, "stopped by torchrun after another rank failed", and a verdict asking to
+    instrument the script)."""
+    with listening_port() as master_port:
+        plain = plain_torchrun(["--steps", "3"], tmp_path, master_port)
+        result = run_traceml(
+            [
+                *run_args(tmp_path, SCRIPT, "rdzv", port),
+                f"--master-port={master_port}",
+                "--steps",
+                "3",
+            ],
+            tmp_path,
+        )
+        assert plain.wait(120) == 1
+    assert result.returncode == 1, result.stderr[-4000:]
+    summary = load_summary(tmp_path / "logs" / "rdzv")
+    assert summary["run"]["status"] == "failed"
+    ends = [(r["rank"], r["end"]["state"], r["steps_completed"]) for r in summary["ranks"]]
+    assert ends == [(0, "not_started", 0), (1, "not_started", 0)]
+    reason = summary["ranks"][0]["end"]["reason"]
+    assert reason.startswith("torchrun failed before it started its ranks: DistNetworkError: ")
+    assert "EADDRINUSE" in reason and f"port: {master_port}" in reason, reason
+    verdict = summary["primary_diagnosis"]
+    assert (verdict["kind"], verdict["severity"]) == ("NODE_FAILED", "critical")
+    host = socket.gethostname()
+    said = f"torchrun on node 0 ({host}) exited with 1 and never started ranks 0, 1 ({reason})."
+    assert verdict["summary"] == said
+    assert verdict["evidence"]["not_started"] == [0, 1]
+    findings = summary["findings"]
+    assert [f["kind"] for f in findings["step_time"]] == ["INSUFFICIENT_DATA"]
+    assert [f["kind"] for f in findings["health"]] == [], findings["health"]
+    assert f"  ranks 0, 1: not_started ({reason[:30]}" in result.stdout, result.stdout
 
 
 # Alone: two torchruns' teardown in a chain (5-7 s here, 4 jobs beside it included) took 32 s

@@ -14,6 +14,7 @@ import re
 import signal
 
 import pytest
+from helpers.aggregator import listening_port
 
 from traceml import wire
 from traceml.core.rundir import RunDir
@@ -44,6 +45,7 @@ sys.exit(3)
 TERMINATED = wire.EndState.END_STATE_TERMINATED
 SIGNALED = wire.EndState.END_STATE_SIGNALED
 FAILED = wire.EndState.END_STATE_FAILED
+NOT_STARTED = wire.EndState.END_STATE_NOT_STARTED
 STOPPED_REASON = "stopped by torchrun after another local rank failed"
 
 
@@ -125,4 +127,49 @@ def test_ranks_that_both_ended_before_the_stop_keep_their_own_ends(tmp_path):
     assert ends(torchrun.node_exit(1)) == {
         0: (FAILED, 1, None, ""),
         1: (SIGNALED, None, signal.SIGTERM, ""),
+    }
+
+
+def test_a_torchrun_whose_rendezvous_port_is_taken_never_starts_its_ranks(tmp_path):
+    """torchrun fails in its rendezvous (its store cannot listen: the port is held) before it
+    starts a rank: the record says so, with torchrun's error, and both ranks are
+    ``not_started`` with that error as their reason (not ``terminated``: nothing stopped
+    them)."""
+    with listening_port() as port:
+        config = LaunchConfig(
+            script="never_run.py", nproc_per_node=2, master_port=port, run_name="ends"
+        )
+        torchrun = TorchrunProcess(config, RunDir(tmp_path / "run", 0))
+        torchrun.run_dir.node_dir.mkdir(parents=True)
+        torchrun.start()
+        code = torchrun.wait(120)
+    assert code == 1
+    record = json.loads(torchrun.run_dir.rank_ends.read_text())
+    assert record["failed"] == [] and record["ranks_started"] is False
+    error = record["torchrun_error"]
+    assert error.startswith("DistNetworkError: ") and "EADDRINUSE" in error, error
+    reason = f"torchrun failed before it started its ranks: {error}"
+    assert ends(torchrun.node_exit(code)) == {
+        0: (NOT_STARTED, None, None, reason),
+        1: (NOT_STARTED, None, None, reason),
+    }
+
+
+def test_ranks_of_a_torchrun_that_failed_after_starting_them_are_terminated_with_its_error(
+    tmp_path,
+):
+    """A torchrun that had started ranks, then failed itself (a later rendezvous, after a
+    restart): its ranks are ``terminated`` with its error, not ``completed`` (the record
+    lists no failed rank)."""
+    torchrun = TorchrunProcess(
+        LaunchConfig(script="x.py", nproc_per_node=2, run_name="ends"),
+        RunDir(tmp_path / "run", 0),
+    )
+    torchrun.run_dir.node_dir.mkdir(parents=True)
+    record = {"failed": [], "torchrun_error": "RendezvousTimeoutError: ", "ranks_started": True}
+    torchrun.run_dir.rank_ends.write_text(json.dumps(record))
+    reason = "torchrun failed: RendezvousTimeoutError: "
+    assert ends(torchrun.node_exit(1)) == {
+        0: (TERMINATED, None, None, reason),
+        1: (TERMINATED, None, None, reason),
     }

@@ -66,9 +66,14 @@ KINDS = {
 }
 
 #: The possible primary diagnoses: the step-time kinds but LATE_ARRIVAL (it names who makes the
-#: others wait, not why; :mod:`traceml.analysis.skew`), and RANK_HUNG when a hang lost more
-#: wall time than the step-time verdict costs over the run (:func:`~.health.hang_first`).
-PRIMARY_KINDS = tuple(k for k in KINDS["step_time"] if k != "LATE_ARRIVAL") + ("RANK_HUNG",)
+#: others wait, not why; :mod:`traceml.analysis.skew`), RANK_HUNG when a hang lost more
+#: wall time than the step-time verdict costs over the run (:func:`~.health.hang_first`), and
+#: NODE_FAILED when no rank stepped because torchrun failed before it started them
+#: (:func:`~.health.not_started_first`).
+PRIMARY_KINDS = tuple(k for k in KINDS["step_time"] if k != "LATE_ARRIVAL") + (
+    "RANK_HUNG",
+    "NODE_FAILED",
+)
 
 #: ``evidence.statistic`` of a step-time finding: its headline figure, its percentage and its
 #: evidence are all medians per step (the percentage is one median over another) ...

@@ -30,7 +30,14 @@ from traceml.analysis.hang import (
 )
 from traceml.analysis.rundata import RankData, RunData
 from traceml.analysis.schema import plain
-from traceml.core.ends import COMPLETED, FAILED, SIGNALED, TERMINATED, is_interrupted
+from traceml.core.ends import (
+    COMPLETED,
+    FAILED,
+    NOT_STARTED,
+    SIGNALED,
+    TERMINATED,
+    is_interrupted,
+)
 
 
 class EndState(TypedDict):
@@ -119,14 +126,14 @@ def last_seen_us(rd: RankData) -> float:
 
 
 def run_status(ranks: list[RankSummary], missing: list[int], *, live: bool) -> str:
-    """``run.status``: ``running`` (live), ``failed`` (a rank failed or died of a signal),
-    ``interrupted`` (ranks stopped by their launcher's SIGTERM/SIGINT, none failed),
-    ``incomplete`` (ranks missing, never reported, or stopped without a known cause), else
-    ``completed``."""
+    """``run.status``: ``running`` (live), ``failed`` (a rank failed, died of a signal, or
+    never started: its torchrun failed first), ``interrupted`` (ranks stopped by their
+    launcher's SIGTERM/SIGINT, none failed), ``incomplete`` (ranks missing, never reported,
+    or stopped without a known cause), else ``completed``."""
     if live:
         return RUNNING
     states = [r.end.state for r in ranks]
-    if FAILED in states or SIGNALED in states:
+    if FAILED in states or SIGNALED in states or NOT_STARTED in states:
         return FAILED
     if any(r.end.state == TERMINATED and is_interrupted(r.end.reason) for r in ranks):
         return INTERRUPTED
@@ -543,23 +550,61 @@ def rank_never_reported(facts: Facts) -> Finding | None:
 
 
 def node_failed(facts: Facts) -> Finding | None:
-    """NODE_FAILED: nodes whose torchrun exited with a non-zero code."""
+    """NODE_FAILED: nodes whose torchrun exited with a non-zero code; a node whose torchrun
+    failed before it started its ranks (they are ``not_started``) is said with its error
+    (the ranks' reason)."""
     failed = {n: e for n, e in facts.run.node_exits.items() if e.exit_code != 0}
     if not failed:
         return None
+    not_started: dict[int, list[RankSummary]] = {}  # node -> its ranks torchrun never started
+    for r in facts.in_state(NOT_STARTED):
+        if r.node_rank is not None:
+            not_started.setdefault(r.node_rank, []).append(r)
+    said = []
+    for n, e in sorted(failed.items()):
+        text = f"{n} ({e.hostname or '?'}) exited with {e.exit_code}"
+        if ranks := not_started.get(n):
+            text += f" and never started {ranks_text([r.rank for r in ranks])}"
+            text += f" ({ranks[0].end.reason})"
+        said.append(text)
+    advice = (
+        "Fix torchrun's error (a --master-port in use: pick a free one; a rendezvous timeout: "
+        "check --master-addr and that every node started), then run again; its traceback is "
+        "in the node's training.stderr.log."
+        if not_started
+        else "See the rank findings above and the node's training.stderr.log."
+    )
     return Finding(
         "NODE_FAILED",
         "critical",
-        "torchrun on node "
-        + ", ".join(
-            f"{n} ({e.hostname or '?'}) exited with {e.exit_code}"
-            for n, e in sorted(failed.items())
-        )
-        + ".",
-        "See the rank findings above and the node's training.stderr.log.",
-        evidence={"exit_codes": {str(n): e.exit_code for n, e in failed.items()}},
+        "torchrun on node " + ", ".join(said) + ".",
+        advice,
+        evidence={
+            "exit_codes": {str(n): e.exit_code for n, e in failed.items()},
+            "not_started": sorted(r.rank for ranks in not_started.values() for r in ranks),
+        },
         nodes=sorted(failed),
     )
+
+
+def not_started_first(
+    primary: Finding, others: list[Finding], health: list[Finding]
+) -> tuple[Finding, list[Finding], list[Finding]]:
+    """Make NODE_FAILED the primary diagnosis when no rank reported a step (the step-time
+    verdict is INSUFFICIENT_DATA for want of steps) and torchrun failed before it started
+    ranks: the run never trained, and why is torchrun's error, not missing instrumentation.
+
+    Returns:
+        ``(primary, step-time findings, health findings)``, unchanged otherwise.
+    """
+    failed = next((f for f in health if f.kind == "NODE_FAILED"), None)
+    if (
+        failed is None
+        or not failed.evidence["not_started"]
+        or primary.evidence.get("missing") != ["steps"]
+    ):
+        return primary, others, health
+    return failed, [primary] + others, [f for f in health if f is not failed]
 
 
 def node_lost(facts: Facts) -> Finding | None:

@@ -417,11 +417,13 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
         for r, rd in run.ranks.items()
     ]
     nodes = node_summaries(run, ranks, span)
-    primary, step_findings, health_findings = health.hang_first(
-        primary,
-        step_findings,
-        health.findings(run, ranks, live=live, now_unix_s=now_unix_s),
-        max((r.steps_completed or 0 for r in ranks), default=0),
+    primary, step_findings, health_findings = health.not_started_first(
+        *health.hang_first(
+            primary,
+            step_findings,
+            health.findings(run, ranks, live=live, now_unix_s=now_unix_s),
+            max((r.steps_completed or 0 for r in ranks), default=0),
+        )
     )
     gpu_ranks: dict[str, list[int]] = {}
     for r, rd in run.ranks.items():

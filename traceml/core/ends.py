@@ -23,9 +23,12 @@ FAILED = "failed"
 SIGNALED = "signaled"
 #: Stopped by torchrun or the launcher after another rank failed.
 TERMINATED = "terminated"
+#: Never started: torchrun failed before it started its node's ranks (its rendezvous: a
+#: ``--master-port`` in use, node 0 unreachable; its store).
+NOT_STARTED = "not_started"
 #: The end states a rank or its launcher reports, in the order of their ``EndState`` numbers
 #: (1, 2, ...; 0 is ``END_STATE_UNSPECIFIED``, never set on purpose).
-REPORTED_END_STATES = (COMPLETED, FAILED, SIGNALED, TERMINATED)
+REPORTED_END_STATES = (COMPLETED, FAILED, SIGNALED, TERMINATED, NOT_STARTED)
 
 INTERRUPTED_PREFIX = "interrupted: "
 

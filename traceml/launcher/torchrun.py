@@ -380,7 +380,9 @@ class TorchrunProcess:
         and even when a neighbour then failed too. A rank the record does not list exited 0
         (``completed``). Without a record
         (torchrun itself was stopped, or failed before its workers ended) a non-zero exit
-        leaves every rank ``terminated``.
+        leaves every rank ``terminated``; where torchrun itself failed (its rendezvous: a
+        ``--master-port`` in use, node 0 unreachable) before it started any rank, every rank is
+        ``not_started``, and its error is each rank's reason.
 
         ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
         Ctrl-C) before torchrun exited: every rank that did not complete is then
@@ -389,9 +391,11 @@ class TorchrunProcess:
         """
         from traceml import wire
 
-        failed = _read_failures(self.run_dir.rank_ends)
-        unlisted_completed = returncode == 0 or failed is not None
-        failed = failed or {}
+        record = _read_record(self.run_dir.rank_ends)
+        torchrun_error = record.get("torchrun_error") if record else None
+        failed = {int(r["rank"]): r for r in record.get("failed", [])} if record else {}
+        unlisted_completed = returncode == 0 or record is not None and not torchrun_error
+        not_started = bool(torchrun_error) and not record.get("ranks_started", True)
         config = self.config
         report = wire.NodeExit(
             run_name=str(config.run_name),
@@ -403,7 +407,10 @@ class TorchrunProcess:
             rank = config.node_rank * config.nproc_per_node + local_rank
             end = report.ranks.add(rank=rank, local_rank=local_rank)
             info = failed.get(rank)
-            if interrupted and (info is None and not unlisted_completed or _stopped(info)):
+            if not_started:
+                end.end_state = wire.EndState.END_STATE_NOT_STARTED
+                end.reason = f"torchrun failed before it started its ranks: {torchrun_error}"
+            elif interrupted and (info is None and not unlisted_completed or _stopped(info)):
                 end.end_state = wire.EndState.END_STATE_TERMINATED
                 end.signal = (info or {}).get("signal") or interrupted
                 end.reason = interrupted_reason(signal.Signals(interrupted).name)
@@ -413,6 +420,7 @@ class TorchrunProcess:
                     end.exit_code = 0
                 else:
                     end.end_state = wire.EndState.END_STATE_TERMINATED
+                    end.reason = f"torchrun failed: {torchrun_error}" if torchrun_error else ""
             elif info.get("stopped"):
                 end.end_state = wire.EndState.END_STATE_TERMINATED
                 if info.get("signal") is not None:
@@ -445,13 +453,15 @@ def _stopped(info: dict | None) -> bool:
     )
 
 
-def _read_failures(path: Path) -> dict[int, dict] | None:
-    """Failed ranks by global rank, from torchrun_main's record; None when there is none."""
+def _read_record(path: Path) -> dict | None:
+    """torchrun_main's record of how torchrun's ranks ended (``failed``: one entry a failed
+    rank; ``torchrun_error``, ``ranks_started``: torchrun itself failed); None when there is
+    none (torchrun exited 0, or was stopped)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return {int(r["rank"]): r for r in data.get("failed", [])}
+    return data if isinstance(data, dict) else None
 
 
 def _has_children(pid: int) -> bool:

@@ -7,7 +7,9 @@ directory the launcher made for it), then wrapped to catch
 torchrun's typed failure, :class:`ChildFailedError`, whose ``failures`` map each failed global
 rank to its exit code, signal and error-file message. They
 are written as JSON to ``$TRACEML_RANK_ENDS_FILE`` for the launcher, which reports them to the
-aggregator, and then the exception continues exactly as under plain torchrun. When the ranks
+aggregator, and then the exception continues exactly as under plain torchrun. A failure of
+torchrun itself (its rendezvous: a ``--master-port`` in use, node 0 unreachable) is written
+there too, with whether it had started ranks. When the ranks
 run ``--module traceml.sdk.autorun SCRIPT`` (zero-code steps), its "... FAILED" banner names
 ``SCRIPT``, as plain torchrun's does, not the module.
 """
@@ -160,6 +162,56 @@ def note_failures_before_stop() -> None:
     PContext.close = close_marking_failures  # type: ignore[method-assign]
 
 
+#: Whether this torchrun started ranks (:func:`note_ranks_started`): a torchrun that fails in
+#: its rendezvous before that leaves its ranks ``not_started``.
+_ranks_started = False
+
+
+def note_ranks_started() -> None:
+    """Note when torchrun starts its ranks (its process context's ``start()``, once an
+    attempt's rendezvous is done), so a failure of torchrun itself tells ranks that ran from
+    ranks that never did."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    start = PContext.start
+
+    def start_noting(self, *args, **kwargs):
+        global _ranks_started
+        _ranks_started = True
+        return start(self, *args, **kwargs)
+
+    PContext.start = start_noting  # type: ignore[method-assign]
+
+
+#: Longest torchrun error kept in the record, characters.
+ERROR_MAX_CHARS = 1000
+
+
+def _write_torchrun_error(path: str, exc: BaseException) -> None:
+    """``{"failed": [], "torchrun_error", "ranks_started"}`` to ``path``: torchrun itself
+    failed (not one of its ranks): the exception's type and first line, and whether it had
+    started ranks before."""
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    write_json(
+        Path(path),
+        {
+            "failed": [],
+            "torchrun_error": error[:ERROR_MAX_CHARS],
+            "ranks_started": _ranks_started,
+        },
+    )
+
+
+def _record(write, path: str, *args) -> None:
+    """``write(path, *args)``; a failure to write is logged, never raised (torchrun's own
+    exit must follow)."""
+    try:
+        write(path, *args)
+    except OSError as err:
+        log.get("launcher").warning(f"cannot record rank failures: {err}")
+
+
 def _write_failures(path: str, failures: dict) -> None:
     """``{"failed": [...]}`` to ``path``, one entry per failed global rank: its exit code or
     signal, torchrun's reason, and ``stopped`` (true: torchrun stopped it after another rank
@@ -252,6 +304,7 @@ def main() -> None:
 
     if path:  # the record this marking is for
         note_failures_before_stop()
+        note_ranks_started()
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
@@ -260,10 +313,7 @@ def main() -> None:
             exc.name = script
             exc.args = (exc.format_msg(),)
         if path:
-            try:
-                _write_failures(path, exc.failures)
-            except OSError as err:
-                log.get("launcher").warning(f"cannot record rank failures: {err}")
+            _record(_write_failures, path, exc.failures)
         raise
     except SignalException:
         if launcher is not None:
@@ -273,6 +323,10 @@ def main() -> None:
             _on_stop_signals(signal.SIG_IGN)
             if _wait_gone(launcher, LAUNCHER_DEATH_WAIT_S):
                 remove_log_dir(log_dir)  # the launcher's death stopped torchrun
+        raise
+    except Exception as exc:  # torchrun's own failure: its rendezvous, its store
+        if path:
+            _record(_write_torchrun_error, path, exc)
         raise
 
 

@@ -280,16 +280,17 @@ def _ends(summary: dict) -> list[str]:
     lines = ["", "Rank end states"]
     if done:
         lines.append(f"  completed: {len(done)} of {len(ranks)} ranks")
-    others = [r for r in ranks if r["end"]["state"] != "completed"]
-    for r in others[:16]:
+    alike: dict[str, list[int]] = {}  # ranks that ended alike, by how
+    for r in ranks:
+        if r["end"]["state"] != "completed":
+            alike.setdefault(end_text(r["end"]), []).append(r["rank"])
+    for end, same in list(alike.items())[:16]:
         lines += textwrap.wrap(
-            f"rank {r['rank']}: {end_text(r['end'])}",
-            WIDTH,
-            initial_indent="  ",
-            subsequent_indent="    ",
+            f"{ranks_text(same)}: {end}", WIDTH, initial_indent="  ", subsequent_indent="    "
         )
-    if len(others) > 16:
-        lines.append(f"  ... {len(others) - 16} more ranks in final_summary.json")
+    if len(alike) > 16:
+        more = sum(len(same) for same in list(alike.values())[16:])
+        lines.append(f"  ... {more} more ranks in final_summary.json")
     return lines
 
 
