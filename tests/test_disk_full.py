@@ -19,10 +19,12 @@ import time
 
 import pytest
 from conftest import EXAMPLES, free_port, run_traceml, start_traceml, wait_for
+from helpers.aggregator import LiveAggregator, finish, make_client, step
 from helpers.batches import rank_batch
 
 from traceml import wire
 from traceml.core.disk_reserve import RESERVE_BYTES
+from traceml.sdk import client as client_mod
 from traceml_aggregator.nodes import NodeRegistry
 from traceml_aggregator.sessions import NodeSessions
 from traceml_aggregator.store import NODE_LOSSES_META_KEY, Store
@@ -177,6 +179,33 @@ def test_an_atomic_write_on_a_full_disk_raises_and_leaves_no_temporary_file(smal
     assert raised.value.errno == 28  # ENOSPC
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler", "manifest.json"]
     assert path.read_text() == "old\n" and oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.aggregator
+def test_a_rank_whose_aggregator_died_after_a_full_disk_does_not_blame_the_disk(small_fs):
+    """The store's failure pushes a rank's batch back with its reason; then the aggregator is
+    SIGKILLed. What the rank knows now is that node 0 does not answer: its exit line says how
+    long it waited for an acknowledgement, after waiting for one, not the store's error, which
+    no longer holds (before: the stale error, and no wait for an aggregator that might come
+    back)."""
+    warnings: list[str] = []
+    with LiveAggregator(small_fs / "run", "mine") as agg:
+        client = make_client(agg.target, "mine", warnings, rpc_timeout_s=0.5)
+        client.submit(client_mod.STEPS, step(0))
+        wait_for(lambda: client.stats.acked == 1)
+        fill(small_fs)
+        client.submit(client_mod.STEPS, step(1))
+        wait_for(lambda: client.stats.pushed_back >= 1)
+        agg.kill()
+        wait_for(lambda: client.stats.send_failures >= 1)
+        started = time.monotonic()
+        assert client.close(finish(2), timeout_s=2.0) is False
+        waited_s = time.monotonic() - started
+    assert waited_s >= 2.0
+    assert warnings[-1].startswith(
+        "telemetry not delivered at exit: 1 records (no acknowledgement within "
+    ), warnings
+    assert not any("store cannot commit" in w for w in warnings), warnings
 
 
 @pytest.mark.torchrun

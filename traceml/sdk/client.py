@@ -719,6 +719,7 @@ class TelemetryClient:
                 self._pushed_back_ever = True
                 self._retry_after_s = _retry_after_s(exc)
                 return False
+            self._store_failing = ""  # node 0 no longer answers: what its store said is stale
             self._on_unreachable(exc)
             return False
         self.stats.batches_sent += 1
