@@ -10,6 +10,7 @@ by torchrun (or fails in gloo) and completed exactly 5 steps.
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -18,14 +19,21 @@ import time
 import pytest
 from conftest import (
     SCRIPTS,
+    descendant_of,
     free_port,
+    listens,
     load_summary,
+    reaped,
     run_args,
     run_traceml,
+    signal_and_wait,
     start_traceml,
     traceml_env,
+    wait_for,
 )
 from helpers.aggregator import listening_port
+
+from traceml.launcher.torchrun import STOPPED_BY_SIGNAL_CODE
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -155,6 +163,42 @@ def test_a_rendezvous_port_in_use_is_said_as_the_verdict_not_as_ranks_terminated
     assert [f["kind"] for f in findings["step_time"]] == ["INSUFFICIENT_DATA"]
     assert [f["kind"] for f in findings["health"]] == [], findings["health"]
     assert f"  ranks 0, 1: not_started ({reason[:30]}" in result.stdout, result.stdout
+
+
+def test_node_0_stopped_while_node_1_never_joins_says_no_rank_started_and_who_never_came(
+    tmp_path, port
+):
+    """Node 0 of two runs alone: node 1 never starts. torchrun waits in its rendezvous; the
+    user stops the launcher (SIGTERM). The summary says the run was interrupted before any
+    rank started (rank 0 ``not_started``, interrupted, the verdict NODE_FAILED naming the
+    rendezvous) and that rank 1 never reported (before: rank 0 ``terminated`` as if it had run,
+    and rank 1 ``running`` and missing, "look for a hung rank")."""
+    master_port = free_port()
+    args = [
+        *run_args(tmp_path, SCRIPT, "lonely", port, nproc=1),
+        "--nnodes=2",
+        "--node-rank=0",
+        f"--master-port={master_port}",
+        "--steps",
+        "3",
+    ]
+    launcher = start_traceml(args, tmp_path, tmp_path / "lonely")
+    with reaped({"launcher": launcher}):
+        torchrun = descendant_of(launcher, "traceml.launcher.torchrun_main")
+        wait_for(lambda: listens(torchrun, master_port), 120, "torchrun's rendezvous")
+        code, _ = signal_and_wait(launcher, signal.SIGTERM, 120)
+    assert code == STOPPED_BY_SIGNAL_CODE, (tmp_path / "lonely.err").read_text()[-4000:]
+    summary = load_summary(tmp_path / "logs" / "lonely")
+    assert summary["run"]["status"] == "interrupted"
+    reason = (
+        "interrupted: the launcher got SIGTERM (scancel, preemption or Ctrl-C) before torchrun "
+        "started its ranks (it waited in its rendezvous)"
+    )
+    ends = [(r["rank"], r["end"]["state"], r["end"]["reason"]) for r in summary["ranks"]]
+    assert ends == [(0, "not_started", reason), (1, "never_reported", None)]
+    assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"
+    assert summary["primary_diagnosis"]["evidence"]["not_started"] == [0]
+    assert [f["kind"] for f in summary["findings"]["health"]] == ["RANK_NEVER_REPORTED"]
 
 
 # Alone: two torchruns' teardown in a chain (5-7 s here, 4 jobs beside it included) took 32 s

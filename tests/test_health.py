@@ -48,9 +48,15 @@ def test_terminated_with_a_signal_stays_terminated():
     assert end_state(rd, set())["state"] == "terminated"
 
 
-def test_no_witness_is_running_when_given_up_on_else_never_reported():
-    assert end_state(_rank(), {1})["state"] == "running"
+def test_no_witness_is_running_when_given_up_on_after_it_reported_else_never_reported():
+    """A rank without an end that finalization gave up on is ``running`` when anything of it
+    came (its identity here), ``never_reported`` when nothing did (its node never connected,
+    or its torchrun never started it), as is one finalization did not wait for."""
+    heard = replace(_rank(), identity=identity(1))
+    assert end_state(heard, {1})["state"] == "running"
+    assert end_state(_rank(), {1})["state"] == "never_reported"
     assert end_state(_rank(), set())["state"] == "never_reported"
+    assert end_state(_rank(), {1}, live=True)["state"] == "running"
 
 
 def test_the_crash_headline_names_the_first_failure_in_time():

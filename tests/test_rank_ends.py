@@ -13,8 +13,11 @@ import json
 import re
 import signal
 
+import psutil
 import pytest
-from helpers.aggregator import listening_port
+from helpers.aggregator import free_port, listening_port
+from helpers.jobs import listens
+from helpers.waiting import wait_for
 
 from traceml import wire
 from traceml.core.rundir import RunDir
@@ -172,4 +175,45 @@ def test_ranks_of_a_torchrun_that_failed_after_starting_them_are_terminated_with
     assert ends(torchrun.node_exit(1)) == {
         0: (TERMINATED, None, None, reason),
         1: (TERMINATED, None, None, reason),
+    }
+
+
+def test_a_torchrun_stopped_while_it_waits_for_a_node_that_never_joins_never_started_its_ranks(
+    tmp_path,
+):
+    """Node 0 of two, alone: torchrun waits in its rendezvous for node 1, which never comes.
+    The launcher's SIGTERM cannot reach it there, so it is killed after the grace
+    (``end_stuck_stop``). It recorded nothing (it never started a rank), and its ranks are
+    ``not_started``, interrupted, not ``terminated`` as ranks that ran."""
+    port = free_port()
+    config = LaunchConfig(
+        script="never_run.py",
+        nproc_per_node=2,
+        nnodes=2,
+        node_rank=0,
+        master_port=port,
+        run_name="ends",
+    )
+    torchrun = TorchrunProcess(config, RunDir(tmp_path / "run", 0))
+    torchrun.run_dir.node_dir.mkdir(parents=True)
+    torchrun.start()
+    assert torchrun.process is not None
+    pid = torchrun.process.pid
+    wait_for(
+        lambda: listens(psutil.Process(pid), port),
+        60,
+        "torchrun's store listening (its rendezvous)",
+    )
+    torchrun.forward_signal(signal.SIGTERM)
+    wait_for(torchrun.end_stuck_stop, 60, "torchrun killed, stuck", poll_s=0.5)
+    code = torchrun.wait(10)
+    assert code == -signal.SIGKILL
+    assert not torchrun.run_dir.rank_ends.exists()
+    reason = (
+        "interrupted: the launcher got SIGTERM (scancel, preemption or Ctrl-C) before torchrun "
+        "started its ranks (it waited in its rendezvous)"
+    )
+    assert ends(torchrun.node_exit(code, signal.SIGTERM)) == {
+        0: (NOT_STARTED, None, None, reason),
+        1: (NOT_STARTED, None, None, reason),
     }

@@ -29,6 +29,8 @@ __all__ = [
     "assert_all_gone",
     "assert_rejected",
     "assert_rejected_on_a_free_port",
+    "descendant_of",
+    "listens",
     "load_summary",
     "process_family",
     "query",
@@ -253,6 +255,15 @@ def descendant_of(launcher: subprocess.Popen, marker: str, poll_s: float = 0.2) 
         return None
 
     return wait_for(found, 60, f"a process running {marker}", poll_s=poll_s)
+
+
+def listens(process: psutil.Process, port: int) -> bool:
+    """Whether ``process`` listens on TCP ``port`` (torchrun's store: it is in its
+    rendezvous)."""
+    return any(
+        c.laddr.port == port and c.status == psutil.CONN_LISTEN
+        for c in process.net_connections("tcp")
+    )
 
 
 def aggregator_of(launcher: subprocess.Popen) -> psutil.Process:

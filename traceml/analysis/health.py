@@ -70,7 +70,8 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> EndStat
 
     Args:
         rd: the rank.
-        missing: ranks finalization gave up waiting for.
+        missing: ranks finalization gave up waiting for (``running`` when anything of
+            theirs came, else ``never_reported``).
         live: the run is still going (a rank without an end is running, not silent).
     """
     end, finish = rd.end, rd.finish
@@ -97,8 +98,9 @@ def end_state(rd: RankData, missing: set[int], *, live: bool = False) -> EndStat
         state = finish.end_state  # the rank's own view (an exception it raised)
     elif end:
         state = end.end_state
-    else:
-        state = RUNNING if live or rd.rank in missing else NEVER_REPORTED
+    else:  # running, given up on, or a rank nobody ever heard of (its node never connected)
+        heard = rd.identity or rd.counts or rd.process_samples or rd.steps_stored
+        state = RUNNING if live or rd.rank in missing and heard else NEVER_REPORTED
     return {
         "state": state,
         "exit_code": end.exit_code if end else None,
@@ -128,14 +130,17 @@ def last_seen_us(rd: RankData) -> float:
 def run_status(ranks: list[RankSummary], missing: list[int], *, live: bool) -> str:
     """``run.status``: ``running`` (live), ``failed`` (a rank failed, died of a signal, or
     never started: its torchrun failed first), ``interrupted`` (ranks stopped by their
-    launcher's SIGTERM/SIGINT, none failed), ``incomplete`` (ranks missing, never reported,
-    or stopped without a known cause), else ``completed``."""
+    launcher's SIGTERM/SIGINT, or never started when it came, none failed), ``incomplete``
+    (ranks missing, never reported, or stopped without a known cause), else ``completed``."""
     if live:
         return RUNNING
     states = [r.end.state for r in ranks]
-    if FAILED in states or SIGNALED in states or NOT_STARTED in states:
+    stopped = [r for r in ranks if r.end.state in (TERMINATED, NOT_STARTED)]
+    if FAILED in states or SIGNALED in states:
         return FAILED
-    if any(r.end.state == TERMINATED and is_interrupted(r.end.reason) for r in ranks):
+    if any(r.end.state == NOT_STARTED and not is_interrupted(r.end.reason) for r in stopped):
+        return FAILED
+    if any(is_interrupted(r.end.reason) for r in stopped):
         return INTERRUPTED
     if missing or any(state != COMPLETED for state in states):
         return INCOMPLETE
@@ -516,8 +521,10 @@ def rank_terminated(facts: Facts) -> Finding | None:
 
 
 def rank_missing(facts: Facts) -> Finding | None:
-    """RANK_MISSING: ranks finalization gave up waiting for (never in a live summary)."""
-    missing = sorted(facts.run.missing)
+    """RANK_MISSING: ranks finalization gave up waiting for (never in a live summary), but
+    those nobody ever heard of: RANK_NEVER_REPORTED names them."""
+    silent = {r.rank for r in facts.in_state(NEVER_REPORTED)}
+    missing = sorted(set(facts.run.missing) - silent)
     if not missing or facts.live:
         return None
     return Finding(
@@ -568,9 +575,9 @@ def node_failed(facts: Facts) -> Finding | None:
             text += f" ({ranks[0].end.reason})"
         said.append(text)
     advice = (
-        "Fix torchrun's error (a --master-port in use: pick a free one; a rendezvous timeout: "
-        "check --master-addr and that every node started), then run again; its traceback is "
-        "in the node's training.stderr.log."
+        "torchrun stops in its rendezvous when its --master-port is in use (pick a free one) "
+        "or while a node has not joined (check --master-addr, --nnodes and that every node "
+        "started); its error, when it gave one, is in the node's training.stderr.log."
         if not_started
         else "See the rank findings above and the node's training.stderr.log."
     )

@@ -372,17 +372,19 @@ class TorchrunProcess:
     def node_exit(self, returncode: int, interrupted: int | None = None):
         """The :class:`~traceml.wire.NodeExit` for this node: one RankEnd per local rank.
 
-        Failed ranks come from torchrun's own failure record, which lists every local rank
-        that ended with a non-zero code or a signal. When one local rank failed, torchrun
-        stopped the others (SIGTERM): those the record marks ``stopped`` are ``terminated``
-        (their signal or exit code kept), not a failure of their own; a rank that had ended
-        before the stop began is ``signaled`` or ``failed`` as it ended, even by a SIGTERM
-        and even when a neighbour then failed too. A rank the record does not list exited 0
-        (``completed``). Without a record
-        (torchrun itself was stopped, or failed before its workers ended) a non-zero exit
-        leaves every rank ``terminated``; where torchrun itself failed (its rendezvous: a
-        ``--master-port`` in use, node 0 unreachable) before it started any rank, every rank is
-        ``not_started``, and its error is each rank's reason.
+        Failed ranks come from torchrun's own failure record (``torchrun_main``), which lists
+        every local rank that ended with a non-zero code or a signal. When one local rank
+        failed, torchrun stopped the others (SIGTERM): those the record marks ``stopped`` are
+        ``terminated`` (their signal or exit code kept), not a failure of their own; a rank
+        that had ended before the stop began is ``signaled`` or ``failed`` as it ended, even by
+        a SIGTERM and even when a neighbour then failed too. A rank the record does not list
+        exited 0 (``completed``). Without a list of failures (torchrun itself was stopped, or
+        failed before its workers ended) a non-zero exit leaves every rank ``terminated``. A
+        torchrun that ended non-zero before it started
+        its ranks (the record never said it started them) leaves every rank ``not_started``,
+        with why: its error (its rendezvous: a ``--master-port`` in use, node 0 unreachable),
+        the launcher's signal while it waited in its rendezvous (a node that never joined), or
+        its exit code.
 
         ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
         Ctrl-C) before torchrun exited: every rank that did not complete is then
@@ -391,11 +393,22 @@ class TorchrunProcess:
         """
         from traceml import wire
 
-        record = _read_record(self.run_dir.rank_ends)
-        torchrun_error = record.get("torchrun_error") if record else None
-        failed = {int(r["rank"]): r for r in record.get("failed", [])} if record else {}
-        unlisted_completed = returncode == 0 or record is not None and not torchrun_error
-        not_started = bool(torchrun_error) and not record.get("ranks_started", True)
+        record = _read_record(self.run_dir.rank_ends) or {}
+        torchrun_error = record.get("torchrun_error", "")
+        failed = {int(r["rank"]): r for r in record.get("failed", [])}
+        unlisted_completed = returncode == 0 or "failed" in record and not torchrun_error
+        not_started = returncode != 0 and not record.get("ranks_started", "failed" in record)
+        if torchrun_error:
+            not_started_reason = f"torchrun failed before it started its ranks: {torchrun_error}"
+        elif interrupted:
+            not_started_reason = (
+                interrupted_reason(signal.Signals(interrupted).name)
+                + " before torchrun started its ranks (it waited in its rendezvous)"
+            )
+        else:
+            not_started_reason = (
+                f"torchrun exited with {exit_code(returncode)} before it started its ranks"
+            )
         config = self.config
         report = wire.NodeExit(
             run_name=str(config.run_name),
@@ -409,7 +422,7 @@ class TorchrunProcess:
             info = failed.get(rank)
             if not_started:
                 end.end_state = wire.EndState.END_STATE_NOT_STARTED
-                end.reason = f"torchrun failed before it started its ranks: {torchrun_error}"
+                end.reason = not_started_reason
             elif interrupted and (info is None and not unlisted_completed or _stopped(info)):
                 end.end_state = wire.EndState.END_STATE_TERMINATED
                 end.signal = (info or {}).get("signal") or interrupted
@@ -454,9 +467,9 @@ def _stopped(info: dict | None) -> bool:
 
 
 def _read_record(path: Path) -> dict | None:
-    """torchrun_main's record of how torchrun's ranks ended (``failed``: one entry a failed
-    rank; ``torchrun_error``, ``ranks_started``: torchrun itself failed); None when there is
-    none (torchrun exited 0, or was stopped)."""
+    """torchrun_main's record of torchrun's ranks: ``ranks_started`` (written as it first
+    starts them), ``failed`` (one entry a failed rank), ``torchrun_error`` (torchrun itself
+    failed); None when there is none (torchrun never started a rank)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

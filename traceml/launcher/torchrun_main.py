@@ -167,17 +167,22 @@ def note_failures_before_stop() -> None:
 _ranks_started = False
 
 
-def note_ranks_started() -> None:
-    """Note when torchrun starts its ranks (its process context's ``start()``, once an
-    attempt's rendezvous is done), so a failure of torchrun itself tells ranks that ran from
-    ranks that never did."""
+def note_ranks_started(path: str) -> None:
+    """Note when torchrun first starts its ranks (its process context's ``start()``, once an
+    attempt's rendezvous is done): in this process, so that a failure of torchrun itself tells
+    ranks that ran from ranks that never did, and in the record ``{"ranks_started": true}`` at
+    ``path``, so that the launcher tells them apart for a torchrun that never records its end
+    (stopped while it waits in its rendezvous, where it cannot take the signal, then killed).
+    """
     from torch.distributed.elastic.multiprocessing.api import PContext
 
     start = PContext.start
 
     def start_noting(self, *args, **kwargs):
         global _ranks_started
-        _ranks_started = True
+        if not _ranks_started:
+            _ranks_started = True
+            _record(write_json, path, {"ranks_started": True})
         return start(self, *args, **kwargs)
 
     PContext.start = start_noting  # type: ignore[method-assign]
@@ -187,32 +192,28 @@ def note_ranks_started() -> None:
 ERROR_MAX_CHARS = 1000
 
 
-def _write_torchrun_error(path: str, exc: BaseException) -> None:
+def _write_torchrun_error(path: Path, exc: BaseException) -> None:
     """``{"failed": [], "torchrun_error", "ranks_started"}`` to ``path``: torchrun itself
     failed (not one of its ranks): the exception's type and first line, and whether it had
     started ranks before."""
     first_line = (str(exc).strip().splitlines() or [""])[0]
     error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
     write_json(
-        Path(path),
-        {
-            "failed": [],
-            "torchrun_error": error[:ERROR_MAX_CHARS],
-            "ranks_started": _ranks_started,
-        },
+        path,
+        {"failed": [], "torchrun_error": error[:ERROR_MAX_CHARS], "ranks_started": _ranks_started},
     )
 
 
 def _record(write, path: str, *args) -> None:
     """``write(path, *args)``; a failure to write is logged, never raised (torchrun's own
-    exit must follow)."""
+    work must go on)."""
     try:
-        write(path, *args)
+        write(Path(path), *args)
     except OSError as err:
         log.get("launcher").warning(f"cannot record rank failures: {err}")
 
 
-def _write_failures(path: str, failures: dict) -> None:
+def _write_failures(path: Path, failures: dict) -> None:
     """``{"failed": [...]}`` to ``path``, one entry per failed global rank: its exit code or
     signal, torchrun's reason, and ``stopped`` (true: torchrun stopped it after another rank
     had failed, :func:`note_failures_before_stop`)."""
@@ -230,7 +231,7 @@ def _write_failures(path: str, failures: dict) -> None:
                 "stopped": marked and not getattr(failure, _BEFORE_STOP, False),
             }
         )
-    write_json(Path(path), {"failed": ranks})
+    write_json(path, {"failed": ranks, "ranks_started": True})
 
 
 #: The module torchrun runs in each rank for zero-code steps (``SCRIPT ARGS`` follow).
@@ -304,7 +305,7 @@ def main() -> None:
 
     if path:  # the record this marking is for
         note_failures_before_stop()
-        note_ranks_started()
+        note_ranks_started(path)
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
