@@ -427,6 +427,17 @@ LAUNCHER_REFUSALS = [
         {"TRACEML_PEAK_TFLOPS": "-1"},
         "TRACEML_PEAK_TFLOPS must be a finite number > 0 (got '-1')",
     ),
+    # node 0's aggregator's own variables (it would fall back to the default, in its log)
+    (
+        [],
+        {"TRACEML_AGGREGATOR_CHECKPOINT_SEC": "abc"},
+        "TRACEML_AGGREGATOR_CHECKPOINT_SEC must be a finite number > 0 (got 'abc')",
+    ),
+    (
+        [],
+        {"TRACEML_STORE_SAMPLE_EVERY": "0"},
+        "TRACEML_STORE_SAMPLE_EVERY must be an integer >= 1 (got '0')",
+    ),
 ]
 
 

@@ -134,6 +134,9 @@ class LaunchConfig:
             settings.COUNT.check("--nnodes", self.nnodes)
             for knob in KNOBS:
                 setattr(self, knob.field, settings.resolve(knob, getattr(self, knob.field)))
+            if self.owns_aggregator:  # its own variables: refused here, not in its log
+                for knob in AGGREGATOR_VARIABLES:
+                    settings.resolve(knob)
         except settings.KnobError as exc:
             raise LaunchError(str(exc)) from None
         if not 0 <= self.node_rank < self.nnodes:
@@ -263,4 +266,12 @@ KNOBS: tuple[settings.Setting, ...] = tuple(
     knob
     for knob in settings.ALL
     if "launcher" in knob.readers and knob.field in {f.name for f in fields(LaunchConfig)}
+)
+#: The variables node 0's aggregator reads that the launcher does not pass on as flags: node
+#: 0's launcher refuses a bad one before anything starts, as it refuses its own (the
+#: aggregator would fall back to the default, saying so only in its log).
+AGGREGATOR_VARIABLES: tuple[settings.Setting, ...] = tuple(
+    knob
+    for knob in settings.ALL
+    if "aggregator" in knob.readers and knob.name and knob not in KNOBS and not knob.passed_as
 )
