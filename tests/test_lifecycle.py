@@ -260,6 +260,35 @@ def test_finalize_only_writes_the_summary_from_the_store(tmp_path):
     assert "summary written from the store" in result.stderr
 
 
+@pytest.mark.aggregator
+def test_finalize_only_leaves_out_a_node_exit_file_that_is_empty_or_damaged(tmp_path):
+    """A 0-byte node exit file (a launcher's write on a full disk) decodes to an empty report
+    of no run, and a damaged one does not decode: each is left out with one warning and the
+    summary is still written, its rank missing (before: the empty one was stored as node 0's
+    exit with code 0, the damaged one lost the summary)."""
+    warnings: list[str] = []
+    agg = LiveAggregator(tmp_path / "run", "offline", world_size=1)
+    with agg:
+        client = make_client(agg.target, "offline", warnings)
+        client.submit(STEPS, step(0))
+        client.flush(30)
+        agg.kill()
+    for content, why in (
+        (b"", "not a node exit of run 'offline' (run ''; an empty file reads as none)"),
+        (b"\xff\xff\xff", "DecodeError: Error parsing message"),
+    ):
+        (tmp_path / "exit.pb").write_bytes(content)
+        result = run_finalize_only(
+            tmp_path / "run", "offline", "--node-exit-file", str(tmp_path / "exit.pb")
+        )
+        assert result.returncode == 0, result.stderr
+        warning = f"traceml-aggregator: warning: --node-exit-file {tmp_path / 'exit.pb'} left out: "
+        assert warning + why in result.stderr, result.stderr
+        summary = json.loads((tmp_path / "run" / "final_summary.json").read_text())
+        assert summary["nodes"] == []  # no node exit stored: node 0 is not said to exit 0
+        assert summary["run"]["missing_ranks"] == [0]
+
+
 def _refusal(reason: str) -> str:
     """``--finalize-only``'s whole stderr when it refuses the store for ``reason``."""
     return f"traceml-aggregator: error: --finalize-only: {reason}: nothing to finalize\n"

@@ -1033,12 +1033,34 @@ def _note_signal(signum: int) -> None:
     )
 
 
+def _node_exit_report(path: Path, run_name: str):
+    """The :class:`~traceml.wire.NodeExit` of run ``run_name`` in ``path`` (the launcher's
+    ``--node-exit-file``); None, said in one warning, when it cannot be read, does not decode,
+    or is none of this run's (an empty file decodes to an empty report): the summary is then
+    written without it, its node's ranks missing, rather than not at all."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        report = wire.NodeExit.FromString(path.read_bytes())
+    except (OSError, DecodeError) as exc:
+        _log.warning(f"warning: --node-exit-file {path} left out: {type(exc).__name__}: {exc}")
+        return None
+    if report.run_name != run_name:
+        _log.warning(
+            f"warning: --node-exit-file {path} left out: not a node exit of run {run_name!r} "
+            f"(run {report.run_name!r}; an empty file reads as none)"
+        )
+        return None
+    return report
+
+
 def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -> int:
     """Write ``final_summary.*`` from the run's store alone, without serving (``--finalize-only``).
 
     The launcher runs this when its aggregator died and could not be restarted: everything
     acknowledged is in the store. ``node_exit_path`` holds the launcher's serialized
-    :class:`~traceml.wire.NodeExit` (its ranks' end states), stored first, and
+    :class:`~traceml.wire.NodeExit` (its ranks' end states), stored first (left out, with a
+    warning, when it is not a node exit of this run), and
     ``config.lost_reason`` (``--lost-reason``) why the aggregator was lost, recorded with
     :func:`record_loss` (the summary's AGGREGATOR_LOST finding). Ranks that neither finished
     nor belong to a reported node are the summary's missing ranks.
@@ -1068,8 +1090,8 @@ def finalize_offline(config: ServerConfig, node_exit_path: Path | None = None) -
             f"{config.run_name!r}"
         )
     try:
-        if node_exit_path is not None:
-            report = wire.NodeExit.FromString(node_exit_path.read_bytes())
+        report = _node_exit_report(node_exit_path, config.run_name) if node_exit_path else None
+        if report is not None:
             store.write_node_exit(report, time.time_ns() // 1000)
         if config.lost_reason:
             lost = config.lost_unix_s if config.lost_unix_s is not None else time.time()
