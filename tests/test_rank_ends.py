@@ -65,20 +65,26 @@ def ends(report: wire.NodeExit) -> dict[int, tuple]:
     }
 
 
+def torchrun_of(tmp_path, script: str = "never_run.py", **config) -> TorchrunProcess:
+    """Node 0's torchrun of run "ends" (two local ranks of ``script``; ``config``: more
+    :class:`LaunchConfig` fields), its node directory made, not started."""
+    config = {"nproc_per_node": 2, "run_name": "ends", **config}
+    torchrun = TorchrunProcess(LaunchConfig(script=script, **config), RunDir(tmp_path / "run", 0))
+    torchrun.run_dir.node_dir.mkdir(parents=True)
+    return torchrun
+
+
 def run_torchrun(tmp_path, own: int, how: str) -> tuple[int, wire.NodeExit, list]:
     """Two local ranks under the real torchrun; (its return code, the node's exit report,
     the failure record's entries)."""
     script = tmp_path / "ends.py"
     script.write_text(SCRIPT)
-    config = LaunchConfig(
-        script=str(script),
+    torchrun = torchrun_of(
+        tmp_path,
+        str(script),
         script_args=[str(own), how, str(tmp_path / "ready")],
-        nproc_per_node=2,
         auto_instrument=False,
-        run_name="ends",
     )
-    torchrun = TorchrunProcess(config, RunDir(tmp_path / "run", 0))
-    torchrun.run_dir.node_dir.mkdir(parents=True)
     torchrun.start()
     code = torchrun.wait(120)
     assert code is not None
@@ -116,11 +122,7 @@ def test_a_rank_that_exits_3_failed_and_its_neighbour_was_terminated(tmp_path):
 def test_ranks_that_both_ended_before_the_stop_keep_their_own_ends(tmp_path):
     """The race CI met: rank 1 got SIGTERM, rank 0's collective then failed, and torchrun's
     poll saw both ended at once: rank 1 died of its SIGTERM, not of torchrun's stop."""
-    torchrun = TorchrunProcess(
-        LaunchConfig(script="x.py", nproc_per_node=2, run_name="ends"),
-        RunDir(tmp_path / "run", 0),
-    )
-    torchrun.run_dir.node_dir.mkdir(parents=True)
+    torchrun = torchrun_of(tmp_path)
     own = {"exit_code": None, "reason": "", "stopped": False}
     failed = [
         {**own, "rank": 0, "local_rank": 0, "exit_code": 1},
@@ -139,11 +141,7 @@ def test_a_torchrun_whose_rendezvous_port_is_taken_never_starts_its_ranks(tmp_pa
     ``not_started`` with that error as their reason (not ``terminated``: nothing stopped
     them)."""
     with listening_port() as port:
-        config = LaunchConfig(
-            script="never_run.py", nproc_per_node=2, master_port=port, run_name="ends"
-        )
-        torchrun = TorchrunProcess(config, RunDir(tmp_path / "run", 0))
-        torchrun.run_dir.node_dir.mkdir(parents=True)
+        torchrun = torchrun_of(tmp_path, master_port=port)
         torchrun.start()
         code = torchrun.wait(120)
     assert code == 1
@@ -164,11 +162,7 @@ def test_ranks_of_a_torchrun_that_failed_after_starting_them_are_terminated_with
     """A torchrun that had started ranks, then failed itself (a later rendezvous, after a
     restart): its ranks are ``terminated`` with its error, not ``completed`` (the record
     lists no failed rank)."""
-    torchrun = TorchrunProcess(
-        LaunchConfig(script="x.py", nproc_per_node=2, run_name="ends"),
-        RunDir(tmp_path / "run", 0),
-    )
-    torchrun.run_dir.node_dir.mkdir(parents=True)
+    torchrun = torchrun_of(tmp_path)
     record = {"failed": [], "torchrun_error": "RendezvousTimeoutError: ", "ranks_started": True}
     torchrun.run_dir.rank_ends.write_text(json.dumps(record))
     reason = "torchrun failed: RendezvousTimeoutError: "
@@ -186,16 +180,7 @@ def test_a_torchrun_stopped_while_it_waits_for_a_node_that_never_joins_never_sta
     (``end_stuck_stop``). It recorded nothing (it never started a rank), and its ranks are
     ``not_started``, interrupted, not ``terminated`` as ranks that ran."""
     port = free_port()
-    config = LaunchConfig(
-        script="never_run.py",
-        nproc_per_node=2,
-        nnodes=2,
-        node_rank=0,
-        master_port=port,
-        run_name="ends",
-    )
-    torchrun = TorchrunProcess(config, RunDir(tmp_path / "run", 0))
-    torchrun.run_dir.node_dir.mkdir(parents=True)
+    torchrun = torchrun_of(tmp_path, nnodes=2, node_rank=0, master_port=port)
     torchrun.start()
     assert torchrun.process is not None
     pid = torchrun.process.pid
