@@ -72,6 +72,12 @@ def test_aggregator_lost_mid_run_is_in_the_summary(tmp_path, port, monkeypatch):
     err = err_path.read_text()
     assert code == 0, err  # training's exit code
     assert f"warning: the aggregator {REASON}; training continues without telemetry" in err
+    # The relay told the ranks and the node's sampler that nothing more would be stored: each
+    # stopped sending, and none waited at its exit for acknowledgements that could not come
+    # (before: "telemetry is kept and resent", then "not delivered at exit" after the wait).
+    stopped = f"traceml: telemetry stopped: node 0's aggregator is gone for good ({REASON})"
+    assert err.count(stopped + "; sending no more") == 3, err  # 2 ranks and the sampler
+    assert "not delivered at exit" not in err
     out = (run_dir / "nodes" / "node_0" / "training.stdout.log").read_text()
     assert f"faulty_ddp: rank 0 trained {STEPS} steps" in out
 

@@ -43,6 +43,10 @@ TOKEN_METADATA_KEY = "traceml-run-token"
 #: any other failure of a stream to the relay is the relay's socket itself, gone with its
 #: launcher (traceml/launcher/relay.py, traceml/sdk/client.py).
 RELAY_STATUS_PREFIX = "through the node relay: "
+#: The status (``grpc.StatusCode``'s name) the node relay ends its local streams with once
+#: node 0's aggregator is gone for good: its senders stop sending (traceml/launcher/relay.py,
+#: traceml/sdk/client.py). Node 0's aggregator never answers with it.
+RELAY_GONE_CODE = "ABORTED"
 #: Largest message either side sends or receives, bytes (both sides set it: 4 MiB, gRPC's
 #: usual receive bound, about 80 times a full batch of 512 steps).
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024

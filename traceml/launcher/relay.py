@@ -25,6 +25,11 @@ ranks and sampler so crosses as one message, which node 0's writer stores in one
 (each sender's batches apart were a message each: node 0 pays gRPC per message). Node 0
 answers each ``RelayUp`` with one ``RelayDown``.
 
+Node 0's aggregator gone for good (it died and node 0's launcher will not restart it:
+:meth:`NodeRelay.upstream_gone`): the relay ends every local stream with :data:`GONE_CODE`
+and why, and refuses new ones so; its senders stop sending (nothing would be stored) rather
+than keep their telemetry and wait at their exit for acknowledgements that cannot come.
+
 Liveness: a local stream that ends is told to node 0 (``ended``): closed after its ``closing``
 message, lost otherwise (the rank died: its socket is reset at once). When the relay's call
 ends without that (the launcher was killed: torchrun and its ranks die with it), node 0 counts
@@ -58,6 +63,7 @@ from traceml.core import log
 from traceml.core.threads import name_os_thread
 from traceml.core.transport import (
     MAX_MESSAGE_BYTES,
+    RELAY_GONE_CODE,
     RELAY_STATUS_PREFIX,
     TOKEN_METADATA_KEY,
     Credentials,
@@ -93,6 +99,10 @@ FRAME_HEADROOM_BYTES = 1024
 RELAY_GATHER_S = 0.05
 #: Longest wait at :meth:`NodeRelay.close` for the local streams' last frames to reach node 0, s.
 CLOSE_FLUSH_S = 1.0
+#: The status every local stream ends with once node 0's aggregator is gone for good
+#: (:meth:`NodeRelay.upstream_gone`): node 0's aggregator never sends it, so a sender tells
+#: it from the relay's failures of the upstream (``UNAVAILABLE``: kept, sent again).
+GONE_CODE = grpc.StatusCode[RELAY_GONE_CODE]
 _DONE = object()  # a local stream's last answer: it half-closed and every Ack was passed down
 
 
@@ -163,6 +173,7 @@ class NodeRelay:
         self._pending_since = 0.0  # when the oldest of them was queued (loop time)
         self._in_flight = False  # a RelayUp waits for its RelayDown
         self._next_channel = 1
+        self._gone: tuple | None = None  # (GONE_CODE, why) once node 0's aggregator is gone
         self.session = None
         self.node_rank = 0
 
@@ -191,6 +202,19 @@ class NodeRelay:
                 pass
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def upstream_gone(self, reason: str) -> None:
+        """Node 0's aggregator is gone for good (``reason``; node 0's launcher will not
+        restart it): every local stream, open or opened later, ends :data:`GONE_CODE` with
+        why, and its sender sends no more (:mod:`traceml.sdk.client`) instead of keeping its
+        telemetry and waiting at its exit for acknowledgements that cannot come."""
+        why = f"node 0's aggregator is gone for good ({reason})"
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._go_dark, (GONE_CODE, why))
+            except RuntimeError:  # the loop closed meanwhile
+                pass
 
     def carry_heartbeats(self, session, node_rank: int) -> None:
         """From now on each ``RelayUp`` carries ``session``'s heartbeat (node ``node_rank``'s)
@@ -250,6 +274,8 @@ class NodeRelay:
         metadata = dict(context.invocation_metadata() or ())
         if not same_token(metadata.get(TOKEN_METADATA_KEY), self._credentials.token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+        if self._gone is not None:
+            await context.abort(*self._gone)
         local = _Local(self._next_channel)
         self._next_channel += 1
         self._locals[local.channel] = local
@@ -323,6 +349,8 @@ class NodeRelay:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                if self._gone is not None:
+                    self._pending.clear()  # nowhere to send it: its senders were told
                 if not self._pending:
                     continue
                 await self._gather()
@@ -413,12 +441,23 @@ class NodeRelay:
         frames, self._pending = pending[:taken], pending[taken:]
         return frames
 
+    def _go_dark(self, gone: tuple) -> None:
+        """:meth:`upstream_gone`, on the relay's loop: every local stream ends with ``gone``,
+        and so does each one opened from now on."""
+        self._gone = gone
+        self._end_locals(gone)
+
     def _fail_locals(self, failure: tuple) -> None:
         """The upstream call failed: every local stream ends with ``failure`` (its senders
         reopen one and resend), and nothing queued is sent (they resend it)."""
         self.stats.upstream_failures += 1
+        self._end_locals(failure)
+
+    def _end_locals(self, status: tuple) -> None:
+        """Every local stream ends with ``status`` (``(code, details)``); nothing queued is
+        sent."""
         for local in self._locals.values():
-            local.answers.put_nowait(failure)
+            local.answers.put_nowait(status)
         self._locals.clear()
         self._pending.clear()
 

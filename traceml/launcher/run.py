@@ -259,6 +259,8 @@ class Launch:
         serving and its session, then the node sampler (node 0's needs its own aggregator)."""
         node, supervisor = self.node, self.supervisor
         node.start_relay()
+        if supervisor is not None and node.relay is not None:
+            supervisor.on_lost = node.relay.upstream_gone
         node.torchrun.start(self.terminal_view.consoles() if self.terminal_view else None)
         if self.interrupted:  # signalled while torchrun was starting
             node.torchrun.forward_signal(self.interrupted)

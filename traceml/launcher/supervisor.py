@@ -10,6 +10,7 @@ event, and the summary is then written from the store (:mod:`traceml.launcher.fi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from traceml.core import disk_reserve, log
 from traceml.core.rundir import Manifest, RunDir
@@ -48,6 +49,10 @@ class AggregatorSupervisor:
         #: When the run lost it for good (:meth:`lost`; Unix s: the death that ended the
         #: telemetry), None while it was not: the summary written from the store says so.
         self.lost_unix_s: float | None = None
+        #: Called with the reason once the run has lost it for good (:meth:`lost`): node 0's
+        #: relay then tells its senders to stop (:meth:`NodeRelay.upstream_gone
+        #: <traceml.launcher.relay.NodeRelay.upstream_gone>`); None: nobody to tell.
+        self.on_lost: Callable[[str], None] | None = None
 
     @property
     def status(self) -> AggregatorStatus:
@@ -142,6 +147,8 @@ class AggregatorSupervisor:
             f"warning: the aggregator {reason}; training continues without telemetry; the "
             f"summary will hold what was stored until now (see {self.run_dir.aggregator_stderr})"
         )
+        if self.on_lost is not None:
+            self.on_lost(reason)
 
     def fail(self, reason: str, silent_since_unix_s: float | None = None) -> None:
         """It serves but could not write the summary (``reason``); with

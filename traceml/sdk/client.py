@@ -78,6 +78,7 @@ from traceml.core.phases import STEP_FIELDS
 from traceml.core.threads import name_os_thread
 from traceml.core.transport import (
     MAX_MESSAGE_BYTES,
+    RELAY_GONE_CODE,
     RELAY_STATUS_PREFIX,
     RETRY_AFTER_METADATA_KEY,
     disable_grpc_fork_handlers,
@@ -714,6 +715,8 @@ class TelemetryClient:
             code = exc.code() if hasattr(exc, "code") else None
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
                 return self._give_up(f"{exc.details()} ({code.name})")
+            if self.relay and code == grpc.StatusCode[RELAY_GONE_CODE]:  # node 0's is gone
+                return self._give_up(exc.details(), said="telemetry stopped")
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the aggregator's bound of calls
                 self.stats.pushed_back += 1
                 self._pushed_back_ever = True
@@ -746,10 +749,11 @@ class TelemetryClient:
         self.stats.acked += record_count(batch)
         return True
 
-    def _give_up(self, reason: str) -> bool:
-        """The aggregator refused this sender for good: say why once, send nothing more."""
+    def _give_up(self, reason: str, said: str = "aggregator rejected telemetry") -> bool:
+        """The aggregator refused this sender for good, or the node relay says it is gone
+        for good (``said``: "telemetry stopped"): say why once, send nothing more."""
         self._rejected = True
-        self._warn(f"aggregator rejected telemetry: {reason}; sending no more")
+        self._warn(f"{said}: {reason}; sending no more")
         self._pending = None
         self._buffer.clear()
         return True
