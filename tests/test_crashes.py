@@ -10,6 +10,7 @@ by torchrun (or fails in gloo) and completed exactly 5 steps.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -172,7 +173,8 @@ def test_node_0_stopped_while_node_1_never_joins_says_no_rank_started_and_who_ne
     user stops the launcher (SIGTERM). The summary says the run was interrupted before any
     rank started (rank 0 ``not_started``, interrupted, the verdict NODE_FAILED naming the
     rendezvous) and that rank 1 never reported (before: rank 0 ``terminated`` as if it had run,
-    and rank 1 ``running`` and missing, "look for a hung rank")."""
+    and rank 1 ``running`` and missing, "look for a hung rank"). While it waited, the launcher
+    said so (``TRACEML_RENDEZVOUS_WARN_SEC``: 1 s here)."""
     master_port = free_port()
     args = [
         *run_args(tmp_path, SCRIPT, "lonely", port, nproc=1),
@@ -182,10 +184,16 @@ def test_node_0_stopped_while_node_1_never_joins_says_no_rank_started_and_who_ne
         "--steps",
         "3",
     ]
-    launcher = start_traceml(args, tmp_path, tmp_path / "lonely")
+    env = {"TRACEML_RENDEZVOUS_WARN_SEC": "1"}
+    launcher = start_traceml(args, tmp_path, tmp_path / "lonely", env=env)
+    waiting = re.compile(
+        r"traceml: warning: torchrun has started no rank in \d+ s: it waits in its rendezvous "
+        rf"at 127\.0\.0\.1:{master_port} for all 2 nodes \(--nnodes\) to join"
+    )
     with reaped({"launcher": launcher}):
         torchrun = descendant_of(launcher, "traceml.launcher.torchrun_main")
         wait_for(lambda: listens(torchrun, master_port), 120, "torchrun's rendezvous")
+        wait_for(lambda: waiting.search((tmp_path / "lonely.err").read_text()), 120, "the wait")
         code, _ = signal_and_wait(launcher, signal.SIGTERM, 120)
     assert code == STOPPED_BY_SIGNAL_CODE, (tmp_path / "lonely.err").read_text()[-4000:]
     summary = load_summary(tmp_path / "logs" / "lonely")

@@ -202,3 +202,42 @@ def test_a_torchrun_stopped_while_it_waits_for_a_node_that_never_joins_never_sta
         0: (NOT_STARTED, None, None, reason),
         1: (NOT_STARTED, None, None, reason),
     }
+
+
+def test_a_torchrun_waiting_in_its_rendezvous_is_said_then_its_start_after_the_late_node(
+    tmp_path, capsys
+):
+    """Node 0 of two waits in its rendezvous: past ``TRACEML_RENDEZVOUS_WARN_SEC`` its
+    launcher says so once, with where it waits and what for (plain torchrun says nothing
+    until its timeout, minutes later). Node 1 then joins: the ranks start, and that is said,
+    with how long the rendezvous took."""
+    script = tmp_path / "ends.py"
+    script.write_text("pass\n")
+    port = free_port()
+    both = {"nnodes": 2, "master_port": port, "rendezvous_warn_sec": 0.5}
+    node0 = torchrun_of(tmp_path / "n0", str(script), node_rank=0, **both)
+    node0.start()
+    said: list[str] = []
+
+    def say() -> str:
+        node0.say_rendezvous_wait()
+        said.append(capsys.readouterr().err)
+        return "".join(said)
+
+    wait_for(lambda: "warning" in say(), 60, "node 0 to say it waits in its rendezvous")
+    assert re.fullmatch(
+        r"traceml: warning: torchrun has started no rank in \d+ s: it waits in its rendezvous "
+        rf"at 127\.0\.0\.1:{port} for all 2 nodes \(--nnodes\) to join; check that every node "
+        r"runs `traceml run` with the same --master-addr, --master-port and --nnodes, and can "
+        r"reach that address\n",
+        say(),
+    ), said
+    node1 = torchrun_of(tmp_path / "n1", str(script), node_rank=1, **both)
+    node1.start()
+    wait_for(lambda: "started its ranks" in say(), 60, "node 0's ranks to start")
+    assert re.search(
+        r"\ntraceml: torchrun started its ranks after \d+ s in its rendezvous\n$", say()
+    )
+    assert (node0.wait(60), node1.wait(60)) == (0, 0)
+    node0.say_rendezvous_wait()
+    assert capsys.readouterr().err == ""  # each said once

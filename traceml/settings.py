@@ -292,6 +292,15 @@ AGGREGATOR_WAIT_SEC = Setting(
     unit="s",
     readers=(_L,),
 )
+RENDEZVOUS_WARN_SEC = Setting(
+    "TRACEML_RENDEZVOUS_WARN_SEC",
+    "60",
+    "How long torchrun may wait in its rendezvous, starting no rank, before the launcher says "
+    "so (and what it waits for), s.",
+    kind=POSITIVE,
+    unit="s",
+    readers=(_L,),
+)
 LIVE_REFRESH_SEC = Setting(
     "TRACEML_LIVE_REFRESH_SEC",
     "5",

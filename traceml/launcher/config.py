@@ -55,6 +55,7 @@ class LaunchConfig:
     hang_timeout_sec: float | None = None
     aggregator_wait_sec: float | None = None
     aggregator_start_sec: float | None = None
+    rendezvous_warn_sec: float | None = None
     max_restarts: int = settings.MAX_RESTARTS.value
     aggregator_max_restarts: int | None = None
     save_training_output: bool | None = None

@@ -421,6 +421,7 @@ class Launch:
                 if torchrun.end_stuck_stop():
                     manifest.event("torchrun_killed")
                     return STOPPED_BY_SIGNAL_CODE  # as if it had taken the signal
+                torchrun.say_rendezvous_wait()
                 try:
                     self.node.watch_claims(manifest)
                     if owner:

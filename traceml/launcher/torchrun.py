@@ -250,6 +250,11 @@ class TorchrunProcess:
         self._stop_signal = 0
         self._stop_sent_at = 0.0
         self._ranks_since_stop = False
+        #: When :meth:`start` started torchrun (monotonic s), and whether it is known to have
+        #: started ranks, or was said to wait in its rendezvous (:meth:`say_rendezvous_wait`).
+        self._started_at = 0.0
+        self._ranks_started = False
+        self._waited_said = False
 
     def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
@@ -277,6 +282,7 @@ class TorchrunProcess:
                 :meth:`traceml.launcher.terminal_view.TerminalView.consoles`).
         """
         self.run_dir.rank_ends.unlink(missing_ok=True)
+        self._started_at = time.monotonic()
         if not os.environ.get(TORCHRUN_LOG_DIR_ENV):
             try:
                 self.log_dir = tempfile.mkdtemp(prefix="traceml-torchrun-")
@@ -296,6 +302,36 @@ class TorchrunProcess:
             Tee(self.process.stdout, out, self.run_dir.training_stdout if save else None),
             Tee(self.process.stderr, err, self.run_dir.training_stderr if save else None),
         ]
+
+    def say_rendezvous_wait(self) -> None:
+        """Say once (a warning) when torchrun has started no rank
+        ``TRACEML_RENDEZVOUS_WARN_SEC`` after it started: it waits in its rendezvous, for a
+        node that has not joined or at an address it cannot reach, where plain torchrun says
+        nothing until its timeout (minutes); and, if it was said, when the ranks then start.
+        Ranks started: torchrun_main's record exists (it writes it as it starts them) or
+        torchrun has a child. Called about once a second while training runs."""
+        if self._ranks_started or self.process is None:
+            return
+        waited_s = time.monotonic() - self._started_at
+        warn_s = float(self.config.rendezvous_warn_sec or settings.RENDEZVOUS_WARN_SEC.value)
+        if not self._waited_said and waited_s < warn_s:
+            return
+        self._ranks_started = self.run_dir.rank_ends.exists() or _has_children(self.process.pid)
+        config = self.config
+        if self._ranks_started:
+            if self._waited_said:
+                _log.info(f"torchrun started its ranks after {waited_s:.0f} s in its rendezvous")
+            return
+        if self._waited_said or self.process.poll() is not None:
+            return
+        self._waited_said = True
+        where = f"{config.master_addr}:{config.master_port}" if config.master_port else "node 0"
+        _log.warning(
+            f"warning: torchrun has started no rank in {waited_s:.0f} s: it waits in its "
+            f"rendezvous at {where} for all {config.nnodes} nodes (--nnodes) to join; check that "
+            "every node runs `traceml run` with the same --master-addr, --master-port and "
+            "--nnodes, and can reach that address"
+        )
 
     def forward_signal(self, signum: int, _frame=None) -> None:
         """Pass SIGINT/SIGTERM on to torchrun (which passes it to the ranks)."""
