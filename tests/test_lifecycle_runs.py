@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,10 +29,10 @@ from conftest import (
 from conftest import (
     process_family as family,
 )
-from helpers.jobs import descendant_of, run_args, signal_all, tmp_leftovers
+from helpers.jobs import descendant_of, listens, run_args, signal_all, tmp_leftovers
 from helpers.waiting import wait_for
 
-from traceml.launcher.torchrun import STOP_WITHOUT_RANKS_GRACE_S, STOPPED_BY_SIGNAL_CODE
+from traceml.launcher.torchrun import STOP_WITHOUT_RANKS_GRACE_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -212,10 +213,10 @@ def test_second_sigterm_ends_at_once(tmp_path, port):
 
 def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port):
     """Node 0 of two, node 1 never started: torchrun waits in the static rendezvous, inside
-    torch's C++ store, where its SIGTERM handler cannot run (it would wait out the rendezvous
-    timeout, 600 s). The launcher's SIGTERM ends it STOP_WITHOUT_RANKS_GRACE_S later, with the
-    exit code torchrun has once it takes a SIGTERM (1), the summary written and nothing left
-    running."""
+    torch's C++ store, where no signal handler runs (it would wait out the rendezvous
+    timeout, 600 s); its launcher says it waits there. The launcher's SIGTERM ends it
+    STOP_WITHOUT_RANKS_GRACE_S later, with plain torchrun's exit code there (143: it has no
+    handler yet, and dies of the signal), the summary written and nothing left running."""
     master_port = free_port()
     args = run_args(tmp_path, SCRIPT, "rdzv", port, nproc=1) + [
         "--nnodes=2",
@@ -225,19 +226,19 @@ def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port
         "--steps",
         "5",
     ]
-    launcher = start_traceml(args, tmp_path, tmp_path / "rdzv", env=ENV)
+    env = {**ENV, "TRACEML_RENDEZVOUS_WARN_SEC": "1"}
+    launcher = start_traceml(args, tmp_path, tmp_path / "rdzv", env=env)
+    waiting = re.compile(
+        r"traceml: warning: torchrun has started no rank in \d+ s: it waits in its rendezvous "
+        rf"at 127\.0\.0\.1:{master_port} for all 2 nodes \(--nnodes\) to join"
+    )
     processes = []
     try:
         torchrun = descendant_of(launcher, "torchrun_main")
         # the rendezvous's store listens on the master port once torchrun waits in it
-        wait_for(
-            lambda: any(
-                c.status == psutil.CONN_LISTEN and c.laddr.port == master_port
-                for c in torchrun.net_connections("tcp")
-            ),
-            120,
-            "torchrun's rendezvous store listening",
-        )
+        wait_for(lambda: listens(torchrun, master_port), 120, "torchrun's rendezvous store")
+        # and the launcher says so (TRACEML_RENDEZVOUS_WARN_SEC: 1 s here)
+        wait_for(lambda: waiting.search((tmp_path / "rdzv.err").read_text()), 120, "the wait")
         processes = family(launcher.pid)
         launcher.send_signal(signal.SIGTERM)
         code = launcher.wait(120)  # not the rendezvous timeout's 600 s
@@ -245,7 +246,7 @@ def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port
         if launcher.poll() is None:  # the test failed: leave nothing running
             signal_all(family(launcher.pid), signal.SIGKILL)
     err = (tmp_path / "rdzv.err").read_text()
-    assert code == STOPPED_BY_SIGNAL_CODE == 1, err
+    assert code == 128 + signal.SIGTERM, err  # as plain torchrun's there (it dies of it)
     assert (
         f"torchrun did not stop within {STOP_WITHOUT_RANKS_GRACE_S:g} s of SIGTERM and runs "
         "no rank (it waits in torch's store, the rendezvous or the exit barrier of several "
@@ -254,9 +255,20 @@ def test_a_sigterm_while_torchrun_waits_in_the_rendezvous_ends_it(tmp_path, port
     manifest = json.loads((tmp_path / "logs" / "rdzv" / "manifest.json").read_text())
     assert "torchrun_killed" in manifest["lifecycle"]
     assert_all_gone(processes, 10)
+    # The summary says no rank started (before: rank 0 "terminated" as if it had run, rank 1
+    # "running" and missing, "look for a hung rank").
     summary = load_summary(tmp_path / "logs" / "rdzv")
-    assert [(n["node_rank"], n["exit_code"]) for n in summary["nodes"]] == [(0, 1)]
+    assert [(n["node_rank"], n["exit_code"]) for n in summary["nodes"]] == [(0, 143)]
     assert summary["run"]["status"] == "interrupted"
+    reason = (
+        "interrupted: the launcher got SIGTERM (scancel, preemption or Ctrl-C) before torchrun "
+        "started its ranks"
+    )
+    ends = [(r["rank"], r["end"]["state"], r["end"]["reason"]) for r in summary["ranks"]]
+    assert ends == [(0, "not_started", reason), (1, "never_reported", None)]
+    assert summary["primary_diagnosis"]["kind"] == "RUN_INTERRUPTED"
+    health = [f["kind"] for f in summary["findings"]["health"]]
+    assert health == ["RANK_NEVER_REPORTED", "NODE_FAILED"], health
 
 
 def test_closed_stdout_costs_only_the_view(tmp_path, port):
@@ -348,6 +360,6 @@ def test_no_save_training_output(tmp_path, port):
     assert launcher.wait(240) == 0, (tmp_path / "nosave.err").read_text()
     assert "chatty: done" in (tmp_path / "nosave.out").read_text()
     node_dir = tmp_path / "logs" / "nosave" / "nodes" / "node_0"
-    assert sorted(p.name for p in node_dir.iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in node_dir.iterdir()) == ["manifest.json", "rank_ends.json"]
     node = json.loads((node_dir / "manifest.json").read_text())
     assert node["artifacts"] == {} and node["launch"]["save_training_output"] is False

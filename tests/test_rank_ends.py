@@ -149,7 +149,7 @@ def test_a_torchrun_whose_rendezvous_port_is_taken_never_starts_its_ranks(tmp_pa
     assert record["failed"] == [] and record["ranks_started"] is False
     error = record["torchrun_error"]
     assert error.startswith("DistNetworkError: ") and "EADDRINUSE" in error, error
-    reason = f"torchrun failed before it started its ranks: {error}"
+    reason = f"torchrun failed: {error}"
     assert ends(torchrun.node_exit(code)) == {
         0: (NOT_STARTED, None, None, reason),
         1: (NOT_STARTED, None, None, reason),
@@ -196,11 +196,11 @@ def test_a_torchrun_stopped_while_it_waits_for_a_node_that_never_joins_never_sta
     assert not torchrun.run_dir.rank_ends.exists()
     reason = (
         "interrupted: the launcher got SIGTERM (scancel, preemption or Ctrl-C) before torchrun "
-        "started its ranks (it waited in its rendezvous)"
+        "started its ranks"
     )
     assert ends(torchrun.node_exit(code, signal.SIGTERM)) == {
-        0: (NOT_STARTED, None, None, reason),
-        1: (NOT_STARTED, None, None, reason),
+        0: (NOT_STARTED, None, signal.SIGTERM, reason),
+        1: (NOT_STARTED, None, signal.SIGTERM, reason),
     }
 
 

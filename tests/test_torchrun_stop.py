@@ -15,6 +15,7 @@ import time
 import pytest
 from helpers.waiting import wait_for
 
+from traceml.core.rundir import RunDir
 from traceml.launcher import torchrun as torchrun_module
 from traceml.launcher.torchrun import TorchrunProcess
 
@@ -31,7 +32,7 @@ time.sleep(60)
 
 
 @pytest.fixture
-def stuck(monkeypatch):
+def stuck(monkeypatch, tmp_path):
     """``start(with_rank)``: a :class:`TorchrunProcess` over a started stand-in; each is killed
     with whatever runs under it at teardown."""
     monkeypatch.setattr(torchrun_module, "STOP_WITHOUT_RANKS_GRACE_S", GRACE_S)
@@ -44,7 +45,8 @@ def stuck(monkeypatch):
             text=True,
         )
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
-        torchrun = TorchrunProcess(None, None)  # type: ignore[arg-type]  # unused here
+        run_dir = RunDir(tmp_path / "run", 0)  # no record of torchrun_main's in it
+        torchrun = TorchrunProcess(None, run_dir)  # type: ignore[arg-type]  # config unused
         torchrun.process = process
         started.append(torchrun)
         return torchrun
@@ -59,24 +61,27 @@ def test_a_torchrun_without_ranks_that_ignores_the_stop_is_killed_after_the_grac
     torchrun = stuck(with_rank=False)
     signalled = time.monotonic()
     torchrun.forward_signal(signal.SIGTERM)
-    assert torchrun.end_stuck_stop() is False  # within the grace
+    assert torchrun.end_stuck_stop() is None  # within the grace
     assert torchrun.process.poll() is None
-    wait_for(torchrun.end_stuck_stop, 30, "the stuck torchrun killed", poll_s=0.05)
+    # killed: its return code is plain torchrun's, which dies of the signal before it has
+    # started ranks (no handler of torch's yet)
+    code = wait_for(torchrun.end_stuck_stop, 30, "the stuck torchrun killed", poll_s=0.05)
+    assert code == -signal.SIGTERM
     assert time.monotonic() - signalled >= GRACE_S
     assert torchrun.process.returncode == -signal.SIGKILL
-    assert torchrun.end_stuck_stop() is False  # once
+    assert torchrun.end_stuck_stop() is None  # once
 
 
 def test_a_torchrun_with_ranks_at_the_stop_is_never_killed_here(stuck):
     torchrun = stuck(with_rank=True)
     torchrun.forward_signal(signal.SIGTERM)
     time.sleep(GRACE_S * 2)
-    assert torchrun.end_stuck_stop() is False
+    assert torchrun.end_stuck_stop() is None
     assert torchrun.process.poll() is None  # torch's own stop ends its ranks, then it
 
 
 def test_without_a_stop_signal_nothing_is_killed(stuck):
     torchrun = stuck(with_rank=False)
     time.sleep(GRACE_S * 2)
-    assert torchrun.end_stuck_stop() is False
+    assert torchrun.end_stuck_stop() is None
     assert torchrun.process.poll() is None

@@ -67,12 +67,14 @@ KINDS = {
 
 #: The possible primary diagnoses: the step-time kinds but LATE_ARRIVAL (it names who makes the
 #: others wait, not why; :mod:`traceml.analysis.skew`), RANK_HUNG when a hang lost more
-#: wall time than the step-time verdict costs over the run (:func:`~.health.hang_first`), and
-#: NODE_FAILED when no rank stepped because torchrun failed before it started them
-#: (:func:`~.health.not_started_first`).
+#: wall time than the step-time verdict costs over the run (:func:`~.health.hang_first`), and,
+#: when too few steps came for a diagnosis, the health finding that says why
+#: (:func:`~.health.why_too_few_steps_first`).
 PRIMARY_KINDS = tuple(k for k in KINDS["step_time"] if k != "LATE_ARRIVAL") + (
     "RANK_HUNG",
     "NODE_FAILED",
+    "RANK_CRASHED",
+    "RUN_INTERRUPTED",
 )
 
 #: ``evidence.statistic`` of a step-time finding: its headline figure, its percentage and its

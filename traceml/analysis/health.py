@@ -139,7 +139,7 @@ def run_status(ranks: list[RankSummary], missing: list[int], *, live: bool) -> s
     if FAILED in states or SIGNALED in states:
         return FAILED
     if any(r.end.state == NOT_STARTED and not is_interrupted(r.end.reason) for r in stopped):
-        return FAILED
+        return FAILED  # torchrun failed before it started them
     if any(is_interrupted(r.end.reason) for r in stopped):
         return INTERRUPTED
     if missing or any(state != COMPLETED for state in states):
@@ -169,13 +169,19 @@ class Facts:
         return stalled | {e["rank"] for e in not_exited(self)}
 
     def interrupted(self) -> list[RankSummary]:
-        """Terminated ranks, not hung, that their launcher's SIGTERM/SIGINT stopped."""
+        """Terminated ranks, not hung, that their launcher's SIGTERM/SIGINT stopped, and ranks
+        it stopped before torchrun started them."""
         hung = self.hung()
         return [
             r
-            for r in self.in_state(TERMINATED)
+            for r in self.in_state(TERMINATED, NOT_STARTED)
             if r.rank not in hung and is_interrupted(r.end.reason)
         ]
+
+    def never_started(self) -> list[RankSummary]:
+        """Ranks torchrun never started because it failed or exited first (not those its
+        launcher's signal stopped before: :meth:`interrupted`)."""
+        return [r for r in self.in_state(NOT_STARTED) if not is_interrupted(r.end.reason)]
 
 
 def findings(
@@ -564,27 +570,34 @@ def node_failed(facts: Facts) -> Finding | None:
     if not failed:
         return None
     not_started: dict[int, list[RankSummary]] = {}  # node -> its ranks torchrun never started
-    for r in facts.in_state(NOT_STARTED):
+    for r in facts.never_started():
         if r.node_rank is not None:
             not_started.setdefault(r.node_rank, []).append(r)
-    said = []
+    # nodes that ended alike, by how: (exit code, why no rank started) -> (nodes, those ranks)
+    alike: dict[tuple[int, str | None], tuple[list[str], list[int]]] = {}
     for n, e in sorted(failed.items()):
-        text = f"{n} ({e.hostname or '?'}) exited with {e.exit_code}"
-        if ranks := not_started.get(n):
-            text += f" and never started {ranks_text([r.rank for r in ranks])}"
-            text += f" ({ranks[0].end.reason})"
+        ranks = not_started.get(n, [])
+        how = (e.exit_code, ranks[0].end.reason if ranks else None)
+        nodes, never = alike.setdefault(how, ([], []))
+        nodes.append(f"{n} ({e.hostname or '?'})")
+        never += [r.rank for r in ranks]
+    said = []
+    for (code, reason), (nodes, never) in alike.items():
+        text = f"{', '.join(nodes)} exited with {code}"
+        if reason:
+            text += f" before it started {ranks_text(never)} ({reason})"
         said.append(text)
     advice = (
-        "torchrun stops in its rendezvous when its --master-port is in use (pick a free one) "
-        "or while a node has not joined (check --master-addr, --nnodes and that every node "
-        "started); its error, when it gave one, is in the node's training.stderr.log."
+        "torchrun fails in its rendezvous when its --master-port is in use (pick a free one) "
+        "or node 0 cannot be reached (check --master-addr and --nnodes on every node); its "
+        "error is in its output (the node's training.stderr.log when saved)."
         if not_started
         else "See the rank findings above and the node's training.stderr.log."
     )
     return Finding(
         "NODE_FAILED",
         "critical",
-        "torchrun on node " + ", ".join(said) + ".",
+        f"torchrun on node{'s' if len(failed) > 1 else ''} " + "; ".join(said) + ".",
         advice,
         evidence={
             "exit_codes": {str(n): e.exit_code for n, e in failed.items()},
@@ -594,24 +607,26 @@ def node_failed(facts: Facts) -> Finding | None:
     )
 
 
-def not_started_first(
+def why_too_few_steps_first(
     primary: Finding, others: list[Finding], health: list[Finding]
 ) -> tuple[Finding, list[Finding], list[Finding]]:
-    """Make NODE_FAILED the primary diagnosis when no rank reported a step (the step-time
-    verdict is INSUFFICIENT_DATA for want of steps) and torchrun failed before it started
-    ranks: the run never trained, and why is torchrun's error, not missing instrumentation.
+    """When the ranks reported too few steps for a diagnosis (the step-time verdict is
+    INSUFFICIENT_DATA for want of steps: none, or fewer than ``MIN_WINDOW_STEPS`` common to
+    every rank) and a health finding says why, make it the primary diagnosis, the first of:
+    NODE_FAILED naming ranks torchrun never started (its error), RANK_CRASHED (ranks that
+    died early: an import error, say), RUN_INTERRUPTED (stopped early). The run then lacks
+    steps for that reason, not for want of instrumentation or of a longer run.
 
     Returns:
         ``(primary, step-time findings, health findings)``, unchanged otherwise.
     """
-    failed = next((f for f in health if f.kind == "NODE_FAILED"), None)
-    if (
-        failed is None
-        or not failed.evidence["not_started"]
-        or primary.evidence.get("missing") != ["steps"]
-    ):
+    if primary.evidence.get("missing") != ["steps"]:
         return primary, others, health
-    return failed, [primary] + others, [f for f in health if f is not failed]
+    why = [f for f in health if f.kind == "NODE_FAILED" and f.evidence["not_started"]]
+    why += [f for kind in ("RANK_CRASHED", "RUN_INTERRUPTED") for f in health if f.kind == kind]
+    if not why:
+        return primary, others, health
+    return why[0], [primary] + others, [f for f in health if f is not why[0]]
 
 
 def node_lost(facts: Facts) -> Finding | None:

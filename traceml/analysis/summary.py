@@ -417,7 +417,7 @@ def build(run: RunData, *, live: bool = False, now_unix_s: float | None = None) 
         for r, rd in run.ranks.items()
     ]
     nodes = node_summaries(run, ranks, span)
-    primary, step_findings, health_findings = health.not_started_first(
+    primary, step_findings, health_findings = health.why_too_few_steps_first(
         *health.hang_first(
             primary,
             step_findings,

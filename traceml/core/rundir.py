@@ -7,7 +7,7 @@ other)::
                                       aggregator health)
     nodes/node_<r>/manifest.json      node r: its launch, status, torchrun and rank exit codes
     nodes/node_<r>/training.stdout.log, training.stderr.log   node r's torchrun output
-    nodes/node_<r>/rank_ends.json     node r's torchrun: how each failed rank ended
+    nodes/node_<r>/rank_ends.json     node r's torchrun: ranks started, how failed ones ended
     nodes/node_0/node_exit.pb         node 0: its exit report, for a finalization from the store
     aggregator/process.stderr.log     node 0: the aggregator's own log
     aggregator/stall.json             node 0's aggregator: the current hang, while there is one

@@ -71,7 +71,7 @@ from traceml.launcher.node import NodeLaunch
 from traceml.launcher.states import LAUNCH_TRANSITIONS, AggregatorStatus, Machine, Phase
 from traceml.launcher.supervisor import AggregatorSupervisor
 from traceml.launcher.terminal_view import TerminalView, node0_view_line
-from traceml.launcher.torchrun import STOPPED_BY_SIGNAL_CODE, exit_code
+from traceml.launcher.torchrun import exit_code
 
 #: How often node 0's launcher looks at what its session brought (a stall, a partial summary)
 #: and refreshes its live view while training runs, s.
@@ -396,7 +396,7 @@ class Launch:
         (:meth:`NodeLaunch.watch_claims`). A torchrun that a stop signal did not stop within
         seconds while it ran no rank (it waits in torch's store: the rendezvous, or the exit
         barrier of several nodes) is killed (:meth:`TorchrunProcess.end_stuck_stop`); its
-        return code is then the one torchrun exits with once it takes the signal. A failure
+        return code is then plain torchrun's there. A failure
         of this watch only ends the watch.
         """
         owner = self.config.owns_aggregator
@@ -418,9 +418,9 @@ class Launch:
                 returncode = torchrun.wait(0)
                 if returncode is not None:
                     return returncode
-                if torchrun.end_stuck_stop():
+                if (killed := torchrun.end_stuck_stop()) is not None:
                     manifest.event("torchrun_killed")
-                    return STOPPED_BY_SIGNAL_CODE  # as if it had taken the signal
+                    return killed  # as plain torchrun would have ended
                 torchrun.say_rendezvous_wait()
                 try:
                     self.node.watch_claims(manifest)

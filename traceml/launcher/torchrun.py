@@ -45,12 +45,14 @@ TORCHRUN_LOG_DIR_ENV = "PET_LOG_DIR"
 #: no rank at the signal nor since, s; then it is SIGKILLed
 #: (:meth:`TorchrunProcess.end_stuck_stop`).
 #: Waiting in the rendezvous for a node that never comes (or in the exit barrier of several
-#: nodes), torchrun blocks inside torch's C++ store, where Python's signal handlers never run:
-#: torch's SIGTERM handler would raise only once that timed out (600 s for the static
-#: rendezvous). Without ranks, a kill loses nothing.
+#: nodes), torchrun blocks inside torch's C++ store, where no Python signal handler runs:
+#: ``torchrun_main``'s own before the ranks start, torch's after; either would run only once
+#: the store's wait timed out (600 s for the static rendezvous). Without ranks, a kill loses
+#: nothing.
 STOP_WITHOUT_RANKS_GRACE_S = 5.0
 #: torchrun's exit code once it takes a stop signal (torch's ``SignalException`` leaves its
-#: ``main``), what plain torchrun returns after SIGTERM or SIGINT.
+#: ``main``), what plain torchrun returns after SIGTERM or SIGINT while it runs ranks. Before
+#: it starts them it has no handler of torch's, and plain torchrun dies of the signal (128 + N).
 STOPPED_BY_SIGNAL_CODE = 1
 #: torch's switch that makes the single-node (c10d) rendezvous give each attempt a store of its
 #: own, hosted by that attempt's rank 0, instead of one store torchrun keeps for every attempt.
@@ -316,7 +318,7 @@ class TorchrunProcess:
         warn_s = float(self.config.rendezvous_warn_sec or settings.RENDEZVOUS_WARN_SEC.value)
         if not self._waited_said and waited_s < warn_s:
             return
-        self._ranks_started = self.run_dir.rank_ends.exists() or _has_children(self.process.pid)
+        self._ranks_started = self.ranks_started() or _has_children(self.process.pid)
         config = self.config
         if self._ranks_started:
             if self._waited_said:
@@ -344,24 +346,26 @@ class TorchrunProcess:
             except ProcessLookupError:
                 pass
 
-    def end_stuck_stop(self) -> bool:
+    def end_stuck_stop(self) -> int | None:
         """SIGKILL torchrun (:meth:`kill`) and reap it (:meth:`wait`) when it still runs
         :data:`STOP_WITHOUT_RANKS_GRACE_S` after the first stop signal passed on
         (:meth:`forward_signal`) and ran no rank then nor at any call since: it waits in
         torch's store (the rendezvous, or the exit barrier of several nodes), where the
-        signal cannot reach torch's handler. True if it did (said once, with why). Called
-        about once a second while training runs; a torchrun seen with a rank stops as torch
-        stops it, never here.
+        signal cannot reach a handler. Returns, if it did (said once, with why), the return
+        code plain torchrun has there: killed by the signal (``-N``) when it never started a
+        rank (no handler of torch's yet), else :data:`STOPPED_BY_SIGNAL_CODE`; None while it
+        did not. Called about once a second while training runs; a torchrun seen with a rank
+        stops as torch stops it, never here.
         """
         if not self._stop_signal or self._ranks_since_stop:
-            return False
+            return None
         assert self.process is not None  # a stop was passed on to it
         if self.process.poll() is not None:
-            return False
+            return None
         self._ranks_since_stop = _has_children(self.process.pid)
         waited_s = time.monotonic() - self._stop_sent_at
         if self._ranks_since_stop or waited_s < STOP_WITHOUT_RANKS_GRACE_S:
-            return False
+            return None
         name = signal.Signals(self._stop_signal).name
         _log.warning(
             f"torchrun did not stop within {STOP_WITHOUT_RANKS_GRACE_S:g} s of {name} and runs no "
@@ -370,7 +374,13 @@ class TorchrunProcess:
         )
         self.kill()
         self.wait()
-        return True
+        return STOPPED_BY_SIGNAL_CODE if self.ranks_started() else -self._stop_signal
+
+    def ranks_started(self) -> bool:
+        """Whether torchrun is known to have started its ranks: torchrun_main's record says
+        so (written as it starts them), or it was seen with a child process (at a stop
+        signal, or while its rendezvous was watched: :meth:`say_rendezvous_wait`)."""
+        return self._ranks_started or self._ranks_since_stop or self.run_dir.rank_ends.exists()
 
     def kill(self) -> None:
         """SIGKILL torchrun and every process under it at once (a second signal to the
@@ -419,8 +429,9 @@ class TorchrunProcess:
         torchrun that ended non-zero before it started
         its ranks (the record never said it started them) leaves every rank ``not_started``,
         with why: its error (its rendezvous: a ``--master-port`` in use, node 0 unreachable),
-        the launcher's signal while it waited in its rendezvous (a node that never joined), or
-        its exit code.
+        the launcher's signal (kept) while it started or waited in its rendezvous (a node that
+        never joined), or its exit code. A torchrun seen with a child process did start them,
+        whatever its record says (it may not have been written: a full disk).
 
         ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
         Ctrl-C) before torchrun exited: every rank that did not complete is then
@@ -433,14 +444,17 @@ class TorchrunProcess:
         torchrun_error = record.get("torchrun_error", "")
         failed = {int(r["rank"]): r for r in record.get("failed", [])}
         unlisted_completed = returncode == 0 or "failed" in record and not torchrun_error
-        not_started = returncode != 0 and not record.get("ranks_started", "failed" in record)
+        not_started = (
+            returncode != 0
+            and not record.get("ranks_started", "failed" in record)
+            and not self._ranks_started
+            and not self._ranks_since_stop
+        )
         if torchrun_error:
-            not_started_reason = f"torchrun failed before it started its ranks: {torchrun_error}"
+            not_started_reason = f"torchrun failed: {torchrun_error}"
         elif interrupted:
-            not_started_reason = (
-                interrupted_reason(signal.Signals(interrupted).name)
-                + " before torchrun started its ranks (it waited in its rendezvous)"
-            )
+            name = signal.Signals(interrupted).name
+            not_started_reason = f"{interrupted_reason(name)} before torchrun started its ranks"
         else:
             not_started_reason = (
                 f"torchrun exited with {exit_code(returncode)} before it started its ranks"
@@ -459,6 +473,8 @@ class TorchrunProcess:
             if not_started:
                 end.end_state = wire.EndState.END_STATE_NOT_STARTED
                 end.reason = not_started_reason
+                if interrupted and not torchrun_error:
+                    end.signal = interrupted
             elif interrupted and (info is None and not unlisted_completed or _stopped(info)):
                 end.end_state = wire.EndState.END_STATE_TERMINATED
                 end.signal = (info or {}).get("signal") or interrupted
