@@ -133,3 +133,28 @@ def test_ranks_without_launchers_are_not_waited_for(tmp_path):
         agg.stop()
     assert reply.complete and not reply.error
     assert took < 2.0
+
+
+def test_a_node_whose_torchrun_never_started_its_ranks_ends_the_wait_for_unclaimed_nodes(
+    tmp_path,
+):
+    """Node 0's torchrun failed before it started its rank (its rendezvous); node 1's
+    launcher never claimed a place. The static rendezvous can no longer complete, so node 1
+    will never report: finalization does not wait its budget for it, and its rank is never
+    reported, not missing."""
+    agg = LiveAggregator(tmp_path / RUN, RUN, world_size=2, extra_args=("--nnodes", "2")).start()
+    try:
+        report = node_exit(0, 1)
+        report.ranks[0].end_state = wire.EndState.END_STATE_NOT_STARTED
+        report.ranks[0].reason = "torchrun failed: DistNetworkError: address already in use"
+        report_node_exit(agg.target, report)
+        result, thread = timed_finalize(agg.target, 60)
+        thread.join(30)
+        (reply, took) = result[0]
+    finally:
+        agg.stop()
+    assert reply.complete and not reply.error and list(reply.missing_ranks) == []
+    assert took < 5.0  # not the 60 s budget
+    summary = load_summary(tmp_path / RUN)
+    ends = [(r["rank"], r["end"]["state"]) for r in summary["ranks"]]
+    assert ends == [(0, "not_started"), (1, "never_reported")]

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, start_traceml, wait_all, wait_for
+from helpers.aggregator import listening_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -96,3 +97,55 @@ def test_two_nodes_share_one_run(tmp_path):
     assert [r["end_state"] for r in node1["ranks"]] == ["completed", "completed"]
     # SQLite left one self-contained file: no WAL, no shared-memory index.
     assert sorted(p.name for p in run_dir.glob("telemetry.sqlite*")) == ["telemetry.sqlite"]
+
+
+def test_node_0_failing_its_rendezvous_stops_node_1_and_the_run_ends_at_once(tmp_path):
+    """Node 0's torchrun fails before it starts its ranks (its --master-port is held by
+    another process); node 1 waits in the rendezvous node 0 would have hosted. The aggregator
+    takes node 0's exit as the run's failure to rendezvous and pushes it to node 1, whose
+    launcher stops its torchrun: both end within seconds, and the summary names why (before:
+    node 0 waited out its 300 s finalization budget for node 1's rank, and node 1 waited in
+    torch's store for 15 min)."""
+    logs = tmp_path / "logs"
+    with listening_port() as master_port:
+        common = [
+            "run",
+            SCRIPT,
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--run-name=rdzv-fail",
+            "--master-addr=127.0.0.1",
+            f"--master-port={master_port}",
+            f"--aggregator-port={free_port()}",
+            f"--logs-dir={logs}",
+            "--steps",
+            str(STEPS),
+        ]
+        procs = {1: start_traceml(common + ["--node-rank=1"], tmp_path, tmp_path / "node1")}
+        wait_for(
+            lambda: "for node 0's aggregator" in (tmp_path / "node1.err").read_text(),
+            120,
+            "node 1 to wait for node 0's aggregator",
+        )
+        started = time.monotonic()
+        procs[0] = start_traceml(common + ["--node-rank=0"], tmp_path, tmp_path / "node0")
+        codes = wait_all(procs, 120)
+        took_s = time.monotonic() - started
+    err0, err1 = ((tmp_path / f"node{n}.err").read_text() for n in (0, 1))
+    assert codes[0] == 1, err0  # plain torchrun's: its rendezvous failed
+    assert codes[1] in (1, 143), err1  # stopped while it imported torch, or in its rendezvous
+    assert took_s < 60, (took_s, err0, err1)
+    summary = load_summary(logs / "rdzv-fail")
+    (rank0, rank1) = (r["end"] for r in summary["ranks"])
+    assert rank0["state"] == "not_started" and "EADDRINUSE" in rank0["reason"], rank0
+    why = f"node 0's torchrun ended before it started its ranks ({rank0['reason']})"
+    assert f"error: the run cannot rendezvous: {why}; stopping training on this node" in err1
+    assert rank1 == {
+        "state": "not_started",
+        "exit_code": None,
+        "signal": None,
+        "reason": f"stopped: the run cannot rendezvous: {why}",
+    }
+    assert summary["run"]["status"] == "failed" and summary["run"]["missing_ranks"] == []
+    assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"
+    assert summary["primary_diagnosis"]["evidence"]["not_started"] == [0, 1]

@@ -98,6 +98,19 @@ class RunState:
         self.exited_nodes[report.node_rank] = {r.rank for r in report.ranks}
         self._mark_end()
 
+    def give_up_on(self, nodes: set[int]) -> None:
+        """Count ``nodes`` done, as if they had exited, none of their ranks heard of: no
+        launcher of theirs ever claimed a place in a run that can no longer rendezvous, so
+        none will report (their ranks are then ``never_reported``, not awaited). A node that
+        reports after all replaces this. Their ranks are ``world_size / nnodes`` a node, as
+        ``traceml run`` starts them."""
+        if not self.world_size or not self.nnodes:
+            return
+        per_node = self.world_size // self.nnodes
+        for node in nodes - self.exited_nodes.keys():
+            self.exited_nodes[node] = set(range(node * per_node, (node + 1) * per_node))
+        self._mark_end()
+
     def _mark_end(self) -> None:
         if self.first_end_monotonic is None:
             self.first_end_monotonic = time.monotonic()

@@ -501,6 +501,8 @@ class AggregatorService(wire.AggregatorServicer):
             return reason
         self.state.on_node_exit(report)
         self.live.on_node_exit(report)
+        if never_started := _never_started(report):  # the static rendezvous cannot complete
+            self.state.give_up_on(self.sessions.fail_run(never_started))
         received_unix_us = time.time_ns() // 1000
         try:
             await self.writer.call(self.writer.store.write_node_exit, report, received_unix_us)
@@ -1030,6 +1032,18 @@ def _note_signal(signum: int) -> None:
     _log.info(
         f"got {signal.Signals(signum).name}; serving on until the "
         "launcher that owns this process has finalized the run"
+    )
+
+
+def _never_started(report) -> str:
+    """Why the run cannot rendezvous when ``report`` (a NodeExit) says its torchrun ended
+    before it started a rank ("" when it started them): the other nodes' torchruns would wait
+    for it in the static rendezvous until torch's timeout (15 min)."""
+    ranks = report.ranks
+    if not ranks or any(r.end_state != wire.EndState.END_STATE_NOT_STARTED for r in ranks):
+        return ""
+    return (
+        f"node {report.node_rank}'s torchrun ended before it started its ranks ({ranks[0].reason})"
     )
 
 

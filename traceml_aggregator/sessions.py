@@ -335,6 +335,17 @@ class NodeSessions:
             if node.session is not None:
                 node.session.outbox.put_nowait(message)
 
+    def fail_run(self, reason: str) -> set[int]:
+        """The run cannot rendezvous (``reason``): say so down every open session, and in the
+        claim reply of every one that opens later (the first reason stays), so each launcher
+        stops its torchrun rather than wait in the rendezvous until torch's timeout. Returns
+        the node ranks no launcher holds (none will ever report)."""
+        registry = self.registry
+        if not registry.run_failure:
+            registry.run_failure = reason
+            self._push(wire.NodeDown(run_failure=reason))
+        return set(range(1, registry.nnodes or 1)) - registry.holders.keys()
+
     def publish(self, message) -> None:
         """Push ``message`` (a NodeDown) to every open session now, and to every session that
         opens later until another message of its kind replaces it: a launcher whose session was

@@ -176,7 +176,7 @@ class NodeLaunch:
         """Stop the sampler and say what training output was not saved; this node's
         :class:`~traceml.wire.NodeExit` (``interrupted``: the launcher's first signal)."""
         self.stop_senders()
-        report = self.torchrun.node_exit(returncode, interrupted)
+        report = self.torchrun.node_exit(returncode, interrupted, self.run_failure)
         for tee in self.torchrun.tees:
             if tee.bytes_not_saved:
                 _log.warning(

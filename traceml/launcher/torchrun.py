@@ -415,7 +415,7 @@ class TorchrunProcess:
             self.log_dir = None
         return code
 
-    def node_exit(self, returncode: int, interrupted: int | None = None):
+    def node_exit(self, returncode: int, interrupted: int | None = None, stopped: str = ""):
         """The :class:`~traceml.wire.NodeExit` for this node: one RankEnd per local rank.
 
         Failed ranks come from torchrun's own failure record (``torchrun_main``), which lists
@@ -432,6 +432,9 @@ class TorchrunProcess:
         the launcher's signal (kept) while it started or waited in its rendezvous (a node that
         never joined), or its exit code. A torchrun seen with a child process did start them,
         whatever its record says (it may not have been written: a full disk).
+
+        ``stopped`` is why the launcher stopped torchrun itself ("": it did not): the run
+        cannot rendezvous (:meth:`~traceml.launcher.node.NodeLaunch.watch_claims`).
 
         ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
         Ctrl-C) before torchrun exited: every rank that did not complete is then
@@ -452,6 +455,8 @@ class TorchrunProcess:
         )
         if torchrun_error:
             not_started_reason = f"torchrun failed: {torchrun_error}"
+        elif stopped:
+            not_started_reason = f"stopped: the run cannot rendezvous: {stopped}"
         elif interrupted:
             name = signal.Signals(interrupted).name
             not_started_reason = f"{interrupted_reason(name)} before torchrun started its ranks"
@@ -473,7 +478,7 @@ class TorchrunProcess:
             if not_started:
                 end.end_state = wire.EndState.END_STATE_NOT_STARTED
                 end.reason = not_started_reason
-                if interrupted and not torchrun_error:
+                if interrupted and not torchrun_error and not stopped:
                     end.signal = interrupted
             elif interrupted and (info is None and not unlisted_completed or _stopped(info)):
                 end.end_state = wire.EndState.END_STATE_TERMINATED

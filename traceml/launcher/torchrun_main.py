@@ -210,7 +210,7 @@ def _record(write, path: str, *args) -> None:
     try:
         write(Path(path), *args)
     except OSError as err:
-        log.get("launcher").warning(f"cannot record rank failures: {err}")
+        log.get("launcher").warning(f"cannot record how torchrun's ranks ended: {err}")
 
 
 def _write_failures(path: Path, failures: dict) -> None:
