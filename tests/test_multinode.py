@@ -23,6 +23,18 @@ STEPS = 8
 NODE0_DELAY_S = 5.0
 
 
+def node_1_waiting(common: list[str], tmp_path):
+    """Node 1's launcher of ``traceml`` arguments ``common``, started (log prefix
+    ``tmp_path/node1``) and waiting for node 0's aggregator."""
+    launcher = start_traceml(common + ["--node-rank=1"], tmp_path, tmp_path / "node1")
+    wait_for(
+        lambda: "for node 0's aggregator" in (tmp_path / "node1.err").read_text(),
+        120,
+        "node 1 to wait for node 0's aggregator",
+    )
+    return launcher
+
+
 def test_two_nodes_share_one_run(tmp_path):
     logs = tmp_path / "logs"
     run_dir = logs / "two-nodes"
@@ -39,12 +51,7 @@ def test_two_nodes_share_one_run(tmp_path):
         "--steps",
         str(STEPS),
     ]
-    procs = {1: start_traceml(common + ["--node-rank=1"], tmp_path, tmp_path / "node1")}
-    wait_for(
-        lambda: "for node 0's aggregator" in (tmp_path / "node1.err").read_text(),
-        120,
-        "node 1 to wait for node 0's aggregator",
-    )
+    procs = {1: node_1_waiting(common, tmp_path)}
     time.sleep(NODE0_DELAY_S)  # node 0 is late on purpose
     # While node 1 waits, it has written only its own files.
     assert procs[1].poll() is None, (tmp_path / "node1.err").read_text()
@@ -121,12 +128,7 @@ def test_node_0_failing_its_rendezvous_stops_node_1_and_the_run_ends_at_once(tmp
             "--steps",
             str(STEPS),
         ]
-        procs = {1: start_traceml(common + ["--node-rank=1"], tmp_path, tmp_path / "node1")}
-        wait_for(
-            lambda: "for node 0's aggregator" in (tmp_path / "node1.err").read_text(),
-            120,
-            "node 1 to wait for node 0's aggregator",
-        )
+        procs = {1: node_1_waiting(common, tmp_path)}
         started = time.monotonic()
         procs[0] = start_traceml(common + ["--node-rank=0"], tmp_path, tmp_path / "node0")
         codes = wait_all(procs, 120)
