@@ -380,7 +380,12 @@ class TorchrunProcess:
         """Whether torchrun is known to have started its ranks: torchrun_main's record says
         so (written as it starts them), or it was seen with a child process (at a stop
         signal, or while its rendezvous was watched: :meth:`say_rendezvous_wait`)."""
-        return self._ranks_started or self._ranks_since_stop or self.run_dir.rank_ends.exists()
+        record = _read_record(self.run_dir.rank_ends) or {}
+        return (
+            self._ranks_started
+            or self._ranks_since_stop
+            or record.get("ranks_started", "failed" in record)
+        )
 
     def kill(self) -> None:
         """SIGKILL torchrun and every process under it at once (a second signal to the
@@ -426,12 +431,12 @@ class TorchrunProcess:
         a SIGTERM and even when a neighbour then failed too. A rank the record does not list
         exited 0 (``completed``). Without a list of failures (torchrun itself was stopped, or
         failed before its workers ended) a non-zero exit leaves every rank ``terminated``. A
-        torchrun that ended non-zero before it started
-        its ranks (the record never said it started them) leaves every rank ``not_started``,
-        with why: its error (its rendezvous: a ``--master-port`` in use, node 0 unreachable),
-        the launcher's signal (kept) while it started or waited in its rendezvous (a node that
-        never joined), or its exit code. A torchrun seen with a child process did start them,
-        whatever its record says (it may not have been written: a full disk).
+        torchrun that ended non-zero before it started its ranks (:meth:`ranks_started`: its
+        record never said so, and it was never seen with a child, which covers a record that
+        could not be written) leaves every rank ``not_started``, with why: its error (its
+        rendezvous: a ``--master-port`` in use, node 0 unreachable), ``stopped``, the
+        launcher's signal (kept) while it started or waited in its rendezvous (a node that
+        never joined), or its exit code.
 
         ``stopped`` is why the launcher stopped torchrun itself ("": it did not): the run
         cannot rendezvous (:meth:`~traceml.launcher.node.NodeLaunch.watch_claims`).
@@ -447,12 +452,7 @@ class TorchrunProcess:
         torchrun_error = record.get("torchrun_error", "")
         failed = {int(r["rank"]): r for r in record.get("failed", [])}
         unlisted_completed = returncode == 0 or "failed" in record and not torchrun_error
-        not_started = (
-            returncode != 0
-            and not record.get("ranks_started", "failed" in record)
-            and not self._ranks_started
-            and not self._ranks_since_stop
-        )
+        not_started = returncode != 0 and not self.ranks_started()
         if torchrun_error:
             not_started_reason = f"torchrun failed: {torchrun_error}"
         elif stopped:
