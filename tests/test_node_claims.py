@@ -219,4 +219,12 @@ def test_second_node0_stops_the_run_within_seconds(tmp_path):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert "rendezvous_failed" in manifest["lifecycle"]
     assert manifest["status"] == "failed"
-    assert not (run_dir / "final_summary.json").exists()
+    # The summary says why nothing trained: node 0's rank was stopped before it started, for
+    # the refused claim; node 1's launcher never claimed, and its rank is not awaited.
+    summary = json.loads((run_dir / "final_summary.json").read_text())
+    ends = [(r["rank"], r["end"]["state"]) for r in summary["ranks"]]
+    assert ends == [(0, "not_started"), (1, "never_reported")]
+    reason = summary["ranks"][0]["end"]["reason"]
+    assert reason.startswith("stopped: the run cannot rendezvous: the launcher on "), reason
+    assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"
+    assert summary["run"]["missing_ranks"] == []

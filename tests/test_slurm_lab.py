@@ -163,7 +163,9 @@ def test_wrong_template_fails_fast_naming_the_cause(lab, tmp_path):
     ) in out
     assert "the run stops there too" in out
     assert "traceml: error: the run cannot rendezvous: the launcher on node2" in out
-    assert not (tmp_path / "logs" / f"ddp-{job}" / "final_summary.json").exists()
+    # node 0's summary says why nothing trained: its ranks were stopped before they started
+    summary = load_summary(tmp_path / "logs" / f"ddp-{job}")
+    assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED", summary["primary_diagnosis"]
 
 
 def test_master_address_of_another_node_fails_fast_on_both(lab, tmp_path):

@@ -166,8 +166,7 @@ class NodeLaunch:
         self.run_failure = self.session.run_failure
         manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
         _log.error(
-            f"error: the run cannot rendezvous: {self.run_failure}; stopping training on this "
-            "node (no summary: nothing ran)"
+            f"error: the run cannot rendezvous: {self.run_failure}; stopping training on this node"
         )
         self.torchrun.forward_signal(signal.SIGTERM)
 

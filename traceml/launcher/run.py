@@ -503,10 +503,7 @@ class Launch:
         telemetry_ok = not own_aggregator_lost and node.report_exit(report)
         if run_manifest is not None:
             try:
-                if node.run_failure:  # said by watch_claims: nothing ran, no summary
-                    supervisor.watch(run_manifest)
-                else:
-                    self.finalization.run(run_manifest, node.session, report)
+                self.finalization.run(run_manifest, node.session, report)
             finally:
                 node.close_session()
                 supervisor.stop(2.0 if self.interrupted else 10.0)
