@@ -214,9 +214,9 @@ def _record(write, path: str, *args) -> None:
 
 
 def _write_failures(path: Path, failures: dict) -> None:
-    """``{"failed": [...]}`` to ``path``, one entry per failed global rank: its exit code or
-    signal, torchrun's reason, and ``stopped`` (true: torchrun stopped it after another rank
-    had failed, :func:`note_failures_before_stop`)."""
+    """``{"failed": [...], "ranks_started": true}`` to ``path``, one entry per failed global
+    rank: its exit code or signal, torchrun's reason, and ``stopped`` (true: torchrun stopped
+    it after another rank had failed, :func:`note_failures_before_stop`)."""
     marked = any(getattr(f, _BEFORE_STOP, False) for f in failures.values())
     ranks = []
     for rank, failure in sorted(failures.items()):
