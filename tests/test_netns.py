@@ -97,6 +97,7 @@ def check_run(tmp_path, nproc: int) -> dict:
         "nodes",
         "nodes/node_1",
         "nodes/node_1/manifest.json",
+        "nodes/node_1/rank_ends.json",  # torchrun_main's: it started its ranks
         "nodes/node_1/training.stderr.log",
         "nodes/node_1/training.stdout.log",
     ]
