@@ -69,9 +69,21 @@ class NodeRegistry:
             if rank != 0:
                 self.holders[rank] = launcher
             return True, ""
-        if not self.run_failure and not self.complete():
-            self.run_failure = reason
+        if not self.complete():
+            self.fail(reason)
         return False, reason
+
+    def fail(self, reason: str) -> bool:
+        """The run cannot rendezvous (``reason``): it becomes :attr:`run_failure` unless an
+        earlier failure is (the first stays). True when it did."""
+        if self.run_failure:
+            return False
+        self.run_failure = reason
+        return True
+
+    def unclaimed(self) -> set[int]:
+        """Node ranks 1..nnodes-1 no launcher holds (none while the node count is unknown)."""
+        return set(range(1, self.nnodes or 1)) - self.holders.keys()
 
     def complete(self) -> bool:
         """Every node rank 1..nnodes-1 is held (never, when the node count is unknown)."""

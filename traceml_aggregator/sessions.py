@@ -340,11 +340,9 @@ class NodeSessions:
         claim reply of every one that opens later (the first reason stays), so each launcher
         stops its torchrun rather than wait in the rendezvous until torch's timeout. Returns
         the node ranks no launcher holds (none will ever report)."""
-        registry = self.registry
-        if not registry.run_failure:
-            registry.run_failure = reason
+        if self.registry.fail(reason):
             self._push(wire.NodeDown(run_failure=reason))
-        return set(range(1, registry.nnodes or 1)) - registry.holders.keys()
+        return self.registry.unclaimed()
 
     def publish(self, message) -> None:
         """Push ``message`` (a NodeDown) to every open session now, and to every session that
