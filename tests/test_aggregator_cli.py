@@ -34,6 +34,7 @@ def run_aggregator(args: list[str], cwd) -> subprocess.CompletedProcess:
         (["--port", "70000"], {}, "--port must be a TCP port, 1-65535 (got 70000)"),
         (["--world-size", "0"], {}, "--world-size must be an integer >= 1 (got 0)"),
         (["--nnodes", "0"], {}, "--nnodes must be an integer >= 1 (got 0)"),
+        (["--master-port", "0"], {}, "--master-port must be a TCP port, 1-65535 (got 0)"),
         (
             ["--finalize-timeout-sec", "nan"],
             {},

@@ -80,6 +80,7 @@ NOT_KNOBS = {
         "bind_host": "network interface (set by traceml run)",
         "world_size": "topology of the run (set by traceml run)",
         "nnodes": "topology of the run (set by traceml run)",
+        "master_port": "topology of the run (set by traceml run)",
         "no_summary_at_stop": "the launcher's protocol with its aggregator",
         "owned": "the launcher's protocol with its aggregator",
         "restart_reason": "the launcher's protocol with its aggregator",
@@ -307,21 +308,22 @@ def test_the_aggregators_argv_parses_back_to_the_launchers_values(tmp_path):
         dashboard_port=31002,
         metrics_port=31003,
         otlp_endpoint="http://127.0.0.1:4317",
+        master_port=31004,
     ).resolve()
     argv = launcher_aggregator.aggregator_argv(config, RunDir(tmp_path / "logs" / "argv", 0))
     assert argv[:3] == [sys.executable, "-m", "traceml_aggregator"]
     assert " ".join(argv[3:]) == (
         f"--run-dir {tmp_path / 'logs' / 'argv'} --run-name argv --bind-host 127.0.0.1 "
-        "--world-size 1 --nnodes 1 --port 31001 --html-report --finalize-timeout-sec 11.0 "
-        "--hang-timeout-sec 7.5 --metrics-port 31003 --metrics-bind-host 127.0.0.1 "
-        "--otlp-endpoint http://127.0.0.1:4317 --dashboard-port 31002"
+        "--world-size 1 --nnodes 1 --master-port 31004 --port 31001 --html-report "
+        "--finalize-timeout-sec 11.0 --hang-timeout-sec 7.5 --metrics-port 31003 "
+        "--metrics-bind-host 127.0.0.1 --otlp-endpoint http://127.0.0.1:4317 --dashboard-port 31002"
     )
     command = typer.main.get_command(aggregator_cli.app)
     params = command.make_context("traceml-aggregator", argv[3:]).params
     for knob in settings.ALL:
         if knob.passed_as:
             assert params[knob.passed_as[2:].replace("-", "_")] == getattr(config, knob.field)
-    assert params["dashboard_port"] == config.dashboard_port
+    assert (params["dashboard_port"], params["master_port"]) == (31002, 31004)
 
 
 KIND_CASES = [

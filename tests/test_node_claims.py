@@ -10,6 +10,7 @@ real Slurm nodes.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import time
@@ -35,11 +36,11 @@ node_claim = partial(batches.node_claim, nnodes=3, hostname="n1", launcher_pid=1
 
 # --- the rules --------------------------------------------------------------------------------
 def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
-    nodes = NodeRegistry(own_host="n0", nnodes=3)
+    nodes = NodeRegistry(own_host="n0", nnodes=3, master_port=29500)
     assert nodes.claim(node_claim(0, hostname="n0", launcher_pid=1)) == (True, "")
     assert nodes.claim(node_claim(0, hostname="n0", launcher_pid=1)) == (True, "")  # node 0 renews
-    assert nodes.claim(node_claim(1)) == (True, "")
-    assert nodes.claim(node_claim(1)) == (True, "")  # idempotent
+    assert nodes.claim(node_claim(1, master_port=29500)) == (True, "")
+    assert nodes.claim(node_claim(1)) == (True, "")  # idempotent; no port said: not checked
     ok, reason = nodes.claim(node_claim(1, hostname="n2", launcher_pid=200))
     assert not ok
     assert reason == (
@@ -66,13 +67,17 @@ def test_first_launcher_holds_a_rank_and_node0_is_the_aggregators_host():
         ),
         (node_claim(3), "the launcher on n1 (pid 100) claims node rank 3, outside 0..2"),
         (
+            node_claim(2, master_port=29501),
+            "the launcher on n1 (pid 100) runs with --master-port 29501, node 0 with 29500",
+        ),
+        (
             node_claim(2, refusal="SLURM_NODEID says 1"),
             "the launcher on n1 (pid 100) refused to start as node 2: SLURM_NODEID says 1",
         ),
     ],
 )
 def test_refused_claims_fail_a_run_that_is_not_complete(claim, reason):
-    nodes = NodeRegistry(own_host="n0", nnodes=3)
+    nodes = NodeRegistry(own_host="n0", nnodes=3, master_port=29500)
     assert nodes.claim(claim) == (False, reason)
     assert nodes.run_failure == reason
 
@@ -228,3 +233,56 @@ def test_second_node0_stops_the_run_within_seconds(tmp_path):
     assert reason.startswith("stopped: the run cannot rendezvous: the launcher on "), reason
     assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"
     assert summary["run"]["missing_ranks"] == []
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_a_node_with_another_master_port_stops_the_run_within_seconds(tmp_path):
+    """Node 1 is given another ``--master-port`` than node 0 (a batch script that derives it on
+    each node): its torchrun would wait for a rendezvous store nobody serves, and node 0's for
+    it, each until torch's timeout. Node 0's aggregator refuses node 1's claim instead, before
+    its torchrun starts, and both launchers stop, saying why."""
+    agg_port, port_0, port_1 = free_port(), free_port(), free_port()
+
+    def flags(node_rank: int, master_port: int) -> list[str]:
+        return [
+            "run",
+            str(EXAMPLES / "ddp_minimal.py"),
+            "--nnodes=2",
+            f"--node-rank={node_rank}",
+            "--run-name=ports",
+            "--master-addr=127.0.0.1",
+            f"--master-port={master_port}",
+            f"--aggregator-port={agg_port}",
+            f"--logs-dir={tmp_path / 'logs'}",
+        ]
+
+    node0 = start_traceml(flags(0, port_0), tmp_path, tmp_path / "node0")
+    try:
+        wait_serving(f"127.0.0.1:{agg_port}", 120, node0)
+        started = time.monotonic()
+        node1 = run_traceml(flags(1, port_1), tmp_path, timeout=120)
+        code = node0.wait(60)
+        stopped_s = time.monotonic() - started
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+    why = (
+        re.escape(f"the launcher on {socket.gethostname()} (pid ")
+        + r"\d+"
+        + re.escape(f") runs with --master-port {port_1}, node 0 with {port_0}")
+    )
+    assert node1.returncode == 2
+    assert re.search(rf"^traceml: error: node 0 refused this node: {why}$", node1.stderr, re.M)
+    assert code == 143  # node 0's torchrun stopped in its rendezvous (SIGTERM), as by scancel
+    assert stopped_s < 30, stopped_s
+    err = (tmp_path / "node0.err").read_text()
+    assert re.search(
+        rf"^traceml: error: the run cannot rendezvous: {why}; stopping training on this node$",
+        err,
+        re.M,
+    ), err
+    summary = json.loads((tmp_path / "logs" / "ports" / "final_summary.json").read_text())
+    ends = [(r["rank"], r["end"]["state"]) for r in summary["ranks"]]
+    assert ends == [(0, "not_started"), (1, "never_reported")]
+    assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"

@@ -4,12 +4,13 @@ Usage::
 
     traceml-aggregator --run-dir logs/my-run --run-name my-run --world-size 8 \\
         [--port P] [--bind-host H] [--html-report] [--finalize-timeout-sec S] \\
-        [--nnodes N] [--no-summary-at-stop] [--metrics-port P [--metrics-bind-host H]] \\
-        [--otlp-endpoint URL] [--dashboard-port P]
+        [--nnodes N [--master-port P]] [--no-summary-at-stop] \\
+        [--metrics-port P [--metrics-bind-host H]] [--otlp-endpoint URL] [--dashboard-port P]
 
 ``--nnodes`` (set by ``traceml run``) makes finalization also wait, briefly, for each node
 launcher's report of its torchrun's exit; ranks under plain torchrun have no launcher, so a
-standalone aggregator leaves it out.
+standalone aggregator leaves it out. ``--master-port`` (also set by ``traceml run``: node 0's
+rendezvous port) refuses a node launcher's claim made with another.
 
 It serves until SIGTERM or SIGINT. ``traceml run`` starts it on node 0; run it yourself to use
 the SDK under plain ``torchrun`` (export ``TRACEML_AGGREGATOR=host:port`` and
@@ -74,6 +75,11 @@ def serve_command(
     nnodes: int | None = typer.Option(
         None, help="node launchers that report their torchrun's exit (set by `traceml run`)"
     ),
+    master_port: int | None = typer.Option(
+        None,
+        help="node 0's rendezvous port: a node launcher's claim with another is refused (set "
+        "by `traceml run`)",
+    ),
     html_report: bool = option(settings.HTML_REPORT, negatable=False),
     no_summary_at_stop: bool = typer.Option(
         False,
@@ -129,6 +135,7 @@ def serve_command(
     try:
         for flag, value in (("--world-size", world_size), ("--nnodes", nnodes)):
             settings.COUNT.check(flag, value)
+        settings.PORT.check("--master-port", master_port)
         settings.resolve(settings.METRICS_PORT, metrics_port)
         settings.resolve(settings.AGGREGATOR_PORT, port, "--port")
         settings.resolve(settings.DASHBOARD_PORT, dashboard_port)
@@ -175,6 +182,7 @@ def serve_command(
         bind_host=bind_host,
         world_size=world_size,
         nnodes=nnodes,
+        master_port=master_port,
         html_report=html_report,
         summary_at_stop=not no_summary_at_stop,
         finalize_timeout_s=finalize_timeout_sec,

@@ -9,6 +9,8 @@ it. A claim is refused when
 * the launcher refused itself (it found, for example, that ``--node-rank`` is not its
   ``SLURM_NODEID``) and says why;
 * its ``--nnodes`` is not node 0's, or its rank is outside them;
+* its ``--master-port`` is not node 0's: its torchrun would wait for a rendezvous store
+  nobody serves, and node 0's for it, each until torch's timeout;
 * it claims rank 0 from another host, or a rank that another launcher holds.
 
 A claim refused while some rank is still unclaimed means a node will never join torchrun's
@@ -31,10 +33,13 @@ class NodeRegistry:
         own_host: this aggregator's host name: node 0's.
         nnodes: the run's node count (``--nnodes``); None when no launcher reports (ranks
             under plain torchrun), which skips the node-count check.
+        master_port: node 0's rendezvous port (``--master-port``); None (or a claim without
+            one) skips the port check.
     """
 
     own_host: str
     nnodes: int | None = None
+    master_port: int | None = None
     #: node rank (>= 1) -> (host name, launcher pid) of the launcher that holds it; rank 0
     #: is ``own_host``'s.
     holders: dict[int, tuple[str, int]] = field(default_factory=dict)
@@ -55,6 +60,10 @@ class NodeRegistry:
             reason = f"{who} runs with --nnodes {claim.nnodes}, node 0 with {self.nnodes}"
         elif self.nnodes is not None and rank >= self.nnodes:
             reason = f"{who} claims node rank {rank}, outside 0..{self.nnodes - 1}"
+        elif self.master_port and claim.master_port and claim.master_port != self.master_port:
+            reason = (
+                f"{who} runs with --master-port {claim.master_port}, node 0 with {self.master_port}"
+            )
         elif rank == 0 and claim.hostname != self.own_host:
             reason = (
                 f"{who} claims node rank 0, but node 0 is {self.own_host}, where the "

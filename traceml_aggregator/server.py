@@ -98,6 +98,9 @@ class ServerConfig:
     world_size: int | None = None
     #: Node launchers that will report their torchrun's exit (None: ranks under plain torchrun).
     nnodes: int | None = None
+    #: Node 0's rendezvous port (``--master-port``): a claim with another is refused (None:
+    #: not checked).
+    master_port: int | None = None
     html_report: bool = settings.HTML_REPORT.value
     finalize_timeout_s: float = settings.FINALIZE_TIMEOUT_SEC.value
     #: Seconds without a completed step before a live rank has stalled (a hang).
@@ -237,7 +240,11 @@ class AggregatorService(wire.AggregatorServicer):
         self.unstored_exits: list[tuple] = []
         store = writer.store
         self.sessions = NodeSessions(
-            NodeRegistry(own_host=socket.gethostname(), nnodes=config.nnodes),
+            NodeRegistry(
+                own_host=socket.gethostname(),
+                nnodes=config.nnodes,
+                master_port=config.master_port,
+            ),
             store_exit=self._store_node_exit,
             finalize=self._finalize,
             persist=self._persist_meta,

@@ -113,10 +113,11 @@ def node_claim(
     launcher_pid: int,
     refusal: str = "",
     run_name: str = "r",
+    master_port: int = 0,
 ) -> wire.NodeClaim:
     """The claim of node rank ``node_rank`` in a run of ``nnodes`` nodes by the launcher
     ``launcher_pid`` on ``hostname``; ``refusal``: why that launcher refused to start (empty:
-    it did not)."""
+    it did not); ``master_port``: its rendezvous port (0: not said)."""
     return wire.NodeClaim(
         run_name=run_name,
         node_rank=node_rank,
@@ -124,4 +125,5 @@ def node_claim(
         hostname=hostname,
         launcher_pid=launcher_pid,
         refusal=refusal,
+        master_port=master_port,
     )

@@ -66,9 +66,10 @@ def start(
 
 
 def aggregator_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
-    """``python -m traceml_aggregator`` with this run's store, name, bind address and sizes,
-    and the value of every knob the launcher passes on (:attr:`Setting.passed_as`: a boolean
-    as its bare flag when on, a value unless it is None)."""
+    """``python -m traceml_aggregator`` with this run's store, name, bind address, sizes and
+    rendezvous port (several nodes), and the value of every knob the launcher passes on
+    (:attr:`Setting.passed_as`: a boolean as its bare flag when on, a value unless it is
+    None)."""
     argv = [sys.executable, "-m", "traceml_aggregator"]
     for flag, value in (
         ("--run-dir", run_dir.root),
@@ -76,8 +77,10 @@ def aggregator_argv(config: LaunchConfig, run_dir: RunDir) -> list[str]:
         ("--bind-host", config.aggregator_bind_host),
         ("--world-size", config.world_size),
         ("--nnodes", config.nnodes),
+        ("--master-port", config.master_port),
     ):
-        argv += [flag, str(value)]
+        if value is not None:
+            argv += [flag, str(value)]
     for knob in settings.ALL:
         value = getattr(config, knob.field) if knob.passed_as else None
         if value is True:

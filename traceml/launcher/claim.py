@@ -13,7 +13,8 @@ ways, each where the evidence is:
   too instead of waiting;
 * at node 0's aggregator (see ``traceml_aggregator/nodes.py``): every node's launcher sends
   its claim first on its session stream (:mod:`traceml.launcher.session`) before its torchrun
-  starts; a rank held by another launcher, or another ``--nnodes``, is refused;
+  starts; a rank held by another launcher, or another ``--nnodes`` or ``--master-port`` than
+  node 0's, is refused;
 * on every node whose session is open: the aggregator pushes the run's failure down each
   session the moment it refuses a claim, and the launcher stops its torchrun.
 
@@ -166,6 +167,7 @@ def node_claim(config: LaunchConfig, refusal: str = ""):
         run_name=str(config.run_name),
         node_rank=config.node_rank,
         nnodes=config.nnodes,
+        master_port=config.master_port or 0,
         hostname=socket.gethostname(),
         launcher_pid=os.getpid(),
         refusal=refusal,
