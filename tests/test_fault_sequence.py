@@ -170,6 +170,7 @@ def test_3_sigterm_to_every_process(tmp_path, shared_port):
         assert count == distinct == last + 1 and first == 0 and count >= 10, (rank, count)
     kinds = [f["kind"] for f in summary["findings"]["health"]]
     assert "RUN_INTERRUPTED" in kinds and "RANK_CRASHED" not in kinds
+    assert "NODE_FAILED" not in kinds  # its torchrun's non-zero exit was the user's stop
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "interrupted" and manifest["exit_code"] == plain_code
     aggregator_log = (run_dir / "aggregator" / "process.stderr.log").read_text()

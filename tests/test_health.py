@@ -195,3 +195,26 @@ def test_a_rank_that_completed_its_steps_and_did_not_exit_is_named_without_a_sta
     # A live run whose rank 1 is on its way out names nothing.
     live = build_summary(_lingering_run(None, None, missing=()), live=True, now_unix_s=3601.67)
     assert live["primary_diagnosis"]["kind"] != "RANK_HUNG"
+
+
+def test_a_node_the_user_stopped_did_not_fail_and_one_with_a_failed_rank_did():
+    """NODE_FAILED leaves out a node whose ranks that did not complete were all interrupted
+    (scancel, Ctrl-C: its torchrun's non-zero exit is the stop's, and RUN_INTERRUPTED says
+    so), and names a node where a rank failed beside interrupted ones."""
+    from rundata_factory import rank, run_of, steps
+
+    from traceml.analysis.summary import build_summary
+    from traceml.core.ends import interrupted_reason
+
+    ranks = [rank(r, steps(20), node=r // 2, finish=False) for r in range(4)]
+    for rd in ranks[:3]:
+        rd.end = rank_end(
+            rd.rank, "terminated", node_rank=rd.rank // 2, signal=15,
+            reason=interrupted_reason("SIGTERM"),
+        )  # fmt: skip
+    ranks[3].end = rank_end(3, "failed", node_rank=1, exit_code=1)
+    run = run_of(ranks, exits={0: {"exit_code": 143}, 1: {"exit_code": 1}})
+    health = {f["kind"]: f for f in build_summary(run, now_unix_s=100.0)["findings"]["health"]}
+    assert health["NODE_FAILED"]["nodes"] == [1]
+    assert health["NODE_FAILED"]["evidence"]["exit_codes"] == {"1": 1}
+    assert "RUN_INTERRUPTED" in health

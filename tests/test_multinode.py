@@ -10,6 +10,7 @@ wait_serving, so it has failed dozens of probes by then). Both write into one sh
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -151,3 +152,55 @@ def test_node_0_failing_its_rendezvous_stops_node_1_and_the_run_ends_at_once(tmp
     assert summary["run"]["status"] == "failed" and summary["run"]["missing_ranks"] == []
     assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"
     assert summary["primary_diagnosis"]["evidence"]["not_started"] == [0, 1]
+
+
+def test_node_0_stopped_in_the_rendezvous_interrupts_the_run_it_fails_nowhere(tmp_path):
+    """Three nodes; node 2 never comes, and nodes 0 and 1 wait for it in the rendezvous, as
+    each launcher says. The user stops node 0 (scancel of its step, Ctrl-C). Node 1 cannot
+    rendezvous without it, and stops too, but nothing failed: the run is ``interrupted``, its
+    verdict ``RUN_INTERRUPTED``, and no node ``NODE_FAILED`` (before: node 1's ranks were a
+    failure to rendezvous, and the verdict said node 1 failed)."""
+    logs = tmp_path / "logs"
+    master_port = free_port()
+    common = [
+        "run",
+        SCRIPT,
+        "--nnodes=3",
+        "--nproc-per-node=1",
+        "--run-name=rdzv-stop",
+        "--master-addr=127.0.0.1",
+        f"--master-port={master_port}",
+        f"--aggregator-port={free_port()}",
+        f"--logs-dir={logs}",
+    ]
+    env = {"TRACEML_RENDEZVOUS_WARN_SEC": "1"}
+    procs = {1: start_traceml(common + ["--node-rank=1"], tmp_path, tmp_path / "node1", env=env)}
+    procs[0] = start_traceml(common + ["--node-rank=0"], tmp_path, tmp_path / "node0", env=env)
+    waits = f"it waits in its rendezvous at 127.0.0.1:{master_port} for all 3 nodes"
+    for err in (tmp_path / "node0.err", tmp_path / "node1.err"):
+        wait_for(lambda err=err: waits in err.read_text(), 120, f"{err.stem} to wait")
+    procs[0].send_signal(signal.SIGTERM)
+    codes = wait_all(procs, 120)
+    err0, err1 = ((tmp_path / f"node{n}.err").read_text() for n in (0, 1))
+    assert codes == {0: 143, 1: 143}, (err0, err1)
+    why = (
+        "interrupted: node 0's launcher got SIGTERM (scancel, preemption or Ctrl-C) before its "
+        "torchrun started its ranks"
+    )
+    assert (
+        f"traceml: the run was {why}; stopping training on this node, which cannot rendezvous "
+        "without it\n"
+    ) in err1
+    assert "error" not in err1, err1
+    summary = load_summary(logs / "rdzv-stop")
+    assert summary["run"]["status"] == "interrupted"
+    ends = [(r["rank"], r["end"]["state"], r["end"]["signal"]) for r in summary["ranks"]]
+    assert ends == [
+        (0, "not_started", signal.SIGTERM),
+        (1, "not_started", None),
+        (2, "never_reported", None),
+    ]
+    assert summary["ranks"][1]["end"]["reason"] == why
+    assert summary["primary_diagnosis"]["kind"] == "RUN_INTERRUPTED"
+    health = [f["kind"] for f in summary["findings"]["health"]]
+    assert health == ["RANK_NEVER_REPORTED"], health

@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import disk_reserve, endpoint, log, otlp
+from traceml.core.ends import interrupted_reason, is_interrupted
 from traceml.core.heap import SERVING_TALLY, serving_heap
 from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
@@ -1045,13 +1046,17 @@ def _note_signal(signum: int) -> None:
 def _never_started(report) -> str:
     """Why the run cannot rendezvous when ``report`` (a NodeExit) says its torchrun ended
     before it started a rank ("" when it started them): the other nodes' torchruns would wait
-    for it in the static rendezvous until torch's timeout (15 min)."""
+    for it in the static rendezvous until torch's timeout (15 min). When its launcher's signal
+    stopped it there (scancel, Ctrl-C), the run was interrupted, and the reason says so as an
+    interrupted rank's does (:func:`~traceml.core.ends.is_interrupted`)."""
     ranks = report.ranks
     if not ranks or any(r.end_state != wire.EndState.END_STATE_NOT_STARTED for r in ranks):
         return ""
-    return (
-        f"node {report.node_rank}'s torchrun ended before it started its ranks ({ranks[0].reason})"
-    )
+    node = f"node {report.node_rank}"
+    if is_interrupted(ranks[0].reason) and ranks[0].signal:
+        stopped = interrupted_reason(signal.Signals(ranks[0].signal).name, node + "'s launcher")
+        return f"{stopped} before its torchrun started its ranks"
+    return f"{node}'s torchrun ended before it started its ranks ({ranks[0].reason})"
 
 
 def _node_exit_report(path: Path, run_name: str):

@@ -563,10 +563,20 @@ def rank_never_reported(facts: Facts) -> Finding | None:
 
 
 def node_failed(facts: Facts) -> Finding | None:
-    """NODE_FAILED: nodes whose torchrun exited with a non-zero code; a node whose torchrun
-    failed before it started its ranks (they are ``not_started``) is said with its error
-    (the ranks' reason)."""
-    failed = {n: e for n, e in facts.run.node_exits.items() if e.exit_code != 0}
+    """NODE_FAILED: nodes whose torchrun exited with a non-zero code, but those a signal to
+    the run stopped (every rank of the node that did not complete was interrupted: scancel,
+    Ctrl-C; RUN_INTERRUPTED says so); a node whose torchrun failed before it started its
+    ranks (they are ``not_started``) is said with its error (the ranks' reason)."""
+    interrupted = {r.rank for r in facts.interrupted()}
+    unfinished: dict[int | None, list[int]] = {}  # node -> its ranks that did not complete
+    for r in facts.ranks:
+        if r.end.state != COMPLETED:
+            unfinished.setdefault(r.node_rank, []).append(r.rank)
+    failed = {
+        n: e
+        for n, e in facts.run.node_exits.items()
+        if e.exit_code != 0 and not (unfinished.get(n) and interrupted.issuperset(unfinished[n]))
+    }
     if not failed:
         return None
     not_started: dict[int, list[RankSummary]] = {}  # node -> its ranks torchrun never started

@@ -33,9 +33,10 @@ REPORTED_END_STATES = (COMPLETED, FAILED, SIGNALED, TERMINATED, NOT_STARTED)
 INTERRUPTED_PREFIX = "interrupted: "
 
 
-def interrupted_reason(signal_name: str) -> str:
-    """The reason of a rank stopped by its launcher's ``signal_name`` ("SIGTERM")."""
-    return f"{INTERRUPTED_PREFIX}the launcher got {signal_name} (scancel, preemption or Ctrl-C)"
+def interrupted_reason(signal_name: str, launcher: str = "the launcher") -> str:
+    """The reason of a rank stopped by its launcher's ``signal_name`` ("SIGTERM"), or by the
+    run's end when ``launcher`` ("node 0's launcher") got it."""
+    return f"{INTERRUPTED_PREFIX}{launcher} got {signal_name} (scancel, preemption or Ctrl-C)"
 
 
 def is_interrupted(reason: str | None) -> bool:

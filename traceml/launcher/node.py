@@ -16,6 +16,7 @@ import time
 
 from traceml import settings
 from traceml.core import log
+from traceml.core.ends import is_interrupted
 from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher import aggregator, claim, credentials
 from traceml.launcher.config import LaunchConfig
@@ -159,15 +160,24 @@ class NodeLaunch:
 
         The aggregator pushes it down every open session once it refused another launcher's
         claim before every node had joined: that node never starts its torchrun, so this
-        one would wait in the rendezvous until torchrun's own timeout.
+        one would wait in the rendezvous until torchrun's own timeout. A failure that is
+        another node's launcher stopped in the rendezvous (scancel, Ctrl-C) is said as the
+        run's interruption, not as an error.
         """
         if self.session is None or self.run_failure or not self.session.run_failure:
             return
         self.run_failure = self.session.run_failure
         manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
-        _log.error(
-            f"error: the run cannot rendezvous: {self.run_failure}; stopping training on this node"
-        )
+        if is_interrupted(self.run_failure):  # another node's launcher was stopped there
+            _log.info(
+                f"the run was {self.run_failure}; stopping training on this node, which "
+                "cannot rendezvous without it"
+            )
+        else:
+            _log.error(
+                f"error: the run cannot rendezvous: {self.run_failure}; stopping training on "
+                "this node"
+            )
         self.torchrun.forward_signal(signal.SIGTERM)
 
     # --- after training --------------------------------------------------------------------

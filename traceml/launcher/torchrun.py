@@ -24,7 +24,7 @@ from pathlib import Path
 
 from traceml import settings
 from traceml.core import log
-from traceml.core.ends import interrupted_reason
+from traceml.core.ends import interrupted_reason, is_interrupted
 from traceml.core.rundir import RunDir
 from traceml.core.transport import disable_grpc_fork_handlers
 from traceml.launcher.config import LaunchConfig
@@ -439,7 +439,9 @@ class TorchrunProcess:
         never joined), or its exit code.
 
         ``stopped`` is why the launcher stopped torchrun itself ("": it did not): the run
-        cannot rendezvous (:meth:`~traceml.launcher.node.NodeLaunch.watch_claims`).
+        cannot rendezvous (:meth:`~traceml.launcher.node.NodeLaunch.watch_claims`); when
+        another node's launcher got a signal there, its reason is the ranks' (interrupted, not
+        a failure).
 
         ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
         Ctrl-C) before torchrun exited: every rank that did not complete is then
@@ -455,6 +457,8 @@ class TorchrunProcess:
         not_started = returncode != 0 and not self.ranks_started()
         if torchrun_error:
             not_started_reason = f"torchrun failed: {torchrun_error}"
+        elif is_interrupted(stopped):  # another node's launcher was stopped in the rendezvous
+            not_started_reason = stopped
         elif stopped:
             not_started_reason = f"stopped: the run cannot rendezvous: {stopped}"
         elif interrupted:
