@@ -182,7 +182,9 @@ def test_node_0_stopped_in_the_rendezvous_interrupts_the_run_it_fails_nowhere(tm
     procs[0].send_signal(signal.SIGTERM)
     codes = wait_all(procs, 120)
     err0, err1 = ((tmp_path / f"node{n}.err").read_text() for n in (0, 1))
-    assert codes == {0: 143, 1: 143}, (err0, err1)
+    # node 1's torchrun was stopped by its launcher, or died as node 0's store closed (plain
+    # torchrun's DistNetworkError) just before node 0's word came: the same run either way
+    assert codes[0] == 143 and codes[1] in (1, 143), (codes, err0, err1)
     why = (
         "interrupted: node 0's launcher got SIGTERM (scancel, preemption or Ctrl-C) before its "
         "torchrun started its ranks"
@@ -191,9 +193,11 @@ def test_node_0_stopped_in_the_rendezvous_interrupts_the_run_it_fails_nowhere(tm
         f"traceml: the run was {why}; stopping training on this node, which cannot rendezvous "
         "without it\n"
     ) in err1
-    assert "error" not in err1, err1
+    assert "traceml: error" not in err1, err1
     summary = load_summary(logs / "rdzv-stop")
     assert summary["run"]["status"] == "interrupted"
+    for manifest in ("manifest.json", "nodes/node_1/manifest.json"):
+        assert json.loads((logs / "rdzv-stop" / manifest).read_text())["status"] == "interrupted"
     ends = [(r["rank"], r["end"]["state"], r["end"]["signal"]) for r in summary["ranks"]]
     assert ends == [
         (0, "not_started", signal.SIGTERM),

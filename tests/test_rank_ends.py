@@ -193,7 +193,8 @@ def test_a_torchrun_stopped_while_it_waits_for_a_node_that_never_joins_never_sta
     wait_for(torchrun.end_stuck_stop, 60, "torchrun killed, stuck", poll_s=0.5)
     code = torchrun.wait(10)
     assert code == -signal.SIGKILL
-    assert not torchrun.run_dir.rank_ends.exists()
+    # torchrun_main's record of its import of torch only: it never started a rank
+    assert json.loads(torchrun.run_dir.rank_ends.read_text()) == {"ranks_started": False}
     reason = (
         "interrupted: the launcher got SIGTERM (scancel, preemption or Ctrl-C) before torchrun "
         "started its ranks"
@@ -207,15 +208,16 @@ def test_a_torchrun_stopped_while_it_waits_for_a_node_that_never_joins_never_sta
 def test_a_torchrun_waiting_in_its_rendezvous_is_said_then_its_start_after_the_late_node(
     tmp_path, capsys
 ):
-    """Node 0 of two waits in its rendezvous: past ``TRACEML_RENDEZVOUS_WARN_SEC`` its
-    launcher says so once, with where it waits and what for (plain torchrun says nothing
-    until its timeout, minutes later). Node 1 then joins: the ranks start, and that is said,
-    with how long the rendezvous took. Only the launcher's own lines are read: torch's (its
-    exit barrier's warnings as the two nodes end) land on the same stream."""
+    """Node 0 of two starts no rank: past ``TRACEML_RENDEZVOUS_WARN_SEC`` its launcher says
+    where torchrun waits, each once: still starting while it imports torch (torchrun_main has
+    recorded nothing yet), then in its rendezvous, with where and what for (plain torchrun says
+    nothing until its timeout, minutes later). Node 1 then joins: the ranks start, and that is
+    said, with how long it took. Only the launcher's own lines are read: torch's (its exit
+    barrier's warnings as the two nodes end) land on the same stream."""
     script = tmp_path / "ends.py"
     script.write_text("pass\n")
     port = free_port()
-    both = {"nnodes": 2, "master_port": port, "rendezvous_warn_sec": 0.5}
+    both = {"nnodes": 2, "master_port": port, "rendezvous_warn_sec": 0.01}
     node0 = torchrun_of(tmp_path / "n0", str(script), node_rank=0, **both)
     node0.start()
     said: list[str] = []
@@ -226,19 +228,26 @@ def test_a_torchrun_waiting_in_its_rendezvous_is_said_then_its_start_after_the_l
         said.extend(line + "\n" for line in err.splitlines() if line.startswith("traceml: "))
         return "".join(said)
 
-    wait_for(lambda: "warning" in say(), 60, "node 0 to say it waits in its rendezvous")
+    wait_for(lambda: "warning" in say(), 60, "node 0 to say it starts no rank")
+    assert re.fullmatch(
+        r"traceml: warning: torchrun has started no rank in \d+ s: it is still starting "
+        r"\(importing torch, slow on a busy or network file system; the launcher says when it "
+        r"reaches its rendezvous\)\n",
+        say(),
+    ), said
+    wait_for(lambda: "rendezvous at" in say(), 60, "node 0 to say it waits in its rendezvous")
     assert re.fullmatch(
         r"traceml: warning: torchrun has started no rank in \d+ s: it waits in its rendezvous "
         rf"at 127\.0\.0\.1:{port} for all 2 nodes \(--nnodes\) to join; check that every node "
         r"runs `traceml run` with the same --master-addr, --master-port and --nnodes, and can "
         r"reach that address\n",
-        say(),
+        said[1],
     ), said
     node1 = torchrun_of(tmp_path / "n1", str(script), node_rank=1, **both)
     node1.start()
     wait_for(lambda: "started its ranks" in say(), 60, "node 0's ranks to start")
-    assert re.search(
-        r"\ntraceml: torchrun started its ranks after \d+ s in its rendezvous\n$", say()
+    assert re.fullmatch(
+        r"traceml: torchrun started its ranks after \d+ s in its rendezvous\n", said[2]
     )
     assert (node0.wait(60), node1.wait(60)) == (0, 0)
-    assert len(say().splitlines()) == 2, said  # each said once
+    assert len(say().splitlines()) == 3, said  # each said once

@@ -295,8 +295,8 @@ AGGREGATOR_WAIT_SEC = Setting(
 RENDEZVOUS_WARN_SEC = Setting(
     "TRACEML_RENDEZVOUS_WARN_SEC",
     "60",
-    "How long torchrun may wait in its rendezvous, starting no rank, before the launcher says "
-    "so (and what it waits for), s.",
+    "How long torchrun may start no rank (still importing torch, or waiting in its "
+    "rendezvous) before the launcher says so (and what it waits for), s.",
     kind=POSITIVE,
     unit="s",
     readers=(_L,),

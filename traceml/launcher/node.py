@@ -27,6 +27,10 @@ _log = log.get("launcher")
 #: How long a launcher waits for the aggregator's verdict on its claim, and for its exit
 #: report to be stored, s.
 SESSION_ANSWER_S = 10.0
+#: How long a node whose torchrun ended before it started its ranks waits for node 0 to say
+#: the run cannot rendezvous (:meth:`NodeLaunch.hear_run_failure`), s: node 0 pushes it within
+#: ms of the exit report of the node that ended first.
+RUN_FAILURE_WAIT_S = 2.0
 
 
 class NodeLaunch:
@@ -179,6 +183,24 @@ class NodeLaunch:
                 "this node"
             )
         self.torchrun.forward_signal(signal.SIGTERM)
+
+    def hear_run_failure(self, manifest: Manifest, returncode: int) -> None:
+        """When this node's torchrun ended before it started its ranks, and this is not node 0
+        (whose torchrun hosts the rendezvous), wait up to :data:`RUN_FAILURE_WAIT_S` for node
+        0's word that the run cannot rendezvous, and take it (:meth:`watch_claims`): another
+        node's end (its launcher stopped there, its torchrun failed) closes this torchrun's
+        rendezvous too, within ms of node 0 hearing of it, and is the cause to report, not
+        the error this torchrun then died of."""
+        if (
+            returncode == 0
+            or self.config.owns_aggregator
+            or self.session is None
+            or self.run_failure
+            or self.torchrun.ranks_started()
+        ):
+            return
+        if self.session.wait_run_failure(RUN_FAILURE_WAIT_S):
+            self.watch_claims(manifest)
 
     # --- after training --------------------------------------------------------------------
     def end_training(self, returncode: int, interrupted: int | None):

@@ -60,6 +60,7 @@ import time
 
 from traceml import __version__
 from traceml.core import log
+from traceml.core.ends import is_interrupted
 from traceml.core.heap import freeze_startup_objects
 from traceml.core.rundir import Manifest, RunDir
 from traceml.launcher import claim, credentials
@@ -234,6 +235,7 @@ class Launch:
         try:
             self._start_training(node_manifest, run_manifest)
             returncode = self._wait_training(run_manifest or node_manifest)
+            self.node.hear_run_failure(run_manifest or node_manifest, returncode)
             outcome = self._outcome(returncode)
             self.phase.to(Phase.FINALIZING)
             self._close_terminal_view()
@@ -312,9 +314,10 @@ class Launch:
         return manifest
 
     def _outcome(self, returncode: int) -> Phase:
-        """How the launch ends, decided as training ends: interrupted by a signal, else
-        completed (torchrun exited 0) or failed."""
-        if self.interrupted:
+        """How the launch ends, decided as training ends: interrupted by a signal (to this
+        launcher, or to another node's in the rendezvous: :meth:`NodeLaunch.watch_claims`),
+        else completed (torchrun exited 0) or failed."""
+        if self.interrupted or is_interrupted(self.node.run_failure):
             return Phase.INTERRUPTED
         return Phase.COMPLETED if exit_code(returncode) == 0 else Phase.FAILED
 

@@ -137,6 +137,13 @@ class NodeSession:
             self._cond.wait_for(lambda: self.claim_reply is not None or self.error, timeout_s)
             return self.claim_reply
 
+    def wait_run_failure(self, timeout_s: float) -> str:
+        """:attr:`run_failure` once the aggregator said it, within ``timeout_s`` s ("" if it
+        did not, or the session gave up)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.run_failure or self.error, timeout_s)
+            return self.run_failure
+
     def report_exit(self, report, timeout_s: float) -> bool:
         """Send this node's :class:`~traceml.wire.NodeExit`; True once the aggregator stored it
         (within ``timeout_s`` s; it is sent again on every resumed session until then)."""

@@ -252,11 +252,12 @@ class TorchrunProcess:
         self._stop_signal = 0
         self._stop_sent_at = 0.0
         self._ranks_since_stop = False
-        #: When :meth:`start` started torchrun (monotonic s), and whether it is known to have
-        #: started ranks, or was said to wait in its rendezvous (:meth:`say_rendezvous_wait`).
+        #: When :meth:`start` started torchrun (monotonic s), whether it is known to have
+        #: started ranks, and what was said of its wait for them (:meth:`say_rendezvous_wait`:
+        #: ``starting``, ``rendezvous``).
         self._started_at = 0.0
         self._ranks_started = False
-        self._waited_said = False
+        self._waits_said: set[str] = set()
 
     def start(self, consoles: tuple | None = None) -> None:
         """Start torchrun in its own session (signals reach it only through the launcher),
@@ -306,33 +307,45 @@ class TorchrunProcess:
         ]
 
     def say_rendezvous_wait(self) -> None:
-        """Say once (a warning) when torchrun has started no rank
-        ``TRACEML_RENDEZVOUS_WARN_SEC`` after it started: it waits in its rendezvous, for a
-        node that has not joined or at an address it cannot reach, where plain torchrun says
-        nothing until its timeout (minutes); and, if it was said, when the ranks then start.
-        Ranks started: torchrun_main's record exists (it writes it as it starts them) or
-        torchrun has a child. Called about once a second while training runs."""
+        """Say (a warning) when torchrun has started no rank ``TRACEML_RENDEZVOUS_WARN_SEC``
+        after it started, and where it waits: still starting (torchrun_main has not recorded
+        that it imported torch: slow on a busy or network file system), or in its rendezvous,
+        for a node that has not joined or at an address it cannot reach, where plain torchrun
+        says nothing until its timeout (minutes); each once. If either was said, say when the
+        ranks then start. Ranks started: torchrun_main's record says so (it writes it as it
+        starts them) or torchrun has a child. Called about once a second while training
+        runs."""
         if self._ranks_started or self.process is None:
             return
         waited_s = time.monotonic() - self._started_at
         warn_s = float(self.config.rendezvous_warn_sec or settings.RENDEZVOUS_WARN_SEC.value)
-        if not self._waited_said and waited_s < warn_s:
+        if not self._waits_said and waited_s < warn_s:
             return
         self._ranks_started = self.ranks_started() or _has_children(self.process.pid)
-        config = self.config
         if self._ranks_started:
-            if self._waited_said:
-                _log.info(f"torchrun started its ranks after {waited_s:.0f} s in its rendezvous")
+            if self._waits_said:
+                where = " in its rendezvous" if "rendezvous" in self._waits_said else ""
+                _log.info(f"torchrun started its ranks after {waited_s:.0f} s{where}")
             return
-        if self._waited_said or self.process.poll() is not None:
+        stage = "starting" if _read_record(self.run_dir.rank_ends) is None else "rendezvous"
+        if stage in self._waits_said or self.process.poll() is not None:
             return
-        self._waited_said = True
+        self._waits_said.add(stage)
+        _log.warning(f"warning: torchrun has started no rank in {waited_s:.0f} s: {self._where()}")
+
+    def _where(self) -> str:
+        """Where torchrun waits, for :meth:`say_rendezvous_wait`, and what to check."""
+        config = self.config
+        if "rendezvous" not in self._waits_said:
+            return (
+                "it is still starting (importing torch, slow on a busy or network file system; "
+                "the launcher says when it reaches its rendezvous)"
+            )
         where = f"{config.master_addr}:{config.master_port}" if config.master_port else "node 0"
-        _log.warning(
-            f"warning: torchrun has started no rank in {waited_s:.0f} s: it waits in its "
-            f"rendezvous at {where} for all {config.nnodes} nodes (--nnodes) to join; check that "
-            "every node runs `traceml run` with the same --master-addr, --master-port and "
-            "--nnodes, and can reach that address"
+        return (
+            f"it waits in its rendezvous at {where} for all {config.nnodes} nodes (--nnodes) to "
+            "join; check that every node runs `traceml run` with the same --master-addr, "
+            "--master-port and --nnodes, and can reach that address"
         )
 
     def forward_signal(self, signum: int, _frame=None) -> None:
@@ -439,9 +452,10 @@ class TorchrunProcess:
         never joined), or its exit code.
 
         ``stopped`` is why the launcher stopped torchrun itself ("": it did not): the run
-        cannot rendezvous (:meth:`~traceml.launcher.node.NodeLaunch.watch_claims`); when
-        another node's launcher got a signal there, its reason is the ranks' (interrupted, not
-        a failure).
+        cannot rendezvous (:meth:`~traceml.launcher.node.NodeLaunch.watch_claims`), or why it
+        ended (:meth:`~traceml.launcher.node.NodeLaunch.hear_run_failure`); when another
+        node's launcher got a signal there, that is the ranks' reason (interrupted, not a
+        failure), before torchrun's own error (its store closed with that node).
 
         ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
         Ctrl-C) before torchrun exited: every rank that did not complete is then
@@ -455,10 +469,10 @@ class TorchrunProcess:
         failed = {int(r["rank"]): r for r in record.get("failed", [])}
         unlisted_completed = returncode == 0 or "failed" in record and not torchrun_error
         not_started = returncode != 0 and not self.ranks_started()
-        if torchrun_error:
+        if is_interrupted(stopped):  # another node's launcher was stopped in the rendezvous
+            not_started_reason = stopped  # the cause of this torchrun's error, if it had one
+        elif torchrun_error:
             not_started_reason = f"torchrun failed: {torchrun_error}"
-        elif is_interrupted(stopped):  # another node's launcher was stopped in the rendezvous
-            not_started_reason = stopped
         elif stopped:
             not_started_reason = f"stopped: the run cannot rendezvous: {stopped}"
         elif interrupted:
@@ -528,9 +542,10 @@ def _stopped(info: dict | None) -> bool:
 
 
 def _read_record(path: Path) -> dict | None:
-    """torchrun_main's record of torchrun's ranks: ``ranks_started`` (written as it first
-    starts them), ``failed`` (one entry a failed rank), ``torchrun_error`` (torchrun itself
-    failed); None when there is none (torchrun never started a rank)."""
+    """torchrun_main's record of torchrun's ranks: ``ranks_started`` (false once torch is
+    imported and the rendezvous next, true as it first starts them), ``failed`` (one entry a
+    failed rank), ``torchrun_error`` (torchrun itself failed); None when there is none
+    (torchrun is still importing torch, or never got past it)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -173,6 +173,8 @@ def note_ranks_started(path: str) -> None:
     ranks that ran from ranks that never did, and in the record ``{"ranks_started": true}`` at
     ``path``, so that the launcher tells them apart for a torchrun that never records its end
     (stopped while it waits in its rendezvous, where it cannot take the signal, then killed).
+    :func:`main` writes ``{"ranks_started": false}`` there before, once torch is imported: the
+    launcher then knows torchrun is in its rendezvous, not still starting.
     """
     from torch.distributed.elastic.multiprocessing.api import PContext
 
@@ -306,6 +308,7 @@ def main() -> None:
     if path:  # the record this marking is for
         note_failures_before_stop()
         note_ranks_started(path)
+        _record(write_json, path, {"ranks_started": False})  # torch imported: the rendezvous
     try:
         torchrun_main(argv)
     except ChildFailedError as exc:
