@@ -150,7 +150,7 @@ def test_a_rendezvous_port_in_use_is_said_as_the_verdict_not_as_ranks_terminated
     host = socket.gethostname()
     said = f"torchrun on node 0 ({host}) exited with 1 before it started ranks 0, 1 ({reason})."
     assert verdict["summary"] == said
-    assert verdict["evidence"]["not_started"] == [0, 1]
+    assert verdict["evidence"]["not_started"] == verdict["ranks"] == [0, 1]
     findings = summary["findings"]
     assert [f["kind"] for f in findings["step_time"]] == ["INSUFFICIENT_DATA"]
     assert [f["kind"] for f in findings["health"]] == [], findings["health"]

@@ -151,7 +151,8 @@ def test_node_0_failing_its_rendezvous_stops_node_1_and_the_run_ends_at_once(tmp
     }
     assert summary["run"]["status"] == "failed" and summary["run"]["missing_ranks"] == []
     assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"
-    assert summary["primary_diagnosis"]["evidence"]["not_started"] == [0, 1]
+    verdict = summary["primary_diagnosis"]
+    assert verdict["evidence"]["not_started"] == verdict["ranks"] == [0, 1]
 
 
 def test_node_0_stopped_in_the_rendezvous_interrupts_the_run_it_fails_nowhere(tmp_path):

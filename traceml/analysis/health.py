@@ -604,6 +604,7 @@ def node_failed(facts: Facts) -> Finding | None:
         if not_started
         else "See the rank findings above and the node's training.stderr.log."
     )
+    never = sorted(r.rank for n in failed for r in not_started.get(n, []))
     return Finding(
         "NODE_FAILED",
         "critical",
@@ -611,8 +612,9 @@ def node_failed(facts: Facts) -> Finding | None:
         advice,
         evidence={
             "exit_codes": {str(n): e.exit_code for n, e in failed.items()},
-            "not_started": sorted(r.rank for ranks in not_started.values() for r in ranks),
+            "not_started": never,
         },
+        ranks=never,
         nodes=sorted(failed),
     )
 
