@@ -142,7 +142,7 @@ def test_partial_summary_names_the_missing_rank(store, tmp_path):
     assert hung["summary"].startswith("Rank 1 completed its 30 steps, then did not exit for ")
     assert s["findings"]["step_time"][0]["kind"] == "COMPUTE_BOUND"
     text = (tmp_path / "final_summary.txt").read_text()
-    assert "PARTIAL   rank 1 never finished" in text
+    assert "PARTIAL   rank 1 never finished (its data may be incomplete)\n" in text
 
 
 def test_restarted_attempts_stay_apart(store, tmp_path):

@@ -100,3 +100,27 @@ def test_every_section_of_a_gpu_run_fits():
     lines = _verdict_first(text, "COMPUTE_STRAGGLER")
     for title in ("Other findings", "GPU memory per rank (MiB)", "Nodes (cpu % median"):
         assert any(line.startswith(title) for line in lines), title
+
+
+def test_a_partial_report_tells_ranks_that_never_finished_from_ranks_never_heard_of():
+    """``PARTIAL`` (and the HTML page's note, from the same function) says which missing
+    ranks never finished (their data may be incomplete) and which never reported (none)."""
+    from traceml.report.fmt import missing_text
+
+    ranks = [rank(r, steps(20)) for r in range(2)] + [
+        replace(rank(r, []), identity=None, finish=None, end=None) for r in (2, 3)
+    ]
+    ranks[1].finish = None
+    ranks[1].end = None
+    summary = build_summary(run_of(ranks, missing=(1, 2, 3)), now_unix_s=100.0)
+    assert [r["end"]["state"] for r in summary["ranks"]] == [
+        "completed",
+        "running",
+        "never_reported",
+        "never_reported",
+    ]
+    said = "rank 1 never finished (its data may be incomplete); ranks 2, 3 never reported (no data)"
+    assert missing_text(summary) == said
+    lines = render_text(summary).splitlines()
+    assert " ".join(line[10:] for line in lines[3:5]) == said, lines[:6]
+    assert lines[3].startswith("PARTIAL   ")

@@ -121,7 +121,7 @@ class Finalization:
         if reply.summary_text:  # with an error too: node 0's disk is full, or its store failed
             print_summary(reply.summary_text)
             if reply.missing_ranks:
-                _log.info(f"partial summary: ranks {list(reply.missing_ranks)} never finished")
+                _log.info(f"partial summary: ranks {list(reply.missing_ranks)} missing (see above)")
         if reply.error:
             supervisor.fail(reply.error)
             what = "the summary above" if reply.summary_text else "no final summary"

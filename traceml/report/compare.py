@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from traceml.analysis.document import PARTS
 from traceml.analysis.stats import lower_median, median, percentile
 from traceml.report.flat import flatten
-from traceml.report.fmt import num
+from traceml.report.fmt import missing_text, num
 
 #: A change smaller than this share of the baseline is noise: ``unchanged`` (%).
 EQUIVALENT_PCT = 5.0
@@ -138,7 +138,7 @@ def _unfit(summary: dict, labels: dict) -> str:
     if labels.get("verdict") == "INSUFFICIENT_DATA":
         return "has too little step data (INSUFFICIENT_DATA)"
     if summary["run"].get("missing_ranks"):
-        return f"is partial (ranks {summary['run']['missing_ranks']} never finished)"
+        return f"is partial ({missing_text(summary)})"
     ended = [r["rank"] for r in summary["ranks"] if r["end"]["state"] != "completed"]
     if ended:
         return f"did not complete on ranks {ended}"

@@ -5,6 +5,7 @@ A ``None`` figure (not measured) is shown as ``-``, never as 0.
 
 from __future__ import annotations
 
+from traceml.analysis.findings import ranks_text
 from traceml.analysis.stats import median
 
 MIB = 1024 * 1024
@@ -33,6 +34,21 @@ def end_text(end: dict) -> str:
         parts.append(f"signal {end['signal']}")
     reason = f" ({end['reason']})" if end.get("reason") else ""
     return ", ".join(parts) + reason
+
+
+def missing_text(summary: dict) -> str:
+    """What a partial summary lacks, from ``run.missing_ranks`` and their end states:
+    ``rank 1 never finished (its data may be incomplete); ranks 2, 3 never reported (no
+    data)``; "" when none is missing."""
+    missing = summary["run"]["missing_ranks"]
+    silent = {r["rank"] for r in summary["ranks"] if r["end"]["state"] == "never_reported"}
+    said = []
+    if unfinished := [r for r in missing if r not in silent]:
+        its = "its" if len(unfinished) == 1 else "their"
+        said.append(f"{ranks_text(unfinished)} never finished ({its} data may be incomplete)")
+    if never := [r for r in missing if r in silent]:
+        said.append(f"{ranks_text(never)} never reported (no data)")
+    return "; ".join(said)
 
 
 def featured_ranks(summary: dict) -> set[int]:

@@ -21,6 +21,7 @@ from traceml.report.fmt import (
     gpu_temp,
     gpu_util,
     mib,
+    missing_text,
     num,
     rank_rows,
 )
@@ -161,10 +162,7 @@ def _verdict(summary: dict) -> str:
         who = " · rank " + ", ".join(map(str, p["ranks"][:8]))
     partial = ""
     if summary["run"]["missing_ranks"]:
-        partial = (
-            f'<p class="note">Partial summary: ranks {_e(summary["run"]["missing_ranks"])} '
-            "never finished.</p>"
-        )
+        partial = f'<p class="note">Partial summary: {_e(missing_text(summary))}.</p>'
     return (
         f'<section class="verdict sev-{_e(p["severity"])}"><h2>Verdict</h2>'
         f'<div class="kind">{_e(p["kind"])}{_e(who)}{_badge(p["severity"])}</div>'

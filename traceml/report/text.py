@@ -17,6 +17,7 @@ from traceml.report.fmt import (
     gpu_temp,
     gpu_util,
     mib,
+    missing_text,
     num,
     rank_rows,
 )
@@ -299,10 +300,7 @@ def render_text(summary: dict) -> str:
     run = summary["run"]
     lines = header(summary) + ["=" * WIDTH]
     if run["missing_ranks"]:
-        lines += _wrap(
-            "PARTIAL",
-            f"{ranks_text(run['missing_ranks'])} never finished; their data may be incomplete",
-        )
+        lines += _wrap("PARTIAL", missing_text(summary))
     lines += _verdict(summary)
     lines += _findings(summary)
     lines += _step_table(summary)
