@@ -286,3 +286,7 @@ def test_a_node_with_another_master_port_stops_the_run_within_seconds(tmp_path):
     ends = [(r["rank"], r["end"]["state"]) for r in summary["ranks"]]
     assert ends == [(0, "not_started"), (1, "never_reported")]
     assert summary["primary_diagnosis"]["kind"] == "NODE_FAILED"
+    assert summary["primary_diagnosis"]["action"] == (
+        "Start every node with the same --nnodes, --master-addr, --master-port and --run-name, "
+        "each with its own --node-rank (the reason names the node at fault)."
+    )

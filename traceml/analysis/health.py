@@ -31,6 +31,7 @@ from traceml.analysis.hang import (
 from traceml.analysis.rundata import RankData, RunData
 from traceml.analysis.schema import plain
 from traceml.core.ends import (
+    CANNOT_RENDEZVOUS_PREFIX,
     COMPLETED,
     FAILED,
     NOT_STARTED,
@@ -597,13 +598,20 @@ def node_failed(facts: Facts) -> Finding | None:
         if reason:
             text += f" before it started {ranks_text(never)} ({reason})"
         said.append(text)
-    advice = (
-        "torchrun fails in its rendezvous when its --master-port is in use (pick a free one) "
-        "or node 0 cannot be reached (check --master-addr and --nnodes on every node); its "
-        "error is in its output (the node's training.stderr.log when saved)."
-        if not_started
-        else "See the rank findings above and the node's training.stderr.log."
-    )
+    reasons = [r.end.reason or "" for ranks in not_started.values() for r in ranks]
+    if not reasons:
+        advice = "See the rank findings above and the node's training.stderr.log."
+    elif all(reason.startswith(CANNOT_RENDEZVOUS_PREFIX) for reason in reasons):
+        advice = (  # node 0 stopped every node: a claim it refused (the reason says why)
+            "Start every node with the same --nnodes, --master-addr, --master-port and "
+            "--run-name, each with its own --node-rank (the reason names the node at fault)."
+        )
+    else:
+        advice = (
+            "torchrun fails in its rendezvous when its --master-port is in use (pick a free "
+            "one) or node 0 cannot be reached (check --master-addr and --nnodes on every "
+            "node); its error is in its output (the node's training.stderr.log when saved)."
+        )
     never = sorted(r.rank for n in failed for r in not_started.get(n, []))
     return Finding(
         "NODE_FAILED",

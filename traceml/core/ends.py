@@ -31,6 +31,9 @@ NOT_STARTED = "not_started"
 REPORTED_END_STATES = (COMPLETED, FAILED, SIGNALED, TERMINATED, NOT_STARTED)
 
 INTERRUPTED_PREFIX = "interrupted: "
+#: The reason of ranks their launcher stopped before they started, as node 0 said the run
+#: cannot rendezvous (a claim it refused, a node whose torchrun ended first), then why.
+CANNOT_RENDEZVOUS_PREFIX = "stopped: the run cannot rendezvous: "
 
 
 def interrupted_reason(signal_name: str, launcher: str = "the launcher") -> str:

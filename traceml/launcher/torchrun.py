@@ -24,7 +24,7 @@ from pathlib import Path
 
 from traceml import settings
 from traceml.core import log
-from traceml.core.ends import interrupted_reason, is_interrupted
+from traceml.core.ends import CANNOT_RENDEZVOUS_PREFIX, interrupted_reason, is_interrupted
 from traceml.core.rundir import RunDir
 from traceml.core.transport import disable_grpc_fork_handlers
 from traceml.launcher.config import LaunchConfig
@@ -474,7 +474,7 @@ class TorchrunProcess:
         elif torchrun_error:
             not_started_reason = f"torchrun failed: {torchrun_error}"
         elif stopped:
-            not_started_reason = f"stopped: the run cannot rendezvous: {stopped}"
+            not_started_reason = CANNOT_RENDEZVOUS_PREFIX + stopped
         elif interrupted:
             name = signal.Signals(interrupted).name
             not_started_reason = f"{interrupted_reason(name)} before torchrun started its ranks"
