@@ -147,6 +147,7 @@ def test_node_loss_detection_goes_on_through_a_full_disk(small_fs, caplog):
             persist=persist,
             foreign=None,
             refuse=None,
+            give_up_on=None,
             lost_after_s=0.0,  # silent for any time at all: lost at the next check
         )
         sessions.expect({1})

@@ -16,6 +16,7 @@ import time
 import pytest
 from conftest import SCRIPTS, free_port, load_summary, start_traceml, wait_all, wait_for
 from helpers.aggregator import listening_port
+from helpers.jobs import wait_training_started
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -186,14 +187,8 @@ def test_node_0_stopped_in_the_rendezvous_interrupts_the_run_it_fails_nowhere(tm
     # node 1's torchrun was stopped by its launcher, or died as node 0's store closed (plain
     # torchrun's DistNetworkError) just before node 0's word came: the same run either way
     assert codes[0] == 143 and codes[1] in (1, 143), (codes, err0, err1)
-    why = (
-        "interrupted: node 0's launcher got SIGTERM (scancel, preemption or Ctrl-C) before its "
-        "torchrun started its ranks"
-    )
-    assert (
-        f"traceml: the run was {why}; stopping training on this node, which cannot rendezvous "
-        "without it\n"
-    ) in err1
+    why = "interrupted: node 0's launcher got SIGTERM (scancel, preemption or Ctrl-C)"
+    assert f"traceml: the run was {why}; stopping training on this node too\n" in err1
     assert "traceml: error" not in err1, err1
     summary = load_summary(logs / "rdzv-stop")
     assert summary["run"]["status"] == "interrupted"
@@ -209,3 +204,48 @@ def test_node_0_stopped_in_the_rendezvous_interrupts_the_run_it_fails_nowhere(tm
     assert summary["primary_diagnosis"]["kind"] == "RUN_INTERRUPTED"
     health = [f["kind"] for f in summary["findings"]["health"]]
     assert health == ["RANK_NEVER_REPORTED"], health
+
+
+def test_node_0_stopped_while_training_interrupts_node_1_which_fails_nowhere(tmp_path):
+    """Two nodes train; the user stops node 0 alone (Ctrl-C in its terminal: SIGINT to its
+    launcher). Its launcher tells node 0's aggregator at once, which tells node 1's, which
+    stops its torchrun too: node 1's rank ends ``terminated``, interrupted by node 0's
+    launcher's signal, not ``failed`` of its collective's closed connection. The run is
+    ``interrupted``, and no rank crashed, no node failed (before: status ``failed``, with
+    ``RANK_CRASHED`` and ``NODE_FAILED`` on node 1)."""
+    logs = tmp_path / "logs"
+    common = [
+        "run",
+        SCRIPT,
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--run-name=stop-0",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        f"--aggregator-port={free_port()}",
+        f"--logs-dir={logs}",
+        "--steps",
+        "100000",
+    ]
+    procs = {1: node_1_waiting(common, tmp_path)}
+    procs[0] = start_traceml(common + ["--node-rank=0"], tmp_path, tmp_path / "node0")
+    wait_training_started(logs / "stop-0", procs[0], tmp_path / "node0.err")
+    procs[0].send_signal(signal.SIGINT)
+    codes = wait_all(procs, 120)
+    err0, err1 = ((tmp_path / f"node{n}.err").read_text() for n in (0, 1))
+    why = "interrupted: node 0's launcher got SIGINT (scancel, preemption or Ctrl-C)"
+    assert f"traceml: the run was {why}; stopping training on this node too\n" in err1, err1
+    summary = load_summary(logs / "stop-0")
+    assert summary["run"]["status"] == "interrupted", (codes, err0, err1)
+    ends = {r["rank"]: r["end"] for r in summary["ranks"]}
+    assert (ends[0]["state"], ends[0]["signal"]) == ("terminated", signal.SIGINT), ends[0]
+    assert ends[0]["reason"].startswith("interrupted: the launcher got SIGINT")
+    assert (ends[1]["state"], ends[1]["reason"]) == ("terminated", why), ends[1]
+    # the verdict, when too few steps were stored for a diagnosis, else a health finding
+    kinds = [summary["primary_diagnosis"]["kind"]] + [
+        f["kind"] for f in summary["findings"]["health"]
+    ]
+    assert "RUN_INTERRUPTED" in kinds, kinds
+    assert not {"RANK_CRASHED", "NODE_FAILED", "RANK_TERMINATED"} & set(kinds), kinds
+    for manifest in ("manifest.json", "nodes/node_1/manifest.json"):
+        assert json.loads((logs / "stop-0" / manifest).read_text())["status"] == "interrupted"

@@ -30,6 +30,7 @@ def test_a_held_aggregator_blames_no_node_and_a_silent_node_is_lost_a_bound_late
             persist=persist,
             foreign=None,
             refuse=None,
+            give_up_on=None,
             lost_after_s=2 * LOST_CHECK_S,
         )
         sessions.expect({1})

@@ -251,6 +251,7 @@ class AggregatorService(wire.AggregatorServicer):
             persist=self._persist_meta,
             foreign=self._foreign,
             refuse=rejections.refuse,
+            give_up_on=state.give_up_on,
             losses=json.loads(store.meta().get(NODE_LOSSES_META_KEY) or "[]"),
             clocks=json.loads(store.meta().get(NODE_CLOCKS_META_KEY) or "[]"),
         )
@@ -510,7 +511,7 @@ class AggregatorService(wire.AggregatorServicer):
         self.state.on_node_exit(report)
         self.live.on_node_exit(report)
         if never_started := _never_started(report):  # the static rendezvous cannot complete
-            self.state.give_up_on(self.sessions.fail_run(never_started))
+            self.sessions.fail_run(never_started)
         received_unix_us = time.time_ns() // 1000
         try:
             await self.writer.call(self.writer.store.write_node_exit, report, received_unix_us)

@@ -33,6 +33,7 @@ the moment it serves.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ import grpc
 
 from traceml import wire
 from traceml.core import log
+from traceml.core.ends import interrupted_reason
 from traceml.core.records import LostNode, NodeClock
 from traceml.core.transport import NODE_LOST_AFTER_S
 from traceml_aggregator.nodes import NodeRegistry
@@ -114,6 +116,8 @@ class NodeSessions:
             (every loss record so far; every node's clock offset so far).
         foreign: ``fn(run_name) -> str``: why a run name is not this run's ("" when it is).
         refuse: ``fn(kind, detail) -> detail``: counts a refused claim or session message.
+        give_up_on: ``fn(node ranks)``: finalization stops waiting for those nodes (the run
+            cannot go on, and no launcher holds them).
         losses: loss records an earlier aggregator of this run stored.
         clocks: the clock offsets an earlier aggregator of this run stored.
         lost_after_s: see :data:`~traceml.core.transport.NODE_LOST_AFTER_S`.
@@ -128,6 +132,7 @@ class NodeSessions:
         persist,
         foreign,
         refuse,
+        give_up_on,
         losses: list[dict] | None = None,
         clocks: list[dict] | None = None,
         lost_after_s: float = NODE_LOST_AFTER_S,
@@ -138,6 +143,7 @@ class NodeSessions:
         self._persist = persist
         self._foreign = foreign
         self._refuse = refuse
+        self._give_up_on = give_up_on
         self.lost_after_s = lost_after_s
         #: Every loss of this run, in order: ``{"node_rank", "hostname", "last_heard_unix_s",
         #: "lost_unix_s", "resumed_unix_s" (None while lost), "lost_after_s"}``.
@@ -248,6 +254,10 @@ class NodeSessions:
                 self._clock_exchange(session, up.heartbeat, received_ns)
             elif kind == "goodbye":
                 session.goodbye = True
+            elif kind == "interrupted":
+                name = _signal_name(up.interrupted.signal)
+                launcher = f"node {session.node_rank}'s launcher"
+                self.fail_run(interrupted_reason(name, launcher))
             elif kind == "exit":
                 if up.exit.node_rank != session.node_rank:  # a node reports its own exit only
                     raise _Refused(
@@ -335,14 +345,15 @@ class NodeSessions:
             if node.session is not None:
                 node.session.outbox.put_nowait(message)
 
-    def fail_run(self, reason: str) -> set[int]:
-        """The run cannot rendezvous (``reason``): say so down every open session, and in the
-        claim reply of every one that opens later (the first reason stays), so each launcher
-        stops its torchrun rather than wait in the rendezvous until torch's timeout. Returns
-        the node ranks no launcher holds (none will ever report)."""
+    def fail_run(self, reason: str) -> None:
+        """The run cannot go on (``reason``: it cannot rendezvous, or a node's launcher was
+        stopped): say so down every open session, and in the claim reply of every one that
+        opens later (the first reason stays), so each launcher stops its torchrun rather than
+        wait in the rendezvous until torch's timeout, or see its ranks die of their peers'
+        end; finalization waits for no node that no launcher holds (none will ever report)."""
         if self.registry.fail(reason):
             self._push(wire.NodeDown(run_failure=reason))
-        return self.registry.unclaimed()
+        self._give_up_on(self.registry.unclaimed())
 
     def publish(self, message) -> None:
         """Push ``message`` (a NodeDown) to every open session now, and to every session that
@@ -459,3 +470,11 @@ class NodeSessions:
                     node.last_heard_monotonic += late_s
             await self.check_lost()
             checked_m = time.monotonic()
+
+
+def _signal_name(number: int) -> str:
+    """``SIGTERM`` for 15; ``signal 99`` for a number that is no signal (a hostile client's)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -50,8 +50,11 @@ class NodeLaunch:
         self.relay = None
         #: This node's session with node 0's aggregator (None until opened).
         self.session = None
-        #: Why the run cannot rendezvous, once node 0's aggregator says so ("" until then).
+        #: Why the run cannot go on (it cannot rendezvous; another node's launcher was
+        #: stopped), once node 0's aggregator says so ("" until then).
         self.run_failure = ""
+        #: Whether node 0 was told of this launcher's stop signal (:meth:`say_interrupted`).
+        self._said_interrupted = False
 
     # --- before training (node r > 0) ------------------------------------------------------
     def join(self) -> str:
@@ -159,44 +162,57 @@ class NodeLaunch:
         if self.relay is not None:
             self.relay.close()
 
+    def say_interrupted(self, signum: int | None) -> None:
+        """Tell node 0's aggregator, once, that this launcher got stop signal ``signum``
+        (None: it did not) while training ran, so that it stops every other node at once
+        (:meth:`watch_claims`) instead of their ranks dying of their peers' end."""
+        if signum and not self._said_interrupted and self.session is not None:
+            self._said_interrupted = True
+            self.session.say_interrupted(signum)
+
     def watch_claims(self, manifest: Manifest) -> None:
         """Stop torchrun (once) when the session brought the run's failure.
 
         The aggregator pushes it down every open session once it refused another launcher's
         claim before every node had joined: that node never starts its torchrun, so this
-        one would wait in the rendezvous until torchrun's own timeout. A failure that is
-        another node's launcher stopped in the rendezvous (scancel, Ctrl-C) is said as the
-        run's interruption, not as an error.
+        one would wait in the rendezvous until torchrun's own timeout. Another node's
+        launcher that got a stop signal (scancel, Ctrl-C) is said as the run's interruption,
+        not as an error, and torchrun is stopped as by this launcher's own (and not again,
+        when it is stopping already).
         """
         if self.session is None or self.run_failure or not self.session.run_failure:
             return
         self.run_failure = self.session.run_failure
-        manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
-        if is_interrupted(self.run_failure):  # another node's launcher was stopped there
-            _log.info(
-                f"the run was {self.run_failure}; stopping training on this node, which "
-                "cannot rendezvous without it"
-            )
+        if is_interrupted(self.run_failure):
+            manifest.event("run_interrupted", interrupted=self.run_failure)
+            if self.torchrun.stopping:  # this launcher's own signal, or ended already
+                return
+            _log.info(f"the run was {self.run_failure}; stopping training on this node too")
         else:
+            manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
             _log.error(
                 f"error: the run cannot rendezvous: {self.run_failure}; stopping training on "
                 "this node"
             )
         self.torchrun.forward_signal(signal.SIGTERM)
 
-    def hear_run_failure(self, manifest: Manifest, returncode: int) -> None:
-        """When this node's torchrun ended before it started its ranks, and this is not node 0
-        (whose torchrun hosts the rendezvous), wait up to :data:`RUN_FAILURE_WAIT_S` for node
-        0's word that the run cannot rendezvous, and take it (:meth:`watch_claims`): another
-        node's end (its launcher stopped there, its torchrun failed) closes this torchrun's
-        rendezvous too, within ms of node 0 hearing of it, and is the cause to report, not
-        the error this torchrun then died of."""
+    def hear_run_failure(self, manifest: Manifest, returncode: int, interrupted: int | None):
+        """When this node's torchrun failed of itself (no stop signal of this launcher's) in a
+        run of several nodes, wait up to :data:`RUN_FAILURE_WAIT_S` for node 0's word that
+        the run cannot go on, and take it (:meth:`watch_claims`): another node's end (its
+        launcher stopped, its torchrun failed in the rendezvous) ends this node's ranks or
+        rendezvous too (a collective's or the store's connection closes), within ms of node
+        0 hearing of it, and is the cause to report, not the error they then died of. Node
+        0's torchrun that never started its ranks failed of its own (it hosts the
+        rendezvous)."""
         if (
             returncode == 0
-            or self.config.owns_aggregator
+            or interrupted
+            or self.config.nnodes == 1
             or self.session is None
             or self.run_failure
-            or self.torchrun.ranks_started()
+            or self.config.owns_aggregator
+            and not self.torchrun.ranks_started()
         ):
             return
         if self.session.wait_run_failure(RUN_FAILURE_WAIT_S):

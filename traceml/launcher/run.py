@@ -235,7 +235,8 @@ class Launch:
         try:
             self._start_training(node_manifest, run_manifest)
             returncode = self._wait_training(run_manifest or node_manifest)
-            self.node.hear_run_failure(run_manifest or node_manifest, returncode)
+            self.node.say_interrupted(self.interrupted)  # torchrun ended before the watch did
+            self.node.hear_run_failure(run_manifest or node_manifest, returncode, self.interrupted)
             outcome = self._outcome(returncode)
             self.phase.to(Phase.FINALIZING)
             self._close_terminal_view()
@@ -426,6 +427,7 @@ class Launch:
                     return killed  # as plain torchrun would have ended
                 torchrun.say_rendezvous_wait()
                 try:
+                    self.node.say_interrupted(self.interrupted)
                     self.node.watch_claims(manifest)
                     if owner:
                         self.supervisor.watch(manifest)

@@ -91,8 +91,11 @@ class NodeSession:
         self._wake = threading.Event()
         #: The aggregator's first verdict on the claim (a NodeClaimReply), None until then.
         self.claim_reply = None
-        #: Why the run cannot rendezvous, once the aggregator said so ("" until then).
+        #: Why the run cannot go on (it cannot rendezvous; another node's launcher was
+        #: stopped), once the aggregator said so ("" until then).
         self.run_failure = ""
+        #: This launcher's NodeInterrupted message, once sent (:meth:`say_interrupted`).
+        self._interrupted = None
         #: The latest stall record the aggregator pushed, as JSON ("": the stall is over;
         #: None: none heard).
         self.hang_record: str | None = None
@@ -136,6 +139,15 @@ class NodeSession:
         with self._cond:
             self._cond.wait_for(lambda: self.claim_reply is not None or self.error, timeout_s)
             return self.claim_reply
+
+    def say_interrupted(self, signum: int) -> None:
+        """Tell the aggregator that this launcher got stop signal ``signum`` while training
+        ran (sent again on every resumed session): it tells every other node at once."""
+        from traceml import wire
+
+        with self._cond:
+            self._interrupted = self._up(interrupted=wire.NodeInterrupted(signal=signum))
+            self._send(self._interrupted)
 
     def wait_run_failure(self, timeout_s: float) -> str:
         """:attr:`run_failure` once the aggregator said it, within ``timeout_s`` s ("" if it
@@ -373,8 +385,10 @@ class NodeSession:
                 self._wake.wait(backoff.next())
 
     def _resend(self, attempt: _Attempt) -> _Attempt:
-        """What the next stream sends again: the exit and the finalization request, when
-        they were not answered (caller holds the condition)."""
+        """What the next stream sends again: the launcher's stop signal, and the exit and the
+        finalization request when they were not answered (caller holds the condition)."""
+        if self._interrupted is not None:
+            attempt.outbox.put(self._interrupted)
         if self._exit is not None and not self._exit_stored:
             attempt.outbox.put(self._up(exit=self._exit))
         if self._finalize_request is not None:

@@ -348,16 +348,22 @@ class TorchrunProcess:
             "--master-port and --nnodes, and can reach that address"
         )
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the launcher passed torchrun a stop signal, or torchrun has ended."""
+        return bool(self._stop_signal) or self.process is None or self.process.poll() is not None
+
     def forward_signal(self, signum: int, _frame=None) -> None:
-        """Pass SIGINT/SIGTERM on to torchrun (which passes it to the ranks)."""
-        if self.process is not None and self.process.poll() is None:
-            if not self._stop_signal:
-                self._stop_signal, self._stop_sent_at = signum, time.monotonic()
-                self._ranks_since_stop = _has_children(self.process.pid)
-            try:
-                self.process.send_signal(signum)
-            except ProcessLookupError:
-                pass
+        """Pass SIGINT/SIGTERM on to torchrun (which passes it to the ranks), once: a second
+        would cut torch's own stop short (the launcher kills on a second signal of its own)."""
+        if self.process is None or self.process.poll() is not None or self._stop_signal:
+            return
+        self._stop_signal, self._stop_sent_at = signum, time.monotonic()
+        self._ranks_since_stop = _has_children(self.process.pid)
+        try:
+            self.process.send_signal(signum)
+        except ProcessLookupError:
+            pass
 
     def end_stuck_stop(self) -> int | None:
         """SIGKILL torchrun (:meth:`kill`) and reap it (:meth:`wait`) when it still runs
@@ -460,7 +466,10 @@ class TorchrunProcess:
         ``interrupted`` is the signal the launcher got (SIGTERM, SIGINT: scancel, preemption,
         Ctrl-C) before torchrun exited: every rank that did not complete is then
         ``terminated`` with that signal (or the SIGTERM/SIGINT/SIGKILL it died of) and the
-        reason "interrupted: ...", not a failure of its own.
+        reason "interrupted: ...", not a failure of its own. When another node's launcher got
+        it (``stopped`` says so), every rank that did not complete is ``terminated`` with that
+        reason, its own exit code or signal kept: a rank that died as its peers on the stopped
+        node ended (a collective's connection closed) did not fail of its own.
         """
         from traceml import wire
 
@@ -469,15 +478,17 @@ class TorchrunProcess:
         failed = {int(r["rank"]): r for r in record.get("failed", [])}
         unlisted_completed = returncode == 0 or "failed" in record and not torchrun_error
         not_started = returncode != 0 and not self.ranks_started()
-        if is_interrupted(stopped):  # another node's launcher was stopped in the rendezvous
+        others_stop = is_interrupted(stopped)  # another node's launcher got a stop signal
+        own_stop = interrupted and not torchrun_error and (others_stop or not stopped)
+        if own_stop:
+            name = signal.Signals(interrupted).name
+            not_started_reason = f"{interrupted_reason(name)} before torchrun started its ranks"
+        elif others_stop:
             not_started_reason = stopped  # the cause of this torchrun's error, if it had one
         elif torchrun_error:
             not_started_reason = f"torchrun failed: {torchrun_error}"
         elif stopped:
             not_started_reason = CANNOT_RENDEZVOUS_PREFIX + stopped
-        elif interrupted:
-            name = signal.Signals(interrupted).name
-            not_started_reason = f"{interrupted_reason(name)} before torchrun started its ranks"
         else:
             not_started_reason = (
                 f"torchrun exited with {exit_code(returncode)} before it started its ranks"
@@ -496,12 +507,20 @@ class TorchrunProcess:
             if not_started:
                 end.end_state = wire.EndState.END_STATE_NOT_STARTED
                 end.reason = not_started_reason
-                if interrupted and not torchrun_error and not stopped:
+                if own_stop:
                     end.signal = interrupted
             elif interrupted and (info is None and not unlisted_completed or _stopped(info)):
                 end.end_state = wire.EndState.END_STATE_TERMINATED
                 end.signal = (info or {}).get("signal") or interrupted
                 end.reason = interrupted_reason(signal.Signals(interrupted).name)
+            elif others_stop and not (info is None and unlisted_completed):
+                # died of its peers' end on the stopped node, or stopped by this launcher
+                end.end_state = wire.EndState.END_STATE_TERMINATED
+                if info is not None and info.get("signal") is not None:
+                    end.signal = info["signal"]
+                elif info is not None:
+                    end.exit_code = info["exit_code"]
+                end.reason = stopped
             elif info is None:
                 if unlisted_completed:
                     end.end_state = wire.EndState.END_STATE_COMPLETED
