@@ -10,6 +10,7 @@ wait_serving, so it has failed dozens of probes by then). Both write into one sh
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -234,7 +235,9 @@ def test_node_0_stopped_while_training_interrupts_node_1_which_fails_nowhere(tmp
     codes = wait_all(procs, 120)
     err0, err1 = ((tmp_path / f"node{n}.err").read_text() for n in (0, 1))
     why = "interrupted: node 0's launcher got SIGINT (scancel, preemption or Ctrl-C)"
-    assert f"traceml: the run was {why}; stopping training on this node too\n" in err1, err1
+    # node 1's launcher stopped its torchrun, or its ranks died first of their peers' end
+    then = "(stopping training on this node too|this node's training ended with it)"
+    assert re.search(rf"^traceml: the run was {re.escape(why)}; {then}$", err1, re.M), err1
     summary = load_summary(logs / "stop-0")
     assert summary["run"]["status"] == "interrupted", (codes, err0, err1)
     ends = {r["rank"]: r["end"] for r in summary["ranks"]}

@@ -27,9 +27,10 @@ _log = log.get("launcher")
 #: How long a launcher waits for the aggregator's verdict on its claim, and for its exit
 #: report to be stored, s.
 SESSION_ANSWER_S = 10.0
-#: How long a node whose torchrun ended before it started its ranks waits for node 0 to say
-#: the run cannot rendezvous (:meth:`NodeLaunch.hear_run_failure`), s: node 0 pushes it within
-#: ms of the exit report of the node that ended first.
+#: How long a node whose torchrun failed of itself, in a run of several nodes, waits for node
+#: 0 to say the run cannot go on (:meth:`NodeLaunch.hear_run_failure`), s: node 0 pushes it
+#: within ms of hearing that another node's launcher got a stop signal, or of the exit report
+#: of a node whose torchrun ended before it started its ranks.
 RUN_FAILURE_WAIT_S = 2.0
 
 
@@ -162,13 +163,21 @@ class NodeLaunch:
         if self.relay is not None:
             self.relay.close()
 
-    def say_interrupted(self, signum: int | None) -> None:
+    def say_interrupted(self, signum: int) -> None:
         """Tell node 0's aggregator, once, that this launcher got stop signal ``signum``
-        (None: it did not) while training ran, so that it stops every other node at once
-        (:meth:`watch_claims`) instead of their ranks dying of their peers' end."""
-        if signum and not self._said_interrupted and self.session is not None:
-            self._said_interrupted = True
+        while training ran, so that it stops every other node at once (:meth:`watch_claims`)
+        instead of their ranks dying of their peers' end. Called from the launcher's signal
+        handler: it only queues a message (the main thread queues none while training runs);
+        a failure is said, never raised."""
+        if self._said_interrupted or self.session is None:
+            return
+        self._said_interrupted = True
+        try:
             self.session.say_interrupted(signum)
+        except Exception as exc:  # fail-open: the stop goes on without telling the others
+            _log.warning(
+                f"warning: could not tell node 0 of the stop ({type(exc).__name__}: {exc})"
+            )
 
     def watch_claims(self, manifest: Manifest) -> None:
         """Stop torchrun (once) when the session brought the run's failure.
@@ -185,9 +194,15 @@ class NodeLaunch:
         self.run_failure = self.session.run_failure
         if is_interrupted(self.run_failure):
             manifest.event("run_interrupted", interrupted=self.run_failure)
-            if self.torchrun.stopping:  # this launcher's own signal, or ended already
+            if self.torchrun.stop_sent:  # this launcher's own signal came first
                 return
-            _log.info(f"the run was {self.run_failure}; stopping training on this node too")
+            ended = self.torchrun.process is None or self.torchrun.process.poll() is not None
+            then = (
+                "this node's training ended with it"
+                if ended
+                else "stopping training on this node too"
+            )
+            _log.info(f"the run was {self.run_failure}; {then}")
         else:
             manifest.event("rendezvous_failed", rendezvous_failure=self.run_failure)
             _log.error(

@@ -235,7 +235,6 @@ class Launch:
         try:
             self._start_training(node_manifest, run_manifest)
             returncode = self._wait_training(run_manifest or node_manifest)
-            self.node.say_interrupted(self.interrupted)  # torchrun ended before the watch did
             self.node.hear_run_failure(run_manifest or node_manifest, returncode, self.interrupted)
             outcome = self._outcome(returncode)
             self.phase.to(Phase.FINALIZING)
@@ -267,6 +266,7 @@ class Launch:
         node.torchrun.start(self.terminal_view.consoles() if self.terminal_view else None)
         if self.interrupted:  # signalled while torchrun was starting
             node.torchrun.forward_signal(self.interrupted)
+            node.say_interrupted(self.interrupted)
         self.phase.to(Phase.TRAINING)
         pid = node.torchrun.process.pid
         node_manifest.event("training_started", status=Phase.TRAINING.value, torchrun_pid=pid)
@@ -316,8 +316,8 @@ class Launch:
 
     def _outcome(self, returncode: int) -> Phase:
         """How the launch ends, decided as training ends: interrupted by a signal (to this
-        launcher, or to another node's in the rendezvous: :meth:`NodeLaunch.watch_claims`),
-        else completed (torchrun exited 0) or failed."""
+        launcher, or to another node's: :meth:`NodeLaunch.watch_claims`), else completed
+        (torchrun exited 0) or failed."""
         if self.interrupted or is_interrupted(self.node.run_failure):
             return Phase.INTERRUPTED
         return Phase.COMPLETED if exit_code(returncode) == 0 else Phase.FAILED
@@ -347,6 +347,7 @@ class Launch:
             then = "the summary follows" if self.config.owns_aggregator else "node 0 sums up"
             _log.info(f"got {name}: stopping training; {then} (again: end at once)")
             self.node.torchrun.forward_signal(signum)
+            self.node.say_interrupted(signum)  # now: other nodes' ranks die of this one's end
 
     def _end_overdue(self, signum: int) -> None:
         """Timer thread: the summary after an interrupt is overdue; end as after a second
@@ -427,7 +428,6 @@ class Launch:
                     return killed  # as plain torchrun would have ended
                 torchrun.say_rendezvous_wait()
                 try:
-                    self.node.say_interrupted(self.interrupted)
                     self.node.watch_claims(manifest)
                     if owner:
                         self.supervisor.watch(manifest)

@@ -349,9 +349,9 @@ class TorchrunProcess:
         )
 
     @property
-    def stopping(self) -> bool:
-        """Whether the launcher passed torchrun a stop signal, or torchrun has ended."""
-        return bool(self._stop_signal) or self.process is None or self.process.poll() is not None
+    def stop_sent(self) -> bool:
+        """Whether the launcher passed torchrun a stop signal (:meth:`forward_signal`)."""
+        return bool(self._stop_signal)
 
     def forward_signal(self, signum: int, _frame=None) -> None:
         """Pass SIGINT/SIGTERM on to torchrun (which passes it to the ranks), once: a second
