@@ -217,4 +217,10 @@ def test_a_node_the_user_stopped_did_not_fail_and_one_with_a_failed_rank_did():
     health = {f["kind"]: f for f in build_summary(run, now_unix_s=100.0)["findings"]["health"]}
     assert health["NODE_FAILED"]["nodes"] == [1]
     assert health["NODE_FAILED"]["evidence"]["exit_codes"] == {"1": 1}
-    assert "RUN_INTERRUPTED" in health
+    assert health["RUN_INTERRUPTED"]["summary"].startswith(
+        "The run was interrupted: ranks 0, 1, 2 stopped when node 0's launcher, node 1's "
+        "launcher got signal 15 "
+    )
+    assert health["RUN_INTERRUPTED"]["action"] == (
+        "Resume from the last checkpoint once the failure above is fixed."  # not "Nothing failed"
+    )

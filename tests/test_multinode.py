@@ -250,5 +250,11 @@ def test_node_0_stopped_while_training_interrupts_node_1_which_fails_nowhere(tmp
     ]
     assert "RUN_INTERRUPTED" in kinds, kinds
     assert not {"RANK_CRASHED", "NODE_FAILED", "RANK_TERMINATED"} & set(kinds), kinds
+    said = [summary["primary_diagnosis"]] + summary["findings"]["health"]
+    interrupted = next(f for f in said if f["kind"] == "RUN_INTERRUPTED")
+    assert interrupted["summary"].startswith(
+        "The run was interrupted: ranks 0, 1 stopped when node 0's launcher got signal 2 "
+    ), interrupted["summary"]
+    assert interrupted["action"] == "Nothing failed; resubmit or resume from the last checkpoint."
     for manifest in ("manifest.json", "nodes/node_1/manifest.json"):
         assert json.loads((logs / "stop-0" / manifest).read_text())["status"] == "interrupted"

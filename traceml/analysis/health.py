@@ -37,6 +37,7 @@ from traceml.core.ends import (
     NOT_STARTED,
     SIGNALED,
     TERMINATED,
+    interrupting_launcher,
     is_interrupted,
 )
 
@@ -490,14 +491,20 @@ def run_interrupted(facts: Facts) -> Finding | None:
     interrupted = facts.interrupted()
     if not interrupted:
         return None
+    launchers = sorted(
+        {interrupting_launcher(r.end.reason or "", r.node_rank) for r in interrupted}
+    )
     signals = sorted({r.end.signal for r in interrupted if r.end.signal})
+    failed = facts.in_state(FAILED, SIGNALED)
     return Finding(
         "RUN_INTERRUPTED",
         "warning",
         f"The run was interrupted: {ranks_text([r.rank for r in interrupted])} "
-        f"stopped when the launcher got signal {', '.join(map(str, signals)) or '?'} "
+        f"stopped when {', '.join(launchers)} got signal {', '.join(map(str, signals)) or '?'} "
         "(scancel, preemption or Ctrl-C); the figures cover the steps before it.",
-        "Nothing failed; resubmit or resume from the last checkpoint.",
+        "Resume from the last checkpoint once the failure above is fixed."
+        if failed
+        else "Nothing failed; resubmit or resume from the last checkpoint.",
         evidence={
             "ranks": [
                 {"rank": r.rank, "signal": r.end.signal, "steps_completed": r.steps_completed}

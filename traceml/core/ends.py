@@ -42,6 +42,15 @@ def interrupted_reason(signal_name: str, launcher: str = "the launcher") -> str:
     return f"{INTERRUPTED_PREFIX}{launcher} got {signal_name} (scancel, preemption or Ctrl-C)"
 
 
+def interrupting_launcher(reason: str, node_rank: int | None) -> str:
+    """Whose launcher got the stop signal, from a rank's :func:`interrupted_reason`:
+    ``node 1's launcher`` (that of node ``node_rank``, the rank's own, for "the launcher")."""
+    who = reason.removeprefix(INTERRUPTED_PREFIX).split(" got ", 1)[0]
+    if who == "the launcher":
+        return f"node {node_rank}'s launcher" if node_rank is not None else who
+    return who
+
+
 def is_interrupted(reason: str | None) -> bool:
     """True for a reason written by :func:`interrupted_reason`."""
     return reason is not None and reason.startswith(INTERRUPTED_PREFIX)
