@@ -147,6 +147,37 @@ def test_claims_over_node_sessions_and_the_run_failure_is_pushed(tmp_path):
 
 
 @pytest.mark.aggregator
+def test_a_launchers_stop_signal_is_pushed_to_every_node_as_the_runs_interruption(tmp_path):
+    """Node 1's launcher says it got a stop signal (here a number that is no signal, as a
+    hostile client might send): the aggregator pushes the run's interruption down node 0's
+    session at once, in the words of an interrupted rank's reason, and stays up."""
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    aggregator = subprocess.Popen(
+        aggregator_cmd(tmp_path / "r", "r", "--port", str(port), "--nnodes", "2"),
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    sessions = []
+    try:
+        wait_serving(target, 60, aggregator)
+        node0 = NodeSession(target, node_claim(0, hostname=socket.gethostname(), nnodes=2))
+        node1 = NodeSession(target, node_claim(1, nnodes=2))
+        sessions += [node0.start(), node1.start()]
+        assert node0.wait_claim(30).accepted and node1.wait_claim(30).accepted
+        node1.say_interrupted(99)
+        why = "interrupted: node 1's launcher got signal 99 (scancel, preemption or Ctrl-C)"
+        assert node0.wait_run_failure(10) == why
+        assert node1.wait_run_failure(10) == why
+        assert aggregator.poll() is None
+    finally:
+        for s in sessions:
+            s.close()
+        stop(aggregator)
+
+
+@pytest.mark.aggregator
 def test_a_session_may_report_its_own_nodes_exit_only(tmp_path):
     """Node 1's session reporting node 2's exit is refused (FAILED_PRECONDITION, counted),
     nothing of it stored, while node 2's own session goes on; its own exit is stored."""

@@ -83,8 +83,9 @@ class NodeRegistry:
         return False, reason
 
     def fail(self, reason: str) -> bool:
-        """The run cannot rendezvous (``reason``): it becomes :attr:`run_failure` unless an
-        earlier failure is (the first stays). True when it did."""
+        """The run cannot go on (``reason``: it cannot rendezvous, or a node's launcher got a
+        stop signal): it becomes :attr:`run_failure` unless an earlier failure is (the first
+        stays). True when it did."""
         if self.run_failure:
             return False
         self.run_failure = reason

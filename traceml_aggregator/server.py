@@ -37,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from traceml import settings, wire
 from traceml.analysis.hang import STALL_META_KEY
 from traceml.core import disk_reserve, endpoint, log, otlp
-from traceml.core.ends import interrupted_reason, is_interrupted
+from traceml.core.ends import interrupted_reason, is_interrupted, signal_name
 from traceml.core.heap import SERVING_TALLY, serving_heap
 from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
@@ -1055,7 +1055,7 @@ def _never_started(report) -> str:
         return ""
     node = f"node {report.node_rank}"
     if is_interrupted(ranks[0].reason) and ranks[0].signal:
-        stopped = interrupted_reason(signal.Signals(ranks[0].signal).name, node + "'s launcher")
+        stopped = interrupted_reason(signal_name(ranks[0].signal), node + "'s launcher")
         return f"{stopped} before its torchrun started its ranks"
     return f"{node}'s torchrun ended before it started its ranks ({ranks[0].reason})"
 

@@ -33,7 +33,6 @@ the moment it serves.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -41,7 +40,7 @@ import grpc
 
 from traceml import wire
 from traceml.core import log
-from traceml.core.ends import interrupted_reason
+from traceml.core.ends import interrupted_reason, signal_name
 from traceml.core.records import LostNode, NodeClock
 from traceml.core.transport import NODE_LOST_AFTER_S
 from traceml_aggregator.nodes import NodeRegistry
@@ -255,7 +254,7 @@ class NodeSessions:
             elif kind == "goodbye":
                 session.goodbye = True
             elif kind == "interrupted":
-                name = _signal_name(up.interrupted.signal)
+                name = signal_name(up.interrupted.signal)
                 launcher = f"node {session.node_rank}'s launcher"
                 self.fail_run(interrupted_reason(name, launcher))
             elif kind == "exit":
@@ -470,11 +469,3 @@ class NodeSessions:
                     node.last_heard_monotonic += late_s
             await self.check_lost()
             checked_m = time.monotonic()
-
-
-def _signal_name(number: int) -> str:
-    """``SIGTERM`` for 15; ``signal 99`` for a number that is no signal (a hostile client's)."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"

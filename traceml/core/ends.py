@@ -15,6 +15,8 @@ failed.
 
 from __future__ import annotations
 
+import signal
+
 #: Finished normally (exit code 0).
 COMPLETED = "completed"
 #: Exited with a non-zero code or raised.
@@ -49,6 +51,14 @@ def interrupting_launcher(reason: str, node_rank: int | None) -> str:
     if who == "the launcher":
         return f"node {node_rank}'s launcher" if node_rank is not None else who
     return who
+
+
+def signal_name(number: int) -> str:
+    """``SIGTERM`` for 15; ``signal 99`` for a number that is no signal (a hostile client's)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def is_interrupted(reason: str | None) -> bool:
