@@ -231,8 +231,7 @@ def test_a_torchrun_waiting_in_its_rendezvous_is_said_then_its_start_after_the_l
     wait_for(lambda: "warning" in say(), 60, "node 0 to say it starts no rank")
     assert re.fullmatch(
         r"traceml: warning: torchrun has started no rank in \d+ s: it is still starting "
-        r"\(importing torch, slow on a busy or network file system; the launcher says when it "
-        r"reaches its rendezvous\)\n",
+        r"\(importing torch, slow on a busy or network file system\)\n",
         say(),
     ), said
     wait_for(lambda: "rendezvous at" in say(), 60, "node 0 to say it waits in its rendezvous")

@@ -337,10 +337,7 @@ class TorchrunProcess:
         """Where torchrun waits, for :meth:`say_rendezvous_wait`, and what to check."""
         config = self.config
         if "rendezvous" not in self._waits_said:
-            return (
-                "it is still starting (importing torch, slow on a busy or network file system; "
-                "the launcher says when it reaches its rendezvous)"
-            )
+            return "it is still starting (importing torch, slow on a busy or network file system)"
         where = f"{config.master_addr}:{config.master_port}" if config.master_port else "node 0"
         return (
             f"it waits in its rendezvous at {where} for all {config.nnodes} nodes (--nnodes) to "
