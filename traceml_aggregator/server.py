@@ -1053,11 +1053,12 @@ def _never_started(report) -> str:
     ranks = report.ranks
     if not ranks or any(r.end_state != wire.EndState.END_STATE_NOT_STARTED for r in ranks):
         return ""
-    node = f"node {report.node_rank}"
     if is_interrupted(ranks[0].reason) and ranks[0].signal:
-        stopped = interrupted_reason(signal_name(ranks[0].signal), node + "'s launcher")
+        stopped = interrupted_reason(signal_name(ranks[0].signal), report.node_rank)
         return f"{stopped} before its torchrun started its ranks"
-    return f"{node}'s torchrun ended before it started its ranks ({ranks[0].reason})"
+    return (
+        f"node {report.node_rank}'s torchrun ended before it started its ranks ({ranks[0].reason})"
+    )
 
 
 def _node_exit_report(path: Path, run_name: str):

@@ -255,8 +255,7 @@ class NodeSessions:
                 session.goodbye = True
             elif kind == "interrupted":
                 name = signal_name(up.interrupted.signal)
-                launcher = f"node {session.node_rank}'s launcher"
-                self.fail_run(interrupted_reason(name, launcher))
+                self.fail_run(interrupted_reason(name, session.node_rank))
             elif kind == "exit":
                 if up.exit.node_rank != session.node_rank:  # a node reports its own exit only
                     raise _Refused(

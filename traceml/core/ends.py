@@ -38,19 +38,23 @@ INTERRUPTED_PREFIX = "interrupted: "
 CANNOT_RENDEZVOUS_PREFIX = "stopped: the run cannot rendezvous: "
 
 
-def interrupted_reason(signal_name: str, launcher: str = "the launcher") -> str:
-    """The reason of a rank stopped by its launcher's ``signal_name`` ("SIGTERM"), or by the
-    run's end when ``launcher`` ("node 0's launcher") got it."""
-    return f"{INTERRUPTED_PREFIX}{launcher} got {signal_name} (scancel, preemption or Ctrl-C)"
+def interrupted_reason(signal_name: str, node_rank: int | None = None) -> str:
+    """The reason of a rank stopped by its launcher's ``signal_name`` ("SIGTERM"), or, given
+    ``node_rank``, by the run's end as that node's launcher got it."""
+    who = _launcher(node_rank)
+    return f"{INTERRUPTED_PREFIX}{who} got {signal_name} (scancel, preemption or Ctrl-C)"
 
 
 def interrupting_launcher(reason: str, node_rank: int | None) -> str:
     """Whose launcher got the stop signal, from a rank's :func:`interrupted_reason`:
     ``node 1's launcher`` (that of node ``node_rank``, the rank's own, for "the launcher")."""
     who = reason.removeprefix(INTERRUPTED_PREFIX).split(" got ", 1)[0]
-    if who == "the launcher":
-        return f"node {node_rank}'s launcher" if node_rank is not None else who
-    return who
+    return _launcher(node_rank) if who == _launcher(None) else who
+
+
+def _launcher(node_rank: int | None) -> str:
+    """``node 1's launcher``; ``the launcher`` (the rank's own) for None."""
+    return "the launcher" if node_rank is None else f"node {node_rank}'s launcher"
 
 
 def signal_name(number: int) -> str:

@@ -321,22 +321,26 @@ class TorchrunProcess:
         warn_s = float(self.config.rendezvous_warn_sec or settings.RENDEZVOUS_WARN_SEC.value)
         if not self._waits_said and waited_s < warn_s:
             return
-        self._ranks_started = self.ranks_started() or _has_children(self.process.pid)
+        record = _read_record(self.run_dir.rank_ends)
+        self._ranks_started = self._ranks_started_by(record) or _has_children(self.process.pid)
         if self._ranks_started:
             if self._waits_said:
                 where = " in its rendezvous" if "rendezvous" in self._waits_said else ""
                 _log.info(f"torchrun started its ranks after {waited_s:.0f} s{where}")
             return
-        stage = "starting" if _read_record(self.run_dir.rank_ends) is None else "rendezvous"
+        stage = "starting" if record is None else "rendezvous"
         if stage in self._waits_said or self.process.poll() is not None:
             return
         self._waits_said.add(stage)
-        _log.warning(f"warning: torchrun has started no rank in {waited_s:.0f} s: {self._where()}")
+        _log.warning(
+            f"warning: torchrun has started no rank in {waited_s:.0f} s: {self._where(stage)}"
+        )
 
-    def _where(self) -> str:
-        """Where torchrun waits, for :meth:`say_rendezvous_wait`, and what to check."""
+    def _where(self, stage: str) -> str:
+        """Where torchrun waits at ``stage`` (``starting``, ``rendezvous``), for
+        :meth:`say_rendezvous_wait`, and what to check."""
         config = self.config
-        if "rendezvous" not in self._waits_said:
+        if stage == "starting":
             return "it is still starting (importing torch, slow on a busy or network file system)"
         where = f"{config.master_addr}:{config.master_port}" if config.master_port else "node 0"
         return (
@@ -396,7 +400,11 @@ class TorchrunProcess:
         """Whether torchrun is known to have started its ranks: torchrun_main's record says
         so (written as it starts them), or it was seen with a child process (at a stop
         signal, or while its rendezvous was watched: :meth:`say_rendezvous_wait`)."""
-        record = _read_record(self.run_dir.rank_ends) or {}
+        return self._ranks_started_by(_read_record(self.run_dir.rank_ends))
+
+    def _ranks_started_by(self, record: dict | None) -> bool:
+        """:meth:`ranks_started`, torchrun_main's ``record`` read already (None: none)."""
+        record = record or {}
         return (
             self._ranks_started
             or self._ranks_since_stop
@@ -513,10 +521,8 @@ class TorchrunProcess:
             elif others_stop and not (info is None and unlisted_completed):
                 # died of its peers' end on the stopped node, or stopped by this launcher
                 end.end_state = wire.EndState.END_STATE_TERMINATED
-                if info is not None and info.get("signal") is not None:
-                    end.signal = info["signal"]
-                elif info is not None:
-                    end.exit_code = info["exit_code"]
+                if info is not None:
+                    _keep_code(end, info)
                 end.reason = stopped
             elif info is None:
                 if unlisted_completed:
@@ -527,10 +533,7 @@ class TorchrunProcess:
                     end.reason = f"torchrun failed: {torchrun_error}" if torchrun_error else ""
             elif info.get("stopped"):
                 end.end_state = wire.EndState.END_STATE_TERMINATED
-                if info.get("signal") is not None:
-                    end.signal = info["signal"]
-                else:
-                    end.exit_code = info["exit_code"]
+                _keep_code(end, info)
                 end.reason = "stopped by torchrun after another local rank failed"
             elif info.get("signal") is not None:
                 end.end_state = wire.EndState.END_STATE_SIGNALED
@@ -546,6 +549,15 @@ class TorchrunProcess:
 def exit_code(returncode: int) -> int:
     """A process's return code as a shell reports it (killed by signal N -> 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _keep_code(end, info: dict) -> None:
+    """Set ``end`` (a RankEnd) to the signal a rank's failure record says it died of, else to
+    its exit code."""
+    if info.get("signal") is not None:
+        end.signal = info["signal"]
+    else:
+        end.exit_code = info["exit_code"]
 
 
 def _stopped(info: dict | None) -> bool:
