@@ -10,6 +10,8 @@ by torchrun (or fails in gloo) and completed exactly 5 steps.
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from conftest import (
     run_traceml,
     start_traceml,
     traceml_env,
+    wait_for,
 )
 from helpers.aggregator import listening_port
 
@@ -221,3 +224,48 @@ def test_rank_death_on_node_1_ends_both_nodes(tmp_path):
         0: plain_codes[1],
         1: plain_codes[0],
     }
+
+
+def test_a_ctrl_c_after_a_crash_ends_the_launch_interrupted_and_the_run_failed(tmp_path, port):
+    """Rank 1 exits 3 while rank 0, ignoring torchrun's SIGTERM, sleeps in its step: torchrun
+    waits out its grace for it, and the user's Ctrl-C (SIGINT) comes then, cutting torchrun's
+    stop short. The launch was interrupted; the run failed, of rank 1's crash: rank 1 keeps
+    its exit code 3, rank 0 is the one the signal ended. The run manifest says both, the
+    summary's status as ``run_status`` (before: only ``status: interrupted``)."""
+    mark = tmp_path / "death"
+    args = run_args(tmp_path, SCRIPT, "crash-then-stop", port) + [
+        "--",
+        "--fail",
+        "exit3",
+        "--fail-step",
+        "0",
+        "--step-sleep",
+        "60",
+        "--ignore-sigterm",
+        "--mark",
+        str(mark),
+    ]
+    launcher = start_traceml(args, tmp_path, tmp_path / "launcher", env=ENV)
+    run_dir = tmp_path / "logs" / "crash-then-stop"
+    torchrun_log = run_dir / "nodes" / "node_0" / "training.stderr.log"
+    try:
+        wait_for(mark.exists, 180, "rank 1's death")
+        # torchrun saw it and asked rank 0 to stop (ignored): the Ctrl-C comes now
+        wait_for(lambda: "closing signal SIGTERM" in torchrun_log.read_text(), 60, "the stop")
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(90)
+    err = (tmp_path / "launcher.err").read_text()
+    assert code == 1, err  # torchrun's, stopped in its close
+    summary = load_summary(run_dir)
+    assert summary["run"]["status"] == "failed", err
+    interrupted = "interrupted: the launcher got SIGINT (scancel, preemption or Ctrl-C)"
+    assert [r["end"] for r in summary["ranks"]] == [
+        {"state": "terminated", "exit_code": None, "signal": 2, "reason": interrupted},
+        {"state": "failed", "exit_code": 3, "signal": None, "reason": None},
+    ]  # before: both terminated by the signal, the crash lost (torchrun recorded nothing)
+    assert summary["primary_diagnosis"]["kind"] == "RANK_CRASHED"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["status"], manifest["run_status"]) == ("interrupted", "failed")
+    node = json.loads((run_dir / "nodes" / "node_0" / "manifest.json").read_text())
+    assert node["status"] == "interrupted" and "run_status" not in node

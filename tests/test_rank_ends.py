@@ -95,7 +95,7 @@ def run_torchrun(tmp_path, own: int, how: str) -> tuple[int, wire.NodeExit, list
 def test_a_rank_that_sigterms_itself_is_signaled_and_its_neighbour_terminated(tmp_path):
     code, report, record = run_torchrun(tmp_path, own=1, how="sigterm")
     assert code == 1
-    assert [(r["rank"], r["signal"], r["stopped"]) for r in record] == [
+    assert [(r["local_rank"], r["signal"], r["stopped"]) for r in record] == [
         (0, signal.SIGTERM, True),
         (1, signal.SIGTERM, False),
     ]
@@ -109,7 +109,7 @@ def test_a_rank_that_sigterms_itself_is_signaled_and_its_neighbour_terminated(tm
 def test_a_rank_that_exits_3_failed_and_its_neighbour_was_terminated(tmp_path):
     code, report, record = run_torchrun(tmp_path, own=0, how="exit3")
     assert code == 1
-    assert [(r["rank"], r["exit_code"], r["signal"], r["stopped"]) for r in record] == [
+    assert [(r["local_rank"], r["exit_code"], r["signal"], r["stopped"]) for r in record] == [
         (0, 3, None, False),
         (1, None, signal.SIGTERM, True),
     ]
@@ -125,13 +125,29 @@ def test_ranks_that_both_ended_before_the_stop_keep_their_own_ends(tmp_path):
     torchrun = torchrun_of(tmp_path)
     own = {"exit_code": None, "reason": "", "stopped": False}
     failed = [
-        {**own, "rank": 0, "local_rank": 0, "exit_code": 1},
-        {**own, "rank": 1, "local_rank": 1, "signal": signal.SIGTERM},
+        {**own, "local_rank": 0, "exit_code": 1},
+        {**own, "local_rank": 1, "signal": signal.SIGTERM},
     ]
     torchrun.run_dir.rank_ends.write_text(json.dumps({"failed": failed}))
     assert ends(torchrun.node_exit(1)) == {
         0: (FAILED, 1, None, ""),
         1: (SIGNALED, None, signal.SIGTERM, ""),
+    }
+
+
+def test_a_rank_that_failed_before_a_stop_signal_cut_torchrun_short_keeps_its_failure(tmp_path):
+    """Rank 1 exited 3; as torchrun stopped rank 0, the launcher's SIGINT cut it short
+    (torch's SignalException), so it never reported its ranks' ends: its record lists the
+    failure it had seen, ``partial``. Rank 1 failed; rank 0, not listed, did not complete:
+    the signal ended it (before: no record, and both ranks ``terminated`` by the signal)."""
+    torchrun = torchrun_of(tmp_path)
+    failed = [{"local_rank": 1, "exit_code": 3, "signal": None, "reason": "", "stopped": False}]
+    record = {"failed": failed, "partial": True, "ranks_started": True}
+    torchrun.run_dir.rank_ends.write_text(json.dumps(record))
+    reason = "interrupted: the launcher got SIGINT (scancel, preemption or Ctrl-C)"
+    assert ends(torchrun.node_exit(1, interrupted=signal.SIGINT)) == {
+        0: (TERMINATED, None, signal.SIGINT, reason),
+        1: (FAILED, 3, None, ""),
     }
 
 

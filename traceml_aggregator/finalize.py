@@ -178,7 +178,9 @@ class RunState:
 
 @dataclass
 class Outcome:
-    """What one finalization produced."""
+    """What one finalization produced: the ranks it gave up on, the report files written
+    (None: not written), the summary's text and ``run.status`` ("" when no summary was
+    built), and why the files could not be written ("" when they were)."""
 
     missing: list[int]
     json_path: Path | None = None
@@ -186,6 +188,7 @@ class Outcome:
     html_path: Path | None = None
     text: str = ""
     error: str = ""
+    run_status: str = ""
 
 
 class Finalizer:

@@ -122,7 +122,7 @@ def write_reports(
         run = with_unstored(run, unstored)
     summary = build_summary(run)
     text = render_text(summary)
-    outcome = Outcome(missing, text=text)
+    outcome = Outcome(missing, text=text, run_status=summary["run"]["status"])
     path = run_dir / SUMMARY_JSON_NAME
     try:
         write_atomic(path, to_json(summary))

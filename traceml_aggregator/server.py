@@ -579,6 +579,7 @@ def finalize_reply(outcome: Outcome):
         summary_html_path=str(outcome.html_path or ""),
         summary_text=outcome.text,
         error=outcome.error,
+        run_status=outcome.run_status,
     )
 
 

@@ -138,6 +138,7 @@ class Finalization:
             status="finalized" if reply.summary_json_path else "finalize_failed",
             complete=reply.complete,
             missing_ranks=list(reply.missing_ranks),
+            run_status=reply.run_status or None,
         )
         return True
 
@@ -191,6 +192,7 @@ class Finalization:
             status="finalized_from_store",
             complete=summary["run"]["complete"],
             missing_ranks=summary["run"]["missing_ranks"],
+            run_status=summary["run"]["status"],
         )
 
     def _record(self, manifest: Manifest, paths: dict[str, str], **fields) -> None:

@@ -24,7 +24,12 @@ from pathlib import Path
 
 from traceml import settings
 from traceml.core import log
-from traceml.core.ends import CANNOT_RENDEZVOUS_PREFIX, interrupted_reason, is_interrupted
+from traceml.core.ends import (
+    CANNOT_RENDEZVOUS_PREFIX,
+    interrupted_reason,
+    is_interrupted,
+    signal_name,
+)
 from traceml.core.rundir import RunDir
 from traceml.core.transport import disable_grpc_fork_handlers
 from traceml.launcher.config import LaunchConfig
@@ -453,14 +458,16 @@ class TorchrunProcess:
         ``terminated`` (their signal or exit code kept), not a failure of their own; a rank
         that had ended before the stop began is ``signaled`` or ``failed`` as it ended, even by
         a SIGTERM and even when a neighbour then failed too. A rank the record does not list
-        exited 0 (``completed``). Without a list of failures (torchrun itself was stopped, or
-        failed before its workers ended) a non-zero exit leaves every rank ``terminated``. A
-        torchrun that ended non-zero before it started its ranks (:meth:`ranks_started`: its
-        record never said so, and it was never seen with a child, which covers a record that
-        could not be written) leaves every rank ``not_started``, with why: its error (its
-        rendezvous: a ``--master-port`` in use, node 0 unreachable), ``stopped``, the
-        launcher's signal (kept) while it started or waited in its rendezvous (a node that
-        never joined), or its exit code.
+        exited 0 (``completed``), unless the record is ``partial``: a stop signal cut torchrun
+        short, and it lists only the ranks that had failed before (those keep their failure;
+        the launcher's signal ends the rest). Without a list of failures (torchrun itself was
+        stopped, or failed before its workers ended) a non-zero exit leaves every rank
+        ``terminated``. A torchrun that ended non-zero before it started its ranks
+        (:meth:`ranks_started`: its record never said so, and it was never seen with a child,
+        which covers a record that could not be written) leaves every rank ``not_started``,
+        with why: its error (its rendezvous: a ``--master-port`` in use, node 0 unreachable),
+        ``stopped``, the launcher's signal (kept) while it started or waited in its rendezvous
+        (a node that never joined), or its exit code.
 
         ``stopped`` is why the launcher stopped torchrun itself ("": it did not): the run
         cannot rendezvous (:meth:`~traceml.launcher.node.NodeLaunch.watch_claims`), or why it
@@ -478,13 +485,23 @@ class TorchrunProcess:
         """
         from traceml import wire
 
+        config = self.config
         record = _read_record(self.run_dir.rank_ends) or {}
         torchrun_error = record.get("torchrun_error", "")
-        failed = {int(r["rank"]): r for r in record.get("failed", [])}
-        unlisted_completed = returncode == 0 or "failed" in record and not torchrun_error
+        failed = {int(r["local_rank"]): r for r in record.get("failed", [])}
+        unlisted_completed = returncode == 0 or (
+            "failed" in record and not torchrun_error and not record.get("partial")
+        )
         not_started = returncode != 0 and not self.ranks_started()
         others_stop = is_interrupted(stopped)  # another node's launcher got a stop signal
         own_stop = interrupted and not torchrun_error and (others_stop or not stopped)
+        # A partial record: this launcher's signal cut torchrun short; the failures it lists
+        # came before the signal, each the rank's own unless another node's stop came first.
+        failed_before_stop = (
+            own_stop
+            and record.get("partial")
+            and stopped in ("", interrupted_reason(signal_name(interrupted), config.node_rank))
+        )
         if own_stop:
             name = signal.Signals(interrupted).name
             not_started_reason = f"{interrupted_reason(name)} before torchrun started its ranks"
@@ -498,7 +515,6 @@ class TorchrunProcess:
             not_started_reason = (
                 f"torchrun exited with {exit_code(returncode)} before it started its ranks"
             )
-        config = self.config
         report = wire.NodeExit(
             run_name=str(config.run_name),
             node_rank=config.node_rank,
@@ -508,7 +524,7 @@ class TorchrunProcess:
         for local_rank in range(config.nproc_per_node):
             rank = config.node_rank * config.nproc_per_node + local_rank
             end = report.ranks.add(rank=rank, local_rank=local_rank)
-            info = failed.get(rank)
+            info = failed.get(local_rank)
             if not_started:
                 end.end_state = wire.EndState.END_STATE_NOT_STARTED
                 end.reason = not_started_reason
@@ -518,7 +534,7 @@ class TorchrunProcess:
                 end.end_state = wire.EndState.END_STATE_TERMINATED
                 end.signal = (info or {}).get("signal") or interrupted
                 end.reason = interrupted_reason(signal.Signals(interrupted).name)
-            elif others_stop and not (info is None and unlisted_completed):
+            elif others_stop and not (info is None and unlisted_completed or failed_before_stop):
                 # died of its peers' end on the stopped node, or stopped by this launcher
                 end.end_state = wire.EndState.END_STATE_TERMINATED
                 if info is not None:

@@ -135,6 +135,9 @@ def _reason(failure) -> str:
 #: Attribute set on each of torchrun's failure records that existed when it began stopping
 #: the other ranks (see :func:`note_failures_before_stop`).
 _BEFORE_STOP = "traceml_before_stop"
+#: The failure records (local rank -> ProcessFailure) of the process context whose stop began
+#: first, once one began: what a stop signal that cuts torchrun's own short leaves to record.
+_failures_at_stop: dict = {}
 
 
 def note_failures_before_stop() -> None:
@@ -155,8 +158,11 @@ def note_failures_before_stop() -> None:
     def close_marking_failures(self, *args, **kwargs):
         if not getattr(self, _BEFORE_STOP, False):
             setattr(self, _BEFORE_STOP, True)
-            for failure in getattr(self, "_failures", {}).values():
+            failures = getattr(self, "_failures", {})
+            for failure in failures.values():
                 setattr(failure, _BEFORE_STOP, True)
+            if not _failures_at_stop:
+                _failures_at_stop.update(failures)
         return close(self, *args, **kwargs)
 
     PContext.close = close_marking_failures  # type: ignore[method-assign]
@@ -216,24 +222,38 @@ def _record(write, path: str, *args) -> None:
 
 
 def _write_failures(path: Path, failures: dict) -> None:
-    """``{"failed": [...], "ranks_started": true}`` to ``path``, one entry per failed global
-    rank: its exit code or signal, torchrun's reason, and ``stopped`` (true: torchrun stopped
-    it after another rank had failed, :func:`note_failures_before_stop`)."""
+    """``{"failed": [...], "ranks_started": true}`` to ``path``, one entry per failed rank
+    (``failures``: torchrun's, by global rank): its local rank, exit code or signal,
+    torchrun's reason, and ``stopped`` (true: torchrun stopped it after another rank had
+    failed, :func:`note_failures_before_stop`)."""
     marked = any(getattr(f, _BEFORE_STOP, False) for f in failures.values())
-    ranks = []
-    for rank, failure in sorted(failures.items()):
-        code = failure.exitcode
-        ranks.append(
-            {
-                "rank": int(rank),
-                "local_rank": int(failure.local_rank),
-                "exit_code": code if code >= 0 else None,
-                "signal": -code if code < 0 else None,
-                "reason": _reason(failure),
-                "stopped": marked and not getattr(failure, _BEFORE_STOP, False),
-            }
-        )
+    ranks = [
+        _failure_entry(failure, stopped=marked and not getattr(failure, _BEFORE_STOP, False))
+        for _, failure in sorted(failures.items())
+    ]
     write_json(path, {"failed": ranks, "ranks_started": True})
+
+
+def _write_failures_at_signal(path: Path) -> None:
+    """``{"failed": [...], "partial": true, "ranks_started"}`` to ``path``: a stop signal cut
+    torchrun short, so it never reported its ranks' ends; listed are the ranks that had
+    failed of their own before its stop began (:data:`_failures_at_stop`), and a rank not
+    listed did not necessarily complete (``partial``)."""
+    ranks = [_failure_entry(f, stopped=False) for _, f in sorted(_failures_at_stop.items())]
+    write_json(path, {"failed": ranks, "partial": True, "ranks_started": _ranks_started})
+
+
+def _failure_entry(failure, *, stopped: bool) -> dict:
+    """One rank's entry of the record: ``local_rank``, ``exit_code`` or ``signal`` (the other
+    None), torchrun's ``reason`` and ``stopped``."""
+    code = failure.exitcode
+    return {
+        "local_rank": int(failure.local_rank),
+        "exit_code": code if code >= 0 else None,
+        "signal": -code if code < 0 else None,
+        "reason": _reason(failure),
+        "stopped": stopped,
+    }
 
 
 #: The module torchrun runs in each rank for zero-code steps (``SCRIPT ARGS`` follow).
@@ -320,6 +340,8 @@ def main() -> None:
             _record(_write_failures, path, exc.failures)
         raise
     except SignalException:
+        if path:
+            _record(_write_failures_at_signal, path)
         if launcher is not None:
             # a launcher SIGKILLed sends one SIGTERM per thread of it that exits
             # (PR_SET_PDEATHSIG follows each reparenting): torch's handler would raise the next

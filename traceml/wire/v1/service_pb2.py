@@ -18,7 +18,7 @@ from traceml.wire.v1 import samples_pb2 as traceml_dot_wire_dot_v1_dot_samples__
 from traceml.wire.v1 import step_pb2 as traceml_dot_wire_dot_v1_dot_step__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtraceml/wire/v1/service.proto\x12\x0ftraceml.wire.v1\x1a\x1ctraceml/wire/v1/finish.proto\x1a\x1atraceml/wire/v1/rank.proto\x1a\x1dtraceml/wire/v1/samples.proto\x1a\x1atraceml/wire/v1/step.proto\"\x8d\x04\n\x05\x42\x61tch\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x0e\n\x04rank\x18\x02 \x01(\rH\x00\x12\x13\n\tnode_rank\x18\n \x01(\rH\x00\x12\x15\n\rrestart_count\x18\x03 \x01(\r\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12/\n\x08identity\x18\x05 \x01(\x0b\x32\x1d.traceml.wire.v1.RankIdentity\x12\x31\n\x0bstep_groups\x18\x06 \x03(\x0b\x32\x1c.traceml.wire.v1.StepColumns\x12\x37\n\x0fprocess_samples\x18\x07 \x03(\x0b\x32\x1e.traceml.wire.v1.ProcessSample\x12\x35\n\x0esystem_samples\x18\x08 \x03(\x0b\x32\x1d.traceml.wire.v1.SystemSample\x12+\n\x06\x66inish\x18\t \x01(\x0b\x32\x1b.traceml.wire.v1.RankFinish\x12+\n\x08progress\x18\x0b \x01(\x0b\x32\x19.traceml.wire.v1.Progress\x12\x31\n\x0c\x66lops_counts\x18\x0c \x03(\x0b\x32\x1b.traceml.wire.v1.FlopsCount\x12-\n\x06\x63ounts\x18\r \x01(\x0b\x32\x1d.traceml.wire.v1.SenderCounts\x12\x0f\n\x07\x63losing\x18\x0e \x01(\x08\x42\x08\n\x06sender\"S\n\x03\x41\x63k\x12\x12\n\nstored_seq\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\"\r\n\x0bNodeExitAck\"6\n\x0f\x46inalizeRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\xae\x01\n\rFinalizeReply\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x15\n\rmissing_ranks\x18\x02 \x03(\r\x12\x19\n\x11summary_json_path\x18\x03 \x01(\t\x12\x19\n\x11summary_text_path\x18\x04 \x01(\t\x12\x19\n\x11summary_html_path\x18\x05 \x01(\t\x12\x14\n\x0csummary_text\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"8\n\x10SummarizeRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x12\n\nwith_ranks\x18\x02 \x01(\x08\"\xd1\x02\n\x0eSummarizeReply\x12=\n\x07metrics\x18\x01 \x03(\x0b\x32,.traceml.wire.v1.SummarizeReply.MetricsEntry\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.traceml.wire.v1.SummarizeReply.LabelsEntry\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12(\n\x05ranks\x18\x04 \x03(\x0b\x32\x19.traceml.wire.v1.LiveRank\x12\x12\n\nnow_unix_s\x18\x05 \x01(\x01\x12\x17\n\x0fverdict_summary\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x04\n\x08LiveRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\tnode_rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x14\n\x0csteps_stored\x18\x04 \x01(\x04\x12\x1d\n\x10last_step_unix_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cstep_time_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x45\n\x0fphase_median_ms\x18\x07 \x03(\x0b\x32,.traceml.wire.v1.LiveRank.PhaseMedianMsEntry\x12\x1b\n\x0einput_wait_pct\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07\x63pu_pct\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x19\n\x0cgpu_util_pct\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10gpu_memory_bytes\x18\x0b \x01(\x04H\x06\x88\x01\x01\x12\x16\n\x0erecent_step_ms\x18\x0c \x03(\x02\x12\x11\n\tend_state\x18\r \x01(\t\x1a\x34\n\x12PhaseMedianMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\n_node_rankB\x13\n\x11_last_step_unix_sB\x0f\n\r_step_time_msB\x11\n\x0f_input_wait_pctB\n\n\x08_cpu_pctB\x0f\n\r_gpu_util_pctB\x13\n\x11_gpu_memory_bytes\"\x8e\x01\n\tNodeClaim\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x0e\n\x06nnodes\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x14\n\x0clauncher_pid\x18\x05 \x01(\r\x12\x0f\n\x07refusal\x18\x06 \x01(\t\x12\x13\n\x0bmaster_port\x18\x07 \x01(\r\"G\n\x0eNodeClaimReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0brun_failure\x18\x03 \x01(\t\"\xbd\x02\n\x06NodeUp\x12+\n\x05\x63laim\x18\x01 \x01(\x0b\x32\x1a.traceml.wire.v1.NodeClaimH\x00\x12\x33\n\theartbeat\x18\x02 \x01(\x0b\x32\x1e.traceml.wire.v1.NodeHeartbeatH\x00\x12)\n\x04\x65xit\x18\x03 \x01(\x0b\x32\x19.traceml.wire.v1.NodeExitH\x00\x12\x34\n\x08\x66inalize\x18\x04 \x01(\x0b\x32 .traceml.wire.v1.FinalizeRequestH\x00\x12/\n\x07goodbye\x18\x05 \x01(\x0b\x32\x1c.traceml.wire.v1.NodeGoodbyeH\x00\x12\x37\n\x0binterrupted\x18\x06 \x01(\x0b\x32 .traceml.wire.v1.NodeInterruptedH\x00\x42\x06\n\x04kind\"!\n\x0fNodeInterrupted\x12\x0e\n\x06signal\x18\x01 \x01(\r\"R\n\rNodeHeartbeat\x12\x14\n\x0csent_unix_ns\x18\x01 \x01(\x03\x12+\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x1c.traceml.wire.v1.ClockOffset\"2\n\x0b\x43lockOffset\x12\x11\n\toffset_us\x18\x01 \x01(\x12\x12\x10\n\x08\x65rror_us\x18\x02 \x01(\x04\"U\n\tClockEcho\x12\x14\n\x0csent_unix_ns\x18\x01 \x01(\x03\x12\x18\n\x10received_unix_ns\x18\x02 \x01(\x03\x12\x18\n\x10\x61nswered_unix_ns\x18\x03 \x01(\x03\"\r\n\x0bNodeGoodbye\"\xdc\x02\n\x08NodeDown\x12\x30\n\x05\x63laim\x18\x01 \x01(\x0b\x32\x1f.traceml.wire.v1.NodeClaimReplyH\x00\x12\x15\n\x0brun_failure\x18\x02 \x01(\tH\x00\x12\x33\n\x0b\x65xit_stored\x18\x03 \x01(\x0b\x32\x1c.traceml.wire.v1.NodeExitAckH\x00\x12\x33\n\tfinalized\x18\x04 \x01(\x0b\x32\x1e.traceml.wire.v1.FinalizeReplyH\x00\x12-\n\x05stall\x18\x05 \x01(\x0b\x32\x1c.traceml.wire.v1.StallNoticeH\x00\x12\x39\n\x0fpartial_summary\x18\x06 \x01(\x0b\x32\x1e.traceml.wire.v1.FinalizeReplyH\x00\x12+\n\x05\x63lock\x18\x07 \x01(\x0b\x32\x1a.traceml.wire.v1.ClockEchoH\x00\x42\x06\n\x04kind\"\"\n\x0bStallNotice\x12\x13\n\x0brecord_json\x18\x01 \x01(\t\"S\n\nRelayFrame\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.traceml.wire.v1.Batch\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\"|\n\x07RelayUp\x12+\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1b.traceml.wire.v1.RelayFrame\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1e.traceml.wire.v1.NodeHeartbeat\x12\x11\n\tnode_rank\x18\x03 \x01(\r\">\n\x08RelayAck\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12!\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.traceml.wire.v1.Ack\"_\n\tRelayDown\x12\'\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x19.traceml.wire.v1.RelayAck\x12)\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x1a.traceml.wire.v1.ClockEcho2\xf2\x03\n\nAggregator\x12\x34\n\x04Push\x12\x16.traceml.wire.v1.Batch\x1a\x14.traceml.wire.v1.Ack\x12I\n\x0eReportNodeExit\x12\x19.traceml.wire.v1.NodeExit\x1a\x1c.traceml.wire.v1.NodeExitAck\x12L\n\x08\x46inalize\x12 .traceml.wire.v1.FinalizeRequest\x1a\x1e.traceml.wire.v1.FinalizeReply\x12O\n\tSummarize\x12!.traceml.wire.v1.SummarizeRequest\x1a\x1f.traceml.wire.v1.SummarizeReply\x12:\n\x06Stream\x12\x16.traceml.wire.v1.Batch\x1a\x14.traceml.wire.v1.Ack(\x01\x30\x01\x12\x45\n\x0bNodeSession\x12\x17.traceml.wire.v1.NodeUp\x1a\x19.traceml.wire.v1.NodeDown(\x01\x30\x01\x12\x41\n\x05Relay\x12\x18.traceml.wire.v1.RelayUp\x1a\x1a.traceml.wire.v1.RelayDown(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtraceml/wire/v1/service.proto\x12\x0ftraceml.wire.v1\x1a\x1ctraceml/wire/v1/finish.proto\x1a\x1atraceml/wire/v1/rank.proto\x1a\x1dtraceml/wire/v1/samples.proto\x1a\x1atraceml/wire/v1/step.proto\"\x8d\x04\n\x05\x42\x61tch\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x0e\n\x04rank\x18\x02 \x01(\rH\x00\x12\x13\n\tnode_rank\x18\n \x01(\rH\x00\x12\x15\n\rrestart_count\x18\x03 \x01(\r\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12/\n\x08identity\x18\x05 \x01(\x0b\x32\x1d.traceml.wire.v1.RankIdentity\x12\x31\n\x0bstep_groups\x18\x06 \x03(\x0b\x32\x1c.traceml.wire.v1.StepColumns\x12\x37\n\x0fprocess_samples\x18\x07 \x03(\x0b\x32\x1e.traceml.wire.v1.ProcessSample\x12\x35\n\x0esystem_samples\x18\x08 \x03(\x0b\x32\x1d.traceml.wire.v1.SystemSample\x12+\n\x06\x66inish\x18\t \x01(\x0b\x32\x1b.traceml.wire.v1.RankFinish\x12+\n\x08progress\x18\x0b \x01(\x0b\x32\x19.traceml.wire.v1.Progress\x12\x31\n\x0c\x66lops_counts\x18\x0c \x03(\x0b\x32\x1b.traceml.wire.v1.FlopsCount\x12-\n\x06\x63ounts\x18\r \x01(\x0b\x32\x1d.traceml.wire.v1.SenderCounts\x12\x0f\n\x07\x63losing\x18\x0e \x01(\x08\x42\x08\n\x06sender\"S\n\x03\x41\x63k\x12\x12\n\nstored_seq\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\"\r\n\x0bNodeExitAck\"6\n\x0f\x46inalizeRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\xc2\x01\n\rFinalizeReply\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x15\n\rmissing_ranks\x18\x02 \x03(\r\x12\x19\n\x11summary_json_path\x18\x03 \x01(\t\x12\x19\n\x11summary_text_path\x18\x04 \x01(\t\x12\x19\n\x11summary_html_path\x18\x05 \x01(\t\x12\x14\n\x0csummary_text\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\nrun_status\x18\x08 \x01(\t\"8\n\x10SummarizeRequest\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x12\n\nwith_ranks\x18\x02 \x01(\x08\"\xd1\x02\n\x0eSummarizeReply\x12=\n\x07metrics\x18\x01 \x03(\x0b\x32,.traceml.wire.v1.SummarizeReply.MetricsEntry\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.traceml.wire.v1.SummarizeReply.LabelsEntry\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12(\n\x05ranks\x18\x04 \x03(\x0b\x32\x19.traceml.wire.v1.LiveRank\x12\x12\n\nnow_unix_s\x18\x05 \x01(\x01\x12\x17\n\x0fverdict_summary\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x04\n\x08LiveRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\tnode_rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x14\n\x0csteps_stored\x18\x04 \x01(\x04\x12\x1d\n\x10last_step_unix_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cstep_time_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x45\n\x0fphase_median_ms\x18\x07 \x03(\x0b\x32,.traceml.wire.v1.LiveRank.PhaseMedianMsEntry\x12\x1b\n\x0einput_wait_pct\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07\x63pu_pct\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x19\n\x0cgpu_util_pct\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10gpu_memory_bytes\x18\x0b \x01(\x04H\x06\x88\x01\x01\x12\x16\n\x0erecent_step_ms\x18\x0c \x03(\x02\x12\x11\n\tend_state\x18\r \x01(\t\x1a\x34\n\x12PhaseMedianMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\n_node_rankB\x13\n\x11_last_step_unix_sB\x0f\n\r_step_time_msB\x11\n\x0f_input_wait_pctB\n\n\x08_cpu_pctB\x0f\n\r_gpu_util_pctB\x13\n\x11_gpu_memory_bytes\"\x8e\x01\n\tNodeClaim\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x0e\n\x06nnodes\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x14\n\x0clauncher_pid\x18\x05 \x01(\r\x12\x0f\n\x07refusal\x18\x06 \x01(\t\x12\x13\n\x0bmaster_port\x18\x07 \x01(\r\"G\n\x0eNodeClaimReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0brun_failure\x18\x03 \x01(\t\"\xbd\x02\n\x06NodeUp\x12+\n\x05\x63laim\x18\x01 \x01(\x0b\x32\x1a.traceml.wire.v1.NodeClaimH\x00\x12\x33\n\theartbeat\x18\x02 \x01(\x0b\x32\x1e.traceml.wire.v1.NodeHeartbeatH\x00\x12)\n\x04\x65xit\x18\x03 \x01(\x0b\x32\x19.traceml.wire.v1.NodeExitH\x00\x12\x34\n\x08\x66inalize\x18\x04 \x01(\x0b\x32 .traceml.wire.v1.FinalizeRequestH\x00\x12/\n\x07goodbye\x18\x05 \x01(\x0b\x32\x1c.traceml.wire.v1.NodeGoodbyeH\x00\x12\x37\n\x0binterrupted\x18\x06 \x01(\x0b\x32 .traceml.wire.v1.NodeInterruptedH\x00\x42\x06\n\x04kind\"!\n\x0fNodeInterrupted\x12\x0e\n\x06signal\x18\x01 \x01(\r\"R\n\rNodeHeartbeat\x12\x14\n\x0csent_unix_ns\x18\x01 \x01(\x03\x12+\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x1c.traceml.wire.v1.ClockOffset\"2\n\x0b\x43lockOffset\x12\x11\n\toffset_us\x18\x01 \x01(\x12\x12\x10\n\x08\x65rror_us\x18\x02 \x01(\x04\"U\n\tClockEcho\x12\x14\n\x0csent_unix_ns\x18\x01 \x01(\x03\x12\x18\n\x10received_unix_ns\x18\x02 \x01(\x03\x12\x18\n\x10\x61nswered_unix_ns\x18\x03 \x01(\x03\"\r\n\x0bNodeGoodbye\"\xdc\x02\n\x08NodeDown\x12\x30\n\x05\x63laim\x18\x01 \x01(\x0b\x32\x1f.traceml.wire.v1.NodeClaimReplyH\x00\x12\x15\n\x0brun_failure\x18\x02 \x01(\tH\x00\x12\x33\n\x0b\x65xit_stored\x18\x03 \x01(\x0b\x32\x1c.traceml.wire.v1.NodeExitAckH\x00\x12\x33\n\tfinalized\x18\x04 \x01(\x0b\x32\x1e.traceml.wire.v1.FinalizeReplyH\x00\x12-\n\x05stall\x18\x05 \x01(\x0b\x32\x1c.traceml.wire.v1.StallNoticeH\x00\x12\x39\n\x0fpartial_summary\x18\x06 \x01(\x0b\x32\x1e.traceml.wire.v1.FinalizeReplyH\x00\x12+\n\x05\x63lock\x18\x07 \x01(\x0b\x32\x1a.traceml.wire.v1.ClockEchoH\x00\x42\x06\n\x04kind\"\"\n\x0bStallNotice\x12\x13\n\x0brecord_json\x18\x01 \x01(\t\"S\n\nRelayFrame\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.traceml.wire.v1.Batch\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\"|\n\x07RelayUp\x12+\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1b.traceml.wire.v1.RelayFrame\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1e.traceml.wire.v1.NodeHeartbeat\x12\x11\n\tnode_rank\x18\x03 \x01(\r\">\n\x08RelayAck\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\r\x12!\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x14.traceml.wire.v1.Ack\"_\n\tRelayDown\x12\'\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x19.traceml.wire.v1.RelayAck\x12)\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x1a.traceml.wire.v1.ClockEcho2\xf2\x03\n\nAggregator\x12\x34\n\x04Push\x12\x16.traceml.wire.v1.Batch\x1a\x14.traceml.wire.v1.Ack\x12I\n\x0eReportNodeExit\x12\x19.traceml.wire.v1.NodeExit\x1a\x1c.traceml.wire.v1.NodeExitAck\x12L\n\x08\x46inalize\x12 .traceml.wire.v1.FinalizeRequest\x1a\x1e.traceml.wire.v1.FinalizeReply\x12O\n\tSummarize\x12!.traceml.wire.v1.SummarizeRequest\x1a\x1f.traceml.wire.v1.SummarizeReply\x12:\n\x06Stream\x12\x16.traceml.wire.v1.Batch\x1a\x14.traceml.wire.v1.Ack(\x01\x30\x01\x12\x45\n\x0bNodeSession\x12\x17.traceml.wire.v1.NodeUp\x1a\x19.traceml.wire.v1.NodeDown(\x01\x30\x01\x12\x41\n\x05Relay\x12\x18.traceml.wire.v1.RelayUp\x1a\x1a.traceml.wire.v1.RelayDown(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,47 +40,47 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_FINALIZEREQUEST']._serialized_start=795
   _globals['_FINALIZEREQUEST']._serialized_end=849
   _globals['_FINALIZEREPLY']._serialized_start=852
-  _globals['_FINALIZEREPLY']._serialized_end=1026
-  _globals['_SUMMARIZEREQUEST']._serialized_start=1028
-  _globals['_SUMMARIZEREQUEST']._serialized_end=1084
-  _globals['_SUMMARIZEREPLY']._serialized_start=1087
-  _globals['_SUMMARIZEREPLY']._serialized_end=1424
-  _globals['_SUMMARIZEREPLY_METRICSENTRY']._serialized_start=1331
-  _globals['_SUMMARIZEREPLY_METRICSENTRY']._serialized_end=1377
-  _globals['_SUMMARIZEREPLY_LABELSENTRY']._serialized_start=1379
-  _globals['_SUMMARIZEREPLY_LABELSENTRY']._serialized_end=1424
-  _globals['_LIVERANK']._serialized_start=1427
-  _globals['_LIVERANK']._serialized_end=1971
-  _globals['_LIVERANK_PHASEMEDIANMSENTRY']._serialized_start=1798
-  _globals['_LIVERANK_PHASEMEDIANMSENTRY']._serialized_end=1850
-  _globals['_NODECLAIM']._serialized_start=1974
-  _globals['_NODECLAIM']._serialized_end=2116
-  _globals['_NODECLAIMREPLY']._serialized_start=2118
-  _globals['_NODECLAIMREPLY']._serialized_end=2189
-  _globals['_NODEUP']._serialized_start=2192
-  _globals['_NODEUP']._serialized_end=2509
-  _globals['_NODEINTERRUPTED']._serialized_start=2511
-  _globals['_NODEINTERRUPTED']._serialized_end=2544
-  _globals['_NODEHEARTBEAT']._serialized_start=2546
-  _globals['_NODEHEARTBEAT']._serialized_end=2628
-  _globals['_CLOCKOFFSET']._serialized_start=2630
-  _globals['_CLOCKOFFSET']._serialized_end=2680
-  _globals['_CLOCKECHO']._serialized_start=2682
-  _globals['_CLOCKECHO']._serialized_end=2767
-  _globals['_NODEGOODBYE']._serialized_start=2769
-  _globals['_NODEGOODBYE']._serialized_end=2782
-  _globals['_NODEDOWN']._serialized_start=2785
-  _globals['_NODEDOWN']._serialized_end=3133
-  _globals['_STALLNOTICE']._serialized_start=3135
-  _globals['_STALLNOTICE']._serialized_end=3169
-  _globals['_RELAYFRAME']._serialized_start=3171
-  _globals['_RELAYFRAME']._serialized_end=3254
-  _globals['_RELAYUP']._serialized_start=3256
-  _globals['_RELAYUP']._serialized_end=3380
-  _globals['_RELAYACK']._serialized_start=3382
-  _globals['_RELAYACK']._serialized_end=3444
-  _globals['_RELAYDOWN']._serialized_start=3446
-  _globals['_RELAYDOWN']._serialized_end=3541
-  _globals['_AGGREGATOR']._serialized_start=3544
-  _globals['_AGGREGATOR']._serialized_end=4042
+  _globals['_FINALIZEREPLY']._serialized_end=1046
+  _globals['_SUMMARIZEREQUEST']._serialized_start=1048
+  _globals['_SUMMARIZEREQUEST']._serialized_end=1104
+  _globals['_SUMMARIZEREPLY']._serialized_start=1107
+  _globals['_SUMMARIZEREPLY']._serialized_end=1444
+  _globals['_SUMMARIZEREPLY_METRICSENTRY']._serialized_start=1351
+  _globals['_SUMMARIZEREPLY_METRICSENTRY']._serialized_end=1397
+  _globals['_SUMMARIZEREPLY_LABELSENTRY']._serialized_start=1399
+  _globals['_SUMMARIZEREPLY_LABELSENTRY']._serialized_end=1444
+  _globals['_LIVERANK']._serialized_start=1447
+  _globals['_LIVERANK']._serialized_end=1991
+  _globals['_LIVERANK_PHASEMEDIANMSENTRY']._serialized_start=1818
+  _globals['_LIVERANK_PHASEMEDIANMSENTRY']._serialized_end=1870
+  _globals['_NODECLAIM']._serialized_start=1994
+  _globals['_NODECLAIM']._serialized_end=2136
+  _globals['_NODECLAIMREPLY']._serialized_start=2138
+  _globals['_NODECLAIMREPLY']._serialized_end=2209
+  _globals['_NODEUP']._serialized_start=2212
+  _globals['_NODEUP']._serialized_end=2529
+  _globals['_NODEINTERRUPTED']._serialized_start=2531
+  _globals['_NODEINTERRUPTED']._serialized_end=2564
+  _globals['_NODEHEARTBEAT']._serialized_start=2566
+  _globals['_NODEHEARTBEAT']._serialized_end=2648
+  _globals['_CLOCKOFFSET']._serialized_start=2650
+  _globals['_CLOCKOFFSET']._serialized_end=2700
+  _globals['_CLOCKECHO']._serialized_start=2702
+  _globals['_CLOCKECHO']._serialized_end=2787
+  _globals['_NODEGOODBYE']._serialized_start=2789
+  _globals['_NODEGOODBYE']._serialized_end=2802
+  _globals['_NODEDOWN']._serialized_start=2805
+  _globals['_NODEDOWN']._serialized_end=3153
+  _globals['_STALLNOTICE']._serialized_start=3155
+  _globals['_STALLNOTICE']._serialized_end=3189
+  _globals['_RELAYFRAME']._serialized_start=3191
+  _globals['_RELAYFRAME']._serialized_end=3274
+  _globals['_RELAYUP']._serialized_start=3276
+  _globals['_RELAYUP']._serialized_end=3400
+  _globals['_RELAYACK']._serialized_start=3402
+  _globals['_RELAYACK']._serialized_end=3464
+  _globals['_RELAYDOWN']._serialized_start=3466
+  _globals['_RELAYDOWN']._serialized_end=3561
+  _globals['_AGGREGATOR']._serialized_start=3564
+  _globals['_AGGREGATOR']._serialized_end=4062
 # @@protoc_insertion_point(module_scope)
