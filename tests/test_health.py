@@ -109,8 +109,88 @@ def test_the_crash_headline_names_the_first_failure_in_time():
     crash = next(
         f for f in findings(run, summaries, live=False, now_unix_s=2e9) if f.kind == "RANK_CRASHED"
     )
-    assert crash.summary == "Ranks 0, 1, 2 failed; rank 2 ended with signal 11."
+    assert crash.summary == (
+        "Rank 2 failed first; it ended with signal 11. Ranks 0, 1 failed after it, most "
+        "likely of its end (a collective's peer vanished)."
+    )
+    assert crash.evidence["first"] == 2
     assert [r["rank"] for r in crash.evidence["ranks"]] == [2, 1, 0]
+
+
+def _crash(seen_us: dict[int, int | None], **end) -> tuple[str, str, int | None]:
+    """The RANK_CRASHED finding's summary, advice and ``evidence.first`` when each rank of
+    ``seen_us`` (rank -> its finish marker's arrival, Unix µs; None: no finish, nothing else
+    seen of it) failed on node ``rank // 2`` with exit code 1 (``end`` replaces its fields)."""
+    from traceml.analysis.health import findings
+    from traceml.analysis.rundata import RunData
+    from traceml.analysis.summary import rank_summary
+
+    ranks = {
+        r: RankData(
+            rank=r,
+            end=rank_end(r, **{"end_state": "failed", "exit_code": 1, "node_rank": r // 2, **end}),
+            finish=None
+            if us is None
+            else finish_marker(r, 5, end_state="failed", received_unix_us=us),
+        )
+        for r, us in seen_us.items()
+    }
+    run = RunData("r", len(ranks), ranks, {}, {}, {}, [])
+    summaries = [
+        rank_summary(rd, None, missing=set(), live=False, gpu_totals={}, span=None)
+        for rd in ranks.values()
+    ]
+    crash = next(
+        f for f in findings(run, summaries, live=False, now_unix_s=2e9) if f.kind == "RANK_CRASHED"
+    )
+    return crash.summary, crash.action, crash.evidence["first"]
+
+
+def test_the_crash_names_the_first_failure_as_the_cause_and_the_rest_as_what_followed():
+    """Rank 3 (node 1) was last seen alive first: it is named with how it ended and where its
+    traceback is; ranks 0 and 1 failed after it, of its end most likely."""
+    summary, action, first = _crash({0: 9_000, 1: 8_000, 3: 7_000}, reason="boom")
+    assert summary == (
+        "Rank 3 failed first; it ended with exit code 1 (boom). Ranks 0, 1 failed after it, "
+        "most likely of its end (a collective's peer vanished)."
+    )
+    assert action == (
+        "Read rank 3's traceback in nodes/node_1/training.stderr.log first: the others' errors "
+        "most likely follow from it; a signal 9 (SIGKILL) is often the host's out-of-memory "
+        "killer."
+    )
+    assert first == 3
+
+
+def test_the_crash_names_no_cause_when_the_first_failure_is_not_known():
+    """Ranks last seen alive at the same µs, or one never seen alive (it may have died
+    first), leave the first failure unknown: no rank is named as the cause."""
+    summary, action, first = _crash({0: 9_000, 1: 7_000, 2: 7_000})
+    assert summary == (
+        "Ranks 0, 1, 2 failed; which failed first is not known (ranks 1, 2 were last seen "
+        "alive at the same time)."
+    )
+    assert action == (
+        "Read each failed rank's traceback in nodes/node_<r>/training.stderr.log; a signal 9 "
+        "(SIGKILL) is often the host's out-of-memory killer."
+    )
+    assert first is None
+    summary, _, first = _crash({0: 9_000, 1: None})
+    assert summary == (
+        "Ranks 0, 1 failed; which failed first is not known (nothing tells when rank 1 was "
+        "last alive)."
+    )
+    assert first is None
+
+
+def test_one_failed_rank_is_named_with_how_it_ended():
+    summary, action, first = _crash({2: None}, end_state="signaled", exit_code=None, signal=9)
+    assert summary == "Rank 2 failed; it ended with signal 9."
+    assert action == (
+        "Read rank 2's traceback in nodes/node_1/training.stderr.log; a signal 9 (SIGKILL) is "
+        "often the host's out-of-memory killer."
+    )
+    assert first == 2
 
 
 def test_last_seen_falls_back_to_the_end_of_the_last_stored_step():

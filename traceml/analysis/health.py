@@ -226,32 +226,83 @@ def lost_note(facts: Facts, ranks: Iterable[int]) -> str:
     )
 
 
+def first_failure(crashed: list[RankSummary], seen_us: dict[int, float]) -> tuple[int | None, str]:
+    """Which of the ``crashed`` ranks (sorted by ``seen_us``, then rank) failed first, by
+    ``seen_us`` (rank -> :func:`last_seen_us`, Unix µs; +inf: unknown).
+
+    Returns:
+        ``(rank, "")`` when one rank failed, or one was last seen alive strictly before every
+        other and every time is known; else ``(None, why)``, ``why`` saying what keeps the
+        first unknown (ranks last seen alive at the same time, or ranks without a time: they
+        may have died first).
+    """
+    if len(crashed) == 1:
+        return crashed[0].rank, ""
+    unknown = [r.rank for r in crashed if seen_us[r.rank] == float("inf")]
+    if unknown:
+        were = "was" if len(unknown) == 1 else "were"
+        return None, f"nothing tells when {ranks_text(unknown)} {were} last alive"
+    earliest = seen_us[crashed[0].rank]
+    tied = [r.rank for r in crashed if seen_us[r.rank] == earliest]
+    if len(tied) > 1:
+        return None, f"{ranks_text(tied)} were last seen alive at the same time"
+    return crashed[0].rank, ""
+
+
 def rank_crashed(facts: Facts) -> Finding | None:
     """RANK_CRASHED: ranks that failed or were killed by a signal, the first to fail in time
-    first (:func:`last_seen_us`; the headline's how is that rank's)."""
-    crashed = sorted(
-        facts.in_state(FAILED, SIGNALED),
-        key=lambda r: (last_seen_us(facts.run.ranks[r.rank]), r.rank),
-    )
+    first (:func:`last_seen_us`). When one failed first (:func:`first_failure`), the headline
+    names it as the cause, with how it ended, and the others as what followed (most likely
+    its knock-on: a collective's peer vanished); else it names no cause
+    (``evidence.first``: that rank, else None)."""
+    seen_us = {
+        r.rank: last_seen_us(facts.run.ranks[r.rank]) for r in facts.in_state(FAILED, SIGNALED)
+    }
+    crashed = sorted(facts.in_state(FAILED, SIGNALED), key=lambda r: (seen_us[r.rank], r.rank))
     if not crashed:
         return None
-    first = crashed[0].end
-    how = (
-        f"signal {first.signal}"
-        if first.signal is not None
-        else f"exit code {first.exit_code}"
-        if first.exit_code is not None
-        else "an exception"
-    )
-    reason = f" ({first.reason})" if first.reason else ""
+    first, why = first_failure(crashed, seen_us)
+    oom = "a signal 9 (SIGKILL) is often the host's out-of-memory killer."
+    if first is None:
+        summary = (
+            f"{ranks_text([r.rank for r in crashed]).capitalize()} failed; which failed first is "
+            f"not known ({why})."
+        )
+        advice = f"Read each failed rank's traceback in nodes/node_<r>/training.stderr.log; {oom}"
+    else:
+        end, node = crashed[0].end, crashed[0].node_rank
+        how = (
+            f"signal {end.signal}"
+            if end.signal is not None
+            else f"exit code {end.exit_code}"
+            if end.exit_code is not None
+            else "an exception"
+        )
+        reason = f" ({end.reason})" if end.reason else ""
+        where = f"nodes/node_{'<r>' if node is None else node}/training.stderr.log"
+        if len(crashed) == 1:
+            summary = f"Rank {first} failed; it ended with {how}{reason}."
+            advice = f"Read rank {first}'s traceback in {where}; {oom}"
+        else:
+            after = ranks_text([r.rank for r in crashed[1:]])
+            summary = (
+                f"Rank {first} failed first; it ended with {how}{reason}. "
+                f"{after.capitalize()} failed after it, most likely of its end (a "
+                "collective's peer vanished)."
+            )
+            advice = (
+                f"Read rank {first}'s traceback in {where} first: the others' errors most "
+                f"likely follow from it; {oom}"
+            )
     return Finding(
         "RANK_CRASHED",
         "critical",
-        f"{ranks_text([r.rank for r in crashed]).capitalize()} failed; rank "
-        f"{crashed[0].rank} ended with {how}{reason}.",
-        "Read the failed rank's traceback in nodes/node_<r>/training.stderr.log; a "
-        "signal 9 (SIGKILL) is often the host's out-of-memory killer.",
-        evidence={"ranks": [{"rank": r.rank, **plain(r.end)} for r in crashed]},
+        summary,
+        advice,
+        evidence={
+            "first": first,
+            "ranks": [{"rank": r.rank, **plain(r.end)} for r in crashed],
+        },
         ranks=[r.rank for r in crashed],
         nodes=sorted({r.node_rank for r in crashed if r.node_rank is not None}),
     )
