@@ -313,6 +313,15 @@ def test_a_node_with_another_master_port_stops_the_run_within_seconds(tmp_path):
         err,
         re.M,
     ), err
+    nodes = tmp_path / "logs" / "ports" / "nodes"
+    refused = json.loads((nodes / "node_1" / "manifest.json").read_text())
+    assert (refused["status"], refused["artifacts"]) == ("claim_refused", {})  # nothing written
+    assert sorted(p.name for p in (nodes / "node_1").iterdir()) == ["manifest.json"]
+    trained = json.loads((nodes / "node_0" / "manifest.json").read_text())["artifacts"]
+    assert trained == {
+        "training_stdout": str(nodes / "node_0" / "training.stdout.log"),
+        "training_stderr": str(nodes / "node_0" / "training.stderr.log"),
+    }
     summary = json.loads((tmp_path / "logs" / "ports" / "final_summary.json").read_text())
     ends = [(r["rank"], r["end"]["state"]) for r in summary["ranks"]]
     assert ends == [(0, "not_started"), (1, "never_reported")]

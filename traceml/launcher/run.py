@@ -269,7 +269,17 @@ class Launch:
             node.say_interrupted(self.interrupted)
         self.phase.to(Phase.TRAINING)
         pid = node.torchrun.process.pid
-        node_manifest.event("training_started", status=Phase.TRAINING.value, torchrun_pid=pid)
+        run_dir = self.run_dir
+        saved = {
+            "training_stdout": str(run_dir.training_stdout),
+            "training_stderr": str(run_dir.training_stderr),
+        }
+        node_manifest.event(
+            "training_started",
+            status=Phase.TRAINING.value,
+            torchrun_pid=pid,
+            artifacts=saved if self.config.save_training_output else {},
+        )
         if run_manifest is not None:
             run_manifest.event("training_started", status=Phase.TRAINING.value)
             supervisor.wait_serving(run_manifest)
@@ -279,16 +289,14 @@ class Launch:
             node.start_sampler()
 
     def _node_manifest(self) -> Manifest:
-        """This node's manifest, its ``started`` event recorded."""
-        config, run_dir = self.config, self.run_dir
-        saved = {
-            "training_stdout": str(run_dir.training_stdout),
-            "training_stderr": str(run_dir.training_stderr),
-        }
+        """This node's manifest, its ``started`` event recorded; its artifacts (the training
+        output files) are named once torchrun starts writing them (:meth:`_start_training`):
+        a node that never trains (refused, node 0 unreachable) names none."""
+        config = self.config
         return self._manifest(
-            run_dir.node_manifest,
+            self.run_dir.node_manifest,
             {"node_rank": config.node_rank, "hostname": socket.gethostname()},
-            {"artifacts": saved if config.save_training_output else {}},
+            {"artifacts": {}},
         )
 
     def _run_manifest(self) -> Manifest:
