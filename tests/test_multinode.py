@@ -138,7 +138,7 @@ def test_node_0_failing_its_rendezvous_stops_node_1_and_the_run_ends_at_once(tmp
         took_s = time.monotonic() - started
     err0, err1 = ((tmp_path / f"node{n}.err").read_text() for n in (0, 1))
     assert codes[0] == 1, err0  # plain torchrun's: its rendezvous failed
-    assert codes[1] in (1, 143), err1  # stopped while it imported torch, or in its rendezvous
+    assert codes[1] == 1, err1  # plain torchrun's when its rendezvous fails
     assert took_s < 60, (took_s, err0, err1)
     summary = load_summary(logs / "rdzv-fail")
     (rank0, rank1) = (r["end"] for r in summary["ranks"])

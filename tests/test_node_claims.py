@@ -305,7 +305,7 @@ def test_a_node_with_another_master_port_stops_the_run_within_seconds(tmp_path):
     )
     assert node1.returncode == 2
     assert re.search(rf"^traceml: error: node 0 refused this node: {why}$", node1.stderr, re.M)
-    assert code == 143  # node 0's torchrun stopped in its rendezvous (SIGTERM), as by scancel
+    assert code == 1  # plain torchrun's when its rendezvous fails (its SIGTERM's 143 before)
     assert stopped_s < 30, stopped_s
     err = (tmp_path / "node0.err").read_text()
     assert re.search(

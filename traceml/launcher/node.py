@@ -211,6 +211,15 @@ class NodeLaunch:
             )
         self.torchrun.forward_signal(signal.SIGTERM)
 
+    def stopped_cannot_rendezvous(self) -> bool:
+        """Whether this launcher stopped its torchrun because the run cannot rendezvous (the
+        run's failure, not its interruption: :meth:`watch_claims`)."""
+        return (
+            bool(self.run_failure)
+            and not is_interrupted(self.run_failure)
+            and self.torchrun.stop_sent
+        )
+
     def hear_run_failure(self, manifest: Manifest, returncode: int, interrupted: int | None):
         """When this node's torchrun failed of itself (no stop signal of this launcher's) in a
         run of several nodes, wait up to :data:`RUN_FAILURE_WAIT_S` for node 0's word that

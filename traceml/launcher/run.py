@@ -249,11 +249,20 @@ class Launch:
             self.phase.to(outcome, "TraceML failed after training")
             _log.warning(
                 f"warning: TraceML failed after training ({type(exc).__name__}: {exc}); "
-                f"exit code {exit_code(returncode)} is torchrun's"
+                f"exit code {self._exit_code(returncode)} is torchrun's"
             )
         finally:
             if self._overdue is not None:
                 self._overdue.cancel()
+        return self._exit_code(returncode)
+
+    def _exit_code(self, returncode: int) -> int:
+        """The launch's exit code: torchrun's (:func:`exit_code`), as plain torchrun would
+        return it; so 1, not the 143 of the SIGTERM that stopped it, for a torchrun this
+        launcher stopped because the run cannot rendezvous (:meth:`NodeLaunch.watch_claims`:
+        plain torchrun fails its rendezvous with 1 at its timeout)."""
+        if returncode != 0 and not self.interrupted and self.node.stopped_cannot_rendezvous():
+            return 1
         return exit_code(returncode)
 
     def _start_training(self, node_manifest: Manifest, run_manifest: Manifest | None) -> None:
@@ -499,7 +508,7 @@ class Launch:
         """Report this node's exit, finalize and stop the aggregator (node 0), record the end
         in the manifests, and end the launch in ``outcome``."""
         node, supervisor = self.node, self.supervisor
-        code = exit_code(returncode)
+        code = self._exit_code(returncode)
         report = node.end_training(returncode, self.interrupted)
         node_manifest.event(
             "training_ended",
