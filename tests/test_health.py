@@ -298,9 +298,26 @@ def test_a_node_the_user_stopped_did_not_fail_and_one_with_a_failed_rank_did():
     assert health["NODE_FAILED"]["nodes"] == [1]
     assert health["NODE_FAILED"]["evidence"]["exit_codes"] == {"1": 1}
     assert health["RUN_INTERRUPTED"]["summary"].startswith(
-        "The run was interrupted: ranks 0, 1, 2 stopped when node 0's launcher, node 1's "
-        "launcher got signal 15 "
+        "The run was interrupted: ranks 0, 1, 2 stopped when the launchers of nodes 0, 1 got "
+        "signal 15 "
     )
     assert health["RUN_INTERRUPTED"]["action"] == (
         "Resume from the last checkpoint once the failure above is fixed."  # not "Nothing failed"
     )
+
+
+def test_whose_launchers_stopped_the_run_are_named_by_node():
+    """RUN_INTERRUPTED's "who": the node a rank's reason names, else the rank's own node (its
+    launcher's own signal); several nodes as one list, not "node 0's launcher, node 1's
+    launcher", in node order (not the text's: node 10 after node 9)."""
+    from traceml.core.ends import interrupted_reason, interrupting_node, launchers_text
+
+    assert interrupting_node(interrupted_reason("SIGTERM"), 3) == 3
+    assert interrupting_node(interrupted_reason("SIGINT", 10), 3) == 10
+    assert interrupting_node(interrupted_reason("SIGINT"), None) is None
+    assert launchers_text([1, 1]) == "node 1's launcher"
+    assert launchers_text([10, 9, 0]) == "the launchers of nodes 0, 9, 10"
+    assert launchers_text(list(range(12))) == (
+        "the launchers of nodes 0, 1, 2, 3, 4, 5, 6, 7 and 4 more"
+    )
+    assert launchers_text([0, None]) == "the launcher"

@@ -37,8 +37,9 @@ from traceml.core.ends import (
     NOT_STARTED,
     SIGNALED,
     TERMINATED,
-    interrupting_launcher,
+    interrupting_node,
     is_interrupted,
+    launchers_text,
 )
 
 
@@ -542,8 +543,8 @@ def run_interrupted(facts: Facts) -> Finding | None:
     interrupted = facts.interrupted()
     if not interrupted:
         return None
-    launchers = sorted(
-        {interrupting_launcher(r.end.reason or "", r.node_rank) for r in interrupted}
+    launchers = launchers_text(
+        [interrupting_node(r.end.reason or "", r.node_rank) for r in interrupted]
     )
     signals = sorted({r.end.signal for r in interrupted if r.end.signal})
     failed = facts.in_state(FAILED, SIGNALED)
@@ -551,7 +552,7 @@ def run_interrupted(facts: Facts) -> Finding | None:
         "RUN_INTERRUPTED",
         "warning",
         f"The run was interrupted: {ranks_text([r.rank for r in interrupted])} "
-        f"stopped when {', '.join(launchers)} got signal {', '.join(map(str, signals)) or '?'} "
+        f"stopped when {launchers} got signal {', '.join(map(str, signals)) or '?'} "
         "(scancel, preemption or Ctrl-C); the figures cover the steps before it.",
         "Resume from the last checkpoint once the failure above is fixed."
         if failed

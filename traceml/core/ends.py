@@ -45,11 +45,26 @@ def interrupted_reason(signal_name: str, node_rank: int | None = None) -> str:
     return f"{INTERRUPTED_PREFIX}{who} got {signal_name} (scancel, preemption or Ctrl-C)"
 
 
-def interrupting_launcher(reason: str, node_rank: int | None) -> str:
-    """Whose launcher got the stop signal, from a rank's :func:`interrupted_reason`:
-    ``node 1's launcher`` (that of node ``node_rank``, the rank's own, for "the launcher")."""
+def interrupting_node(reason: str, node_rank: int | None) -> int | None:
+    """The node whose launcher got the stop signal, from a rank's :func:`interrupted_reason`:
+    the node it names, or ``node_rank`` (the rank's own) for "the launcher"; None when neither
+    is known."""
     who = reason.removeprefix(INTERRUPTED_PREFIX).split(" got ", 1)[0]
-    return _launcher(node_rank) if who == _launcher(None) else who
+    named = who.removeprefix("node ").removesuffix("'s launcher")
+    return int(named) if named.isdigit() else node_rank
+
+
+def launchers_text(nodes: list[int | None]) -> str:
+    """Whose launchers got a stop signal, from :func:`interrupting_node` of each rank:
+    ``node 1's launcher``, ``the launchers of nodes 0, 1`` (at most 8 named, then a count);
+    ``the launcher`` when a rank's node is not known."""
+    if None in nodes or not nodes:
+        return _launcher(None)
+    known = sorted({n for n in nodes if n is not None})
+    if len(known) == 1:
+        return _launcher(known[0])
+    more = f" and {len(known) - 8} more" if len(known) > 8 else ""
+    return f"the launchers of nodes {', '.join(map(str, known[:8]))}{more}"
 
 
 def _launcher(node_rank: int | None) -> str:
