@@ -13,13 +13,15 @@ CPUs than the template asks for), the environment (``PATH`` to this test's Pytho
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from conftest import GRPC_LINE, ROOT, free_port, load_summary
+from conftest import GRPC_LINE, ROOT, free_port, load_summary, wait_for
 from slurm_lab import SlurmLab, available
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -188,3 +190,52 @@ def test_master_address_of_another_node_fails_fast_on_both(lab, tmp_path):
         "traceml: error: --master-addr node2 is this host (node2), but this is node 1 of the "
         "Slurm step"
     ) in out
+
+
+def test_scancel_stops_every_node_and_the_summary_says_interrupted(lab, tmp_path):
+    """``scancel`` of a training job: Slurm sends SIGTERM to every process of the step (each
+    launcher, torchrun, the ranks, node 0's aggregator), and SIGKILL after KillWait (30 s).
+    Node 0 writes the summary of the steps before it, in time: the run ``interrupted``, every
+    rank ``terminated`` by signal 15, and nothing of the job left running (docs/slurm.md)."""
+    if lab.lab_vars()["SLURM_LAB_MODE"] != "loopback":
+        pytest.skip("the signals do not depend on the network: the loopback lab runs it")
+    job = submit(
+        lab,
+        tmp_path,
+        "examples/slurm/traceml_ddp_auto.sbatch",
+        f"--master-port={free_port()}",
+        "--steps",
+        "100000",
+        "--mark-step",
+        "20",
+        "--step-ms",
+        "50",
+    )
+    run_dir = tmp_path / "logs" / f"slurm-{job}"
+    log = run_dir / "nodes" / "node_0" / "training.stdout.log"
+    wait_for(lambda: log.exists() and "at step 20" in log.read_text(), JOB_TIMEOUT_S, "step 20")
+    lab.cancel(job)
+    cancelled = time.monotonic()
+    state, _ = lab.wait(job, timeout=120)
+    out = job_output(tmp_path, job)
+    assert state == "CANCELLED", out
+    assert time.monotonic() - cancelled < 30, out  # before Slurm's SIGKILL (KillWait)
+    summary = load_summary(run_dir)
+    assert summary["run"]["status"] == "interrupted", out
+    ends = {(r["end"]["state"], r["end"]["signal"]) for r in summary["ranks"]}
+    assert ends == {("terminated", 15)}, summary["ranks"]
+    assert all(r["end"]["reason"].startswith("interrupted: ") for r in summary["ranks"])
+    health = {f["kind"]: f for f in summary["findings"]["health"]}
+    assert "RANK_CRASHED" not in health and "NODE_FAILED" not in health, list(health)
+    interrupted = health["RUN_INTERRUPTED"]
+    assert interrupted["ranks"] == [0, 1, 2, 3]
+    assert interrupted["action"] == "Nothing failed; resubmit or resume from the last checkpoint."
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["status"], manifest["run_status"]) == ("interrupted", "interrupted")
+    assert lab.run(["squeue", "-h"], check=False).stdout.strip() == ""
+    left = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert left == [], left
