@@ -342,3 +342,19 @@ def test_cli_refuses_a_wrong_claim_and_says_node0_could_not_be_told(tmp_path):
         "after 1 s)" in proc.stderr
     )
     assert not (tmp_path / "r").exists()
+
+
+def test_a_requeued_job_gets_a_run_of_its_own():
+    """A job Slurm requeued (preemption, ``scontrol requeue``) keeps its id: its next attempt
+    is named after its restart count, not refused because the first attempt's run directory
+    holds telemetry (tests/test_slurm_lab.py requeues a real job)."""
+    config, line = derived(step_of(STEP_ENV, SLURM_RESTART_COUNT="2"))
+    assert config.run_name == "slurm-77-restart-2"
+    assert "--run-name=slurm-77-restart-2 (SLURM_JOB_ID, SLURM_RESTART_COUNT)" in line
+    config, line = derived(step_of(STEP_ENV, SLURM_RESTART_COUNT="0"))
+    assert (config.run_name, "--run-name=slurm-77 (SLURM_JOB_ID)" in line) == ("slurm-77", True)
+    with pytest.raises(
+        LaunchError,
+        match=r"^--slurm: SLURM_RESTART_COUNT='x' is not a whole number >= 0; pass --run-name$",
+    ):
+        derived(step_of(STEP_ENV, SLURM_RESTART_COUNT="x"))

@@ -58,8 +58,16 @@ def no_job_left(lab):
         lab.cancel(int(job))
 
 
-def submit(lab: SlurmLab, tmp_path: Path, template: str, *args: str, **env: str) -> int:
-    """sbatch ``template`` from the repository root (as the docs say); its job id.
+def submit(
+    lab: SlurmLab,
+    tmp_path: Path,
+    template: str,
+    *args: str,
+    sbatch_options: tuple[str, ...] = (),
+    **env: str,
+) -> int:
+    """sbatch ``template`` from the repository root (as the docs say), with ``sbatch_options``
+    beside the lab's; ``args`` after it; its job id.
 
     The job finds ``traceml`` on the ``PATH`` of this test's Python environment (the
     template's "activate your environment" step, done by the submitting shell).
@@ -68,6 +76,7 @@ def submit(lab: SlurmLab, tmp_path: Path, template: str, *args: str, **env: str)
     return lab.sbatch(
         ROOT / template,
         *FIT_TO_LAB,
+        *sbatch_options,
         "-o",
         str(tmp_path / "job-%j.out"),
         env={"PATH": path, **env},
@@ -239,3 +248,48 @@ def test_scancel_stops_every_node_and_the_summary_says_interrupted(lab, tmp_path
         if str(tmp_path) in " ".join(p.info["cmdline"] or [])
     ]
     assert left == [], left
+
+
+@pytest.mark.parametrize(
+    "template, name",
+    [
+        ("examples/slurm/traceml_ddp_auto.sbatch", "slurm"),
+        ("examples/slurm/traceml_ddp.sbatch", "ddp"),
+    ],
+)
+def test_a_requeued_job_trains_again_as_a_run_of_its_own(lab, tmp_path, template, name):
+    """``scontrol requeue`` of a training job (preemption with requeue does the same): the job
+    keeps its id and starts again with ``SLURM_RESTART_COUNT=1``. Its second attempt trains
+    to its end as run ``<name>-<job>-restart-1``; the first attempt's summary says
+    ``interrupted`` (before: node 0 refused the run directory the first attempt had filled,
+    exit code 2, and nothing trained again)."""
+    if lab.lab_vars()["SLURM_LAB_MODE"] != "loopback":
+        pytest.skip("the requeue does not depend on the network: the loopback lab runs it")
+    job = submit(
+        lab,
+        tmp_path,
+        template,
+        "--steps",
+        str(STEPS * 10),
+        "--mark-step",
+        "20",
+        "--step-ms",
+        "20",
+        sbatch_options=("--requeue",),
+        MASTER_PORT=str(free_port()),
+    )
+    first = tmp_path / "logs" / f"{name}-{job}"
+    log = first / "nodes" / "node_0" / "training.stdout.log"
+    wait_for(lambda: log.exists() and "at step 20" in log.read_text(), JOB_TIMEOUT_S, "step 20")
+    lab.run(["scontrol", "requeue", str(job)])
+    requeued = {"JobState": "PENDING", "Restarts": "1"}
+    wait_for(lambda: requeued.items() <= lab.job_info(job).items(), 60, "the requeue")
+    # Slurm holds a requeued job for ~2 min (its BeginTime); the lab need not wait that long
+    lab.run(["scontrol", "update", f"jobid={job}", "starttime=now"])
+    state, code = lab.wait(job, timeout=JOB_TIMEOUT_S)
+    out = job_output(tmp_path, job)
+    assert (state, code) == ("COMPLETED", 0), out
+    assert load_summary(first)["run"]["status"] == "interrupted"
+    again = load_summary(tmp_path / "logs" / f"{name}-{job}-restart-1")
+    assert again["run"]["status"] == "completed", out
+    assert [r["steps_completed"] for r in again["ranks"]] == [STEPS * 10] * 4

@@ -11,7 +11,10 @@ user did not give from the job step's environment (explicit flags always win):
                        ``SLURM_NTASKS_PER_NODE`` (CPU-only or task-based allocations)
 ``--master-addr``      the first host of ``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``
                        (expanded with python-hostlist): the node whose ``SLURM_NODEID`` is 0
-``--run-name``         ``slurm-<SLURM_JOB_ID>``
+``--run-name``         ``slurm-<SLURM_JOB_ID>``; ``slurm-<SLURM_JOB_ID>-restart-<N>`` once Slurm
+                       requeued the job N times (``SLURM_RESTART_COUNT``: preemption,
+                       ``scontrol requeue``, a node failure), so that each attempt of the
+                       job, which keeps its id, has a run directory of its own
 =====================  ==========================================================================
 
 The step's values are used, not the job's: inside ``srun`` Slurm numbers ``SLURM_NODEID``
@@ -69,6 +72,8 @@ class SlurmStep:
     gpus_on_node: str | None
     gpus_per_node: str | None
     ntasks_per_node: str | None
+    #: ``SLURM_RESTART_COUNT``: how many times Slurm requeued the job (unset before the first).
+    restart_count: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> SlurmStep | None:
@@ -97,6 +102,7 @@ class SlurmStep:
             gpus_on_node=get("SLURM_GPUS_ON_NODE"),
             gpus_per_node=get("SLURM_GPUS_PER_NODE"),
             ntasks_per_node=get("SLURM_NTASKS_PER_NODE"),
+            restart_count=get("SLURM_RESTART_COUNT"),
         )
 
     # --- the values, parsed ----------------------------------------------------------------
@@ -115,6 +121,21 @@ class SlurmStep:
             LaunchError: unset or not a whole number >= 0.
         """
         return _count(self.node_id, "SLURM_NODEID", minimum=0, flag="--node-rank")
+
+    def run_name(self) -> tuple[str, str]:
+        """The run name of this attempt of the job, and its source: ``slurm-<job id>``, and
+        ``slurm-<job id>-restart-<N>`` once Slurm requeued the job N times (the job keeps its
+        id, and the first attempt's run directory holds its telemetry).
+
+        Raises:
+            LaunchError: ``SLURM_RESTART_COUNT`` is set but not a whole number >= 0.
+        """
+        if self.restart_count is None:
+            return f"slurm-{self.job_id}", "SLURM_JOB_ID"
+        restarts = _count(self.restart_count, "SLURM_RESTART_COUNT", minimum=0, flag="--run-name")
+        if restarts == 0:
+            return f"slurm-{self.job_id}", "SLURM_JOB_ID"
+        return f"slurm-{self.job_id}-restart-{restarts}", "SLURM_JOB_ID, SLURM_RESTART_COUNT"
 
     def first_host(self) -> str:
         """The first host of the step's node list: node 0, the rendezvous master.
@@ -266,7 +287,7 @@ def apply(config: LaunchConfig, explicit: set[str], step: SlurmStep | None) -> s
             f"first host of {step.nodelist_source}={step.nodelist}",
         )
     if "run_name" not in explicit:
-        derive("run_name", "--run-name", f"slurm-{step.job_id}", "SLURM_JOB_ID")
+        derive("run_name", "--run-name", *step.run_name())
     if not derived:
         return "--slurm: every value it derives was given explicitly"
     return "--slurm: " + ", ".join(derived)
