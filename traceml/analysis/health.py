@@ -8,6 +8,7 @@ wins.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -263,13 +264,14 @@ def rank_crashed(facts: Facts) -> Finding | None:
     if not crashed:
         return None
     first, why = first_failure(crashed, seen_us)
-    oom = "a signal 9 (SIGKILL) is often the host's out-of-memory killer."
+    killed = any(r.end.signal == signal.SIGKILL for r in crashed)
+    oom = "; a signal 9 (SIGKILL) is often the host's out-of-memory killer." if killed else "."
     if first is None:
         summary = (
             f"{ranks_text([r.rank for r in crashed]).capitalize()} failed; which failed first is "
             f"not known ({why})."
         )
-        advice = f"Read each failed rank's traceback in nodes/node_<r>/training.stderr.log; {oom}"
+        advice = f"Read each failed rank's traceback in nodes/node_<r>/training.stderr.log{oom}"
     else:
         end, node = crashed[0].end, crashed[0].node_rank
         how = (
@@ -283,7 +285,7 @@ def rank_crashed(facts: Facts) -> Finding | None:
         where = f"nodes/node_{'<r>' if node is None else node}/training.stderr.log"
         if len(crashed) == 1:
             summary = f"Rank {first} failed; it ended with {how}{reason}."
-            advice = f"Read rank {first}'s traceback in {where}; {oom}"
+            advice = f"Read rank {first}'s traceback in {where}{oom}"
         else:
             after = ranks_text([r.rank for r in crashed[1:]])
             summary = (
@@ -293,7 +295,7 @@ def rank_crashed(facts: Facts) -> Finding | None:
             )
             advice = (
                 f"Read rank {first}'s traceback in {where} first: the others' errors most "
-                f"likely follow from it; {oom}"
+                f"likely follow from it{oom}"
             )
     return Finding(
         "RANK_CRASHED",
@@ -564,6 +566,7 @@ def run_interrupted(facts: Facts) -> Finding | None:
             ]
         },
         ranks=[r.rank for r in interrupted],
+        nodes=sorted({r.node_rank for r in interrupted if r.node_rank is not None}),
     )
 
 

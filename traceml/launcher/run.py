@@ -513,7 +513,7 @@ class Launch:
         node_manifest.event(
             "training_ended",
             status="reporting" if run_manifest is None else Phase.FINALIZING.value,
-            torchrun_exit_code=code,
+            torchrun_exit_code=exit_code(returncode),
             ranks=[_rank_end_json(r) for r in report.ranks],
         )
         if run_manifest is not None:
