@@ -85,6 +85,18 @@ def submit(
     )
 
 
+def loopback_only(lab: SlurmLab) -> None:
+    """Skip in the netns lab: signals and requeues do not depend on the network."""
+    if lab.lab_vars()["SLURM_LAB_MODE"] != "loopback":
+        pytest.skip("signals and requeues do not depend on the network: the loopback lab runs it")
+
+
+def wait_marked_step(run_dir: Path) -> None:
+    """Wait until rank 0 of ``examples/ddp_minimal.py --mark-step 20`` began step 20."""
+    log = run_dir / "nodes" / "node_0" / "training.stdout.log"
+    wait_for(lambda: log.exists() and "at step 20" in log.read_text(), JOB_TIMEOUT_S, "step 20")
+
+
 def job_output(tmp_path: Path, job: int) -> str:
     return (tmp_path / f"job-{job}.out").read_text(errors="replace")
 
@@ -206,8 +218,7 @@ def test_scancel_stops_every_node_and_the_summary_says_interrupted(lab, tmp_path
     launcher, torchrun, the ranks, node 0's aggregator), and SIGKILL after KillWait (30 s).
     Node 0 writes the summary of the steps before it, in time: the run ``interrupted``, every
     rank ``terminated`` by signal 15, and nothing of the job left running (docs/slurm.md)."""
-    if lab.lab_vars()["SLURM_LAB_MODE"] != "loopback":
-        pytest.skip("the signals do not depend on the network: the loopback lab runs it")
+    loopback_only(lab)
     job = submit(
         lab,
         tmp_path,
@@ -221,8 +232,7 @@ def test_scancel_stops_every_node_and_the_summary_says_interrupted(lab, tmp_path
         "50",
     )
     run_dir = tmp_path / "logs" / f"slurm-{job}"
-    log = run_dir / "nodes" / "node_0" / "training.stdout.log"
-    wait_for(lambda: log.exists() and "at step 20" in log.read_text(), JOB_TIMEOUT_S, "step 20")
+    wait_marked_step(run_dir)
     lab.cancel(job)
     cancelled = time.monotonic()
     state, _ = lab.wait(job, timeout=120)
@@ -263,8 +273,7 @@ def test_a_requeued_job_trains_again_as_a_run_of_its_own(lab, tmp_path, template
     to its end as run ``<name>-<job>-restart-1``; the first attempt's summary says
     ``interrupted`` (before: node 0 refused the run directory the first attempt had filled,
     exit code 2, and nothing trained again)."""
-    if lab.lab_vars()["SLURM_LAB_MODE"] != "loopback":
-        pytest.skip("the requeue does not depend on the network: the loopback lab runs it")
+    loopback_only(lab)
     job = submit(
         lab,
         tmp_path,
@@ -279,8 +288,7 @@ def test_a_requeued_job_trains_again_as_a_run_of_its_own(lab, tmp_path, template
         MASTER_PORT=str(free_port()),
     )
     first = tmp_path / "logs" / f"{name}-{job}"
-    log = first / "nodes" / "node_0" / "training.stdout.log"
-    wait_for(lambda: log.exists() and "at step 20" in log.read_text(), JOB_TIMEOUT_S, "step 20")
+    wait_marked_step(first)
     lab.run(["scontrol", "requeue", str(job)])
     requeued = {"JobState": "PENDING", "Restarts": "1"}
     wait_for(lambda: requeued.items() <= lab.job_info(job).items(), 60, "the requeue")
