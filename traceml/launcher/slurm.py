@@ -130,10 +130,12 @@ class SlurmStep:
         Raises:
             LaunchError: ``SLURM_RESTART_COUNT`` is set but not a whole number >= 0.
         """
-        if self.restart_count is None:
-            return f"slurm-{self.job_id}", "SLURM_JOB_ID"
-        restarts = _count(self.restart_count, "SLURM_RESTART_COUNT", minimum=0, flag="--run-name")
-        if restarts == 0:
+        restarts = (
+            0
+            if self.restart_count is None
+            else _count(self.restart_count, "SLURM_RESTART_COUNT", minimum=0, flag="--run-name")
+        )
+        if not restarts:
             return f"slurm-{self.job_id}", "SLURM_JOB_ID"
         return f"slurm-{self.job_id}-restart-{restarts}", "SLURM_JOB_ID, SLURM_RESTART_COUNT"
 
