@@ -126,6 +126,11 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
     )
     tmux("new-session", "-d", "-s", "live", "-x", "200", "-y", "60", f"bash {script}")
 
+    def steps_shown(rows: dict[int, list[str]]) -> int:
+        return max(int(rows[r][2]) for r in (0, 1))
+
+    # at least 3 tables, the last showing more steps than the first (the live view refreshes
+    # on its own schedule: on a loaded machine two looks a second apart may see one table)
     deadline = time.monotonic() + 180
     seen: list[dict[int, list[str]]] = []
     while time.monotonic() < deadline:
@@ -133,11 +138,11 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         rows = rank_rows(screen)
         if sorted(rows) == [0, 1] and all(r[2] != "0" and r[3] != "-" for r in rows.values()):
             seen.append(rows)
-            if len(seen) == 3:
+            if len(seen) >= 3 and steps_shown(rows) > steps_shown(seen[0]):
                 break
         assert not any("TRACEML_EXIT" in line for line in screen), "\n".join(screen)
         time.sleep(1.0)
-    assert len(seen) == 3, "\n".join(tmux.screen())
+    assert len(seen) >= 3, "\n".join(tmux.screen())
     header = next(line for line in screen if " rank " in line and "steps" in line)
     for column in (
         "node",
@@ -165,7 +170,7 @@ def test_tmux_shows_the_table_while_training_then_the_summary(tmp_path, tmux):
         assert float(last[rank][15]) < 10.0  # idle s: it is training
         assert last[rank][15], "no sparkline"
     assert last[0][0].startswith("0 ")  # node 0 and its host, on its first rank's row
-    assert max(int(last[r][2]) for r in (0, 1)) > max(int(first[r][2]) for r in (0, 1))
+    assert steps_shown(last) > steps_shown(first)
 
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and "TRACEML_EXIT=" not in tmux.everything():
