@@ -306,7 +306,8 @@ def test_whose_launchers_stopped_the_run_are_named_by_node():
     """RUN_INTERRUPTED's "who": the node a rank's reason names, else the rank's own node (its
     launcher's own signal); several nodes as one list, not "node 0's launcher, node 1's
     launcher", in node order (not the text's: node 10 after node 9)."""
-    from traceml.core.ends import interrupted_reason, interrupting_node, launchers_text
+    from traceml.analysis.health import launchers_text
+    from traceml.core.ends import interrupted_reason, interrupting_node
 
     assert interrupting_node(interrupted_reason("SIGTERM"), 3) == 3
     assert interrupting_node(interrupted_reason("SIGINT", 10), 3) == 10

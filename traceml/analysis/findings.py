@@ -148,9 +148,15 @@ class Finding:
 
 def ranks_text(ranks: list[int]) -> str:
     """``"rank 3"`` or ``"ranks 1, 4, 7"`` (at most 8 named, then a count)."""
-    ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    shown = ", ".join(str(r) for r in ranks[:8])
-    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
-    return f"ranks {shown}{more}"
+    return numbered_text("rank", ranks)
+
+
+def numbered_text(noun: str, numbers: list[int]) -> str:
+    """``"node 3"`` or ``"nodes 1, 4, 7"`` for ``noun`` "node", sorted (at most 8 named, then
+    a count)."""
+    numbers = sorted(numbers)
+    if len(numbers) == 1:
+        return f"{noun} {numbers[0]}"
+    shown = ", ".join(str(n) for n in numbers[:8])
+    more = f" and {len(numbers) - 8} more" if len(numbers) > 8 else ""
+    return f"{noun}s {shown}{more}"

@@ -21,7 +21,7 @@ from traceml.analysis.document import (
     RUNNING,
     RankSummary,
 )
-from traceml.analysis.findings import EVENTS, Finding, ranks_text
+from traceml.analysis.findings import EVENTS, Finding, numbered_text, ranks_text
 from traceml.analysis.hang import (
     CollectiveHang,
     collective_hang,
@@ -40,7 +40,7 @@ from traceml.core.ends import (
     TERMINATED,
     interrupting_node,
     is_interrupted,
-    launchers_text,
+    launcher_text,
 )
 
 
@@ -257,10 +257,9 @@ def rank_crashed(facts: Facts) -> Finding | None:
     names it as the cause, with how it ended, and the others as what followed (most likely
     its knock-on: a collective's peer vanished); else it names no cause
     (``evidence.first``: that rank, else None)."""
-    seen_us = {
-        r.rank: last_seen_us(facts.run.ranks[r.rank]) for r in facts.in_state(FAILED, SIGNALED)
-    }
-    crashed = sorted(facts.in_state(FAILED, SIGNALED), key=lambda r: (seen_us[r.rank], r.rank))
+    failed = facts.in_state(FAILED, SIGNALED)
+    seen_us = {r.rank: last_seen_us(facts.run.ranks[r.rank]) for r in failed}
+    crashed = sorted(failed, key=lambda r: (seen_us[r.rank], r.rank))
     if not crashed:
         return None
     first, why = first_failure(crashed, seen_us)
@@ -537,6 +536,18 @@ def hang_first(
         f"{steps} steps ({verdict_s:.0f} s)."
     )
     return hung, [primary] + others, [f for f in health if f is not hung]
+
+
+def launchers_text(nodes: list[int | None]) -> str:
+    """Whose launchers got a stop signal, from :func:`~traceml.core.ends.interrupting_node`
+    of each rank: ``node 1's launcher``, ``the launchers of nodes 0, 1`` (at most 8 named,
+    then a count); ``the launcher`` when a rank's node is not known."""
+    if None in nodes or not nodes:
+        return launcher_text(None)
+    known = sorted({n for n in nodes if n is not None})
+    if len(known) == 1:
+        return launcher_text(known[0])
+    return f"the launchers of {numbered_text('node', known)}"
 
 
 def run_interrupted(facts: Facts) -> Finding | None:

@@ -41,7 +41,7 @@ CANNOT_RENDEZVOUS_PREFIX = "stopped: the run cannot rendezvous: "
 def interrupted_reason(signal_name: str, node_rank: int | None = None) -> str:
     """The reason of a rank stopped by its launcher's ``signal_name`` ("SIGTERM"), or, given
     ``node_rank``, by the run's end as that node's launcher got it."""
-    who = _launcher(node_rank)
+    who = launcher_text(node_rank)
     return f"{INTERRUPTED_PREFIX}{who} got {signal_name} (scancel, preemption or Ctrl-C)"
 
 
@@ -54,20 +54,7 @@ def interrupting_node(reason: str, node_rank: int | None) -> int | None:
     return int(named) if named.isdigit() else node_rank
 
 
-def launchers_text(nodes: list[int | None]) -> str:
-    """Whose launchers got a stop signal, from :func:`interrupting_node` of each rank:
-    ``node 1's launcher``, ``the launchers of nodes 0, 1`` (at most 8 named, then a count);
-    ``the launcher`` when a rank's node is not known."""
-    if None in nodes or not nodes:
-        return _launcher(None)
-    known = sorted({n for n in nodes if n is not None})
-    if len(known) == 1:
-        return _launcher(known[0])
-    more = f" and {len(known) - 8} more" if len(known) > 8 else ""
-    return f"the launchers of nodes {', '.join(map(str, known[:8]))}{more}"
-
-
-def _launcher(node_rank: int | None) -> str:
+def launcher_text(node_rank: int | None) -> str:
     """``node 1's launcher``; ``the launcher`` (the rank's own) for None."""
     return "the launcher" if node_rank is None else f"node {node_rank}'s launcher"
 

@@ -27,8 +27,8 @@ from traceml.core import log
 from traceml.core.ends import (
     CANNOT_RENDEZVOUS_PREFIX,
     interrupted_reason,
+    interrupting_node,
     is_interrupted,
-    signal_name,
 )
 from traceml.core.rundir import RunDir
 from traceml.core.transport import disable_grpc_fork_handlers
@@ -500,7 +500,7 @@ class TorchrunProcess:
         failed_before_stop = (
             own_stop
             and record.get("partial")
-            and stopped in ("", interrupted_reason(signal_name(interrupted), config.node_rank))
+            and (not stopped or interrupting_node(stopped, None) == config.node_rank)
         )
         if own_stop:
             name = signal.Signals(interrupted).name
