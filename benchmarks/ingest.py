@@ -161,7 +161,8 @@ async def rank_task(
     for seq, block in enumerate(blocks, start=2):
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         next_at += interval_s
-        await until_acked(send, rank_batch(rank, seq, block), seq, t, t["ack_s"])
+        paces = t["paces_ms"] if seq == 2 else None  # every stream is open yet
+        await until_acked(send, rank_batch(rank, seq, block), seq, t, t["ack_s"], paces=paces)
     await send.close()
     t["done"] = max(t["done"], time.time())
 
@@ -189,10 +190,11 @@ async def node_task(
     t["first_acked"] = max(t["first_acked"], time.time())
     await go.wait()
     next_at = time.perf_counter() + (random.Random(node).uniform(0, interval_s) if spread else 0.0)
-    for frames in ups[1:]:
+    for seq, frames in enumerate(ups[1:], start=2):
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         next_at += interval_s
-        await until_relayed(send, frames, t, t["ack_s"], node if sessions else None)
+        paces = t["paces_ms"] if seq == 2 else None  # every call is open yet
+        await until_relayed(send, frames, t, t["ack_s"], node if sessions else None, paces)
     await send.close()
     t["done"] = max(t["done"], time.time())
 
@@ -266,12 +268,14 @@ async def session_task(
             backoff_s = min(2.0, 2 * backoff_s)
 
 
-def node_messages(node: int, world: int, blocks: list[bytes]) -> tuple[list[dict], bytes]:
+def node_messages(
+    node: int, world: int, blocks: list[bytes], samples: int
+) -> tuple[list[dict], bytes]:
     """Node ``node``'s ``RelayUp`` messages, pre-encoded: one per seq (1: each rank's identity
     batch, as on the stream wire; then a batch of each of ``blocks``), each a dict channel ->
     ``(seq, its frame)`` (:func:`relay_frame`); ranks ``node * 8 ..`` on channels 1..8, the node
-    sampler on 9, a batch of :data:`NODE_SAMPLES` system samples at every seq. And the last
-    message: every channel's ``closing``, then its ``ended``."""
+    sampler on 9, a batch of ``samples`` system samples at every seq (:func:`node_samples`).
+    And the last message: every channel's ``closing``, then its ``ended``."""
     from traceml import wire
 
     ranks = range(node * NODE_RANKS, (node + 1) * NODE_RANKS)
@@ -282,7 +286,7 @@ def node_messages(node: int, world: int, blocks: list[bytes]) -> tuple[list[dict
             {c: (seq, relay_frame(c, rank_batch(r, seq, block))) for c, r in enumerate(ranks, 1)}
         )
     for seq, frames in enumerate(ups, start=1):
-        frames[sampler] = (seq, relay_frame(sampler, sampler_batch(node, seq)))
+        frames[sampler] = (seq, relay_frame(sampler, sampler_batch(node, seq, samples)))
     channels = range(1, sampler + 1)
     closing = b"".join(
         relay_frame(c, wire.Batch(closing=True).SerializeToString()) for c in channels
@@ -302,21 +306,26 @@ def relay_frame(channel: int, batch: bytes) -> bytes:
     return wire.RelayUp(frames=[frame]).SerializeToString()
 
 
-def sampler_batch(node: int, seq: int) -> bytes:
-    """Batch ``seq`` of node ``node``'s sampler: :data:`NODE_SAMPLES` system samples, a second
-    apart."""
+def node_samples(interval_s: float) -> int:
+    """System samples in a node sampler's batch sent every ``interval_s``: a sample a second,
+    :data:`NODE_SAMPLES` at the least."""
+    return max(NODE_SAMPLES, round(interval_s))
+
+
+def sampler_batch(node: int, seq: int, count: int) -> bytes:
+    """Batch ``seq`` of node ``node``'s sampler: ``count`` system samples, a second apart."""
     from traceml import wire
 
     samples = [
         wire.SystemSample(
-            unix_us=1_000_000 * (NODE_SAMPLES * seq + i),
+            unix_us=1_000_000 * (count * seq + i),
             node_rank=node,
             hostname="sim",
             cpu_percent=40.0 + i,
             ram_used_bytes=64 << 30,
             ram_total_bytes=512 << 30,
         )
-        for i in range(NODE_SAMPLES)
+        for i in range(count)
     ]
     return wire.Batch(
         run_name=RUN, node_rank=node, seq=seq, system_samples=samples
@@ -334,7 +343,12 @@ def relayed_heartbeat(node: int) -> bytes:
 
 
 async def until_relayed(
-    send: RelaySender, frames: dict, t: dict, ack_s: list | None, beat_of: int | None = None
+    send: RelaySender,
+    frames: dict,
+    t: dict,
+    ack_s: list | None,
+    beat_of: int | None = None,
+    paces: list[int] | None = None,
 ) -> None:
     """As the node relay's ranks do, through it: send ``frames`` (channel -> ``(seq, frame)``)
     as one ``RelayUp``, then again those whose ``RelayAck`` did not cover them (pushed back:
@@ -342,7 +356,8 @@ async def until_relayed(
     one is acknowledged; failures and pushbacks counted in ``t["errors"]``, each
     ``RelayDown``'s seconds in ``ack_s``. With ``beat_of`` (a node rank) the first ``RelayUp``
     also carries that node's heartbeat (:func:`relayed_heartbeat`); each answered is counted
-    in ``t["relayed_heartbeats"]``."""
+    in ``t["relayed_heartbeats"]``. The paces its Acks ask for go to ``paces`` (:func:`paced`),
+    when given."""
     import grpc
 
     pending = dict(frames)
@@ -362,6 +377,8 @@ async def until_relayed(
         wait_ms = 0
         for relay_ack in down.acks:
             ack, (seq, _) = relay_ack.ack, pending.get(relay_ack.channel, (None, b""))
+            if paces is not None:
+                paced(paces, ack)
             if ack.retry_after_ms:
                 count(t, "PUSHED_BACK")
                 wait_ms = max(wait_ms, ack.retry_after_ms)
@@ -392,12 +409,19 @@ def identity_batch(run: str, rank: int, world: int) -> bytes:
 
 
 async def until_acked(
-    send, data: bytes, seq: int, t: dict, ack_s: list | None, backoff=None
+    send,
+    data: bytes,
+    seq: int,
+    t: dict,
+    ack_s: list | None,
+    backoff=None,
+    paces: list[int] | None = None,
 ) -> None:
     """As the SDK does: send ``data`` (batch ``seq``) again until an acknowledgement covers
     it; failures and pushbacks counted in ``t["errors"]``, each ack's seconds in ``ack_s``.
     With ``backoff`` (a :class:`traceml.core.backoff.Backoff`, the SDK's), a failed call waits
-    its next step before the batch goes again (without, at once)."""
+    its next step before the batch goes again (without, at once). The paces its Acks ask for
+    go to ``paces`` (:func:`paced`), when given."""
     import grpc
 
     while True:
@@ -413,11 +437,21 @@ async def until_acked(
             continue
         if backoff is not None:
             backoff.reset()
+        if paces is not None:
+            paced(paces, ack)
         if ack.retry_after_ms:
             count(t, "PUSHED_BACK")
             await asyncio.sleep(ack.retry_after_ms / 1000)
         elif ack.stored_seq >= seq:
             return
+
+
+def paced(paces: list[int], ack) -> None:
+    """Note in ``paces`` the pace node 0 asked for in ``ack`` (an Ack that stored a batch:
+    ``flush_interval_ms``), once each value (:mod:`traceml_aggregator.pace`)."""
+    pace = getattr(ack, "flush_interval_ms", 0)  # 0 from a tree before the pace
+    if not (ack.retry_after_ms or ack.rejected) and pace not in paces:
+        paces.append(pace)
 
 
 def failed(t: dict, exc: Exception) -> None:
@@ -552,7 +586,8 @@ async def client_main(
 
     blocks = step_blocks(batches, records)
     if wire_kind == "relay":
-        messages = {node: node_messages(node, world, blocks) for node in senders}
+        samples = node_samples(interval_s)
+        messages = {node: node_messages(node, world, blocks, samples) for node in senders}
     options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per sender
     print("ready", flush=True)
     sys.stdin.readline()  # the parent's "connect"
@@ -565,6 +600,7 @@ async def client_main(
         "ack_s": [],
         "heartbeats": 0,
         "relayed_heartbeats": 0,
+        "paces_ms": [],
     }
     go, stop = asyncio.Event(), asyncio.Event()
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in senders]
@@ -688,6 +724,7 @@ def run_world(
     scrapers: int = 0,
     metrics: bool = False,
     sessions: bool = False,
+    pace_ms: int | None = None,
 ) -> dict:
     """One run of ``world`` ranks on ``wire_kind`` (``stream``, ``unary``, or ``relay``: as
     ``world / 8`` nodes, :func:`node_task`), each sending at most a batch every ``interval_s``
@@ -698,7 +735,8 @@ def run_world(
     and p99 in s, connect s, server CPU % of a core and µs a batch and a message, RSS bytes).
     Without ``summary_at_stop`` the aggregator writes no summary when stopped. With
     ``sessions`` (against the aggregator only) each node also holds its launcher's session
-    (:func:`session_task`)."""
+    (:func:`session_task`). With ``pace_ms`` (:func:`paced_case`) the aggregator's Acks must
+    have asked for that pace while the senders streamed, or the run fails."""
     nodes = world // NODE_RANKS
     if wire_kind == "relay" and nodes * NODE_RANKS != world:
         raise SystemExit(f"the relay wire simulates nodes of {NODE_RANKS} ranks: not {world}")
@@ -770,7 +808,8 @@ def run_world(
             assert stored == total, (stored, total)
             if wire_kind == "relay":  # the node samplers' (the identity message's and each)
                 samples = agg.query("SELECT COUNT(*) FROM system_samples")[0][0]
-                assert samples == nodes * (batches + 1) * NODE_SAMPLES, (samples, nodes)
+                expected = nodes * (batches + 1) * node_samples(interval_s)
+                assert samples == expected, (samples, expected)
 
     created = max(t["created"] for t in times) - start
     connected = max(t["ready"] for t in times) - start
@@ -782,6 +821,9 @@ def run_world(
         for code, n in t["errors"].items():
             errors[code] = errors.get(code, 0) + n
     acks = [a for t in times for a in t["ack_s"]]
+    asked = sorted({p for t in times for p in t["paces_ms"]})  # of each sender's first batch
+    if pace_ms is not None and server == "aggregator" and asked != [pace_ms]:
+        raise SystemExit(f"node 0's Acks asked for a flush every {asked} ms, not {pace_ms} ms")
     figures = {
         "rate": total / streaming,
         "ack_median": median(acks),
@@ -806,6 +848,11 @@ def run_world(
             f"{len(scrapes) - len(answered)} answered 503)"
         )
     pacing = " (spread)" if spread and interval_s else ""
+    asking = (
+        f"; node 0's Acks asked for {' and '.join(_pace_text(p) for p in asked)}"
+        if server == "aggregator"
+        else ""
+    )
     alone = ", gRPC transport alone" if server == "transport" else ""
     relayed, message, sampled = "", "", ""
     heartbeats = sum(t["heartbeats"] for t in times)
@@ -823,7 +870,7 @@ def run_world(
             f"{beats}; "
         )
         message = f"{figures['cpu_message_us']:.0f} µs a RelayUp, "
-        sampled = f" (and {nodes * (batches + 1) * NODE_SAMPLES} system samples)"
+        sampled = f" (and {nodes * (batches + 1) * node_samples(interval_s)} system samples)"
     elif heartbeats:
         view += f", {beats}"
     print(
@@ -840,9 +887,36 @@ def run_world(
         f"{collector}; "
         f"failed calls sent again: {errors or 0}; server stop (SIGTERM to exit) {stop_s:.1f} s; "
         f"ack{' (a RelayUp)' if relayed else ''} median {figures['ack_median'] * 1000:.1f} ms, "
-        f"p99 {figures['ack_p99'] * 1000:.1f} ms"
+        f"p99 {figures['ack_p99'] * 1000:.1f} ms{asking}"
     )
     return figures
+
+
+def _pace_text(pace_ms: int) -> str:
+    return f"a flush every {pace_ms / 1000:g} s" if pace_ms else "no pace"
+
+
+def paced_case(
+    world: int, wire_kind: str, interval_s: float, records: int, batches: int
+) -> tuple[float, int, int, int]:
+    """``(interval_s, records, batches, pace_ms)`` of ``world`` ranks on ``wire_kind`` whose
+    senders flush at node 0's pace, as the SDK's do (:mod:`traceml_aggregator.pace`: the pace
+    of as many calls as the wire opens, a ``Stream`` a rank or a ``Relay`` a node; ``Push``
+    opens none that stays): the longer of ``interval_s`` and the pace, the records of a batch
+    scaled to send the same steps a second, and the batches to take about as long; unchanged
+    when the pace is not longer, or ``interval_s`` is 0 (as fast as acknowledged)."""
+    from traceml import settings
+    from traceml.core.transport import NODE_LOST_AFTER_S
+    from traceml_aggregator.pace import flush_pace_s
+
+    calls = {"relay": world // NODE_RANKS, "stream": world}.get(wire_kind, 0)
+    budget = settings.read(settings.AGGREGATOR_MESSAGES_PER_SEC)
+    pace_s = flush_pace_s(calls, budget, NODE_LOST_AFTER_S)
+    pace_ms = round(pace_s * 1000)
+    if not interval_s or pace_s <= interval_s:
+        return interval_s, records, batches, pace_ms
+    scale = pace_s / interval_s
+    return pace_s, round(records * scale), max(2, round(batches / scale)), pace_ms
 
 
 def ratio(a: float, b: float) -> str:
@@ -914,6 +988,15 @@ def main() -> None:
         help="least seconds between two batches of a rank; each is one run",
     )
     parser.add_argument(
+        "--pace",
+        nargs="+",
+        choices=("off", "on"),
+        default=["off"],
+        help="on: the senders flush at the pace node 0's Acks ask of that many calls "
+        "(traceml_aggregator/pace.py), the longer of it and --interval-sec, with as many "
+        "records a second; each is one run, side by side",
+    )
+    parser.add_argument(
         "--spread",
         action="store_true",
         help="paced ranks start at random phases of the interval, not together",
@@ -961,8 +1044,9 @@ def main() -> None:
             else ""
         )
     )
+    by_pace: dict[tuple, dict] = {}
     for world in args.ranks:
-        for interval_s in args.interval_sec:
+        for interval_s, paced in [(i, p) for i in args.interval_sec for p in args.pace]:
             side, floor = {}, {}
             for wire_kind in args.wire:
                 # The aggregator with each viewer count, then gRPC alone (no viewers: it serves
@@ -970,6 +1054,11 @@ def main() -> None:
                 kinds = [("aggregator", v, s) for v in args.viewers for s in args.scrapers]
                 kinds += [("transport", 0, 0)] if args.transport_floor else []
                 runs: dict[tuple, list[dict]] = {kind: [] for kind in kinds}
+                case_interval_s, case_records, case_batches, pace_ms = (
+                    paced_case(world, wire_kind, interval_s, args.records, args.batches)
+                    if paced == "on"
+                    else (interval_s, args.records, args.batches, None)
+                )
                 metrics = any(args.scrapers)
                 for _ in range(args.trials):
                     for server, viewers, scrapers in kinds:
@@ -977,17 +1066,18 @@ def main() -> None:
                             run_world(
                                 world,
                                 args.procs,
-                                args.batches,
-                                args.records,
+                                case_batches,
+                                case_records,
                                 viewers,
                                 wire_kind,
-                                interval_s,
+                                case_interval_s,
                                 not args.no_summary,
                                 args.spread,
                                 server,
                                 scrapers,
                                 metrics and server == "aggregator",
                                 args.sessions,
+                                pace_ms,
                             )
                         )
                 medians = {
@@ -995,7 +1085,9 @@ def main() -> None:
                     for kind, fs in runs.items()
                 }
                 first = ("aggregator", args.viewers[0], args.scrapers[0])
-                base = side[wire_kind] = medians[first]
+                base = side[wire_kind] = by_pace[world, interval_s, wire_kind, paced] = medians[
+                    first
+                ]
                 if args.transport_floor:
                     alone = floor[wire_kind] = medians["transport", 0, 0]
                     message = "a RelayUp" if wire_kind == "relay" else "a batch"
@@ -1030,6 +1122,18 @@ def main() -> None:
             for new, old in (("stream", "unary"), ("relay", "stream")):
                 if new in side and old in side:
                     against(new, old, world, interval_s, side, floor)
+            if paced == args.pace[-1] != args.pace[0]:
+                for wire_kind in args.wire:
+                    a = by_pace[world, interval_s, wire_kind, "on"]
+                    b = by_pace[world, interval_s, wire_kind, "off"]
+                    print(
+                        f"        {wire_kind}, {world} ranks, at node 0's pace against a batch "
+                        f"every {interval_s:g} s: aggregator CPU {a['cpu_pct']:.0f} % against "
+                        f"{b['cpu_pct']:.0f} % of a core ({ratio(a['cpu_pct'], b['cpu_pct'])}), "
+                        f"ack p99 {a['ack_p99'] * 1000:.0f} against {b['ack_p99'] * 1000:.0f} ms, "
+                        f"RSS peak {a['rss_peak'] / 2**20:.0f} against "
+                        f"{b['rss_peak'] / 2**20:.0f} MiB"
+                    )
 
 
 def against(new: str, old: str, world: int, interval_s: float, side: dict, floor: dict) -> None:

@@ -37,7 +37,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ROOT, in_tree  # noqa: E402
-from ingest import NODE_RANKS, RUN, node_messages, relayed_heartbeat, step_blocks  # noqa: E402
+from ingest import (  # noqa: E402
+    NODE_RANKS,
+    NODE_SAMPLES,
+    RUN,
+    node_messages,
+    relayed_heartbeat,
+    step_blocks,
+)
 
 
 class _Context:
@@ -58,7 +65,7 @@ def measure(nodes: int, messages: int, records: int) -> dict:
     blocks = step_blocks(messages, records)
     ups = []
     for node in range(nodes):
-        encoded, _ = node_messages(node, world, blocks)
+        encoded, _ = node_messages(node, world, blocks, NODE_SAMPLES)
         beat = relayed_heartbeat(node)
         ups.append(
             [

@@ -93,3 +93,29 @@ def test_the_ingest_benchmark_holds_each_nodes_session_with_its_heartbeats_on_ei
     assert (int(relay_session), int(carried), none) == (0, 6, "")
     assert 2 <= int(stream_session) <= 6, beats
     assert result.stdout.count("96 records in") == 2
+
+
+@pytest.mark.aggregator
+@pytest.mark.slow
+def test_the_ingest_benchmarks_senders_flush_at_node_0s_pace_with_the_same_steps_a_second():
+    """With node 0's budget at one message a second, the 2 simulated nodes' Relay calls are too
+    many at a batch a second: node 0's Acks ask for a flush every 2 s in both runs (the
+    benchmark fails when they ask for another pace than the one it simulates), and with
+    ``--pace on`` the nodes flush so, each batch of 4 records instead of 2, half as many."""
+    result = run_benchmark(
+        "ingest.py",
+        *("--ranks", "16", "--records", "2", "--batches", "4", "--interval-sec", "1"),
+        *("--wire", "relay", "--pace", "off", "on", "--no-summary"),
+        timeout_s=300,
+        env={"TRACEML_AGGREGATOR_MESSAGES_PER_SEC": "1"},
+    )
+    runs = re.findall(
+        r"^\s+relay\s+16 ranks, a batch every ([\d.]+) s, 0 viewers: .*?; (\d+) records in "
+        r".*; node 0's Acks asked for (a flush every [\d.]+ s|no pace)$",
+        result.stdout,
+        re.MULTILINE,
+    )
+    assert runs == [("1", "128", "a flush every 2 s"), ("2", "128", "a flush every 2 s")]
+    assert "(and 20 system samples)" in result.stdout  # 2 a batch, 5 batches a node
+    assert "(and 12 system samples)" in result.stdout  # 2 a batch (a second each), 3 a node
+    assert "relay, 16 ranks, at node 0's pace against a batch every 1 s:" in result.stdout

@@ -552,25 +552,40 @@ def test_the_relay_carries_the_sessions_heartbeats_and_the_session_sends_its_own
 
 
 @pytest.mark.slow
-def test_at_the_default_flush_the_relay_carries_every_heartbeat_and_the_session_sends_none(
-    tmp_path,
+@pytest.mark.parametrize(
+    ("budget", "interval_s", "heartbeats"),
+    [(None, 2.0, 5), ("0.25", 4.0, 3)],
+    ids=["default", "paced"],
+)
+def test_at_the_nodes_flush_the_relay_carries_every_heartbeat_and_the_session_sends_none(
+    tmp_path, budget, interval_s, heartbeats
 ):
     """Node 1's session and relay, a rank's client flushing every 2 s (the default, as the
-    heartbeat interval): once node 0 answered a heartbeat the relay carried, the next five
+    heartbeat interval): once node 0 answered a heartbeat the relay carried, the next ones
     ride the relay's ``RelayUp``s and the session's own stream sends none. (Its own, due 2 s
     after the last as the relay's was, raced the node's flush tick and, once ahead, kept the
-    relay from carrying any.)"""
-    with LiveAggregator(tmp_path / "run", "r", world_size=2, extra_args=("--nnodes", "2")) as agg:
+    relay from carrying any.) Paced: node 0's budget of 0.25 messages a second makes its one
+    ``Relay`` call too many at one a second, so its Acks ask for a flush every 4 s
+    (traceml_aggregator/pace.py); the rank flushes so, the session's heartbeats come so, and
+    each ``RelayUp`` (one every 4 s, not 2) still carries one."""
+    env = {} if budget is None else {"TRACEML_AGGREGATOR_MESSAGES_PER_SEC": budget}
+    args = ("--nnodes", "2")
+    with LiveAggregator(tmp_path / "run", "r", world_size=2, extra_args=args, env=env) as agg:
         warnings: list[str] = []
         with node_1_through_its_relay(agg, warnings, 2.0, 0.05) as (session, relay, rank):
             assert session.wait_claim(30).accepted
             answered = relay.stats
-            wait_for(lambda: rank.until(lambda: answered.heartbeats_answered >= 1), 30, "one")
+            wait_for(lambda: rank.until(lambda: answered.heartbeats_answered >= 2), 30, "two")
+            assert rank.client.flush_interval_s == session.heartbeat_interval_s == interval_s
             own, carried = session.heartbeats_sent, answered.heartbeats_answered
+            sent = answered.messages_up
             wait_for(
-                lambda: rank.until(lambda: answered.heartbeats_answered >= carried + 5), 30, "5"
+                lambda: rank.until(lambda: answered.heartbeats_answered >= carried + heartbeats),
+                30,
+                f"{heartbeats} heartbeats",
             )
             assert session.heartbeats_sent == own
+            assert answered.messages_up - sent == heartbeats  # each RelayUp carried one
             assert rank.client.close(finish(rank.steps), timeout_s=60) is True
     assert warnings == []
     assert agg.query("SELECT COUNT(*) FROM steps") == [(rank.steps,)]

@@ -363,6 +363,17 @@ AGGREGATOR_CHECKPOINT_SEC = Setting(
     readers=(_A,),
 )
 
+AGGREGATOR_MESSAGES_PER_SEC = Setting(
+    "TRACEML_AGGREGATOR_MESSAGES_PER_SEC",
+    "125",
+    "Node 0's budget of messages a second: once its streams and node relays are more than "
+    "this, the aggregator asks every rank and sampler to flush at most every 2, 4 or 8 s "
+    "(traceml_aggregator/pace.py).",
+    kind=POSITIVE,
+    unit="messages/s",
+    readers=(_A,),
+)
+
 # --- the store's retention (traceml_aggregator/retention.py, docs/storage.md) --------------
 # The defaults keep a 3-day, 8,000-rank run at 2 steps/s and 1 sample/s under 20 GiB of steps
 # and samples (benchmarks/retention.py prints the arithmetic from a real store's bytes per row).

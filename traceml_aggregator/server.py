@@ -41,7 +41,7 @@ from traceml.core.ends import interrupted_reason, is_interrupted, signal_name
 from traceml.core.heap import SERVING_TALLY, serving_heap
 from traceml.core.records import SAMPLES, AggregatorLoss, AggregatorRestart
 from traceml.core.rundir import DASHBOARD_LINK_FILE_NAME, DATABASE_NAME, RunDir
-from traceml.core.transport import RETRY_AFTER_METADATA_KEY, server_options
+from traceml.core.transport import NODE_LOST_AFTER_S, RETRY_AFTER_METADATA_KEY, server_options
 from traceml_aggregator.auth import TokenInterceptor, server_credentials, server_ssl_context
 from traceml_aggregator.checkpoint import Checkpoint, Checkpointer
 from traceml_aggregator.checkpoint import read as read_checkpoint
@@ -50,6 +50,7 @@ from traceml_aggregator.hang import HangWatch
 from traceml_aggregator.live import LiveAggregates, StepReplay
 from traceml_aggregator.live.rows import LiveRows, summarize_reply
 from traceml_aggregator.nodes import NodeRegistry
+from traceml_aggregator.pace import FlushPace
 from traceml_aggregator.retention import PRUNED_META_KEY, Policy, Retention, sample_meta_keys
 from traceml_aggregator.retention import run as run_retention
 from traceml_aggregator.script_world import ScriptWorld, store_record
@@ -156,6 +157,11 @@ class ServerConfig:
     keep_all_steps: bool = settings.KEEP_ALL_STEPS.value
     #: What the store keeps of the steps and samples otherwise: the ``TRACEML_STORE_*`` knobs.
     retention: Policy = field(default_factory=Policy.from_settings)
+    #: Node 0's budget of messages a second, past which it paces its senders (see
+    #: :mod:`traceml_aggregator.pace`): ``TRACEML_AGGREGATOR_MESSAGES_PER_SEC``.
+    messages_per_s: float = field(
+        default_factory=lambda: settings.read(settings.AGGREGATOR_MESSAGES_PER_SEC)
+    )
 
     @property
     def tls(self) -> tuple[Path, Path] | None:
@@ -236,6 +242,8 @@ class AggregatorService(wire.AggregatorServicer):
         self.rejections = rejections
         #: Node relays' ``Relay`` calls opened, and the ``RelayUp`` messages they carried.
         self.relay_calls = self.relay_messages = 0
+        #: The flush interval every Ack asks for, from the Stream and Relay calls open.
+        self.pace = FlushPace(config.messages_per_s, NODE_LOST_AFTER_S)
         #: ``(NodeExit, received µs)`` of node exits the store could not commit yet (the
         #: summary's commit tries them again).
         self.unstored_exits: list[tuple] = []
@@ -357,7 +365,7 @@ class AggregatorService(wire.AggregatorServicer):
                 "of the batch stored",
                 result.values_dropped,
             )
-        return wire.Ack(stored_seq=result.stored_seq)
+        return wire.Ack(stored_seq=result.stored_seq, flush_interval_ms=self.pace.ms)
 
     async def _adopt_script_world(self, identity) -> None:
         """Make the script's own process group of ``identity`` the run's world (see
@@ -376,12 +384,14 @@ class AggregatorService(wire.AggregatorServicer):
         the sender's ``closing`` message, lost otherwise (a dead peer's connection also ends
         the request stream, so only that message tells a clean end)."""
         stream = SenderStream(self.streams)
+        self.pace.opened()
         try:
             async for batch in request_iterator:
                 ack = await self._stream_batch(stream, batch, context)
                 if ack is not None:
                     yield ack
         finally:  # also when cancelled: by the sender, a reset, or a keepalive timeout
+            self.pace.closed()
             stream.end()
 
     async def _stream_batch(self, stream: SenderStream, batch, context):
@@ -405,6 +415,7 @@ class AggregatorService(wire.AggregatorServicer):
         ``RelayDown`` answers the clock exchange."""
         channels: dict[int, SenderStream] = {}
         self.relay_calls += 1
+        self.pace.opened()
         try:
             async for up in request_iterator:
                 received_ns = time.time_ns()  # t1 of a carried heartbeat's clock exchange
@@ -421,6 +432,7 @@ class AggregatorService(wire.AggregatorServicer):
                     down.clock.CopyFrom(echo)
                 yield down
         finally:
+            self.pace.closed()
             for stream in channels.values():
                 stream.end()
 

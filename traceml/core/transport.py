@@ -102,7 +102,8 @@ KEEPALIVE_TIMEOUT_MS = settings.read(settings.GRPC_KEEPALIVE_TIMEOUT_MS)
 #: A node launcher's heartbeat on its session stream, s (traceml/launcher/session.py).
 NODE_HEARTBEAT_INTERVAL_S = 2.0
 #: The aggregator marks a node lost once it has heard nothing from the node's launcher (no
-#: message on a session, no new session) for this long, s: twelve heartbeats missed. Heartbeats,
+#: message on a session, no new session) for this long, s: twelve heartbeats missed (three at
+#: node 0's longest pace, ``traceml_aggregator/pace.py``). Heartbeats,
 #: not keepalive, show that a node is alive, so this is shorter than the server's keepalive
 #: drop (``SERVER_KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS``, 40 s); a launcher that reconnects with
 #: its backoff (at most :data:`SESSION_MAX_BACKOFF_S`) after a short cut comes back before it.

@@ -399,6 +399,8 @@ class NodeRelay:
                 if down.HasField("clock") and session is not None:
                     self.stats.heartbeats_answered += 1
                     session.relay_answered(down.clock)
+                if session is not None and (pace_s := _pace_s(down)) is not None:
+                    session.paced(pace_s)
                 for relay_ack in down.acks:
                     local = self._locals.get(relay_ack.channel)
                     if local is not None:
@@ -460,6 +462,15 @@ class NodeRelay:
             local.answers.put_nowait(status)
         self._locals.clear()
         self._pending.clear()
+
+
+def _pace_s(down) -> float | None:
+    """Node 0's pace, s, as the Acks of ``down`` (a RelayDown) that stored a batch ask it of
+    their senders (``Ack.flush_interval_ms``); None when none did (a push-back or a refusal
+    carries none)."""
+    acks = (relay_ack.ack for relay_ack in down.acks)
+    paces = [ack.flush_interval_ms for ack in acks if not (ack.rejected or ack.retry_after_ms)]
+    return max(paces) / 1000.0 if paces else None
 
 
 async def _failure(exc: BaseException, call, timeout_s: float) -> tuple[grpc.StatusCode, str]:

@@ -2,7 +2,8 @@
 
 Up, in order: the node's claim (:func:`traceml.launcher.claim.node_claim`; the first message
 of every session, a resumed one too), a heartbeat every
-:data:`~traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S` (while node 0 answers those the node
+:data:`~traceml.core.transport.NODE_HEARTBEAT_INTERVAL_S` or node 0's pace when that is longer
+(:meth:`NodeSession.paced`; while node 0 answers those the node
 relay carries, :meth:`NodeSession.relay_heartbeat`, only when none went for that long on
 either path), the torchrun exit with the ranks'
 end states (:meth:`NodeSession.report_exit`), and from node 0 the finalization request
@@ -56,7 +57,7 @@ _CLOSE = object()
 _ESTIMATE = object()
 #: The node relay's heartbeat is due this much before :data:`NODE_HEARTBEAT_INTERVAL_S`, and
 #: while node 0 answers the relay's this stream's own is due this much after it, s, so that the
-#: relay (whose messages the node's flush ticks send every 2 s) carries them all: node 0 then
+#: relay (whose messages the node's flush ticks send every interval) carries them all: node 0 then
 #: hears each node on its relay's call, not on two streams.
 RELAY_HEARTBEAT_LEAD_S = 0.5
 
@@ -117,6 +118,9 @@ class NodeSession:
         #: the relay while node 0 answers those (see :meth:`relay_heartbeat`).
         self._last_beat_m = float("-inf")
         self._relay_answers = False  # node 0 answered a heartbeat the relay carried
+        #: Seconds between two heartbeats: :data:`NODE_HEARTBEAT_INTERVAL_S`, or node 0's pace
+        #: when that is longer (:meth:`paced`).
+        self.heartbeat_interval_s = NODE_HEARTBEAT_INTERVAL_S
         #: Unix s of node 0's latest answer: a message on this session's stream, or its answer
         #: to a heartbeat the relay carried; None before the first.
         self.last_answer_unix_s: float | None = None
@@ -236,7 +240,7 @@ class NodeSession:
         failed (:meth:`relay_lost`), this stream sends its own as well."""
         with self._cond:
             since_s = time.monotonic() - self._last_beat_m
-            if self._relay_answers and since_s < NODE_HEARTBEAT_INTERVAL_S - RELAY_HEARTBEAT_LEAD_S:
+            if self._relay_answers and since_s < self.heartbeat_interval_s - RELAY_HEARTBEAT_LEAD_S:
                 return None
             beat = self._beat(exchange=True)
             if self._relay_answers:
@@ -264,6 +268,14 @@ class NodeSession:
         ):
             self._attempt.outbox.put(_ESTIMATE)
 
+    def paced(self, pace_s: float) -> None:
+        """Node 0 asks its senders to flush every ``pace_s`` at most (0.0: no pace; the Acks
+        the relay passed down, ``traceml_aggregator/pace.py``): the node's heartbeats come as
+        seldom, so that the relay's ``RelayUp``, sent on the node's flush ticks, still carries
+        each one and this stream stays silent."""
+        with self._cond:
+            self.heartbeat_interval_s = max(NODE_HEARTBEAT_INTERVAL_S, pace_s)
+
     def relay_lost(self) -> None:
         """The relay's call to node 0 failed: this stream sends its own heartbeats again until
         node 0 answers one the relay carries."""
@@ -273,13 +285,13 @@ class NodeSession:
     # --- the session's thread ------------------------------------------------------------------
     def _beat_due_in(self) -> float:
         """Seconds until this stream's next heartbeat (0: due now):
-        :data:`NODE_HEARTBEAT_INTERVAL_S` after the last one on either path, and
+        :attr:`heartbeat_interval_s` after the last one on either path, and
         :data:`RELAY_HEARTBEAT_LEAD_S` more while node 0 answers those the relay carries, so
-        that the relay's next ``RelayUp`` (the node's next flush tick, every 2 s) carries it,
+        that the relay's next ``RelayUp`` (the node's next flush tick) carries it,
         and not this stream a few ms before that."""
         with self._cond:
             lead_s = RELAY_HEARTBEAT_LEAD_S if self._relay_answers else 0.0
-            due_m = self._last_beat_m + NODE_HEARTBEAT_INTERVAL_S + lead_s
+            due_m = self._last_beat_m + self.heartbeat_interval_s + lead_s
             return max(0.0, due_m - time.monotonic())
 
     def _requests(self, attempt: _Attempt):

@@ -3,9 +3,10 @@
 One :class:`TelemetryClient` serves one sender (a rank's SDK, or a node's sampler). The
 training thread only calls :meth:`TelemetryClient.submit`, which appends to a bounded deque
 (no lock, no I/O, no allocation beyond the deque slot). A daemon thread wakes every
-``TRACEML_FLUSH_INTERVAL_SEC``, on its node's ticks of the monotonic clock (:func:`flush_wait_s`:
-a node's senders flush together, the nodes apart), or when ``TRACEML_BATCH_MAX_RECORDS``
-records wait, and, for a rank, at its first record (see
+``TRACEML_FLUSH_INTERVAL_SEC`` (or the longer interval node 0's Acks ask for:
+:attr:`TelemetryClient.flush_interval_s`), on its node's ticks of the monotonic clock
+(:func:`flush_wait_s`: a node's senders flush together, the nodes apart), or when
+``TRACEML_BATCH_MAX_RECORDS`` records wait, and, for a rank, at its first record (see
 :attr:`ClientConfig.first_record_at_once`); it turns buffered items into one
 :class:`~traceml.wire.Batch` with the next sequence number, and sends it on the sender's one
 bidirectional ``Stream`` (:class:`traceml.sdk.stream.BatchStream`, the transport: opened
@@ -369,6 +370,9 @@ class TelemetryClient:
         self._store_failing = ""
         self._unreachable_sends = 0  # sends that found no aggregator (the first one warns)
         self._retry_after_s = 0.0  # the aggregator's retry-after, once it pushed back
+        #: Node 0's pace, s: the flush interval its latest Ack asked for (0.0: none; see
+        #: :attr:`flush_interval_s`).
+        self._pace_s = 0.0
         self._finish = None  # RankFinish to send last, set by close()
         self._unsent_cutoff = float("inf")  # monotonic s: a closing client sends the finish next
         #: Held while a gRPC object of this client (channel, stream, one-off call) is made or
@@ -539,6 +543,13 @@ class TelemetryClient:
         if stream is not None and stream.quiesce_for_fork(deadline):
             _held_for_fork.append(stream.resume_after_fork)
 
+    @property
+    def flush_interval_s(self) -> float:
+        """The interval this sender flushes at, s: its own (``TRACEML_FLUSH_INTERVAL_SEC``), or
+        node 0's pace when that is longer (the latest Ack's ``flush_interval_ms``: node 0
+        bounds the messages it is sent, ``traceml_aggregator/pace.py``)."""
+        return max(self.config.flush_interval_s, self._pace_s)
+
     # --- sender thread ----------------------------------------------------------------------
     def _run(self) -> None:
         name_os_thread()
@@ -549,7 +560,7 @@ class TelemetryClient:
             except ImportError:
                 pass  # the first send fails on it and says so
             while not self._dead:
-                interval_s = self.config.flush_interval_s
+                interval_s = self.flush_interval_s
                 self._wake.wait(wait or flush_wait_s(time.monotonic(), interval_s, self.node_rank))
                 self._wake.clear()
                 if self._dead:
@@ -741,6 +752,7 @@ class TelemetryClient:
             _unreachable_targets.discard(self.target)
             self._warn(f"aggregator at {self.target} reached; telemetry flowing")
         self._ever_acked = True
+        self._pace_s = ack.flush_interval_ms / 1000.0
         self._acked_seq = max(self._acked_seq, ack.stored_seq)
         if batch.seq > self._acked_seq:  # not stored (yet): the aggregator is not keeping up
             return False
