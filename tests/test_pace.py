@@ -68,6 +68,6 @@ def test_acks_ask_for_the_pace_of_the_streams_open_and_a_client_flushes_at_it(tm
     assert warnings == []
     assert agg.query("SELECT rank, COUNT(*) FROM steps GROUP BY rank") == [(0, 3), (1, 1)]
     assert (
-        "2 calls send to this aggregator (budget 1 messages/s): senders are asked to flush no "
-        "more often than every 2 s" in agg.log()
+        "calls sending to this aggregator: 2 (budget 1 messages/s); senders are asked to flush "
+        "no more often than every 2 s" in agg.log()
     )

@@ -90,6 +90,6 @@ class FlushPace:
             self.ms = ms
             asked = f"no more often than every {ms / 1000:g} s" if ms else "at their own interval"
             _log.info(
-                f"{self.calls} calls send to this aggregator (budget {self.messages_per_s:g} "
-                f"messages/s): senders are asked to flush {asked}"
+                f"calls sending to this aggregator: {self.calls} (budget "
+                f"{self.messages_per_s:g} messages/s); senders are asked to flush {asked}"
             )
