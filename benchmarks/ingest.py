@@ -31,7 +31,10 @@ in docs/scale.md); 0 sends as fast as acknowledgements come (records/s). ``--sho
 run: 8 ranks, a few small batches, the three wires (the relay's: one node), both pacings; it must
 finish, not reach the targets. Batches are encoded before the clock starts (the per-batch header
 is joined to a pre-encoded block of records, a relay's frames to each other: protobuf allows
-that), so the clients spend their CPU on gRPC, not on protobuf.
+that), so the clients spend their CPU on gRPC, not on protobuf. ``--pace on`` has the senders
+flush at node 0's pace, as the SDK's do (:func:`paced_case`: the pace the aggregator asks of as
+many calls, ``traceml_aggregator/pace.py``, with the same steps a second; the run fails when
+its Acks ask for another); ``--pace off on`` runs both side by side.
 
 Reported per rank count: time until every channel is connected (READY) and every rank's first
 batch acknowledged (on the relay: every node's first ``RelayUp``); records stored per second
@@ -58,7 +61,7 @@ aggregator serves ``--metrics-port`` in every run of that comparison) (target: a
 
 Usage: ``python benchmarks/ingest.py [--ranks 1024 4096] [--batches 20] [--records 100]
 [--interval-sec 0 1] [--wire stream unary relay] [--relay] [--viewers 0 4] [--scrapers 0 8]
-[--trials 3] [--transport-floor] [--sessions] [--short]``.
+[--trials 3] [--transport-floor] [--sessions] [--pace off on] [--short]``.
 """
 
 from __future__ import annotations

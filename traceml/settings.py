@@ -367,8 +367,8 @@ AGGREGATOR_MESSAGES_PER_SEC = Setting(
     "TRACEML_AGGREGATOR_MESSAGES_PER_SEC",
     "125",
     "Node 0's budget of messages a second: once its streams and node relays are more than "
-    "this, the aggregator asks every rank and sampler to flush at most every 2, 4 or 8 s "
-    "(traceml_aggregator/pace.py).",
+    "this, the aggregator asks every rank and sampler to flush no more often than every 2, 4 "
+    "or 8 s (traceml_aggregator/pace.py).",
     kind=POSITIVE,
     unit="messages/s",
     readers=(_A,),
