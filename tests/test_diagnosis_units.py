@@ -6,6 +6,7 @@ nodes) is built directly; test_diagnosis_planted.py covers the real runs.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -352,6 +353,19 @@ def test_a_node_lost_for_good_is_critical_and_its_missing_ranks_say_so():
         "never came back."
     )
     assert s["run"]["telemetry_health"]["node_losses"] == [n.to_json() for n in run.node_losses]
+
+
+def test_a_node_lost_at_the_summary_before_the_bound_says_its_own_silence():
+    """Node 2 lost by the 25 s bound, node 1 as the summary was written, 17.8 s after its
+    session broke (its launcher killed as the run ended): each loss says its own silence."""
+    run = run_of([rank(0, steps()), rank(1, steps(), node=1), rank(2, steps(), node=2)])
+    early = dataclasses.replace(_loss(1, 36_000.0), lost_after_s=17.8)
+    run.node_losses = [_loss(2, 36_000.0 - 60), early]
+    (lost,) = [f for f in build_summary(run)["findings"]["health"] if f["kind"] == "NODE_LOST"]
+    assert lost["summary"] == (
+        "The aggregator lost node 2 (host2) at 09:59:00 UTC (25 s silent); node 1 (host1) at "
+        "10:00:00 UTC (17.8 s silent): nothing came from the node's launcher for that long."
+    )
 
 
 def test_a_node_that_came_back_is_a_warning_and_names_no_rank():

@@ -239,7 +239,15 @@ def test_a_frozen_launcher_on_node_1_is_lost_then_back_as_it_thaws_and_nothing_i
 KILL_STEPS, KILL_STEP_SLEEP_S = 400, 0.05
 
 
-def test_a_killed_launcher_on_node_1_is_lost_its_rank_stopped_and_nothing_is_lost(hosts, tmp_path):
+@pytest.mark.parametrize("lost_after_s", [LOST_AFTER_S, 60.0], ids=["bound", "summary-first"])
+def test_a_killed_launcher_on_node_1_is_lost_its_rank_stopped_and_nothing_is_lost(
+    hosts, tmp_path, lost_after_s
+):
+    """Node 1's launcher SIGKILLed mid-run: node 1 is lost, its rank stopped (its end sent
+    straight to node 0), nothing lost. Rank 0 fails at once in gloo, so the run ends within
+    seconds: with a 60 s bound (default 25 s) the summary comes before it, and node 1, whose
+    session broke and who reported no exit, is marked lost then (it was missing from the
+    summary before: no NODE_LOST, its exit code unknown)."""
     step_log = tmp_path / "steps"
     step_log.mkdir()
     script_args = ["--steps", str(KILL_STEPS), "--step-sleep", str(KILL_STEP_SLEEP_S)]
@@ -249,6 +257,7 @@ def test_a_killed_launcher_on_node_1_is_lost_its_rank_stopped_and_nothing_is_los
         "kill",
         [*script_args, "--step-log", str(step_log)],
         [f"--finalize-timeout-sec={LOST_AFTER_S + 3 * NODE_HEARTBEAT_INTERVAL_S:g}"],
+        **{settings.NODE_LOST_AFTER_SEC.name: f"{lost_after_s:g}"},
     )
     run_dir = tmp_path / "host0" / "kill"
     with reaped(procs):
@@ -271,7 +280,9 @@ def test_a_killed_launcher_on_node_1_is_lost_its_rank_stopped_and_nothing_is_los
     assert run["complete"] is True and run["missing_ranks"] == []
     (loss,) = run["telemetry_health"]["node_losses"]
     assert loss["node_rank"] == 1 and loss["resumed_unix_s"] is None
-    assert killed_at < loss["lost_unix_s"] <= killed_at + LOST_AFTER_S + 2 * LOST_CHECK_S + 1
+    assert killed_at < loss["lost_unix_s"] <= killed_at + lost_after_s + 2 * LOST_CHECK_S + 1
+    if lost_after_s > LOST_AFTER_S:  # marked lost as the summary was written, not by the bound
+        assert loss["lost_after_s"] < lost_after_s
     findings = {f["kind"]: f for f in summary["findings"]["health"]}
     assert (findings["NODE_LOST"]["severity"], findings["NODE_LOST"]["nodes"]) == ("critical", [1])
     ends = {r["rank"]: (r["end"]["state"], r["end"]["reason"]) for r in summary["ranks"]}

@@ -210,6 +210,9 @@ class Finalizer:
         #: ``fn(Outcome)``, called on the event loop with each partial summary the watchdog
         #: wrote (the server pushes it down the node sessions); None: nobody hears.
         self.on_partial = None
+        #: ``async fn()``, awaited once the ranks are waited for and before the run's reports
+        #: are written (the server marks lost the nodes that vanished meanwhile); None: none.
+        self.before_reports = None
         self.state = state
         self._steps = steps
         self.writer = writer
@@ -233,6 +236,8 @@ class Finalizer:
         if not missing:
             grace_end = min(deadline, time.monotonic() + NODE_REPORT_GRACE_S)
             await self.state.wait_reported(grace_end)
+        if self.before_reports is not None:
+            await self.before_reports()
         return await self._write(missing, deadline)
 
     async def _write(self, missing: list[int], deadline: float) -> Outcome:

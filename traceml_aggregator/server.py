@@ -707,6 +707,9 @@ class Aggregator:
             script_world,
         )
         self.finalizer.on_partial = self._publish_partial
+        self.finalizer.before_reports = lambda: self.service.sessions.lose_unreported(
+            self.state.exited_nodes
+        )
         if self.hangs.record is not None:  # an earlier one's stall: heard as sessions open
             publish_stall(self.service.sessions, self.hangs.record)
         #: This run's aggregator restarts so far (RESTARTS_META_KEY's entries).

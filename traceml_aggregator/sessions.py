@@ -100,6 +100,8 @@ class _Node:
     session: _Session | None = None
     #: The launcher ended its session cleanly: it is done, never lost.
     ended: bool = False
+    #: Its latest session broke (no clean end) and no new one came yet.
+    broke: bool = False
     #: The loss record while the node is lost (see :class:`NodeSessions`), else None.
     lost: dict | None = None
 
@@ -370,7 +372,7 @@ class NodeSessions:
             node = self.nodes[rank] = _Node(claim.hostname, 0.0, 0.0)
         if node.session is not None:
             node.session.outbox.put_nowait(None)
-        node.hostname, node.session, node.ended = claim.hostname, session, False
+        node.hostname, node.session, node.ended, node.broke = claim.hostname, session, False, False
         for message in self._published.values():  # sent after the claim's verdict
             session.outbox.put_nowait(message)
         self._heard(rank, "its session resumed")
@@ -410,6 +412,7 @@ class NodeSessions:
         if clean:
             node.ended = True
         else:
+            node.broke = True
             _log.info(
                 f"node {session.node_rank}'s session broke; it is lost unless it comes back "
                 f"within {self.lost_after_s:g} s of its last message"
@@ -429,15 +432,7 @@ class NodeSessions:
             silent_s = now_m - node.last_heard_monotonic
             if silent_s <= self.lost_after_s:
                 continue
-            node.lost = LostNode(
-                node_rank=rank,
-                hostname=node.hostname or None,
-                last_heard_unix_s=round(node.last_heard_unix_s, 3),
-                lost_unix_s=round(now, 3),
-                resumed_unix_s=None,
-                lost_after_s=self.lost_after_s,
-            ).to_json()
-            self.losses.append(node.lost)
+            self._lose(rank, node, now, self.lost_after_s)
             found.append(rank)
             how = (
                 "its session stream broke and did not come back"
@@ -452,6 +447,43 @@ class NodeSessions:
         if found:
             await self._store_losses()
         return found
+
+    async def lose_unreported(self, exited) -> list[int]:
+        """At the run's summary: mark lost every node whose session broke, did not come back,
+        and reported no exit (not in ``exited``, node ranks), though the bound
+        (:attr:`lost_after_s`) has not passed yet; the newly lost. Such a node's launcher was
+        killed, or its host died or was cut off, as the run ended: its peers failed at once (a
+        collective's peer vanished) and every rank ended before the bound, which would have
+        left the summary silent about it. Its record's ``lost_after_s`` is the silence it was
+        marked lost after, below the bound."""
+        now_m, now = time.monotonic(), time.time()
+        found = []
+        for rank, node in sorted(self.nodes.items()):
+            if not node.broke or node.ended or node.lost or rank in exited:
+                continue
+            silent_s = now_m - node.last_heard_monotonic
+            self._lose(rank, node, now, round(silent_s, 1))
+            found.append(rank)
+            _log.warning(
+                f"warning: node {rank} ({node.hostname or '?'}) lost: its session broke "
+                f"{silent_s:.0f} s ago and it reported no exit before the summary"
+            )
+        if found:
+            await self._store_losses()
+        return found
+
+    def _lose(self, rank: int, node: _Node, now: float, silent_s: float) -> None:
+        """Mark ``node`` (node ``rank``) lost at ``now`` (Unix s) after ``silent_s`` of
+        silence: its record, in :attr:`losses` too."""
+        node.lost = LostNode(
+            node_rank=rank,
+            hostname=node.hostname or None,
+            last_heard_unix_s=round(node.last_heard_unix_s, 3),
+            lost_unix_s=round(now, 3),
+            resumed_unix_s=None,
+            lost_after_s=silent_s,
+        ).to_json()
+        self.losses.append(node.lost)
 
     async def watch(self) -> None:
         """Run :meth:`check_lost` every :data:`LOST_CHECK_S` (until cancelled). A check that

@@ -208,7 +208,11 @@ class NodeLoss:
     ]
     lost_after_s: Annotated[
         float,
-        Schema(minimum=0, description="seconds of silence after which a node is lost"),
+        Schema(
+            minimum=0,
+            description="seconds of silence after which the node was marked lost: the bound, "
+            "or less when its session broke and it reported no exit before the summary",
+        ),
     ]
 
 

@@ -724,15 +724,20 @@ def why_too_few_steps_first(
 
 def node_lost(facts: Facts) -> Finding | None:
     """NODE_LOST: nodes whose launcher the aggregator heard nothing from within the bound
-    (:attr:`RunData.node_losses`: its session stream broke, or it stalled): critical while
-    one never came back, else a warning (it was heard again and its telemetry resent)."""
+    (:attr:`RunData.node_losses`: its session stream broke, or it stalled), or whose session
+    broke and who reported no exit before the summary: critical while one never came back,
+    else a warning (it was heard again and its telemetry resent). The silence is said once
+    when every loss came after the same (the bound), else for each."""
     losses = facts.run.node_losses
     if not losses:
         return None
+    one_silence = len({loss.lost_after_s for loss in losses}) == 1
     told = []
     for loss in losses:
         host = f" ({loss.hostname})" if loss.hostname else ""
         text = f"node {loss.node_rank}{host} at {_utc(loss.lost_unix_s)}"
+        if not one_silence:
+            text += f" ({loss.lost_after_s:g} s silent)"
         resumed = loss.resumed_unix_s
         if resumed is not None:
             text += f", back {resumed - loss.lost_unix_s:.0f} s later"
@@ -752,8 +757,12 @@ def node_lost(facts: Facts) -> Finding | None:
     return Finding(
         "NODE_LOST",
         "critical" if gone else "warning",
-        f"The aggregator lost {'; '.join(told)}: nothing came from the node's launcher for "
-        f"{losses[0].lost_after_s:g} s.",
+        f"The aggregator lost {'; '.join(told)}"
+        + (
+            f": nothing came from the node's launcher for {losses[0].lost_after_s:g} s."
+            if one_silence
+            else ": nothing came from the node's launcher for that long."
+        ),
         advice,
         evidence={"node_losses": [loss.to_json() for loss in losses]},
         nodes=sorted({loss.node_rank for loss in losses}),

@@ -791,7 +791,9 @@ class LostNode(MetaRecord):
         last_heard_unix_s: the last message of its launcher (Unix s).
         lost_unix_s: when the aggregator marked it lost (Unix s).
         resumed_unix_s: when it was heard again (Unix s), None: never.
-        lost_after_s: the bound: seconds of silence after which a node is lost (s).
+        lost_after_s: the silence after which it was marked lost (s): the bound
+            (``TRACEML_NODE_LOST_AFTER_SEC``), or less when its session broke and it reported
+            no exit before the run's summary.
     """
 
     node_rank: int
