@@ -465,8 +465,9 @@ class NodeSessions:
             self._lose(rank, node, now, round(silent_s, 1))
             found.append(rank)
             _log.warning(
-                f"warning: node {rank} ({node.hostname or '?'}) lost: its session broke "
-                f"{silent_s:.0f} s ago and it reported no exit before the summary"
+                f"warning: node {rank} ({node.hostname or '?'}) lost: nothing from its launcher "
+                f"for {silent_s:.0f} s (its session broke and it reported no exit before the "
+                "summary)"
             )
         if found:
             await self._store_losses()
