@@ -21,12 +21,11 @@ import pytest
 from conftest import EXAMPLES, free_port, run_traceml, start_traceml, wait_for
 from helpers.aggregator import LiveAggregator, finish, make_client, step
 from helpers.batches import rank_batch
+from helpers.node_sessions import loss_watch
 
 from traceml import wire
 from traceml.core.disk_reserve import RESERVE_BYTES
 from traceml.sdk import client as client_mod
-from traceml_aggregator.nodes import NodeRegistry
-from traceml_aggregator.sessions import NodeSessions
 from traceml_aggregator.store import NODE_LOSSES_META_KEY, Store
 from traceml_aggregator.writer import StoreFailed, Writer
 
@@ -140,16 +139,8 @@ def test_node_loss_detection_goes_on_through_a_full_disk(small_fs, caplog):
         async def persist(key, value):
             await writer.call(writer.store.set_meta, key, json.dumps(value))
 
-        sessions = NodeSessions(
-            NodeRegistry(own_host="node0", nnodes=3),
-            store_exit=None,
-            finalize=None,
-            persist=persist,
-            foreign=None,
-            refuse=None,
-            give_up_on=None,
-            lost_after_s=0.0,  # silent for any time at all: lost at the next check
-        )
+        # silent for any time at all: lost at the next check
+        sessions = loss_watch(persist, lost_after_s=0.0, nnodes=3)
         sessions.expect({1})
         fill(small_fs)
         on_full_disk = await sessions.check_lost()

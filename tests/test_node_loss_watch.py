@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from traceml_aggregator.nodes import NodeRegistry
+from helpers.node_sessions import loss_watch
+
 from traceml_aggregator.sessions import LOST_CHECK_S, NodeSessions, _Session
 
 
@@ -17,16 +18,7 @@ async def _persist(key, value) -> None:
 
 
 def _sessions(lost_after_s: float) -> NodeSessions:
-    return NodeSessions(
-        NodeRegistry(own_host="node0", nnodes=5),
-        store_exit=None,
-        finalize=None,
-        persist=_persist,
-        foreign=None,
-        refuse=None,
-        give_up_on=None,
-        lost_after_s=lost_after_s,
-    )
+    return loss_watch(_persist, lost_after_s, nnodes=5)
 
 
 def test_a_held_aggregator_blames_no_node_and_a_silent_node_is_lost_a_bound_later():
