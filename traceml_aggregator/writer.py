@@ -312,13 +312,13 @@ class Writer:
     async def _run(self) -> None:
         while True:
             items = [await self._queue.get()]
-            if self.linger_s and self._queue.empty():
-                await asyncio.sleep(self.linger_s)
-            count = len(items[0][0])
-            while count < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
-                items.append(self._queue.get_nowait())
-                count += len(items[-1][0])
-            try:
+            try:  # (a cancel while it lingers ends what it took as one while it writes does)
+                if self.linger_s and self._queue.empty():
+                    await asyncio.sleep(self.linger_s)
+                count = len(items[0][0])
+                while count < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
+                    items.append(self._queue.get_nowait())
+                    count += len(items[-1][0])
                 await self._write(items)
             except Exception as exc:  # a bug: the batches' handlers learn it, the writer goes on
                 _log.exception(f"writer error ({type(exc).__name__}: {exc})")
