@@ -5,10 +5,9 @@ Push's one) or :meth:`Writer.queue_batches` (a relay message's, as one item with
 node's relay pays the queue, its future and its wake-up once per message, not once per rank's
 batch) and await the futures they return.
 The writer task takes everything queued at that moment (up to
-:data:`MAX_BATCHES_PER_TRANSACTION` batches; while node 0 paces its senders, an item that found
-it idle first waits :data:`PACED_LINGER_S` for others), stores it in one transaction on its own
-thread (the only thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves
-each handler's future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's
+:data:`MAX_BATCHES_PER_TRANSACTION` batches), stores it in one transaction on its own thread
+(the only thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each
+handler's future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's
 highest stored sequence number, whether the batch was a duplicate or refused; a relay message's
 future with the list of its batches' results), from which the handler builds the
 acknowledgement. A batch is acknowledged only after its transaction committed, so
@@ -71,13 +70,6 @@ PUSHBACK_AFTER_S = 2.0
 #: How often the calls whose batches waited :data:`PUSHBACK_AFTER_S` are pushed back, s (one
 #: sweep for all of them: a timer per batch doubled the writer's CPU per batch, measured).
 PUSHBACK_SWEEP_S = 0.25
-#: While node 0 paces its senders (:mod:`traceml_aggregator.pace`: more calls send to it than
-#: its budget of messages a second), how long a message that finds the writer idle waits for
-#: others to share its transaction, its thread hand-off and its wake-ups, s: ~12 messages at
-#: the default budget (125 a second), for at most 0.1 s more until their acknowledgement
-#: against a flush every 2-8 s (measured against 0.05 and 0.2 s: docs/scale.md, *The writer's
-#: linger at the pace*).
-PACED_LINGER_S = 0.1
 #: Least seconds between two log lines of a new queue peak.
 PEAK_LOG_INTERVAL_S = 5.0
 #: Test-only: while the file this variable names exists, every transaction of batches waits.
@@ -145,9 +137,6 @@ class Writer:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
         self._task: asyncio.Task | None = None
-        #: How long an item that finds the writer idle waits for others to share its
-        #: transaction, s (0: none; :meth:`pace`).
-        self.linger_s = 0.0
         #: Items queued (a batch, or a relay message's batches), and items through their
         #: transaction, since the start: :meth:`drain` waits for the second to reach the first.
         self._queued_total = 0
@@ -281,12 +270,6 @@ class Writer:
             for batch in batches:
                 self._queued_bytes -= self._queued.pop(batch_key(batch))
 
-    def pace(self, pace_s: float) -> None:
-        """Node 0 now asks its senders for a flush every ``pace_s`` (0: none, they keep their
-        own; :class:`~traceml_aggregator.pace.FlushPace`): while it does, a message that finds
-        the writer idle waits :data:`PACED_LINGER_S` for others to share its transaction."""
-        self.linger_s = PACED_LINGER_S if pace_s else 0.0
-
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the writer thread (reads and other writes of the store)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -312,13 +295,11 @@ class Writer:
     async def _run(self) -> None:
         while True:
             items = [await self._queue.get()]
-            try:  # (a cancel while it lingers ends what it took as one while it writes does)
-                if self.linger_s and self._queue.empty():
-                    await asyncio.sleep(self.linger_s)
-                count = len(items[0][0])
-                while count < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
-                    items.append(self._queue.get_nowait())
-                    count += len(items[-1][0])
+            count = len(items[0][0])
+            while count < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+                count += len(items[-1][0])
+            try:
                 await self._write(items)
             except Exception as exc:  # a bug: the batches' handlers learn it, the writer goes on
                 _log.exception(f"writer error ({type(exc).__name__}: {exc})")
