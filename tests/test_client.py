@@ -132,6 +132,32 @@ def test_a_bounded_close_counts_what_it_had_no_time_to_send_in_the_finish_marker
     ]
 
 
+def test_each_batch_of_a_flush_but_its_last_says_more_is_queued(aggregator):
+    """A flush sends what it holds in batches, one in flight: each batch but the flush's last
+    sets ``more_queued`` (node 0's writer then stores it without waiting for others: a
+    sender draining a backlog pays no linger, traceml_aggregator/writer.py). 100 steps in
+    batches of 4, then a close: the close's batches say more is queued up to its last one,
+    the finish marker's; every step is stored."""
+    client = make_client(aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=4)
+    sent: list[tuple[bool, bool, bool]] = []  # (closing, more_queued, finish) of each send
+    send = client._send
+
+    def noting(batch) -> bool:  # the real send, its batch noted
+        sent.append((client._closing, batch.more_queued, batch.HasField("finish")))
+        return send(batch)
+
+    client._send = noting
+    for i in range(100):
+        client.submit(client_mod.STEPS, step(i))
+    assert client.close(finish(100), timeout_s=30) is True
+    closing = [(more, last) for is_closing, more, last in sent if is_closing]
+    assert len(closing) >= 2, sent
+    assert closing[:-1] == [(True, False)] * (len(closing) - 1)
+    assert closing[-1] == (False, True)
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT COUNT(DISTINCT step), COUNT(*) FROM steps") == [(100, 100)]
+
+
 def test_a_rank_client_sends_its_first_record_at_once_and_the_rest_at_the_interval(aggregator):
     """first_record_at_once (a rank's SDK): the first step goes without waiting for the flush
     interval (an hour here); the second waits for it."""

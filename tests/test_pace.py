@@ -11,7 +11,7 @@ from conftest import wait_for
 from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml.sdk import client as client_mod
-from traceml_aggregator.pace import PACE_STEPS_S, flush_pace_s
+from traceml_aggregator.pace import PACE_STEPS_S, FlushPace, flush_pace_s
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,21 @@ from traceml_aggregator.pace import PACE_STEPS_S, flush_pace_s
 def test_the_pace_is_the_shortest_step_within_the_budget(calls, lost_after_s, expected):
     assert PACE_STEPS_S == (2.0, 4.0, 8.0)
     assert flush_pace_s(calls, 125.0, lost_after_s) == expected
+
+
+def test_each_change_of_the_pace_is_handed_on_once():
+    """The pace's changes go to its ``on_change`` (the writer's), once each, in seconds: over a
+    budget of one message a second, one call is asked for no pace, two for 2 s, three for 4 s,
+    and as they close, the same back."""
+    changes: list[float] = []
+    pace = FlushPace(1.0, 25.0, changes.append)
+    pace.opened()
+    pace.opened()
+    pace.opened()
+    pace.closed()
+    pace.closed()
+    assert changes == [2.0, 4.0, 2.0, 0.0]
+    assert pace.ms == 0
 
 
 @pytest.mark.aggregator

@@ -13,7 +13,7 @@ from traceml import wire
 from traceml.wire.records import add_steps, step_group_columns
 from traceml_aggregator.live import LiveAggregates
 from traceml_aggregator.store import Store
-from traceml_aggregator.writer import QueueFull, Writer
+from traceml_aggregator.writer import PACED_LINGER_S, QueueFull, Writer
 
 
 def results(store: Store, *batches) -> list[tuple[int, bool]]:
@@ -255,6 +255,72 @@ def test_a_relay_message_is_one_item_whose_batches_are_answered_each_in_order(tm
     assert sorted(steps) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (9, 5)]
     assert (stored, writer.batches_stored, writer.batches_pushed_back) == ([9, 0, 1, 2], 4, 1)
     assert pushed_back == 3
+
+
+def noting_writer(path: Path, transactions: list[list[int]]) -> Writer:
+    """A started writer of a real store at ``path`` whose every transaction's ranks, in order,
+    go to ``transactions`` (one list each); on a running event loop."""
+    store = Store(path)
+    write = store.write_batches
+    store.write_batches = lambda batches, *a: (
+        transactions.append([b.rank for b in batches]) or write(batches, *a)
+    )
+    writer = Writer(store, lambda b, _: None)
+    writer.start()
+    return writer
+
+
+def test_while_node_0_paces_a_message_that_finds_the_writer_idle_waits_to_share_its_transaction(
+    tmp_path,
+):
+    """While node 0 asks its senders for a pace (``Writer.pace``), a relay message that finds
+    the writer idle waits ``PACED_LINGER_S`` for others: one queued 20 ms after it shares its
+    transaction. Without a pace each goes at once, in a transaction of its own."""
+    transactions: list[list[int]] = []
+
+    async def main():
+        writer = noting_writer(tmp_path / "t.sqlite", transactions)
+        for pace_s, ranks in ((8.0, (0, 1)), (0.0, (2, 3))):
+            writer.pace(pace_s)
+            first, _ = writer.queue_batches([batch(1, [0], rank=ranks[0])])
+            await asyncio.sleep(0.02)
+            second, _ = writer.queue_batches([batch(1, [0], rank=ranks[1])])
+            await asyncio.gather(first, second)
+        await writer.close()
+
+    assert PACED_LINGER_S == 0.1
+    asyncio.run(main())
+    assert transactions == [[0, 1], [2], [3]]
+
+
+def test_a_linger_never_holds_a_sender_that_sends_more_right_after_nor_a_drain(tmp_path):
+    """A batch whose sender sends more right after it (``more_queued``: a backlog drained one
+    batch in flight) never waits while node 0 paces, and ends a linger under way, as a
+    ``drain`` does: each is stored at once, not after the linger (set to 60 s here, so a
+    linger that held one would outlast the 20 s each is given)."""
+    transactions: list[list[int]] = []
+
+    async def main():
+        writer = noting_writer(tmp_path / "t.sqlite", transactions)
+        writer.pace(8.0)
+        writer.linger_s = 60.0
+        urgent = batch(1, [0], rank=0)
+        urgent.more_queued = True
+        alone, _ = writer.queue_batches([urgent])  # never waits
+        await asyncio.wait_for(alone, 20)
+        lingering, _ = writer.queue_batches([batch(1, [0], rank=1)])
+        await asyncio.sleep(0.02)
+        urgent = batch(1, [0], rank=2)
+        urgent.more_queued = True
+        ending, _ = writer.queue_batches([urgent])  # ends the linger under way
+        await asyncio.wait_for(asyncio.gather(lingering, ending), 20)
+        lingering, _ = writer.queue_batches([batch(1, [0], rank=3)])
+        await asyncio.sleep(0.02)
+        assert await writer.drain(20) is True  # a drain ends it too
+        await writer.close()
+
+    asyncio.run(main())
+    assert transactions == [[0], [1, 2], [3]]
 
 
 def test_a_failing_on_stored_stops_neither_the_writer_nor_later_batches(tmp_path):

@@ -9,7 +9,9 @@ the records: it counts the calls that send to it (each open ``Stream`` and each 
 (``TRACEML_AGGREGATOR_MESSAGES_PER_SEC``, 125 a second), asks in every ``Ack``
 (``flush_interval_ms``) for the shortest of :data:`PACE_STEPS_S` at which they stay within it.
 A sender flushes at the longer of that and its own interval (:mod:`traceml.sdk.client`), and a
-node's launcher sends its heartbeats as seldom (:mod:`traceml.launcher.session`).
+node's launcher sends its heartbeats as seldom (:mod:`traceml.launcher.session`). While it
+paces, node 0's writer has the messages that come within
+:data:`~traceml_aggregator.writer.PACED_LINGER_S` share a transaction.
 
 The steps are few and fixed so that a call opened or closed moves no sender's flush ticks but
 at a step's bound, and the longest leaves :data:`HEARTBEATS_PER_LOSS` heartbeats in the time
@@ -22,6 +24,8 @@ pace after it ended, not up to 2 s; nothing is lost, and a rank's buffer
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from traceml.core import log
 
@@ -63,15 +67,23 @@ class FlushPace:
     Args:
         messages_per_s: node 0's budget, messages a second.
         lost_after_s: the silence after which node 0 marks a node lost, s.
+        on_change: called with the new pace, s (0.0: none), each time it changes (the
+            writer's :meth:`~traceml_aggregator.writer.Writer.pace`).
 
     Attributes:
         calls: the calls that send to node 0, open now.
         ms: the pace in ms, as ``Ack.flush_interval_ms`` carries it (0: none).
     """
 
-    def __init__(self, messages_per_s: float, lost_after_s: float) -> None:
+    def __init__(
+        self,
+        messages_per_s: float,
+        lost_after_s: float,
+        on_change: Callable[[float], None] = lambda pace_s: None,
+    ) -> None:
         self.messages_per_s = messages_per_s
         self.lost_after_s = lost_after_s
+        self._on_change = on_change
         self.calls = 0
         self.ms = 0
 
@@ -88,6 +100,7 @@ class FlushPace:
         ms = round(flush_pace_s(self.calls, self.messages_per_s, self.lost_after_s) * 1000)
         if ms != self.ms:
             self.ms = ms
+            self._on_change(ms / 1000)
             asked = f"no more often than every {ms / 1000:g} s" if ms else "at their own interval"
             _log.info(
                 f"calls sending to this aggregator: {self.calls} (budget "

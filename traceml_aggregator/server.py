@@ -243,7 +243,7 @@ class AggregatorService(wire.AggregatorServicer):
         #: Node relays' ``Relay`` calls opened, and the ``RelayUp`` messages they carried.
         self.relay_calls = self.relay_messages = 0
         #: The flush interval every Ack asks for, from the Stream and Relay calls open.
-        self.pace = FlushPace(config.messages_per_s, NODE_LOST_AFTER_S)
+        self.pace = FlushPace(config.messages_per_s, NODE_LOST_AFTER_S, writer.pace)
         #: ``(NodeExit, received µs)`` of node exits the store could not commit yet (the
         #: summary's commit tries them again).
         self.unstored_exits: list[tuple] = []

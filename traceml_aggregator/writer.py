@@ -5,9 +5,10 @@ Push's one) or :meth:`Writer.queue_batches` (a relay message's, as one item with
 node's relay pays the queue, its future and its wake-up once per message, not once per rank's
 batch) and await the futures they return.
 The writer task takes everything queued at that moment (up to
-:data:`MAX_BATCHES_PER_TRANSACTION` batches), stores it in one transaction on its own thread
-(the only thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves each
-handler's future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's
+:data:`MAX_BATCHES_PER_TRANSACTION` batches; while node 0 paces its senders, an item that found
+it idle first waits :data:`PACED_LINGER_S` for others), stores it in one transaction on its own
+thread (the only thread that touches the :class:`~traceml_aggregator.store.Store`), and resolves
+each handler's future with the batch's :class:`~traceml_aggregator.store.WriteResult` (the stream's
 highest stored sequence number, whether the batch was a duplicate or refused; a relay message's
 future with the list of its batches' results), from which the handler builds the
 acknowledgement. A batch is acknowledged only after its transaction committed, so
@@ -70,6 +71,15 @@ PUSHBACK_AFTER_S = 2.0
 #: How often the calls whose batches waited :data:`PUSHBACK_AFTER_S` are pushed back, s (one
 #: sweep for all of them: a timer per batch doubled the writer's CPU per batch, measured).
 PUSHBACK_SWEEP_S = 0.25
+#: While node 0 paces its senders (:mod:`traceml_aggregator.pace`: more calls send to it than
+#: its budget of messages a second), how long a message that finds the writer idle waits for
+#: others to share its transaction, its thread hand-off and its wake-ups, s: ~12 messages at
+#: the default budget (125 a second), for at most 0.1 s more until their acknowledgement
+#: against a flush every 2-8 s (measured against 0.05 and 0.2 s: docs/scale.md, *The writer's
+#: linger at the pace*). A batch whose sender sends more right after it (``more_queued``: one
+#: batch in flight, a backlog to drain) never waits, and ends a wait under way, as a
+#: :meth:`Writer.drain` does: the linger taxes no round trip that something waits on.
+PACED_LINGER_S = 0.1
 #: Least seconds between two log lines of a new queue peak.
 PEAK_LOG_INTERVAL_S = 5.0
 #: Test-only: while the file this variable names exists, every transaction of batches waits.
@@ -94,6 +104,12 @@ def batch_key(batch) -> tuple[str, int, int, int]:
     resends (the store's own key for idempotency, plus the sequence number)."""
     sender = batch.WhichOneof("sender") or "rank"
     return (sender, getattr(batch, sender), batch.restart_count, batch.seq)
+
+
+def _more_queued(batches: list) -> bool:
+    """Whether a sender of ``batches`` sends more right after them (``Batch.more_queued``: it
+    drains a backlog, one batch in flight): such an item never waits for others."""
+    return any(batch.more_queued for batch in batches)
 
 
 class Writer:
@@ -137,6 +153,10 @@ class Writer:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="traceml-sqlite")
         self._task: asyncio.Task | None = None
+        #: How long an item that finds the writer idle waits for others to share its
+        #: transaction, s (0: none; :meth:`pace`).
+        self.linger_s = 0.0
+        self._lingering: asyncio.Event | None = None  # set: the linger under way ends
         #: Items queued (a batch, or a relay message's batches), and items through their
         #: transaction, since the start: :meth:`drain` waits for the second to reach the first.
         self._queued_total = 0
@@ -242,6 +262,8 @@ class Writer:
         self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
         self._queued_total += 1
         self._queue.put_nowait((batches, future, single))
+        if _more_queued(batches):  # its sender waits for this one's Ack to send the next
+            self._end_linger()
 
     async def _push_back_waiting(self) -> None:
         """Every :data:`PUSHBACK_SWEEP_S`, answer the calls whose batches have waited
@@ -270,6 +292,13 @@ class Writer:
             for batch in batches:
                 self._queued_bytes -= self._queued.pop(batch_key(batch))
 
+    def pace(self, pace_s: float) -> None:
+        """Node 0 now asks its senders for a flush every ``pace_s`` (0: none, they keep their
+        own; :class:`~traceml_aggregator.pace.FlushPace`): while it does, a message that finds
+        the writer idle waits up to :data:`PACED_LINGER_S` for others to share its transaction
+        (see :data:`PACED_LINGER_S` for what ends the wait sooner)."""
+        self.linger_s = PACED_LINGER_S if pace_s else 0.0
+
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the writer thread (reads and other writes of the store)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -281,6 +310,7 @@ class Writer:
         target = self._queued_total
         if self._written_total >= target:
             return True
+        self._end_linger()  # someone waits for what is queued
         if self._written is None:
             self._written = asyncio.Condition()
         try:
@@ -295,6 +325,8 @@ class Writer:
     async def _run(self) -> None:
         while True:
             items = [await self._queue.get()]
+            if self.linger_s and self._queue.empty() and not _more_queued(items[0][0]):
+                await self._linger()
             count = len(items[0][0])
             while count < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
                 items.append(self._queue.get_nowait())
@@ -312,6 +344,22 @@ class Writer:
                 if self._written is not None:
                     async with self._written:
                         self._written.notify_all()
+
+    async def _linger(self) -> None:
+        """Wait :attr:`linger_s` for other items to share the transaction, or less: until an
+        item whose sender sends more right after comes (:func:`_more_queued`), or a
+        :meth:`drain` begins."""
+        self._lingering = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._lingering.wait(), self.linger_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._lingering = None
+
+    def _end_linger(self) -> None:
+        if self._lingering is not None:
+            self._lingering.set()
 
     async def _write(self, items: list) -> None:
         """Store the batches of ``items`` ((batches, future, single) triples) in one

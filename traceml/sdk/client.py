@@ -600,7 +600,9 @@ class TelemetryClient:
         """Send the pending batch, then the records buffered when this flush began (all of them
         when closing) in as many batches as they take; False once a send fails. Records
         buffered meanwhile wait for the next flush, so a sender's flushes stay on its node's
-        ticks (:func:`flush_wait_s`) however long node 0 takes to answer."""
+        ticks (:func:`flush_wait_s`) however long node 0 takes to answer. Each batch but the
+        flush's last says so (``more_queued``): node 0 then stores it without waiting for other
+        senders' batches to share its transaction."""
         if self._rejected:
             self._buffer.clear()
             return True
@@ -612,6 +614,7 @@ class TelemetryClient:
                 if self._pending is None:
                     return True
                 due -= buffered - len(self._buffer)
+                self._pending.more_queued = due > 0 or (self._closing and bool(self._buffer))
             if not self._send(self._pending):
                 return False
             if due <= 0 and not self._closing:
