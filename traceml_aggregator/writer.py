@@ -78,7 +78,8 @@ PUSHBACK_SWEEP_S = 0.25
 #: against a flush every 2-8 s (measured against 0.05 and 0.2 s: docs/scale.md, *The writer's
 #: linger at the pace*). A batch whose sender sends more right after it (``more_queued``: one
 #: batch in flight, a backlog to drain) never waits, and ends a wait under way, as a
-#: :meth:`Writer.drain` does: the linger taxes no round trip that something waits on.
+#: :meth:`Writer.drain` does, so a backlog drains at the unpaced rate; the last batch of a
+#: flush may wait (a ``traceml.summary()``, the flush at exit: up to this much longer).
 PACED_LINGER_S = 0.1
 #: Least seconds between two log lines of a new queue peak.
 PEAK_LOG_INTERVAL_S = 5.0
