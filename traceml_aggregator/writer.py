@@ -263,8 +263,8 @@ class Writer:
         self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
         self._queued_total += 1
         self._queue.put_nowait((batches, future, single))
-        if _more_queued(batches):  # its sender waits for this one's Ack to send the next
-            self._end_linger()
+        if self._lingering is not None and _more_queued(batches):  # its sender waits on it
+            self._lingering.set()
 
     async def _push_back_waiting(self) -> None:
         """Every :data:`PUSHBACK_SWEEP_S`, answer the calls whose batches have waited
