@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -132,30 +133,60 @@ def test_a_bounded_close_counts_what_it_had_no_time_to_send_in_the_finish_marker
     ]
 
 
-def test_each_batch_of_a_flush_but_its_last_says_more_is_queued(aggregator):
-    """A flush sends what it holds in batches, one in flight: each batch but the flush's last
-    sets ``more_queued`` (node 0's writer then stores it without waiting for others: a
-    sender draining a backlog pays no linger, traceml_aggregator/writer.py). 100 steps in
-    batches of 4, then a close: the close's batches say more is queued up to its last one,
-    the finish marker's; every step is stored."""
-    client = make_client(aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=4)
-    sent: list[tuple[bool, bool, bool]] = []  # (closing, more_queued, finish) of each send
-    send = client._send
+def test_a_batch_is_urgent_exactly_when_its_sender_waits_on_it(aggregator):
+    """``urgent`` (node 0's writer then stores the batch without holding it for others,
+    traceml_aggregator/writer.py) is set on each batch of a flush but its last (more follows
+    at once: a backlog drains one batch in flight), on every batch while a ``flush()`` caller
+    waits (``traceml.summary()``), and on every batch of a close, the finish marker's
+    included; never on a flush's last batch that nobody waits on. Batches of 4 records:
 
-    def noting(batch) -> bool:  # the real send, its batch noted
-        sent.append((client._closing, batch.more_queued, batch.HasField("finish")))
+    - 4 steps: one batch, nobody waits (not urgent);
+    - 4 steps, and 8 more while that batch is being sent: its flush ends with it (not urgent),
+      the next one carries the 8 in two (urgent, then not);
+    - 3 steps and a ``flush()``: one batch, awaited (urgent);
+    - 3 steps and a close: one batch with the finish marker (urgent).
+    """
+    client = make_client(aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=4)
+    sent: list[tuple[bool, bool, bool]] = []  # (closing, urgent, finish) of each send
+    send, gate = client._send, threading.Event()
+    gate.set()
+
+    def noting(batch) -> bool:  # the real send, its batch noted, once the gate is open
+        sent.append((client._closing, batch.urgent, batch.HasField("finish")))
+        assert gate.wait(20)
         return send(batch)
 
     client._send = noting
-    for i in range(100):
-        client.submit(client_mod.STEPS, step(i))
-    assert client.close(finish(100), timeout_s=30) is True
-    closing = [(more, last) for is_closing, more, last in sent if is_closing]
-    assert len(closing) >= 2, sent
-    assert closing[:-1] == [(True, False)] * (len(closing) - 1)
-    assert closing[-1] == (False, True)
+    submitted = 0
+
+    def submit(count: int) -> None:
+        nonlocal submitted
+        for _ in range(count):
+            client.submit(client_mod.STEPS, step(submitted))
+            submitted += 1
+
+    submit(4)  # the 4th wakes the sender
+    wait_for(lambda: client.stats.acked == 4, timeout_s=20)
+    gate.clear()
+    submit(4)
+    wait_for(lambda: len(sent) == 2, timeout_s=20)
+    submit(8)  # while the batch of 4 waits at the gate
+    gate.set()
+    wait_for(lambda: client.stats.acked == 16, timeout_s=20)
+    submit(3)  # fewer than a batch: nothing wakes the sender but the flush() below
+    assert client.flush(20) is True
+    submit(3)
+    assert client.close(finish(submitted), timeout_s=30) is True
+    assert sent == [
+        (False, False, False),
+        (False, False, False),
+        (False, True, False),
+        (False, False, False),
+        (False, True, False),
+        (True, True, True),
+    ]
     assert aggregator.stop() == 0
-    assert aggregator.query("SELECT COUNT(DISTINCT step), COUNT(*) FROM steps") == [(100, 100)]
+    assert aggregator.query("SELECT COUNT(DISTINCT step), COUNT(*) FROM steps") == [(22, 22)]
 
 
 def test_a_rank_client_sends_its_first_record_at_once_and_the_rest_at_the_interval(aggregator):

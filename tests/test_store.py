@@ -293,11 +293,11 @@ def test_while_node_0_paces_a_message_that_finds_the_writer_idle_waits_to_share_
     assert transactions == [[0, 1], [2], [3]]
 
 
-def test_a_linger_never_holds_a_sender_that_sends_more_right_after_nor_a_drain(tmp_path):
-    """A batch whose sender sends more right after it (``more_queued``: a backlog drained one
-    batch in flight) never waits while node 0 paces, and ends a linger under way, as a
-    ``drain`` does: each is stored at once, not after the linger (set to 60 s here, so a
-    linger that held one would outlast the 20 s each is given)."""
+def test_a_linger_never_holds_a_batch_its_sender_waits_on_nor_a_drain(tmp_path):
+    """A batch its sender waits on (``urgent``: a backlog drained one batch in flight, a
+    close, a ``traceml.summary()``) never waits while node 0 paces, and ends a linger under
+    way, as a ``drain`` does: each is stored at once, not after the linger (set to 60 s here,
+    so a linger that held one would outlast the 20 s each is given)."""
     transactions: list[list[int]] = []
 
     async def main():
@@ -305,13 +305,13 @@ def test_a_linger_never_holds_a_sender_that_sends_more_right_after_nor_a_drain(t
         writer.pace(8.0)
         writer.linger_s = 60.0
         urgent = batch(1, [0], rank=0)
-        urgent.more_queued = True
+        urgent.urgent = True
         alone, _ = writer.queue_batches([urgent])  # never waits
         await asyncio.wait_for(alone, 20)
         lingering, _ = writer.queue_batches([batch(1, [0], rank=1)])
         await asyncio.sleep(0.02)
         urgent = batch(1, [0], rank=2)
-        urgent.more_queued = True
+        urgent.urgent = True
         ending, _ = writer.queue_batches([urgent])  # ends the linger under way
         await asyncio.wait_for(asyncio.gather(lingering, ending), 20)
         lingering, _ = writer.queue_batches([batch(1, [0], rank=3)])

@@ -76,10 +76,10 @@ PUSHBACK_SWEEP_S = 0.25
 #: others to share its transaction, its thread hand-off and its wake-ups, s: ~12 messages at
 #: the default budget (125 a second), for at most 0.1 s more until their acknowledgement
 #: against a flush every 2-8 s (measured against 0.05 and 0.2 s: docs/scale.md, *The writer's
-#: linger at the pace*). A batch whose sender sends more right after it (``more_queued``: one
-#: batch in flight, a backlog to drain) never waits, and ends a wait under way, as a
-#: :meth:`Writer.drain` does, so a backlog drains at the unpaced rate; the last batch of a
-#: flush may wait (a ``traceml.summary()``, the flush at exit: up to this much longer).
+#: linger at the pace*). A batch its sender waits on (``Batch.urgent``: it drains a backlog, one
+#: batch in flight; it is closing; a ``traceml.summary()`` waits for it) never waits, and ends
+#: a wait under way, as a :meth:`Writer.drain` does, so a backlog drains at the unpaced rate
+#: and no caller pays the wait.
 PACED_LINGER_S = 0.1
 #: Least seconds between two log lines of a new queue peak.
 PEAK_LOG_INTERVAL_S = 5.0
@@ -107,10 +107,10 @@ def batch_key(batch) -> tuple[str, int, int, int]:
     return (sender, getattr(batch, sender), batch.restart_count, batch.seq)
 
 
-def _more_queued(batches: list) -> bool:
-    """Whether a sender of ``batches`` sends more right after them (``Batch.more_queued``: it
-    drains a backlog, one batch in flight): such an item never waits for others."""
-    return any(batch.more_queued for batch in batches)
+def _urgent(batches: list) -> bool:
+    """Whether a sender of ``batches`` waits on them (``Batch.urgent``): such an item never
+    waits for others to share its transaction."""
+    return any(batch.urgent for batch in batches)
 
 
 class Writer:
@@ -263,7 +263,7 @@ class Writer:
         self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
         self._queued_total += 1
         self._queue.put_nowait((batches, future, single))
-        if self._lingering is not None and _more_queued(batches):  # its sender waits on it
+        if self._lingering is not None and _urgent(batches):  # its sender waits on it
             self._lingering.set()
 
     async def _push_back_waiting(self) -> None:
@@ -326,7 +326,7 @@ class Writer:
     async def _run(self) -> None:
         while True:
             items = [await self._queue.get()]
-            if self.linger_s and self._queue.empty() and not _more_queued(items[0][0]):
+            if self.linger_s and self._queue.empty() and not _urgent(items[0][0]):
                 await self._linger()
             count = len(items[0][0])
             while count < MAX_BATCHES_PER_TRANSACTION and not self._queue.empty():
@@ -348,8 +348,7 @@ class Writer:
 
     async def _linger(self) -> None:
         """Wait :attr:`linger_s` for other items to share the transaction, or less: until an
-        item whose sender sends more right after comes (:func:`_more_queued`), or a
-        :meth:`drain` begins."""
+        item whose sender waits on it comes (:func:`_urgent`), or a :meth:`drain` begins."""
         self._lingering = asyncio.Event()
         try:
             await asyncio.wait_for(self._lingering.wait(), self.linger_s)

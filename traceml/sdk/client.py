@@ -365,6 +365,9 @@ class TelemetryClient:
         self._rejected = False
         self._dead = False  # set in a forked child, or once the client is closed
         self._closing = False  # set by close(): the sender thread finishes the stream
+        #: While a :meth:`flush` caller waits: the count of submitted records it waits to see
+        #: acknowledged (0: none waits). Until they are, this sender's batches are ``urgent``.
+        self._awaited = 0
         #: Why node 0 last pushed a batch back because its store cannot commit (a full disk),
         #: "" otherwise: a closing client then stops waiting for acknowledgements.
         self._store_failing = ""
@@ -477,17 +480,24 @@ class TelemetryClient:
         """
         deadline = time.monotonic() + timeout_s
         target = self.stats.submitted
+        self._awaited = max(self._awaited, target)
         unreachable_before = self._unreachable_sends
-        while self.stats.acked < target:
-            # Never reached: a send made since this call found no aggregator, and none ever
-            # succeeded. One before it (an aggregator that came up after this rank's first
-            # send) does not count: the woken sender tries again now.
-            never_reached = not self._ever_acked and self._unreachable_sends > unreachable_before
-            if self._dead or self._rejected or never_reached or time.monotonic() >= deadline:
-                return False
-            self._wake.set()
-            time.sleep(0.02)
-        return not self._rejected
+        try:
+            while self.stats.acked < target:
+                # Never reached: a send made since this call found no aggregator, and none
+                # ever succeeded. One before it (an aggregator that came up after this rank's
+                # first send) does not count: the woken sender tries again now.
+                never_reached = (
+                    not self._ever_acked and self._unreachable_sends > unreachable_before
+                )
+                if self._dead or self._rejected or never_reached or time.monotonic() >= deadline:
+                    return False
+                self._wake.set()
+                time.sleep(0.02)
+            return not self._rejected
+        finally:
+            if self._awaited == target:  # no later caller waits for more
+                self._awaited = 0
 
     def call(self, method: str, request, timeout_s: float):
         """One unary RPC of the aggregator (e.g. ``"Summarize"``) with this client's
@@ -600,9 +610,13 @@ class TelemetryClient:
         """Send the pending batch, then the records buffered when this flush began (all of them
         when closing) in as many batches as they take; False once a send fails. Records
         buffered meanwhile wait for the next flush, so a sender's flushes stay on its node's
-        ticks (:func:`flush_wait_s`) however long node 0 takes to answer. Each batch but the
-        flush's last says so (``more_queued``): node 0 then stores it without waiting for other
-        senders' batches to share its transaction."""
+        ticks (:func:`flush_wait_s`) however long node 0 takes to answer.
+
+        A batch this sender waits on is ``urgent``, and node 0 then stores it without holding it
+        for other senders' batches to share its transaction: each batch of a flush but its
+        last (more of it follows at once), every batch while closing, and every batch while a
+        :meth:`flush` caller waits for records not yet acknowledged. Set at each send, so a
+        batch sent again after a caller began to wait is urgent then."""
         if self._rejected:
             self._buffer.clear()
             return True
@@ -614,7 +628,7 @@ class TelemetryClient:
                 if self._pending is None:
                     return True
                 due -= buffered - len(self._buffer)
-                self._pending.more_queued = due > 0 or (self._closing and bool(self._buffer))
+            self._pending.urgent = due > 0 or self._closing or self.stats.acked < self._awaited
             if not self._send(self._pending):
                 return False
             if due <= 0 and not self._closing:
