@@ -89,3 +89,29 @@ def test_loaded_samples_are_columns_that_still_read_as_rows(tmp_path):
     ]
     assert gpus.last_text("uuid") == "GPU-0-1" and gpus[0]["unavailable_reason"] is None
     assert run.system_samples[0][0]["hostname"] == "host0"
+
+
+def test_iterating_samples_gives_each_row_exactly_as_indexing_does():
+    """Iteration converts whole columns at once (the checkpoint's windows and the live tails
+    take rows so); each row equals ``samples[i]``, value and type: an integer column's
+    values ``int``, a float's ``float``, NaN ``None``, text as stored."""
+    rows = [
+        {
+            "unix_us": sample_load.START_US + i,
+            "cpu_percent": None if i % 3 == 0 else i / 4,
+            "rss_bytes": None if i == 4 else 2**40 + i,
+            "hostname": "host0" if i % 2 else None,
+        }
+        for i in range(6)
+    ]
+    samples = SampleColumns.of(rows)
+    assert samples.ints == {"unix_us", "rss_bytes"}
+    iterated = list(samples)
+    assert iterated == rows == [samples[i] for i in range(6)]
+    assert [type(v).__name__ for v in iterated[1].values()] == ["int", "float", "int", "str"]
+    assert [type(v).__name__ for v in iterated[4].values()] == [
+        "int",
+        "float",
+        "NoneType",
+        "NoneType",
+    ]

@@ -180,8 +180,11 @@ class SampleColumns:
         return self.row(key)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """One dict per sample (for the few consumers that want rows; costs a dict each)."""
-        return (self.row(i) for i in range(len(self)))
+        """One dict per sample, as :meth:`row` gives it (for the few consumers that want rows;
+        costs a dict each): each column is made Python values at one go, not value by value."""
+        names = list(self.columns)
+        values = [self._values(name, column) for name, column in self.columns.items()]
+        return (dict(zip(names, row, strict=True)) for row in zip(*values, strict=True))
 
     def row(self, i: int) -> dict[str, Any]:
         """Sample ``i`` (negative counts from the end) as ``{column: value}``.
@@ -200,6 +203,18 @@ class SampleColumns:
                 return None
             return int(value) if name in self.ints else float(value)
         return value
+
+    def _values(self, name: str, column: np.ndarray) -> list:
+        """Column ``name`` as a list of what :meth:`_value` makes of each of its values."""
+        if column.dtype != np.float64:
+            return column.tolist()
+        values, missing = column.tolist(), np.isnan(column)
+        pairs = zip(values, missing.tolist(), strict=True)
+        if name in self.ints:
+            return [None if gone else int(v) for v, gone in pairs]
+        if missing.any():
+            return [None if gone else v for v, gone in pairs]
+        return values
 
     def column(self, name: str) -> np.ndarray:
         """The column ``name`` (all NaN, or all None for text, when no sample has it)."""
