@@ -1,6 +1,6 @@
 """Planted bottlenecks, 2 ranks under real `traceml run` (gloo, CPU): the exact verdict.
 
-Every scenario sleeps 10 ms in each rank's forward (stable compute); the planted delay is
+Every scenario sleeps 20 ms in each rank's forward (stable compute); the planted delay is
 DELAY_MS (20 ms) per step. In DDP the all-reduce equalises step time, so the straggler
 scenarios prove the slow rank is found from each rank's own phases. The ``comm`` scenario plants
 no delay: its gradient all-reduce moves 32 MiB a step.
