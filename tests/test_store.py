@@ -288,7 +288,7 @@ def test_while_node_0_paces_a_message_that_finds_the_writer_idle_waits_to_share_
             await asyncio.gather(first, second)
         await writer.close()
 
-    assert PACED_LINGER_S == 0.1
+    assert PACED_LINGER_S == 0.2
     asyncio.run(main())
     assert transactions == [[0, 1], [2], [3]]
 

@@ -73,14 +73,14 @@ PUSHBACK_AFTER_S = 2.0
 PUSHBACK_SWEEP_S = 0.25
 #: While node 0 paces its senders (:mod:`traceml_aggregator.pace`: more calls send to it than
 #: its budget of messages a second), how long a message that finds the writer idle waits for
-#: others to share its transaction, its thread hand-off and its wake-ups, s: ~12 messages at
-#: the default budget (125 a second), for at most 0.1 s more until their acknowledgement
-#: against a flush every 2-8 s (measured against 0.05 and 0.2 s: docs/scale.md, *The writer's
+#: others to share its transaction, its thread hand-off and its wake-ups, s: ~25 messages at
+#: the default budget (125 a second), for at most 0.2 s more until their acknowledgement
+#: against a flush every 2-8 s (measured against 0.05 and 0.1 s: docs/scale.md, *The writer's
 #: linger at the pace*). A batch its sender waits on (``Batch.urgent``: it drains a backlog, one
 #: batch in flight; it is closing; a ``traceml.summary()`` waits for it) never waits, and ends
 #: a wait under way, as a :meth:`Writer.drain` does, so a backlog drains at the unpaced rate
 #: and no caller pays the wait.
-PACED_LINGER_S = 0.1
+PACED_LINGER_S = 0.2
 #: Least seconds between two log lines of a new queue peak.
 PEAK_LOG_INTERVAL_S = 5.0
 #: Test-only: while the file this variable names exists, every transaction of batches waits.
