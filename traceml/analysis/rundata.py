@@ -204,11 +204,12 @@ class SampleColumns:
             return int(value) if name in self.ints else float(value)
         return value
 
-    def _values(self, name: str, column: np.ndarray) -> list:
+    def _values(self, name: str, column: np.ndarray) -> list[Any]:
         """Column ``name`` as a list of what :meth:`_value` makes of each of its values."""
+        values: list[Any] = column.tolist()
         if column.dtype != np.float64:
-            return column.tolist()
-        values, missing = column.tolist(), np.isnan(column)
+            return values
+        missing = np.isnan(column)
         pairs = zip(values, missing.tolist(), strict=True)
         if name in self.ints:
             return [None if gone else int(v) for v, gone in pairs]
