@@ -189,6 +189,49 @@ def test_a_batch_is_urgent_exactly_when_its_sender_waits_on_it(aggregator):
     assert aggregator.query("SELECT COUNT(DISTINCT step), COUNT(*) FROM steps") == [(22, 22)]
 
 
+def test_a_flush_caller_that_gives_up_leaves_another_callers_batches_urgent(aggregator):
+    """Two ``flush()`` callers at once (a helper's find): the later one, waiting for more,
+    gives up first (its timeout) while the earlier one still waits; the batch that carries the
+    earlier one's last records is still ``urgent``. Batches of 4: 4 records in flight, held at
+    a gate; 6 more and a caller waiting for all 10; 1 more and a caller waiting 0.1 s for all
+    11, which gives up; the gate opens: the 7 go in two batches, the second (records 9-11)
+    urgent because the first caller waits for records 9 and 10."""
+    client = make_client(aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=4)
+    sent: list[bool] = []  # urgent, each send
+    send, gate = client._send, threading.Event()
+
+    def noting(batch) -> bool:  # the real send, its batch noted, once the gate is open
+        sent.append(batch.urgent)
+        assert gate.wait(20)
+        return send(batch)
+
+    client._send = noting
+    submitted = 0
+
+    def submit(count: int) -> None:
+        nonlocal submitted
+        for _ in range(count):
+            client.submit(client_mod.STEPS, step(submitted))
+            submitted += 1
+
+    submit(4)  # the 4th wakes the sender: the batch waits at the gate
+    wait_for(lambda: len(sent) == 1, timeout_s=20)
+    submit(6)
+    first: list[bool] = []
+    waiting = threading.Thread(target=lambda: first.append(client.flush(30)))
+    waiting.start()
+    wait_for(lambda: client._awaiting == [10], timeout_s=20)
+    submit(1)
+    assert client.flush(0.1) is False  # gives up: the gate is shut
+    gate.set()
+    waiting.join(30)
+    assert first == [True]
+    assert sent == [False, True, True]
+    assert client.close(finish(submitted), timeout_s=30) is True
+    assert aggregator.stop() == 0
+    assert aggregator.query("SELECT COUNT(DISTINCT step), COUNT(*) FROM steps") == [(11, 11)]
+
+
 def test_a_rank_client_sends_its_first_record_at_once_and_the_rest_at_the_interval(aggregator):
     """first_record_at_once (a rank's SDK): the first step goes without waiting for the flush
     interval (an hour here); the second waits for it."""

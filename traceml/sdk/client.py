@@ -365,9 +365,9 @@ class TelemetryClient:
         self._rejected = False
         self._dead = False  # set in a forked child, or once the client is closed
         self._closing = False  # set by close(): the sender thread finishes the stream
-        #: While a :meth:`flush` caller waits: the count of submitted records it waits to see
-        #: acknowledged (0: none waits). Until they are, this sender's batches are ``urgent``.
-        self._awaited = 0
+        #: The count of submitted records each :meth:`flush` caller under way waits to see
+        #: acknowledged: until they are, this sender's batches are ``urgent``.
+        self._awaiting: list[int] = []
         #: Why node 0 last pushed a batch back because its store cannot commit (a full disk),
         #: "" otherwise: a closing client then stops waiting for acknowledgements.
         self._store_failing = ""
@@ -480,7 +480,7 @@ class TelemetryClient:
         """
         deadline = time.monotonic() + timeout_s
         target = self.stats.submitted
-        self._awaited = max(self._awaited, target)
+        self._awaiting.append(target)
         unreachable_before = self._unreachable_sends
         try:
             while self.stats.acked < target:
@@ -496,8 +496,7 @@ class TelemetryClient:
                 time.sleep(0.02)
             return not self._rejected
         finally:
-            if self._awaited == target:  # no later caller waits for more
-                self._awaited = 0
+            self._awaiting.remove(target)
 
     def call(self, method: str, request, timeout_s: float):
         """One unary RPC of the aggregator (e.g. ``"Summarize"``) with this client's
@@ -628,7 +627,8 @@ class TelemetryClient:
                 if self._pending is None:
                     return True
                 due -= buffered - len(self._buffer)
-            self._pending.urgent = due > 0 or self._closing or self.stats.acked < self._awaited
+            awaited = max(self._awaiting, default=0)  # (a list a caller's thread changes)
+            self._pending.urgent = due > 0 or self._closing or self.stats.acked < awaited
             if not self._send(self._pending):
                 return False
             if due <= 0 and not self._closing:
