@@ -133,6 +133,29 @@ def test_a_bounded_close_counts_what_it_had_no_time_to_send_in_the_finish_marker
     ]
 
 
+class GatedSends:
+    """A real client's sends, each noted (its ``closing``, ``urgent`` and whether it carries
+    the finish marker) and let through only while :attr:`gate` is set; :meth:`submit` adds
+    steps numbered on from 0."""
+
+    def __init__(self, client) -> None:
+        self.client, self.gate, self.submitted = client, threading.Event(), 0
+        self.sent: list[tuple[bool, bool, bool]] = []  # (closing, urgent, finish) of each send
+        send = client._send
+
+        def noting(batch) -> bool:  # the real send, its batch noted, once the gate is open
+            self.sent.append((client._closing, batch.urgent, batch.HasField("finish")))
+            assert self.gate.wait(20)
+            return send(batch)
+
+        client._send = noting
+
+    def submit(self, count: int) -> None:
+        for _ in range(count):
+            self.client.submit(client_mod.STEPS, step(self.submitted))
+            self.submitted += 1
+
+
 def test_a_batch_is_urgent_exactly_when_its_sender_waits_on_it(aggregator):
     """``urgent`` (node 0's writer then stores the batch without holding it for others,
     traceml_aggregator/writer.py) is set on each batch of a flush but its last (more follows
@@ -147,37 +170,21 @@ def test_a_batch_is_urgent_exactly_when_its_sender_waits_on_it(aggregator):
     - 3 steps and a close: one batch with the finish marker (urgent).
     """
     client = make_client(aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=4)
-    sent: list[tuple[bool, bool, bool]] = []  # (closing, urgent, finish) of each send
-    send, gate = client._send, threading.Event()
-    gate.set()
-
-    def noting(batch) -> bool:  # the real send, its batch noted, once the gate is open
-        sent.append((client._closing, batch.urgent, batch.HasField("finish")))
-        assert gate.wait(20)
-        return send(batch)
-
-    client._send = noting
-    submitted = 0
-
-    def submit(count: int) -> None:
-        nonlocal submitted
-        for _ in range(count):
-            client.submit(client_mod.STEPS, step(submitted))
-            submitted += 1
-
-    submit(4)  # the 4th wakes the sender
+    sends = GatedSends(client)
+    sends.gate.set()
+    sends.submit(4)  # the 4th wakes the sender
     wait_for(lambda: client.stats.acked == 4, timeout_s=20)
-    gate.clear()
-    submit(4)
-    wait_for(lambda: len(sent) == 2, timeout_s=20)
-    submit(8)  # while the batch of 4 waits at the gate
-    gate.set()
+    sends.gate.clear()
+    sends.submit(4)
+    wait_for(lambda: len(sends.sent) == 2, timeout_s=20)
+    sends.submit(8)  # while the batch of 4 waits at the gate
+    sends.gate.set()
     wait_for(lambda: client.stats.acked == 16, timeout_s=20)
-    submit(3)  # fewer than a batch: nothing wakes the sender but the flush() below
+    sends.submit(3)  # fewer than a batch: nothing wakes the sender but the flush() below
     assert client.flush(20) is True
-    submit(3)
-    assert client.close(finish(submitted), timeout_s=30) is True
-    assert sent == [
+    sends.submit(3)
+    assert client.close(finish(sends.submitted), timeout_s=30) is True
+    assert sends.sent == [
         (False, False, False),
         (False, False, False),
         (False, True, False),
@@ -197,37 +204,21 @@ def test_a_flush_caller_that_gives_up_leaves_another_callers_batches_urgent(aggr
     11, which gives up; the gate opens: the 7 go in two batches, the second (records 9-11)
     urgent because the first caller waits for records 9 and 10."""
     client = make_client(aggregator.target, "mine", [], flush_interval_s=3600, batch_max_records=4)
-    sent: list[bool] = []  # urgent, each send
-    send, gate = client._send, threading.Event()
-
-    def noting(batch) -> bool:  # the real send, its batch noted, once the gate is open
-        sent.append(batch.urgent)
-        assert gate.wait(20)
-        return send(batch)
-
-    client._send = noting
-    submitted = 0
-
-    def submit(count: int) -> None:
-        nonlocal submitted
-        for _ in range(count):
-            client.submit(client_mod.STEPS, step(submitted))
-            submitted += 1
-
-    submit(4)  # the 4th wakes the sender: the batch waits at the gate
-    wait_for(lambda: len(sent) == 1, timeout_s=20)
-    submit(6)
+    sends = GatedSends(client)
+    sends.submit(4)  # the 4th wakes the sender: the batch waits at the gate
+    wait_for(lambda: len(sends.sent) == 1, timeout_s=20)
+    sends.submit(6)
     first: list[bool] = []
     waiting = threading.Thread(target=lambda: first.append(client.flush(30)))
     waiting.start()
     wait_for(lambda: client._awaiting == [10], timeout_s=20)
-    submit(1)
+    sends.submit(1)
     assert client.flush(0.1) is False  # gives up: the gate is shut
-    gate.set()
+    sends.gate.set()
     waiting.join(30)
     assert first == [True]
-    assert sent == [False, True, True]
-    assert client.close(finish(submitted), timeout_s=30) is True
+    assert [urgent for _, urgent, _ in sends.sent] == [False, True, True]
+    assert client.close(finish(sends.submitted), timeout_s=30) is True
     assert aggregator.stop() == 0
     assert aggregator.query("SELECT COUNT(DISTINCT step), COUNT(*) FROM steps") == [(11, 11)]
 
