@@ -180,8 +180,8 @@ class SampleColumns:
         return self.row(key)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """One dict per sample, as :meth:`row` gives it (for the few consumers that want rows;
-        costs a dict each): each column is made Python values at one go, not value by value."""
+        """One dict per sample (for the few consumers that want rows; costs a dict each): each
+        column made Python values at one go (:meth:`_values`), not value by value."""
         names = list(self.columns)
         values = [self._values(name, column) for name, column in self.columns.items()]
         return (dict(zip(names, row, strict=True)) for row in zip(*values, strict=True))
@@ -195,17 +195,12 @@ class SampleColumns:
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample {i} of {n}")
-        return {name: self._value(name, column[i]) for name, column in self.columns.items()}
-
-    def _value(self, name: str, value: object) -> object:
-        if isinstance(value, np.floating):
-            if np.isnan(value):
-                return None
-            return int(value) if name in self.ints else float(value)
-        return value
+        i %= n
+        return next(iter(self.take(slice(i, i + 1))))
 
     def _values(self, name: str, column: np.ndarray) -> list[Any]:
-        """Column ``name`` as a list of what :meth:`_value` makes of each of its values."""
+        """Column ``name`` as Python values: a number column's as ``float`` (``int`` for the
+        :attr:`ints`), ``None`` where NaN (not measured); a text column's as stored."""
         values: list[Any] = column.tolist()
         if column.dtype != np.float64:
             return values
