@@ -144,6 +144,26 @@ def test_a_long_run_has_exact_counts_and_quantiles_within_the_sketch_bound(tmp_p
     store.close()
 
 
+def test_a_sampled_series_holds_each_kept_step_exactly_as_stored(tmp_path):
+    """The series is folded from the window's int64 columns: every step it keeps carries the
+    values that step was stored with, as Python ints, None for each field the step did not
+    measure (the memory readings every 10th step, the GPU times every 7th)."""
+    n = 3 * FOLD_STEPS + 77
+    store, agg = _run(tmp_path, n, chunk=40)
+    for rank, (_, series, digest, _) in agg.final_steps().items():
+        assert digest is not None  # sampled: level 1 or more
+        steps = series.columns["step"]
+        assert len(steps) < n and steps[-1] == n - 1
+        for i, step in enumerate(steps):
+            row = _varied_row(rank, step)
+            kept = {name: series.columns[name][i] for name in STEP_FIELDS}
+            assert kept == {name: row.get(name) for name in STEP_FIELDS}, step
+            assert all(type(v) is int for v in kept.values() if v is not None)
+        measured_gpu = sum(1 for s in range(5, n) if s % 7 == 0)
+        assert digest.clocks[GPU].steps == measured_gpu
+    store.close()
+
+
 def test_ranks_fold_their_series_at_different_steps_and_no_figure_changes():
     """A rank's first chunk is shorter by ``offset`` (the live aggregates: rank % FOLD_STEPS),
     so that ranks stepping together do not all fold at the same step; where the chunks begin

@@ -90,19 +90,36 @@ def keep_mask(steps: np.ndarray, level: int) -> np.ndarray:
     return (mixed & np.uint64((1 << level) - 1)) == 0
 
 
-def _floats(chunk: dict[str, list]) -> dict[str, np.ndarray]:
-    """The measured fields of ``chunk`` as float arrays (NaN where not measured); a field
-    measured on none of its steps is left out. The common cases (a field on every step, or
-    on none) take no Python code per value."""
+def _floats(chunk: dict[str, np.ndarray], missing: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The measured fields of ``chunk`` (int64 columns) as float arrays, NaN where
+    ``missing`` (each field's mask of :data:`UNMEASURED` values) is set; a field measured on
+    none of its steps is left out. NumPy calls only, a few per field."""
     out = {}
     for name, values in chunk.items():
-        absent = values.count(None)
-        if absent == len(values):
-            continue
-        if absent:
-            values = [_NAN if v is None else v for v in values]
-        out[name] = np.fromiter(values, dtype=np.float64, count=len(values))
+        floats = values.astype(np.float64)
+        absent = missing[name]
+        if absent.any():
+            if absent.all():
+                continue
+            floats[absent] = _NAN
+        out[name] = floats
     return out
+
+
+def _listed(values: np.ndarray, absent: np.ndarray) -> list:
+    """``values`` (int64) as a list of Python ints, None where ``absent`` is set."""
+    listed = values.tolist()
+    if absent.any():
+        for i in np.flatnonzero(absent).tolist():
+            listed[i] = None
+    return listed
+
+
+def _pick(values: list, indices: list[int]) -> list:
+    """``values`` at ``indices`` (a C-level gather: ``operator.itemgetter``)."""
+    if not indices:
+        return []
+    return list(operator.itemgetter(*indices, indices[0])(values)[:-1])  # a tuple even for one
 
 
 class _Series:
@@ -132,25 +149,29 @@ class _Series:
         other.sample = {name: list(kept) for name, kept in self.sample.items()}
         return other
 
-    def fold(self, chunk: dict[str, list]) -> None:
-        """Fold ``chunk`` (step field -> its values, None where not measured) in."""
+    def fold(self, chunk: dict[str, np.ndarray]) -> None:
+        """Fold ``chunk`` in: step field -> int64 column, one value per step in arrival order
+        (:data:`UNMEASURED` where not measured; a field absent was measured at none of them).
+        NumPy calls per field, and Python objects only for the steps the sample keeps."""
         self.folds += 1
-        self.digest.fold(_floats(chunk))
-        if self.level == 0:
-            for name, kept in self.sample.items():
-                kept.extend(chunk[name])
-        else:
-            keep = keep_mask(np.array(chunk["step"], dtype=np.int64), self.level)
-            picked = np.flatnonzero(keep).tolist()
-            if picked:
-                pick = operator.itemgetter(*picked, picked[0])  # a tuple even for one
-                for name, kept in self.sample.items():
-                    kept.extend(pick(chunk[name])[:-1])
+        missing = {name: values == UNMEASURED for name, values in chunk.items()}
+        self.digest.fold(_floats(chunk, missing))
+        steps = chunk["step"]
+        keep = None if self.level == 0 else np.flatnonzero(keep_mask(steps, self.level))
+        kept_steps = len(steps) if keep is None else len(keep)
+        for name, kept in self.sample.items():
+            values = chunk.get(name)
+            if values is None:
+                kept.extend([None] * kept_steps)
+            elif keep is None:
+                kept.extend(_listed(values, missing[name]))
+            else:
+                kept.extend(_listed(values[keep], missing[name][keep]))
         while len(self.sample["step"]) > self.bound:
             self.level += 1
             mask = keep_mask(np.array(self.sample["step"], dtype=np.int64), self.level)
             stay = np.flatnonzero(mask).tolist()
-            self.sample = {name: [kept[i] for i in stay] for name, kept in self.sample.items()}
+            self.sample = {name: _pick(kept, stay) for name, kept in self.sample.items()}
 
 
 class StepState:
@@ -305,7 +326,7 @@ class StepState:
                     column.extend(holes)
             self.pending += end - start
             if self.pending == self.chunk:
-                self._series.fold(self.latest(self.pending))
+                self._series.fold(self._arrays(self.pending))
                 self.pending, self.chunk = 0, self.fold_steps
             start = end
         excess = len(given[0][2]) - self.window_steps
@@ -351,17 +372,22 @@ class StepState:
         nones = [None] * min(count, self.size)
         return {name: values.get(name) or list(nones) for name in STEP_FIELDS}
 
+    def _arrays(self, count: int) -> dict[str, np.ndarray]:
+        """The last ``count`` window steps (all when fewer) of each measured field, as int64
+        arrays (copies; :data:`UNMEASURED` where not measured): what the series folds."""
+        count = min(count, self.size)
+        return {
+            name: np.frombuffer(column[len(column) - count :], dtype=np.int64)
+            for name, column in self.columns.items()
+        }
+
     def _values(self, count: int) -> dict[str, list]:
         """The last ``count`` window steps of each measured field, as lists (None where not
         measured)."""
-        count = min(count, self.size)
-        out = {}
-        for name, column in self.columns.items():
-            values = column[len(column) - count :].tolist()
-            if UNMEASURED in values:
-                values = [None if v == UNMEASURED else v for v in values]
-            out[name] = values
-        return out
+        return {
+            name: _listed(values, values == UNMEASURED)
+            for name, values in self._arrays(count).items()
+        }
 
     @property
     def series(self) -> _Series:
@@ -386,7 +412,7 @@ class StepState:
         ``series_steps`` steps, else the sample plus the last step, and the digest."""
         series = self._series.copy()
         if self.pending:
-            series.fold(self.latest(self.pending))
+            series.fold(self._arrays(self.pending))
         columns = series.sample
         if self.last is not None and self.last["step"] not in set(columns["step"]):
             for name, column in columns.items():
