@@ -253,6 +253,15 @@ class RankLive:
             self.last_step_unix_s = (start_us + last["end_us"]) / 1e6
 
 
+def _tail(tails: dict, key, maxlen: int) -> Tail:
+    """``tails[key]``, a new empty :class:`Tail` of ``maxlen`` items put there the first time
+    (``setdefault`` would build a Tail, a deque, at every call: two a system sample)."""
+    tail = tails.get(key)
+    if tail is None:
+        tail = tails[key] = Tail(maxlen=maxlen)
+    return tail
+
+
 class LiveAggregates:
     """The run's live aggregates (see the module docstring); event-loop use only.
 
@@ -357,10 +366,11 @@ class LiveAggregates:
                 self._changed_ranks.add(rank)
         if batch.system_samples:
             for s in batch.system_samples:
-                self.system_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_SAMPLES)).append(
+                node = s.node_rank
+                _tail(self.system_samples, node, WINDOW_SAMPLES).append(
                     records.SystemSample.wire_dict(s)
                 )
-                gpus = self.gpu_samples.setdefault(s.node_rank, Tail(maxlen=WINDOW_GPU_SAMPLES))
+                gpus = _tail(self.gpu_samples, node, WINDOW_GPU_SAMPLES)
                 if s.gpus:
                     gpus.extend(
                         records.GpuSample.wire_dict(g, node_rank=s.node_rank, unix_us=s.unix_us)
