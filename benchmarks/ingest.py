@@ -587,11 +587,15 @@ async def client_main(
     process holds it); the times it saw (Unix s)."""
     import grpc
 
+    from traceml.core.transport import channel_options
+
     blocks = step_blocks(batches, records)
     if wire_kind == "relay":
         samples = node_samples(interval_s)
         messages = {node: node_messages(node, world, blocks, samples) for node in senders}
-    options = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per sender
+    # a real sender's options (keepalive, message bounds, no bandwidth probe), one TCP
+    # connection per sender
+    options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
     print("ready", flush=True)
     sys.stdin.readline()  # the parent's "connect"
     t = {

@@ -14,16 +14,28 @@ aggregator ping each other through the gap as often as in the idle minute, or mo
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import GRPC_LINE, SCRIPTS, free_port, load_summary, query, run_traceml
+from helpers.waiting import wait_for
+from live_aggregator import LiveAggregator, finish, make_client, step
 
 from traceml import settings
 from traceml.core import transport
+from traceml.sdk import client as client_mod
+
+#: HTTP/2 (RFC 9113): the client's connection preface (bytes), a frame header's length
+#: (bytes), the PING frame's type and its ACK flag.
+H2_PREFACE_BYTES = 24
+H2_FRAME_HEADER_BYTES = 9
+H2_PING, H2_ACK = 0x6, 0x1
 
 #: The keepalive settings of the slow test: a tenth of the defaults (traceml/settings.py).
 SHORT_KEEPALIVE = {
@@ -57,6 +69,81 @@ def test_client_keepalive_is_within_what_the_server_permits():
     assert IDLE_S * 1000 / SHORT_KEEPALIVE[settings.GRPC_CLIENT_KEEPALIVE_MS] > 70_000 / int(
         settings.GRPC_CLIENT_KEEPALIVE_MS.default
     )
+
+
+class PingCountingProxy:
+    """A TCP proxy on a free port to ``target_port``, in a thread of its own, that counts the
+    HTTP/2 PING frames (plaintext) each way: :attr:`pings` ``("up" or "down", is an ACK)`` ->
+    frames. Closed by :meth:`close`."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port, self.port = target_port, free_port()
+        self.pings: collections.Counter = collections.Counter()
+        self._loop = asyncio.new_event_loop()
+        self._serving = threading.Event()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+
+    async def _connection(self, client_r, client_w) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(
+            self._pipe(client_r, server_w, "up", H2_PREFACE_BYTES),
+            self._pipe(server_r, client_w, "down", 0),
+        )
+
+    async def _pipe(self, reader, writer, direction: str, skip: int) -> None:
+        pending = b""
+        while data := await reader.read(65536):
+            writer.write(data)
+            pending += data
+            if skip:
+                skipped = min(skip, len(pending))
+                pending, skip = pending[skipped:], skip - skipped
+            while len(pending) >= H2_FRAME_HEADER_BYTES:
+                end = H2_FRAME_HEADER_BYTES + int.from_bytes(pending[:3], "big")
+                if len(pending) < end:
+                    break
+                if pending[3] == H2_PING:
+                    self.pings[direction, bool(pending[4] & H2_ACK)] += 1
+                pending = pending[end:]
+            await writer.drain()
+        writer.close()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.mark.aggregator
+def test_the_wire_sends_no_bandwidth_probe_pings(tmp_path):
+    """Both sides turn gRPC's bandwidth-delay-product probe off (``grpc.http2.bdp_probe``):
+    with it on, each message received after a quiet spell made the receiver send a PING and
+    the sender answer it, so at node 0's pace (a message every 8 s a connection) every
+    message cost node 0 a ping's frames and gRPC's thread wake-ups too (docs/scale.md, *The
+    transport's bandwidth probe*). A real client streams 40 steps through a proxy that counts
+    the frames, a batch at a time: not one PING either way (keepalive
+    pings come after 20 s at the earliest), and every step stored once."""
+    with LiveAggregator(tmp_path / "run", "pings") as aggregator:
+        proxy = PingCountingProxy(aggregator.port)
+        try:
+            client = make_client(
+                f"127.0.0.1:{proxy.port}", "pings", [], flush_interval_s=3600, batch_max_records=4
+            )
+            for i in range(40):
+                client.submit(client_mod.STEPS, step(i))
+                if i % 4 == 3:  # a batch of 4 sent: its Ack comes before the next
+                    wait_for(lambda i=i: client.stats.acked == i + 1, timeout_s=20)
+            assert client.close(finish(40), timeout_s=30) is True
+            assert sum(proxy.pings.values()) == 0, proxy.pings
+        finally:
+            proxy.close()
+        assert aggregator.stop() == 0
+        assert aggregator.query("SELECT COUNT(DISTINCT step), COUNT(*) FROM steps") == [(40, 40)]
 
 
 def test_the_wire_time_bounds_are_settings_read_when_a_process_starts():

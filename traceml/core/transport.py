@@ -270,7 +270,9 @@ def version_mismatch(client_version: str, server_version: int) -> str:
 
 def channel_options() -> list[tuple[str, int]]:
     """The message size bounds and keepalive every client channel sets (the server's
-    options, :func:`server_options`, agree with them)."""
+    options, :func:`server_options`, agree with them), and no bandwidth-delay-product probe
+    on either side: with it, a message after a quiet spell made its receiver send a PING
+    (docs/wire.md, *No bandwidth probe*)."""
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -278,6 +280,7 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 
@@ -294,6 +297,7 @@ def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 
