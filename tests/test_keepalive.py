@@ -80,10 +80,12 @@ class PingCountingProxy:
         self.target_port, self.port = target_port, free_port()
         self.pings: collections.Counter = collections.Counter()
         self._loop = asyncio.new_event_loop()
-        self._serving = threading.Event()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+        self._call(self._listen())
+
+    def _call(self, coroutine) -> None:
+        asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
 
     async def _listen(self) -> None:
         self._server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
@@ -97,26 +99,37 @@ class PingCountingProxy:
 
     async def _pipe(self, reader, writer, direction: str, skip: int) -> None:
         pending = b""
-        while data := await reader.read(65536):
-            writer.write(data)
-            pending += data
-            if skip:
-                skipped = min(skip, len(pending))
-                pending, skip = pending[skipped:], skip - skipped
-            while len(pending) >= H2_FRAME_HEADER_BYTES:
-                end = H2_FRAME_HEADER_BYTES + int.from_bytes(pending[:3], "big")
-                if len(pending) < end:
-                    break
-                if pending[3] == H2_PING:
-                    self.pings[direction, bool(pending[4] & H2_ACK)] += 1
-                pending = pending[end:]
-            await writer.drain()
-        writer.close()
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                pending += data
+                if skip:
+                    skipped = min(skip, len(pending))
+                    pending, skip = pending[skipped:], skip - skipped
+                while len(pending) >= H2_FRAME_HEADER_BYTES:
+                    end = H2_FRAME_HEADER_BYTES + int.from_bytes(pending[:3], "big")
+                    if len(pending) < end:
+                        break
+                    if pending[3] == H2_PING:
+                        self.pings[direction, bool(pending[4] & H2_ACK)] += 1
+                    pending = pending[end:]
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def _stop(self) -> None:
+        self._server.close()
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        """Stop listening, end the connections and the thread."""
+        self._call(self._stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
 
 @pytest.mark.aggregator
@@ -126,8 +139,8 @@ def test_the_wire_sends_no_bandwidth_probe_pings(tmp_path):
     the sender answer it, so at node 0's pace (a message every 8 s a connection) every
     message cost node 0 a ping's frames and gRPC's thread wake-ups too (docs/scale.md, *The
     transport's bandwidth probe*). A real client streams 40 steps through a proxy that counts
-    the frames, a batch at a time: not one PING either way (keepalive
-    pings come after 20 s at the earliest), and every step stored once."""
+    the frames, a batch at a time: not one PING either way (keepalive pings come after 20 s at
+    the earliest), and every step stored once."""
     with LiveAggregator(tmp_path / "run", "pings") as aggregator:
         proxy = PingCountingProxy(aggregator.port)
         try:
